@@ -1,0 +1,32 @@
+# membench: `make bench` runs the default suite, `make test` runs the tests.
+# Both create .venv and install what they need on first use.
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+DEVICE ?= auto
+SUITE ?= bench/suites/default.yaml
+OUT ?= results
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install bench test perf clean
+
+install: $(STAMP)
+
+# torch first, pinned, so that the project's unpinned `torch>=2.4` is already satisfied
+# and pip never pulls the multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH)"
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+	touch $(STAMP)
+
+bench: $(STAMP)
+	$(PY) -m bench run --suite $(SUITE) --device $(DEVICE) --out $(OUT)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache .benchmarks build *.egg-info
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,7 @@
+"""Entry point for `python -m bench`."""
+
+import sys
+
+from bench.cli import main
+
+sys.exit(main())

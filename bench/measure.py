@@ -1,0 +1,193 @@
+"""Measurement primitives: step timing, CUDA peak memory, and an exact live-tensor-bytes tracker for the CPU.
+
+Timing and memory are measured in separate passes: nothing here that tracks memory runs while steps are timed.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import numpy
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+STAGES = ("setup", "forward", "backward", "optimizer")
+
+
+@dataclass
+class TimingStats:
+    """Per-step wall times of the measured steps, in milliseconds."""
+
+    times_ms: list[float]
+
+    @property
+    def median_ms(self) -> float:
+        return float(numpy.median(self.times_ms))
+
+    @property
+    def iqr_ms(self) -> float:
+        q1, q3 = numpy.percentile(self.times_ms, [25, 75])
+        return float(q3 - q1)
+
+    @property
+    def min_ms(self) -> float:
+        return float(min(self.times_ms))
+
+
+def synchronize(device: str) -> None:
+    """Waits for queued device work, so that a timer measures the work and not just its launch."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_steps(step: Callable[[], None], warmup: int, steps: int, device: str) -> TimingStats:
+    """Runs `warmup` untimed steps, then times `steps` steps one by one with the device synchronised around each."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        synchronize(device)
+        start = time.perf_counter()
+        step()
+        synchronize(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return TimingStats(times)
+
+
+@dataclass
+class CudaPeak:
+    """Peak bytes of one CUDA step, from the caching allocator's statistics."""
+
+    allocated_bytes: int
+    reserved_bytes: int
+
+
+def cuda_peak(step: Callable[[], None]) -> CudaPeak:
+    """Resets the peak statistics, runs one step, and reads `max_memory_allocated` / `max_memory_reserved`."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return CudaPeak(torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
+
+
+@dataclass
+class _StorageInfo:
+    nbytes: int
+    category: str
+
+
+@dataclass
+class TimelinePoint:
+    """Live bytes right after one operator ran."""
+
+    index: int
+    stage: str
+    op: str
+    live_bytes: int
+
+
+class LiveTensorTracker(TorchDispatchMode):
+    """Counts the bytes of every live tensor storage on one device, exactly, op by op.
+
+    Storages are registered when first seen, as an operator's output or input, or through `track()` for
+    tensors that existed before the tracker was entered (parameters, the batch, optimizer state). A weak
+    reference to each storage takes its bytes off the count when the storage is freed. The count is of
+    storages, so views and in-place results are not counted twice. Allocations made inside a kernel that never
+    become a tensor (workspaces) are not seen: the figure is live *tensor* bytes.
+
+    `stage` is set by the caller (forward/backward/optimizer); each storage is filed under a category: the one
+    given to `track()`, else the stage it was created in.
+    """
+
+    def __init__(self, device: str = "cpu", record_timeline: bool = False):
+        super().__init__()
+        self.device = torch.device(device).type
+        self.record_timeline = record_timeline
+        self.stage = "setup"
+        self._storages: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._refs: list[weakref.ref] = []
+        self.live_bytes = 0
+        self.live_by_category: dict[str, int] = {}
+        self.peak_bytes = 0
+        self.peak_stage = "setup"
+        self.peak_by_category: dict[str, int] = {}
+        self.timeline: list[TimelinePoint] = []
+        self._ops = 0
+
+    # registration -------------------------------------------------------------------------------------
+    def track(self, tensors: Iterable[torch.Tensor | None], category: str) -> None:
+        """Registers tensors that already exist, under `category` (e.g. "params", "batch")."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                self._register(t, category)
+        self._update_peak("")
+
+    def _register(self, t: torch.Tensor, category: str) -> None:
+        if t.device.type != self.device or t.is_meta:
+            return
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # sparse or opaque tensors have no storage
+            return
+        if st in self._storages:
+            return
+        info = _StorageInfo(st.nbytes(), category)
+        self._storages[st] = info
+        self.live_bytes += info.nbytes
+        self.live_by_category[category] = self.live_by_category.get(category, 0) + info.nbytes
+        self._refs.append(weakref.ref(st, lambda _ref, info=info: self._freed(info)))
+
+    def _freed(self, info: _StorageInfo) -> None:
+        self.live_bytes -= info.nbytes
+        self.live_by_category[info.category] -= info.nbytes
+
+    def recategorize(self, tensors: Iterable[torch.Tensor | None], category: str) -> None:
+        """Files already-registered tensors under a new category (e.g. gradients once they are `.grad`)."""
+        for t in tensors:
+            if not isinstance(t, torch.Tensor) or t.device.type != self.device:
+                continue
+            info = self._storages.get(t.untyped_storage())
+            if info is None:
+                self._register(t, category)
+            elif info.category != category:
+                self.live_by_category[info.category] -= info.nbytes
+                self.live_by_category[category] = self.live_by_category.get(category, 0) + info.nbytes
+                info.category = category
+
+    # peak ---------------------------------------------------------------------------------------------
+    def reset_peak(self) -> None:
+        """Starts a new measurement window: the peak restarts from what is live now."""
+        self.peak_bytes = self.live_bytes
+        self.peak_stage = self.stage
+        self.peak_by_category = dict(self.live_by_category)
+        self.timeline = []
+        self._ops = 0
+
+    def _update_peak(self, op: str) -> None:
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes
+            self.peak_stage = self.stage
+            self.peak_by_category = dict(self.live_by_category)
+        if self.record_timeline and op:
+            self.timeline.append(TimelinePoint(self._ops, self.stage, op, self.live_bytes))
+        self._ops += 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        inputs, _ = tree_flatten((args, kwargs))
+        for t in inputs:
+            if isinstance(t, torch.Tensor):
+                self._register(t, "untracked")
+        out = func(*args, **kwargs)
+        outputs, _ = tree_flatten(out)
+        for t in outputs:
+            if isinstance(t, torch.Tensor):
+                self._register(t, self.stage)
+        self._update_peak(func.__name__)
+        return out

@@ -1,0 +1,96 @@
+"""The results table: its columns (units in their names), schema version, and atomic CSV writes."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+import secrets
+
+import pandas as pd
+
+SCHEMA_VERSION = 1
+STATUSES = ("ok", "oom", "unsupported", "error")
+
+# Every results file has these columns, in this order; a test checks it.
+COLUMNS = [
+    "schema_version", "run_id", "timestamp",
+    # the case
+    "workload", "strategy", "strategy_settings", "phase", "device", "device_name", "batch_size", "data",
+    "warmup_steps", "measured_steps",
+    # timing pass
+    "step_time_ms_median", "step_time_ms_iqr", "step_time_ms_min", "samples_per_s",
+    # memory pass
+    "peak_mem_bytes", "peak_reserved_bytes", "memory_method", "peak_stage",
+    # relative to the baseline row of the same workload, phase, batch size, device and data
+    "mem_vs_baseline", "time_vs_baseline",
+    # verification against the baseline on the same weights and batch
+    "matches_baseline", "loss_rel_diff", "max_abs_grad_diff", "max_grad_rel_diff", "params_without_grad",
+    "bn_stats_match",
+    "status", "message",
+    # environment
+    "torch_version", "cuda_version", "cudnn_version", "cpu_threads", "git_commit", "python_version", "platform",
+]
+
+CASE_KEY = ["workload", "strategy", "phase", "device", "batch_size", "data"]
+BASELINE_KEY = ["workload", "phase", "device", "batch_size", "data"]
+
+
+def new_run_id() -> str:
+    """A sortable, unique id: UTC time plus a few random characters."""
+    return datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + secrets.token_hex(2)
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def add_relative_columns(frame: pd.DataFrame) -> pd.DataFrame:
+    """Fills `mem_vs_baseline` and `time_vs_baseline` from the ok baseline row with the same key."""
+    frame = frame.copy()
+    base = frame[(frame["strategy"] == "baseline") & (frame["status"] == "ok")]
+    base = base.drop_duplicates(BASELINE_KEY, keep="last").set_index(BASELINE_KEY)
+    for column, source in (("mem_vs_baseline", "peak_mem_bytes"), ("time_vs_baseline", "step_time_ms_median")):
+        ref = frame.join(base[[source]].rename(columns={source: "_ref"}), on=BASELINE_KEY)["_ref"]
+        values = pd.to_numeric(frame[source], errors="coerce") / pd.to_numeric(ref, errors="coerce")
+        frame[column] = values.where(frame["status"] == "ok")
+    return frame
+
+
+def to_frame(rows: list[dict]) -> pd.DataFrame:
+    """Rows -> a frame with exactly COLUMNS (extra keys are kept after them)."""
+    frame = pd.DataFrame(rows)
+    for column in COLUMNS:
+        if column not in frame:
+            frame[column] = None
+    extra = [c for c in frame.columns if c not in COLUMNS]
+    return add_relative_columns(frame[COLUMNS + extra])
+
+
+def write_csv_atomic(frame: pd.DataFrame, path: Path) -> None:
+    """Writes to a temporary file in the same folder, then renames it over `path`: never a half-written CSV."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", newline="") as f:
+            frame.to_csv(f, index=False)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_rows(rows: list[dict], path: Path) -> pd.DataFrame:
+    """The rows as a results CSV at `path` (atomically); returns the frame written."""
+    frame = to_frame(rows)
+    write_csv_atomic(frame, path)
+    return frame
+
+
+def read_results(path: Path) -> pd.DataFrame:
+    """A results CSV back as a frame."""
+    return pd.read_csv(path)

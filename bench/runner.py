@@ -1,0 +1,302 @@
+"""Runs cases: each one verified against the baseline, timed, and measured for memory, in separate passes.
+
+A case is (workload, strategy, phase, batch size, device). Every pass starts from a fresh session built from
+the same seed, so each strategy sees the same initial weights and the same batch as the baseline.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import random
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from bench import measure
+from bench.env import environment
+from bench.errors import Unsupported, UsageError
+from bench.results import SCHEMA_VERSION, new_run_id, now_iso, write_rows
+from strategies import StepContext, Strategy, parse_strategy
+from workloads import get_workload
+
+MEMORY_WARMUP_STEPS = 2  # enough for Adam's state and the kept output of the previous step to exist
+
+
+@dataclass(frozen=True)
+class Case:
+    """One measured configuration."""
+
+    workload: str
+    strategy: str
+    phase: str
+    batch_size: int
+    device: str
+    data: str = "captcha"
+    warmup: int = 3
+    steps: int = 10
+
+    def label(self) -> str:
+        return f"{self.strategy} {self.phase} bs={self.batch_size} {self.device}"
+
+
+@functools.lru_cache(maxsize=8)
+def _cpu_batch(workload_name: str, batch_size: int, data: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return get_workload(workload_name).make_batch(batch_size, data)
+
+
+def seed_everything(seed: int) -> None:
+    """Seeds as the article's cookbook does: torch, Python's random, and every CUDA device."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+
+
+def _no_mark(stage: str) -> None:
+    pass
+
+
+class Session:
+    """A fresh model, optimizer, loss and batch for one pass of one case, with the strategy applied."""
+
+    def __init__(self, case: Case, strategy: Strategy):
+        workload = get_workload(case.workload)
+        seed_everything(workload.seed)
+        self.case = case
+        self.strategy = strategy
+        self.base_model = workload.build_model().to(case.device)
+        self.model = strategy.prepare_model(self.base_model, workload.stages(self.base_model))
+        self.optimizer = workload.make_optimizer(self.base_model)
+        self.loss_fn = workload.loss_fn()
+        x, y = _cpu_batch(case.workload, case.batch_size, case.data)
+        self.x, self.y = x.to(case.device), y.to(case.device)
+        self.model.train(case.phase == "train")
+        self.kept: dict[str, Any] = {}  # what the article's loop keeps alive until the next step
+
+    def step(self, mark: Callable[[str], None] = _no_mark) -> None:
+        """One step of the case's phase; `mark` is told when the forward, backward and optimizer stages begin."""
+        if self.case.phase == "train":
+            self.train_step(mark)
+        else:
+            self.eval_step(mark)
+
+    def train_step(self, mark: Callable[[str], None] = _no_mark) -> None:
+        """The article's training step: forward, BCELoss, backward, optimizer step, zero_grad."""
+        s = self.strategy
+        mark("forward")
+        with s.forward():
+            predicted = self.model(self.x)
+        loss = self.loss_fn(predicted.float(), self.y)  # BCELoss is not autocast-safe: always float32
+        mark("backward")
+        s.backward(loss)
+        mark("optimizer")
+        s.optimizer_step(self.optimizer)
+        s.zero_grad(self.optimizer)
+        self.kept["predicted"], self.kept["loss"] = predicted, loss
+        s.end_step(self.kept)
+
+    def eval_step(self, mark: Callable[[str], None] = _no_mark) -> None:
+        """The article's validation step: the model in eval mode, one forward pass (autograd as the strategy says)."""
+        mark("forward")
+        with self.strategy.forward():
+            predicted = self.model(self.x)
+        self.kept["predicted"] = predicted
+        self.strategy.end_step(self.kept)
+
+    def parameters(self) -> list[torch.Tensor]:
+        return list(self.base_model.parameters())
+
+    def optimizer_state(self) -> list[torch.Tensor]:
+        return [v for state in self.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+# --- verification --------------------------------------------------------------------------------------
+
+@dataclass
+class Snapshot:
+    """The result of one forward (and backward, in training) from the seeded start."""
+
+    loss: float
+    output: torch.Tensor
+    grads: dict[str, torch.Tensor | None]
+    buffers: dict[str, torch.Tensor]
+
+
+def snapshot(case: Case, strategy: Strategy) -> Snapshot:
+    """Forward, loss and (in training) backward once from a fresh session; gradients brought to true scale."""
+    session = Session(case, strategy)
+    with strategy.session():
+        with strategy.forward():
+            output = session.model(session.x)
+        loss = session.loss_fn(output.float(), session.y)
+        grads: dict[str, torch.Tensor | None] = {}
+        if case.phase == "train":
+            strategy.backward(loss)
+            strategy.unscale_grads(session.optimizer)
+            grads = {name: None if p.grad is None else p.grad.detach().float().cpu().clone()
+                     for name, p in session.base_model.named_parameters()}
+    buffers = {name: b.detach().cpu().clone() for name, b in session.base_model.named_buffers()}
+    return Snapshot(float(loss.detach()), output.detach().float().cpu(), grads, buffers)
+
+
+@functools.lru_cache(maxsize=16)
+def baseline_snapshot(case: Case) -> Snapshot:
+    """The baseline's snapshot for the case's workload, phase, batch, device and data."""
+    case = replace(case, strategy="baseline", warmup=0, steps=0)
+    strategy = parse_strategy("baseline")
+    strategy.bind(StepContext(case.phase, case.device, case.workload))
+    return snapshot(case, strategy)
+
+
+def compare(result: Snapshot, reference: Snapshot, strategy: Strategy) -> dict[str, Any]:
+    """Loss, gradients and BatchNorm statistics against the baseline, and whether all are within tolerance."""
+    tol = strategy.tolerance
+    loss_rel_diff = abs(result.loss - reference.loss) / max(abs(reference.loss), 1e-12)
+    max_abs, max_rel, missing = 0.0, 0.0, 0
+    for name, ref in reference.grads.items():
+        got = result.grads.get(name)
+        if ref is None:
+            continue
+        if got is None:
+            missing += 1
+            continue
+        diff = (got - ref).abs()
+        max_abs = max(max_abs, float(diff.max()))
+        max_rel = max(max_rel, float((got - ref).norm() / ref.norm().clamp_min(1e-12)))
+    bn_match = True
+    for name, ref in reference.buffers.items():
+        got = result.buffers[name]
+        if ref.dtype in (torch.int64, torch.int32):
+            bn_match &= bool(torch.equal(got, ref))  # num_batches_tracked: a second update shows here
+        else:
+            bn_match &= bool(torch.allclose(got, ref, rtol=tol.grad_rtol, atol=tol.output_atol))
+    output_match = bool(torch.allclose(result.output, reference.output, rtol=0, atol=tol.output_atol))
+    matches = (loss_rel_diff <= tol.loss_rtol and max_rel <= tol.grad_rtol and missing == 0 and bn_match
+               and (output_match or bool(reference.grads)))
+    return {
+        "matches_baseline": bool(matches),
+        "loss_rel_diff": loss_rel_diff,
+        "max_abs_grad_diff": max_abs if reference.grads else None,
+        "max_grad_rel_diff": max_rel if reference.grads else None,
+        "params_without_grad": missing,
+        "bn_stats_match": bool(bn_match),
+    }
+
+
+def verify(case: Case, strategy: Strategy) -> dict[str, Any]:
+    """The verification columns of the row."""
+    return compare(snapshot(case, strategy), baseline_snapshot(case), strategy)
+
+
+# --- timing and memory ---------------------------------------------------------------------------------
+
+def timing_pass(case: Case, strategy: Strategy) -> dict[str, Any]:
+    """Warm-up steps, then `case.steps` steps timed one by one, with nothing tracking memory."""
+    session = Session(case, strategy)
+    with strategy.session():
+        stats = measure.time_steps(session.step, case.warmup, case.steps, case.device)
+    return {
+        "step_time_ms_median": stats.median_ms,
+        "step_time_ms_iqr": stats.iqr_ms,
+        "step_time_ms_min": stats.min_ms,
+        "samples_per_s": case.batch_size / (stats.median_ms / 1e3),
+    }
+
+
+def memory_pass(case: Case, strategy: Strategy, record_timeline: bool = False) -> dict[str, Any]:
+    """The peak of one steady-state step: CUDA's allocator statistics, or the exact live-tensor count on the CPU."""
+    if case.device == "cuda":
+        release_cuda_memory()
+        session = Session(case, strategy)
+        with strategy.session():
+            for _ in range(MEMORY_WARMUP_STEPS):
+                session.step()
+            peak = measure.cuda_peak(session.step)
+        return {"peak_mem_bytes": peak.allocated_bytes, "peak_reserved_bytes": peak.reserved_bytes,
+                "memory_method": "cuda_max_memory_allocated", "peak_stage": None}
+    tracker = measure.LiveTensorTracker(case.device, record_timeline=record_timeline)
+    session = Session(case, strategy)
+    with strategy.session(), tracker:
+        tracker.track(session.parameters(), "params")
+        tracker.track(session.base_model.buffers(), "buffers")
+        tracker.track([session.x, session.y], "batch")
+
+        def mark(stage: str) -> None:
+            tracker.stage = stage
+
+        for _ in range(MEMORY_WARMUP_STEPS):
+            session.step(mark)
+        tracker.stage = "setup"
+        tracker.reset_peak()
+        session.step(mark)
+    return {"peak_mem_bytes": tracker.peak_bytes, "peak_reserved_bytes": None,
+            "memory_method": "cpu_live_tensor_bytes", "peak_stage": tracker.peak_stage,
+            "_tracker": tracker}
+
+
+def release_cuda_memory() -> None:
+    """Frees what earlier cases left in the caching allocator, so one case's pool does not feed the next."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def is_oom(error: BaseException) -> bool:
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
+
+
+def run_case(case: Case, env: dict | None = None) -> dict[str, Any]:
+    """One row: the case, its verification, timing and memory, and its status (ok, oom, unsupported, error)."""
+    row: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION, "timestamp": now_iso(), "workload": case.workload,
+        "strategy": case.strategy, "phase": case.phase, "device": case.device, "batch_size": case.batch_size,
+        "data": case.data, "warmup_steps": case.warmup, "measured_steps": case.steps,
+        "status": "ok", "message": "",
+        **(env or environment(case.device)),
+    }
+    try:
+        strategy = parse_strategy(case.strategy)
+        row["strategy"] = strategy.spec()
+        context = StepContext(case.phase, case.device, case.workload)
+        strategy.bind(context)
+        strategy.check(context)
+        row["strategy_settings"] = ";".join(f"{k}={v}" for k, v in strategy.describe().items())
+        row.update(verify(case, strategy))
+        row.update(timing_pass(case, strategy))
+        memory = memory_pass(case, strategy)
+        memory.pop("_tracker", None)
+        row.update(memory)
+    except UsageError:
+        raise
+    except Unsupported as error:
+        row.update(status="unsupported", message=str(error))
+    except Exception as error:  # noqa: BLE001 - any failure becomes a row and the sweep goes on
+        row.update(status="oom" if is_oom(error) else "error",
+                   message=f"{type(error).__name__}: {error}".splitlines()[0][:500])
+    finally:
+        if case.device == "cuda":
+            release_cuda_memory()
+    return row
+
+
+def run_cases(cases: list[Case], out_path: Path | None = None,
+              progress: Callable[[int, int, Case, dict | None], None] | None = None) -> list[dict]:
+    """Runs every case in order; after each one the CSV at `out_path` is rewritten atomically with all rows so far."""
+    run_id = new_run_id() if out_path is None else Path(out_path).stem
+    envs: dict[str, dict] = {}
+    rows: list[dict] = []
+    for index, case in enumerate(cases):
+        if progress:
+            progress(index, len(cases), case, None)
+        env = envs.setdefault(case.device, environment(case.device))
+        row = run_case(case, env)
+        row["run_id"] = run_id
+        rows.append(row)
+        if out_path is not None:
+            write_rows(rows, out_path)
+        if progress:
+            progress(index, len(cases), case, row)
+    return rows
