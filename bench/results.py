@@ -37,9 +37,10 @@ CASE_KEY = ["workload", "strategy", "phase", "device", "batch_size", "data"]
 BASELINE_KEY = ["workload", "phase", "device", "batch_size", "data"]
 
 
-def new_run_id() -> str:
-    """A sortable, unique id: UTC time plus a few random characters."""
-    return datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + secrets.token_hex(2)
+def new_run_id(device: str = "") -> str:
+    """A sortable, unique id: UTC time, the device, and a few random characters."""
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    return "-".join(p for p in (stamp, device, secrets.token_hex(2)) if p)
 
 
 def now_iso() -> str:

@@ -1,0 +1,86 @@
+"""The command line: one-line errors with exit code 2, and an end-to-end compare on the CPU."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from bench import results
+from bench.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _cli(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", "bench", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.mark.parametrize("args, names", [
+    (["compare", "--strategies", "nonsense"], ["'nonsense'", "baseline"]),
+    (["compare", "--strategies", "baseline", "--workload", "resnet50"], ["'resnet50'", "captcha_resnet18"]),
+    (["compare", "--strategies", "baseline", "--batch-size", "0"], ["0", "positive"]),
+    (["compare", "--strategies", "baseline", "--batch-size", "-5"], ["-5", "positive"]),
+    (["compare", "--strategies", "baseline", "--phases", "test"], ["'test'", "train, eval"]),
+    (["compare", "--strategies", "baseline", "--data", "mnist"], ["'mnist'", "captcha, synthetic"]),
+    (["compare", "--strategies", "baseline", "--device", "tpu"], ["'tpu'", "auto, cpu, cuda"]),
+    (["frobnicate"], ["'frobnicate'", "compare"]),
+])
+def test_bad_input_is_one_line_exit_2(args, names, capsys):
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    for name in names:
+        assert name in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_cuda_without_gpu_is_a_usage_error(capsys):
+    assert main(["compare", "--strategies", "baseline", "--device", "cuda"]) == 2
+    assert "cuda" in capsys.readouterr().err
+
+
+def test_malformed_suite_names_the_bad_key(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("strategies: [baseline]\nbatch_size: [100]\n")
+    assert main(["run", "--suite", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "'batch_size'" in err and "batch_sizes" in err and str(bad) in err
+    bad.write_text("strategies: [baseline\n")
+    assert main(["run", "--suite", str(bad)]) == 2
+    assert "malformed YAML" in capsys.readouterr().err
+
+
+def test_subprocess_error_has_no_traceback():
+    proc = _cli("compare", "--strategies", "nonsense")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
+    assert "valid choices" in proc.stderr
+
+
+def test_list_and_env():
+    proc = _cli("list")
+    assert proc.returncode == 0 and "captcha_resnet18" in proc.stdout and "baseline" in proc.stdout
+    proc = _cli("env", "--device", "cpu")
+    assert proc.returncode == 0
+    for key in ("torch_version", "cuda_version", "cudnn_version", "device_name", "cpu_threads", "git_commit"):
+        assert key in proc.stdout
+
+
+def test_compare_end_to_end_on_cpu(tmp_path):
+    proc = _cli("compare", "--strategies", "baseline", "--device", "cpu", "--batch-size", "2",
+                "--warmup", "0", "--steps", "2", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert "baseline" in proc.stdout and "peak MiB" in proc.stdout
+    [csv] = list(tmp_path.glob("*.csv"))
+    frame = pd.read_csv(csv)
+    assert list(frame.columns) == results.COLUMNS
+    assert list(frame["phase"]) == ["train", "eval"] and set(frame["status"]) == {"ok"}
+    assert (frame["schema_version"] == results.SCHEMA_VERSION).all()
+    assert (frame["memory_method"] == "cpu_live_tensor_bytes").all()
+    assert (frame["peak_mem_bytes"] > 11_242_704 * 4).all()
+    assert frame["matches_baseline"].all()
+    assert "[2/2]" in proc.stderr  # progress display

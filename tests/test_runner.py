@@ -1,0 +1,108 @@
+"""The runner: every column filled, failures as rows, verification against the baseline."""
+
+import pytest
+import torch
+
+from bench import results
+from bench.errors import Unsupported
+from bench.runner import Case, memory_pass, run_case, run_cases
+from strategies import STRATEGIES, Strategy, parse_strategy
+
+CASE = Case("captcha_resnet18", "baseline", "train", 2, "cpu", data="synthetic", warmup=0, steps=2)
+
+
+@pytest.fixture
+def temporary_strategy():
+    """Registers throw-away strategies and removes them afterwards."""
+    added = []
+
+    def register(cls):
+        STRATEGIES.register(cls)
+        added.append(cls.name)
+        return cls
+
+    yield register
+    for name in added:
+        STRATEGIES.unregister(name)
+
+
+def test_run_case_fills_every_column():
+    row = run_case(CASE)
+    row["run_id"] = "test"
+    frame = results.to_frame([row])
+    core = [c for c in results.COLUMNS if c not in ("peak_reserved_bytes", "message", "strategy_settings")]
+    missing = [c for c in core if frame[c].isna().any()]
+    assert missing == []
+    assert row["status"] == "ok" and row["matches_baseline"] and row["loss_rel_diff"] == 0.0
+
+
+def test_a_failing_case_becomes_a_row_and_the_run_goes_on(tmp_path, temporary_strategy):
+    @temporary_strategy
+    class Exploding(Strategy):
+        name = "test_exploding"
+
+        def forward(self):
+            raise RuntimeError("boom")
+
+    @temporary_strategy
+    class Oom(Strategy):
+        name = "test_oom"
+
+        def forward(self):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    @temporary_strategy
+    class EvalOnly(Strategy):
+        name = "test_eval_only"
+        phases = ("eval",)
+
+    cases = [CASE] + [Case(CASE.workload, s, "train", 2, "cpu", "synthetic", 0, 1)
+                      for s in ("test_exploding", "test_oom", "test_eval_only", "baseline")]
+    out = tmp_path / "run.csv"
+    rows = run_cases(cases, out)
+    assert [r["status"] for r in rows] == ["ok", "error", "oom", "unsupported", "ok"]
+    assert "boom" in rows[1]["message"] and "eval" in rows[3]["message"]
+    assert len(results.read_results(out)) == 5
+
+
+def test_results_file_is_rewritten_after_every_case(tmp_path, temporary_strategy):
+    seen = []
+
+    @temporary_strategy
+    class Peek(Strategy):
+        name = "test_peek"
+
+        def check(self, context):
+            seen.append(len(results.read_results(out)))
+            raise Unsupported("only looks")
+
+    out = tmp_path / "run.csv"
+    run_cases([CASE, Case(CASE.workload, "test_peek", "train", 2, "cpu", "synthetic", 0, 1)], out)
+    assert seen == [1]  # the first case was on disk before the second started
+
+
+def test_a_strategy_that_changes_the_result_is_reported_as_a_mismatch(temporary_strategy):
+    @temporary_strategy
+    class Halved(Strategy):
+        name = "test_halved_loss"
+
+        def backward(self, loss):
+            (loss * 0.5).backward()
+
+    row = run_case(Case(CASE.workload, "test_halved_loss", "train", 2, "cpu", "synthetic", 0, 1))
+    assert row["status"] == "ok" and row["matches_baseline"] is False
+    assert row["max_grad_rel_diff"] == pytest.approx(0.5, rel=1e-3)
+
+
+def test_memory_pass_counts_the_steady_state_step():
+    stats = memory_pass(CASE, parse_strategy("baseline"))
+    params = 11_242_704 * 4
+    # Parameters, Adam's two moments and the gradients are all live at the training peak.
+    assert stats["peak_mem_bytes"] > 3 * params
+    assert stats["peak_stage"] in ("backward", "optimizer")
+    assert stats["memory_method"] == "cpu_live_tensor_bytes"
+
+
+def test_registry_rejects_duplicates():
+    with pytest.raises(ValueError, match="duplicate strategy name 'baseline'"):
+        STRATEGIES.register(type("Again", (Strategy,), {"name": "baseline"}))
