@@ -70,16 +70,25 @@ def _phases(rows: pd.DataFrame) -> list[str]:
 
 
 def _fit_texts_vertically(fig: Figure, ax, texts: list) -> None:
-    """Raises the y limit until every text lies inside the axes (bar labels above tall bars)."""
-    for _ in range(6):
-        fig.canvas.draw()
-        renderer = fig.canvas.get_renderer()
-        top = ax.get_window_extent(renderer).y1
-        highest = max((t.get_window_extent(renderer).y1 for t in texts), default=top)
-        if highest <= top - 2:
-            return
-        low, high = ax.get_ylim()
-        ax.set_ylim(low, high + (high - low) * max(0.08, (highest - top + 6) / max(1.0, top - ax.get_window_extent(renderer).y0)))
+    """Raises the y limit so that every text (bar labels above tall bars) lies inside the axes.
+
+    One layout pass gives each text's height in pixels; the new top limit then follows from the axes height,
+    so no second draw is needed (drawing is the slow part of a report)."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    box = ax.get_window_extent(renderer)
+    low, high = ax.get_ylim()
+    height_px = box.height
+    needed = high
+    for t in texts:
+        extent = t.get_window_extent(renderer)
+        anchor_y = t.get_position()[1]
+        above = extent.y1 - ax.transData.transform((0, anchor_y))[1] + 6  # pixels the text reaches above its anchor
+        if above >= height_px * 0.8:
+            continue
+        needed = max(needed, low + (anchor_y - low) * height_px / (height_px - above))
+    if needed > high:
+        ax.set_ylim(low, needed)
 
 
 # --- charts 1 and 2: grouped bars ------------------------------------------------------------------------
@@ -136,7 +145,8 @@ def _grouped_bars(fig: Figure, ax, rows: pd.DataFrame, order: list[str], value, 
                 label = "baseline"
             else:
                 change = (row[change_column] - 1) * 100 if not pd.isna(row[change_column]) else None
-                label = "n/a" if change is None else f"{change:+.1f}%".replace("-", "−")
+                label = "n/a" if change is None else ("±0%" if abs(change) < 0.05 else
+                                                      f"{change:+.1f}%".replace("-", "−"))
             if mismatch:
                 label += f"  {MISMATCH_LABEL}"
             texts.append(ax.text(xi, label_y + top * 0.015, label, rotation=90, ha="center", va="bottom",
@@ -216,8 +226,8 @@ def _overlap(a: Bbox, b: Bbox) -> float:
 
 def place_labels(fig: Figure, ax, points: list[tuple[float, float, str]], fontsize: float = 8.5) -> list:
     """Annotates each (x, y, text) near its point, trying offsets in turn until the label overlaps no other
-    label, no point and stays inside the axes; far labels get a thin leader line."""
-    fig.canvas.draw()
+    label, no point and stays inside the axes; far labels get a thin leader line. The figure must have been
+    drawn once (so the layout is final) before this is called."""
     renderer = fig.canvas.get_renderer()
     axes_box = ax.get_window_extent(renderer)
     marker_boxes = []
