@@ -1,0 +1,427 @@
+"""The report: REPORT.md plus PNG charts, built from results CSV files alone.
+
+This module reads nothing but CSV files: it must not import torch, the runner, strategies or workloads, so a
+report can be built on any machine from a copied `results/` folder.
+
+    build_report([Path("results/<run_id>.csv")], Path("report"), budget_bytes=parse_size("4GiB"))
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+DEFAULT_BATCH_SIZE = 100
+NOT_OK = ("oom", "unsupported", "error")
+STATUS_LABEL = {"ok": "ok", "oom": "OOM", "unsupported": "unsupported", "error": "error"}
+MISMATCH_LABEL = "≠ baseline"
+
+_UNITS = {
+    "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+
+
+def parse_size(text: str) -> int:
+    """'4GiB' -> 4294967296. Accepts B, KB/MB/GB/TB (powers of 1000) and KiB/MiB/GiB/TiB (powers of 1024),
+    case-insensitive, with an optional space; a bare number is bytes."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    if not match:
+        raise ValueError(f"cannot read {text!r} as a size: expected a number and a unit, e.g. 4GiB, 512MB, 1.5GB")
+    number, unit = match.groups()
+    multiplier = _UNITS.get(unit.lower() or "b")
+    if multiplier is None:
+        raise ValueError(f"unknown unit {unit!r} in size {text!r}: use one of B, KB, MB, GB, TB, KiB, MiB, GiB, TiB")
+    return int(round(float(number) * multiplier))
+
+
+def format_size(n_bytes: float) -> str:
+    """4294967296 -> '4.0 GiB'."""
+    for unit, factor in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n_bytes) >= factor:
+            return f"{n_bytes / factor:.1f} {unit}"
+    return f"{int(n_bytes)} B"
+
+
+def is_derived(path: Path) -> bool:
+    """True for files derived from a results file (`<run_id>.timeline.csv`, ...) and temporary/hidden files."""
+    name = path.name
+    if not name.endswith(".csv") or name.startswith("."):
+        return True
+    return "." in name[: -len(".csv")]
+
+
+def newest_csv(results_dir: Path) -> Path:
+    """The newest results file in `results_dir`: the latest-modified `*.csv` that is not derived from another
+    (`<run_id>.timeline.csv` and the like) nor hidden; ties go to the later name (run ids sort by time)."""
+    results_dir = Path(results_dir)
+    candidates = [p for p in results_dir.glob("*.csv") if p.is_file() and not is_derived(p)]
+    if not candidates:
+        raise FileNotFoundError(f"no results CSV in {results_dir} (looked for *.csv other than *.timeline.csv)")
+    return max(candidates, key=lambda p: (p.stat().st_mtime, p.name))
+
+
+# --- loading ---------------------------------------------------------------------------------------------
+
+
+def _to_bool(value):
+    if isinstance(value, bool):
+        return value
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return None
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes"):
+        return True
+    if text in ("false", "0", "no"):
+        return False
+    return None
+
+
+NUMERIC = ["batch_size", "step_time_ms_median", "step_time_ms_iqr", "step_time_ms_min", "samples_per_s",
+           "peak_mem_bytes", "peak_reserved_bytes", "mem_vs_baseline", "time_vs_baseline", "loss_rel_diff",
+           "max_abs_grad_diff", "max_grad_rel_diff", "step_time_ms_ci95_low", "step_time_ms_ci95_high"]
+TEXT = ["run_id", "workload", "strategy", "phase", "device", "device_name", "data", "status", "message",
+        "torch_version", "cuda_version", "cpu_threads", "git_commit"]
+
+
+def load_results(csv_path: Path) -> pd.DataFrame:
+    """One results CSV as a frame with the columns the report reads always present and normalised."""
+    csv_path = Path(csv_path)
+    frame = pd.read_csv(csv_path)
+    for column in TEXT:
+        if column not in frame:
+            frame[column] = None
+    for column in NUMERIC:
+        if column in frame:
+            frame[column] = pd.to_numeric(frame[column], errors="coerce")
+        elif not column.startswith("step_time_ms_ci95"):
+            frame[column] = float("nan")
+    frame["run_id"] = frame["run_id"].fillna(csv_path.stem).astype(str)
+    frame["status"] = frame["status"].fillna("error").astype(str).str.strip().str.lower()
+    frame["matches_baseline"] = [_to_bool(v) for v in frame.get("matches_baseline", [None] * len(frame))]
+    if "noisy" in frame:
+        frame["noisy"] = [_to_bool(v) for v in frame["noisy"]]
+    for column in ("workload", "device", "device_name", "data", "phase", "strategy"):
+        frame[column] = frame[column].fillna("").astype(str)
+    frame["message"] = frame["message"].fillna("").astype(str)
+    frame["_source"] = str(csv_path)
+    frame = _fill_relative(frame)
+    return frame
+
+
+def _fill_relative(frame: pd.DataFrame) -> pd.DataFrame:
+    """(Re)computes mem/time vs baseline for ok rows whose value is missing, from the ok baseline of the case."""
+    key = ["run_id", "workload", "phase", "device", "batch_size", "data"]
+    base = frame[(frame["strategy"] == "baseline") & (frame["status"] == "ok")].drop_duplicates(key, keep="last")
+    base = base.set_index(key)
+    for column, source in (("mem_vs_baseline", "peak_mem_bytes"), ("time_vs_baseline", "step_time_ms_median")):
+        ref = frame.join(base[[source]].rename(columns={source: "_ref"}), on=key)["_ref"]
+        computed = (frame[source] / ref).where(frame["status"] == "ok")
+        frame[column] = frame[column].where(frame[column].notna(), computed).where(frame["status"] == "ok")
+    return frame
+
+
+def find_timeline(csv_path: Path, run_id: str) -> Path | None:
+    """`<stem>.timeline.csv` (or `<run_id>.timeline.csv`) next to the results file, if it exists."""
+    csv_path = Path(csv_path)
+    for name in (f"{csv_path.stem}.timeline.csv", f"{run_id}.timeline.csv"):
+        candidate = csv_path.with_name(name)
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+# --- grouping --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Group:
+    """The rows charted together: one run, one device, one workload, one data source."""
+
+    run_id: str
+    device: str
+    workload: str
+    data: str
+    frame: pd.DataFrame
+    suffix: str  # "" or ".cuda" etc. when a run holds several devices/workloads/data
+    timeline: Path | None = None
+    charts: dict[str, Path] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def stem(self) -> str:
+        return f"{self.run_id}{self.suffix}"
+
+    def first(self, column: str, default: str = "?") -> str:
+        values = self.frame[column].dropna().astype(str)
+        values = values[values != ""]
+        return values.iloc[0] if len(values) else default
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        return sorted(int(b) for b in self.frame["batch_size"].dropna().unique())
+
+    @property
+    def chosen_batch(self) -> int | None:
+        sizes = self.batch_sizes
+        if not sizes:
+            return None
+        return DEFAULT_BATCH_SIZE if DEFAULT_BATCH_SIZE in sizes else max(sizes)
+
+    def at_batch(self) -> pd.DataFrame:
+        return self.frame[self.frame["batch_size"] == self.chosen_batch]
+
+    def subtitle(self, batch: str | None = None) -> str:
+        batch = batch or f"batch {self.chosen_batch}"
+        return (f"{self.first('device_name', self.device)} ({self.device}) · {self.workload} · {batch} · "
+                f"torch {self.first('torch_version')}")
+
+
+def _safe(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_+-]+", "_", text).strip("_") or "x"
+
+
+def make_groups(frame: pd.DataFrame) -> list[Group]:
+    groups = []
+    for run_id, run in frame.groupby("run_id", sort=True):
+        dims = ("device", "workload", "data")
+        varying = [d for d in dims if run[d].nunique() > 1]
+        for key, rows in run.groupby(list(dims), sort=True):
+            values = dict(zip(dims, key))
+            suffix = "".join(f".{_safe(values[d])}" for d in varying)
+            rows = rows.drop_duplicates(["strategy", "phase", "batch_size"], keep="last")
+            groups.append(Group(str(run_id), values["device"], values["workload"], values["data"], rows, suffix))
+    return groups
+
+
+def strategy_order(frame: pd.DataFrame) -> list[str]:
+    """Baseline first, then single techniques, then compositions, each in the order they appear."""
+    seen = list(dict.fromkeys(frame["strategy"]))
+    rest = [s for s in seen if s != "baseline"]
+    return (["baseline"] if "baseline" in seen else []) + [s for s in rest if "+" not in s] + \
+        [s for s in rest if "+" in s]
+
+
+def row_flag(row) -> str | None:
+    """'OOM' / 'unsupported' / 'error' for rows without a measurement, '≠ baseline' for mismatches, else None."""
+    if row["status"] != "ok":
+        return STATUS_LABEL.get(row["status"], row["status"])
+    if row["matches_baseline"] is False:
+        return MISMATCH_LABEL
+    return None
+
+
+# --- markdown --------------------------------------------------------------------------------------------
+
+
+def _pct(ratio) -> str:
+    if ratio is None or pd.isna(ratio):
+        return "—"
+    change = (ratio - 1) * 100
+    if abs(change) < 0.05:
+        return "±0%"
+    return f"{change:+.1f}%".replace("-", "−")
+
+
+def _mib(n_bytes) -> str:
+    return "—" if pd.isna(n_bytes) else f"{n_bytes / 2**20:,.1f}"
+
+
+def _ms(row) -> str:
+    median = row["step_time_ms_median"]
+    if pd.isna(median):
+        return "—"
+    low, high = row.get("step_time_ms_ci95_low"), row.get("step_time_ms_ci95_high")
+    if low is not None and high is not None and not pd.isna(low) and not pd.isna(high):
+        text = f"{median:,.1f} [{low:,.1f}–{high:,.1f}]"
+    elif not pd.isna(row["step_time_ms_iqr"]):
+        text = f"{median:,.1f} ± {row['step_time_ms_iqr']:,.1f}"
+    else:
+        text = f"{median:,.1f}"
+    if row.get("noisy") is True:
+        text += " (noisy)"
+    return text
+
+
+def _cell(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _note(row) -> str:
+    if row["status"] != "ok":
+        return row["message"] or "(no message)"
+    if row["matches_baseline"] is False:
+        parts = [f"{name} {row[col]:.2g}" for name, col in (("loss rel diff", "loss_rel_diff"),
+                                                           ("max grad rel diff", "max_grad_rel_diff"))
+                 if not pd.isna(row[col])]
+        return "result differs from baseline" + (f": {', '.join(parts)}" if parts else "") + \
+            (f"; {row['message']}" if row["message"] else "")
+    return row["message"]
+
+
+def phase_table(rows: pd.DataFrame, order: list[str]) -> list[str]:
+    lines = ["| strategy | status | peak MiB | mem vs baseline | step ms (median ± IQR) | time vs baseline "
+             "| matches baseline | note |",
+             "|---|---|---:|---:|---:|---:|---|---|"]
+    for strategy in order:
+        for _, row in rows[rows["strategy"] == strategy].iterrows():
+            status = row["status"]
+            status_cell = "ok" if status == "ok" else f"**{STATUS_LABEL.get(status, status)}**"
+            matches = row["matches_baseline"]
+            matches_cell = {True: "yes", False: f"**no ({MISMATCH_LABEL})**", None: "—"}[matches]
+            lines.append("| " + " | ".join(_cell(c) for c in (
+                f"`{strategy}`", status_cell, _mib(row["peak_mem_bytes"]), _pct(row["mem_vs_baseline"]),
+                _ms(row), _pct(row["time_vs_baseline"]), matches_cell, _note(row))) + " |")
+    return lines
+
+
+def batch_table(group: Group, phase: str, order: list[str], budget_bytes: int | None) -> list[str]:
+    """Peak MiB by strategy and batch size for one phase (all rows, non-ok ones by their status)."""
+    rows = group.frame[group.frame["phase"] == phase]
+    sizes = group.batch_sizes
+    lines = ["| strategy | " + " | ".join(f"batch {b}" for b in sizes) + " |",
+             "|---|" + "---:|" * len(sizes)]
+    for strategy in order:
+        mine = rows[rows["strategy"] == strategy]
+        if mine.empty:
+            continue
+        cells = []
+        for b in sizes:
+            hit = mine[mine["batch_size"] == b]
+            if hit.empty:
+                cells.append("—")
+                continue
+            row = hit.iloc[-1]
+            flag = row_flag(row)
+            if row["status"] != "ok":
+                cells.append(f"**{flag}**")
+                continue
+            text = _mib(row["peak_mem_bytes"])
+            if budget_bytes is not None and row["peak_mem_bytes"] > budget_bytes:
+                text += " (over budget)"
+            if flag:
+                text += f" **{flag}**"
+            cells.append(text)
+        lines.append(f"| `{strategy}` | " + " | ".join(cells) + " |")
+    return lines
+
+
+HOW_TO_READ = """## How to read this report
+
+- **Peak memory** is the highest memory in use during one step (`memory_method` says how it was measured: on
+  CPU, live tensor bytes counted op by op; on CUDA, `torch.cuda.max_memory_allocated`). Lower is better. The
+  percentages compare each strategy with the baseline of the same phase, batch size and device.
+- **Step time** is the median over the timed steps; the error bars / `±` show the spread of the timing pass
+  (the interquartile range, or the 95% confidence interval when the results hold one). Lower is better.
+- **Memory vs time**: the points on the Pareto front (drawn as a line) are the strategies that no other
+  strategy beats on both memory and time. Pick the cheapest point on the front that fits your card.
+- Rows marked **OOM**, **unsupported** or **error** were not measured (hatched stubs, never drawn as savings);
+  rows marked **≠ baseline** ran but their loss or gradients differ from the baseline beyond tolerance, so their
+  savings come with a change in results (hatched bars, left off the Pareto front).
+- **Memory over one training step** shows live bytes after each operator of one training step; the shaded
+  spans are forward, backward and the optimizer. The peak is usually at the end of forward or early in
+  backward: a technique that saves activations lowers that hump.
+"""
+
+
+def _env_lines(group: Group) -> list[str]:
+    f = group
+    threads = f.first("cpu_threads")
+    cuda = f.first("cuda_version", "")
+    lines = [
+        f"- **Run id:** `{group.run_id}`",
+        f"- **Device:** {f.first('device_name', group.device)} (`{group.device}`)",
+        f"- **Workload:** `{group.workload}`, data `{group.data or '?'}`, batch sizes "
+        f"{', '.join(str(b) for b in group.batch_sizes)}",
+        f"- **torch:** {f.first('torch_version')}" + (f", CUDA {cuda}" if cuda and cuda != "nan" else ""),
+        f"- **CPU threads:** {threads.removesuffix('.0') if isinstance(threads, str) else threads}",
+        f"- **Commit:** `{f.first('git_commit')}`",
+        f"- **Source:** `{Path(group.frame['_source'].iloc[0]).name}`",
+    ]
+    return lines
+
+
+def _rel(path: Path, out_dir: Path) -> str:
+    try:
+        return path.relative_to(out_dir).as_posix()
+    except ValueError:
+        return path.as_posix()
+
+
+def render_markdown(groups: list[Group], out_dir: Path, budget_bytes: int | None) -> str:
+    from bench import charts  # charts imports this module; import it here, not at the top
+    run_ids = list(dict.fromkeys(g.run_id for g in groups))
+    lines = [f"# membench report: {', '.join(run_ids)}", ""]
+    if budget_bytes is not None:
+        lines += [f"Memory budget: **{format_size(budget_bytes)}** ({budget_bytes:,} bytes).", ""]
+    for group in groups:
+        title = f"{group.run_id}" + (f" · {group.device} · {group.workload} · {group.data}" if group.suffix else "")
+        lines += [f"## {title}", "", "### Environment", "", *_env_lines(group), ""]
+        order = strategy_order(group.frame)
+        rows = group.at_batch()
+        for phase in ("train", "eval"):
+            phase_rows = rows[rows["phase"] == phase]
+            if phase_rows.empty:
+                continue
+            lines += [f"### {phase} (batch {group.chosen_batch})", "", *phase_table(phase_rows, order), ""]
+        other_phases = sorted(set(rows["phase"]) - {"train", "eval"})
+        for phase in other_phases:
+            lines += [f"### {phase} (batch {group.chosen_batch})", "",
+                      *phase_table(rows[rows["phase"] == phase], order), ""]
+        if len(group.batch_sizes) > 1:
+            for phase in [p for p in ("train", "eval") if (group.frame["phase"] == p).any()]:
+                lines += [f"### Peak MiB by batch size ({phase})", "",
+                          *batch_table(group, phase, order, budget_bytes), ""]
+        lines += ["### Charts", ""]
+        for name, caption in charts.CAPTIONS.items():
+            if name in group.charts:
+                lines += [f"**{caption}**", "", f"![{caption}]({_rel(group.charts[name], out_dir)})", ""]
+            elif name in group.skipped:
+                lines += [f"**{caption}:** skipped: {group.skipped[name]}", ""]
+    lines += [HOW_TO_READ]
+    return "\n".join(lines)
+
+
+# --- entry point -----------------------------------------------------------------------------------------
+
+
+def build_report(csv_paths: list[Path], out_dir: Path, budget_bytes: int | None = None) -> Path:
+    """Reads the results CSVs, writes charts (`<run_id>.<chart>.png`) and REPORT.md into `out_dir`, returns
+    the path of REPORT.md. Charts 1-3 use batch size 100 if present, else the largest; chart 4 needs several
+    batch sizes; chart 5 needs `<run_id>.timeline.csv` next to the results file."""
+    csv_paths = [Path(p) for p in csv_paths]
+    if not csv_paths:
+        raise ValueError("no results CSV given")
+    missing = [str(p) for p in csv_paths if not p.is_file()]
+    if missing:
+        raise FileNotFoundError(f"results CSV not found: {', '.join(missing)}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    frames, timelines = [], {}
+    for path in csv_paths:
+        frame = load_results(path)
+        frames.append(frame)
+        for run_id in frame["run_id"].unique():
+            timeline = find_timeline(path, run_id)
+            if timeline is not None:
+                timelines.setdefault(run_id, timeline)
+    frame = pd.concat(frames, ignore_index=True)
+    if frame.empty:
+        raise ValueError(f"no rows in {', '.join(str(p) for p in csv_paths)}")
+
+    from bench import charts  # charts imports this module; import it here, not at the top
+
+    groups = make_groups(frame)
+    for group in groups:
+        group.timeline = timelines.get(group.run_id)
+        charts.draw_all(group, out_dir, budget_bytes)
+
+    report = out_dir / "REPORT.md"
+    report.write_text(render_markdown(groups, out_dir, budget_bytes), encoding="utf-8")
+    return report

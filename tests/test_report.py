@@ -1,0 +1,172 @@
+"""The report reads CSV files only and writes legible charts plus REPORT.md; no model runs here."""
+
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from bench.report import build_report, newest_csv, parse_size
+
+FIXTURES = Path(__file__).parent / "fixtures"
+RUN_ID = "20250301T120000Z-f1x7"
+FULL = FIXTURES / f"{RUN_ID}.csv"
+TIMELINE = FIXTURES / f"{RUN_ID}.timeline.csv"
+SINGLE = FIXTURES / "single_batch.csv"
+ROOT = Path(__file__).resolve().parents[1]
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """(width, height) from the PNG's IHDR chunk."""
+    data = path.read_bytes()[:24]
+    assert data[:8] == PNG_SIGNATURE, f"{path.name} is not a PNG"
+    return struct.unpack(">II", data[16:24])
+
+
+@pytest.fixture(scope="module")
+def full_report(tmp_path_factory) -> Path:
+    """The report of the full fixture (every status, a mismatch, three batch sizes, a timeline), built once,
+    in a fresh interpreter that then checks that building it imported neither torch nor the runner,
+    strategies or workloads: charts read nothing but CSV files."""
+    src = tmp_path_factory.mktemp("results")
+    shutil.copy(FULL, src)
+    shutil.copy(TIMELINE, src)
+    out = tmp_path_factory.mktemp("report")
+    code = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "import bench.report\n"
+        f"path = bench.report.build_report([Path({str(src / FULL.name)!r})], Path({str(out)!r}),\n"
+        "                                  budget_bytes=bench.report.parse_size('1GiB'))\n"
+        "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'bench.runner', "
+        "'strategies', 'workloads')))\n"
+        "assert not bad, bad\n"
+        "print('clean', path)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "clean" in done.stdout
+    return out / "REPORT.md"
+
+
+def test_report_reads_only_csv_and_never_imports_torch(full_report: Path):
+    assert full_report.is_file()  # the fixture's subprocess asserted the modules; this test names the check
+    for module in ("report.py", "charts.py"):
+        tree = ast.parse((ROOT / "bench" / module).read_text())
+        names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        bad = [n for n in names if n.split(".")[0] in ("torch", "strategies", "workloads") or n == "bench.runner"]
+        assert not bad, (module, bad)
+
+
+def test_every_chart_is_a_legible_png(full_report: Path):
+    out = full_report.parent
+    for name in ("memory", "time", "pareto", "batch", "timeline"):
+        path = out / f"{RUN_ID}.{name}.png"
+        assert path.is_file(), f"missing {path.name}"
+        width, height = png_size(path)
+        assert width >= 800 and height >= 500, (path.name, width, height)
+        assert path.stat().st_size > 10_000, path.name
+
+
+def test_report_names_every_strategy_and_marks_problems(full_report: Path):
+    text = full_report.read_text(encoding="utf-8")
+    frame = pd.read_csv(FULL)
+    for strategy in frame["strategy"].unique():
+        assert f"`{strategy}`" in text, strategy
+    for label in ("**OOM**", "**unsupported**", "**error**", "≠ baseline"):
+        assert label in text, label
+    # every non-ok message at the charted batch size is shown
+    at_100 = frame[(frame["batch_size"] == 100) & (frame["status"] != "ok")]
+    for message in at_100["message"].dropna().unique():
+        assert message in text, message
+    for name in ("memory", "time", "pareto", "batch", "timeline"):
+        assert f"]({RUN_ID}.{name}.png)" in text, name
+    assert "budget" in text.lower() and "1.0 GiB" in text
+    assert "How to read" in text
+    assert "skipped" not in text
+
+
+def test_mismatched_rows_are_marked_in_the_table(full_report: Path):
+    text = full_report.read_text(encoding="utf-8")
+    amp_rows = [line for line in text.splitlines() if line.startswith("| `amp` |") and "ok" in line]
+    assert amp_rows and all("no (≠ baseline)" in line for line in amp_rows)
+    base_rows = [line for line in text.splitlines() if line.startswith("| `baseline` | ok")]
+    assert base_rows and all("| yes |" in line for line in base_rows)
+
+
+def test_single_batch_size_skips_chart_4_and_no_timeline_skips_chart_5(tmp_path: Path):
+    src = tmp_path / "results"
+    src.mkdir()
+    shutil.copy(SINGLE, src / f"{RUN_ID}.csv")  # no timeline next to it
+    report = build_report([src / f"{RUN_ID}.csv"], tmp_path / "out")
+    text = report.read_text(encoding="utf-8")
+    for name in ("memory", "time", "pareto"):
+        assert (tmp_path / "out" / f"{RUN_ID}.{name}.png").is_file()
+    assert not (tmp_path / "out" / f"{RUN_ID}.batch.png").exists()
+    assert not (tmp_path / "out" / f"{RUN_ID}.timeline.png").exists()
+    assert "single batch size" in text
+    assert "no timeline file" in text
+
+
+def test_two_devices_without_optional_columns_and_with_ci(tmp_path: Path):
+    """A file with two devices gets one chart set each; missing optional columns are recomputed or left out,
+    and CI columns, when present, replace the IQR."""
+    frame = pd.read_csv(SINGLE)
+    frame = frame[frame["strategy"].isin(["baseline", "checkpoint", "amp", "cudnn_benchmark"])]
+    gpu = frame.assign(device="cuda", device_name="NVIDIA GeForce GTX 1650",
+                       memory_method="cuda_max_memory_allocated")
+    frame = pd.concat([frame, gpu]).drop(columns=["mem_vs_baseline", "time_vs_baseline", "peak_reserved_bytes",
+                                                  "cudnn_version", "data"])
+    frame["step_time_ms_ci95_low"] = frame["step_time_ms_median"] * 0.98
+    frame["step_time_ms_ci95_high"] = frame["step_time_ms_median"] * 1.03
+    path = tmp_path / f"{RUN_ID}.csv"
+    frame.to_csv(path, index=False)
+    text = build_report([path], tmp_path / "out").read_text(encoding="utf-8")
+    for device in ("cpu", "cuda"):
+        for name in ("memory", "time", "pareto"):
+            assert (tmp_path / "out" / f"{RUN_ID}.{device}.{name}.png").is_file(), (device, name)
+    assert "GTX 1650" in text
+    assert "−42.0%" in text  # checkpoint train memory, recomputed from the baseline row
+    assert "6,600.0 [6,468.0–6,798.0]" in text  # CI shown instead of the IQR
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("4GiB", 4 * 2**30), ("4 GiB", 4 * 2**30), ("1.5gib", 3 * 2**29), ("512MiB", 512 * 2**20),
+    ("64KiB", 65536), ("4GB", 4_000_000_000), ("250MB", 250_000_000), ("3KB", 3000), ("123", 123),
+    ("77B", 77), ("0.5 GB", 500_000_000),
+])
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "4 gigs", "-1GiB", "4PiB", "1,5GB", "four"])
+def test_parse_size_rejects(text):
+    with pytest.raises(ValueError, match="size|unit"):
+        parse_size(text)
+
+
+def test_newest_csv_skips_timelines_and_hidden_files(tmp_path: Path):
+    older, newer = tmp_path / "20250101T000000Z-aaaa.csv", tmp_path / "20250102T000000Z-bbbb.csv"
+    older.write_text("a\n")
+    newer.write_text("a\n")
+    now = time.time()
+    os.utime(older, (now - 100, now - 100))
+    os.utime(newer, (now - 50, now - 50))
+    (tmp_path / "20250102T000000Z-bbbb.timeline.csv").write_text("a\n")
+    (tmp_path / ".20250103T000000Z-cccc.csv.tmp").write_text("a\n")
+    (tmp_path / ".hidden.csv").write_text("a\n")
+    assert newest_csv(tmp_path) == newer
+    with pytest.raises(FileNotFoundError):
+        newest_csv(tmp_path / "nothing-here")
