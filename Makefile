@@ -21,8 +21,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev]"
 	touch $(STAMP)
 
+BUDGET ?= 4GiB
+
 bench: $(STAMP)
 	$(PY) -m bench run --suite $(SUITE) --device $(DEVICE) --out $(OUT)
+	$(PY) -m bench report --results $(OUT) --budget $(BUDGET)
 
 test: $(STAMP)
 	$(PY) -m pytest -q

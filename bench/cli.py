@@ -1,4 +1,4 @@
-"""`python -m bench {list,env,run,compare}`: one `cmd_<name>` function per subcommand."""
+"""`python -m bench {list,env,run,compare,report}`: one `cmd_<name>` function per subcommand."""
 
 from __future__ import annotations
 
@@ -176,9 +176,32 @@ def cmd_compare(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    """Draws the charts and REPORT.md from results CSVs alone (default: the newest CSV in results/)."""
+    from bench.report import build_report, newest_csv, parse_size
+
+    try:
+        budget = parse_size(args.budget) if args.budget else None
+    except ValueError as error:
+        raise UsageError(f"bad --budget {args.budget!r}: {error}") from None
+    if args.csv:
+        paths = [Path(p) for p in args.csv]
+        missing = [str(p) for p in paths if not p.is_file()]
+        if missing:
+            raise UsageError(f"no such results file {missing[0]!r}")
+    else:
+        try:
+            paths = [newest_csv(Path(args.results))]
+        except FileNotFoundError:
+            raise UsageError(f"no results CSV in {args.results!r}; run `python -m bench compare` first") from None
+    report = build_report(paths, Path(args.out) if args.out else paths[0].parent, budget)
+    print(f"wrote {report}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m bench", description=__doc__)
-    sub = parser.add_subparsers(dest="command", parser_class=_Parser, metavar="{list,env,run,compare}")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser, metavar="{list,env,run,compare,report}")
     sub.required = True
 
     p = sub.add_parser("list", help=cmd_list.__doc__)
@@ -198,6 +221,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strategies", required=True, help="comma list, e.g. checkpoint,amp (baseline is always run)")
     _add_case_options(p)
     p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("report", help=cmd_report.__doc__)
+    p.add_argument("csv", nargs="*", help="results CSV files (default: the newest in --results)")
+    p.add_argument("--results", default="results", help="where to look for the newest CSV (default results/)")
+    p.add_argument("--out", default=None, help="where to write the charts and REPORT.md (default: the CSV's folder)")
+    p.add_argument("--budget", default=None, help="a memory budget line for the batch-size chart, e.g. 4GiB")
+    p.set_defaults(func=cmd_report)
     return parser
 
 
