@@ -17,6 +17,7 @@ from bench import measure
 
 CUDA_BLOCK_BYTES = 512
 ENGINES = ("auto", "meta", "cpu")
+AUTO_CPU_MAX_BATCH = 16  # engine auto: the CPU up to this batch size, meta above
 
 ASSUMPTIONS = [
     "the step runs under the exact live-tensor tracker (on the meta device, or on the CPU where meta cannot run it:"
@@ -83,7 +84,10 @@ def predict_case(case, engine: str = "auto") -> dict:
         row.update(status="unsupported", message=str(error))
         return row
     block = CUDA_BLOCK_BYTES if case.device == "cuda" else 1
-    engines = ["meta", "cpu"] if engine == "auto" else [engine]
+    if engine == "auto":  # the CPU is exact and cheap at small batches; meta is fast at any batch
+        engines = ["cpu"] if case.batch_size <= AUTO_CPU_MAX_BATCH else ["meta", "cpu"]
+    else:
+        engines = [engine]
     for name in engines:
         try:
             peak = tracked_peak(case, row["strategy"], name, block, cuda_autocast=case.device == "cuda")
