@@ -301,9 +301,10 @@ def _probe_peak(case, spec: str) -> int | None:
 
 
 def fit_cpu(spec: str, budget: int, phase: str, workload: str, data: str, max_batch: int,
-            low: int = 2, high: int = 4) -> FitResult:
-    """Largest batch with peak <= budget on the CPU: a linear model from two small batches (meta probes, else
-    tracked runs), refined with meta probes, then confirmed by actual tracked runs (stepping down while over)."""
+            low: int = 16, high: int = 32) -> FitResult:
+    """Largest batch with peak <= budget on the CPU: a linear guess from two batches (meta probes, else tracked
+    runs at 2 and 4), bracketed and bisected on the probe, then confirmed by actual tracked runs (stepping down
+    while over the budget; meta differs from the CPU by a few KB)."""
     from bench.runner import Case
 
     def case_at(b: int, device: str = "cpu"):
@@ -322,7 +323,9 @@ def fit_cpu(spec: str, budget: int, phase: str, workload: str, data: str, max_ba
         return actual[b]
 
     probes: dict[int, int] = {}
-    use_meta = _probe_peak(case_at(low), spec) is not None
+    use_meta = _probe_peak(case_at(1), spec) is not None
+    if not use_meta:
+        low, high = 2, 4
 
     def probe(b: int) -> int:
         if b not in probes:
@@ -333,17 +336,22 @@ def fit_cpu(spec: str, budget: int, phase: str, workload: str, data: str, max_ba
     p_low, p_high = probe(low), probe(high)
     slope = max((p_high - p_low) / (high - low), 1.0)
     base = p_low - slope * low
-    batch = int(min(max_batch, max(0, math.floor((budget - base) / slope))))
-    if use_meta:  # refine on the probe: a few cheap steps
-        for _ in range(20):
-            if batch >= 1 and probe(batch) > budget:
-                batch -= max(1, math.ceil((probe(batch) - budget) / slope))
-            elif batch < max_batch and probe(batch + 1) <= budget:
-                batch += max(1, math.floor((budget - probe(batch + 1)) / slope)) if batch + 1 < max_batch else 1
-                batch = min(batch, max_batch)
-            else:
-                break
-            batch = max(batch, 0)
+    guess = int(min(max_batch, max(0, math.floor((budget - base) / slope))))
+    # bracket the answer around the linear guess on the probe, then bisect: lo fits, hi does not
+    fits = lambda b: b == 0 or probe(b) <= budget  # noqa: E731
+    step = max(1, guess // 8)
+    if fits(guess):
+        lo, hi = guess, min(max_batch + 1, guess + step)
+        while hi <= max_batch and fits(hi):
+            lo, hi, step = hi, min(max_batch + 1, hi + 2 * step), 2 * step
+    else:
+        lo, hi = max(0, guess - step), guess
+        while not fits(lo):
+            lo, hi, step = max(0, lo - 2 * step), lo, 2 * step
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    batch = lo
     # confirm with actual runs; step down while over the budget
     note = ""
     while batch >= 1 and real(batch) > budget:
