@@ -1,4 +1,4 @@
-"""`python -m bench {list,env,run,compare,report}`: one `cmd_<name>` function per subcommand."""
+"""`python -m bench {list,env,run,compare,report,explain,predict,fit}`: one `cmd_<name>` function per subcommand."""
 
 from __future__ import annotations
 
@@ -156,6 +156,7 @@ def cmd_run(args) -> int:
     if not args.suite and not args.strategies:
         raise UsageError("run needs --suite FILE or --strategies a,b (see `python -m bench list`)")
     device = resolve_device(args.device)
+    apply_memory_limit(getattr(args, "memory_limit", None), device)
     strategies = _csv_list(args.strategies) if args.strategies else None
     suite = _suite_from_args(args, device, strategies)
     frame, path = _run_suite(suite, device, args.out)
@@ -169,6 +170,7 @@ def cmd_compare(args) -> int:
     from bench.env import resolve_device
 
     device = resolve_device(args.device)
+    apply_memory_limit(getattr(args, "memory_limit", None), device)
     suite = _suite_from_args(args, device, _csv_list(args.strategies))
     frame, path = _run_suite(suite, device, args.out)
     print(format_table(frame))
@@ -199,9 +201,196 @@ def cmd_report(args) -> int:
     return 0
 
 
+# --- memory analysis: explain, predict, fit, --memory-limit ------------------------------------------------
+
+def _one_batch_size(text) -> int:
+    sizes = _batch_sizes(text)
+    if len(sizes) != 1:
+        raise UsageError(f"bad batch size {text!r}; this command takes one batch size")
+    return sizes[0]
+
+
+def _check_choice(kind: str, value: str, choices) -> str:
+    if value not in choices:
+        raise choices_error(kind, value, choices)
+    return value
+
+
+def _analysis_device(text: str) -> str:
+    return _check_choice("device", text, ("cpu", "cuda"))
+
+
+def _workload_and_data(args) -> tuple[str, str]:
+    from workloads import WORKLOADS
+
+    workload = args.workload or "captcha_resnet18"
+    WORKLOADS.get(workload)
+    return workload, _check_choice("data source", args.data, ("synthetic", "captcha"))
+
+
+def _add_memory_limit_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--memory-limit", default=None,
+                   help="cap CUDA memory: bytes (2GiB, 512MiB, 1e9) or a fraction of the GPU (0.5); "
+                        "on the CPU a warning and no effect")
+
+
+def apply_memory_limit(limit: str | None, device: str) -> float | None:
+    """`--memory-limit`: torch.cuda.set_per_process_memory_fraction; on the CPU a warning line, nothing else.
+
+    Returns the fraction set (None when nothing was set)."""
+    if limit is None:
+        return None
+    from bench.analysis import parse_bytes
+
+    try:
+        value = float(limit)
+    except ValueError:
+        value = None
+    if value is not None and 0 < value <= 1:
+        fraction = value
+        nbytes = None
+    else:
+        nbytes = parse_bytes(limit)
+        fraction = None
+    if device != "cuda":
+        print(f"warning: --memory-limit {limit} has no effect on device {device} (it caps CUDA memory only)",
+              file=sys.stderr)
+        return None
+    import torch
+
+    if fraction is None:
+        total = torch.cuda.get_device_properties(0).total_memory
+        fraction = min(1.0, nbytes / total)
+    torch.cuda.set_per_process_memory_fraction(fraction)
+    return fraction
+
+
+def cmd_explain(args) -> int:
+    """The peak of one case broken down (params, grads, optimizer, activations, temporaries, batch), the rule
+    of thumb beside it, and memory added by each module's forward."""
+    from bench import analysis
+    from bench.errors import Unsupported
+    from bench.runner import Case
+
+    workload, data = _workload_and_data(args)
+    phase = _check_choice("phase", args.phase, ("train", "eval"))
+    device = _check_choice("device", args.device, ("cpu",))  # the breakdown needs the exact CPU tracker
+    batch = _one_batch_size(args.batch_size)
+    strategy, context = analysis.bind_strategy(args.strategy, phase, device, workload)
+    try:
+        strategy.check(context)
+    except Unsupported as error:
+        raise UsageError(f"{strategy.spec()} cannot run here: {error}") from None
+    case = Case(workload, strategy.spec(), phase, batch, device, data=data)
+    result = analysis.explain(case, strategy)
+    print(analysis.format_explain(case, result["memory"], result["modules"],
+                                  analysis.rule_of_thumb(workload, phase, batch)))
+    return 0
+
+
+def cmd_predict(args) -> int:
+    """Predicted torch.cuda.max_memory_allocated per case, without a GPU (assumptions printed); writes a CSV."""
+    import pandas as pd
+
+    from bench import predict
+    from bench.results import new_run_id, write_csv_atomic
+    from bench.runner import Case
+    from strategies import parse_strategy
+
+    workload, data = _workload_and_data(args)
+    device = _analysis_device(args.device)
+    engine = _check_choice("engine", args.engine, predict.ENGINES)
+    phases = [_check_choice("phase", p, ("train", "eval")) for p in _csv_list(args.phases)]
+    specs = ["baseline"] + [s for s in _csv_list(args.strategies or "") if s != "baseline"]
+    for spec in specs:
+        parse_strategy(spec)  # unknown names: exit 2 before any work
+    rows = []
+    for spec in specs:
+        for phase in phases:
+            for batch in _batch_sizes(args.batch_size):
+                rows.append(predict.predict_case(Case(workload, spec, phase, batch, device, data=data), engine))
+    print(f"predicted peak memory on {device}" + (" (torch.cuda.max_memory_allocated)" if device == "cuda" else
+                                                  " (exact live tensor bytes)"))
+    print(predict.format_predictions(rows))
+    if device == "cuda":
+        print("\nassumptions:")
+        for line in predict.ASSUMPTIONS:
+            print(f"  - {line}")
+    path = Path(args.out) / f"predict-{new_run_id(device)}.csv"
+    write_csv_atomic(pd.DataFrame(rows), path)
+    print(f"\nwrote {path}")
+    return 0
+
+
+def cmd_fit(args) -> int:
+    """The largest batch size under a memory budget, per strategy (baseline always), each verified by a run."""
+    import pandas as pd
+
+    from bench import analysis
+    from bench.results import new_run_id, write_csv_atomic
+    from strategies import parse_strategy
+
+    budget = analysis.parse_bytes(args.budget)
+    workload, data = _workload_and_data(args)
+    device = _analysis_device(args.device)
+    if device == "cuda":
+        from bench.env import resolve_device
+        resolve_device("cuda")
+    phase = _check_choice("phase", args.phase, ("train", "eval"))
+    max_batch = _one_batch_size(args.max_batch)
+    specs = _csv_list(args.strategies or "")
+    for spec in specs:
+        parse_strategy(spec)
+    if args.time_steps < 0:
+        raise UsageError("--time-steps must be 0 or more")
+    apply_memory_limit(args.memory_limit, device)
+    results = analysis.fit(specs, budget, phase, device, workload, data, max_batch, args.time_steps)
+    print(f"largest batch with peak <= {args.budget} ({budget:,} B) on {device}, phase {phase}")
+    print(analysis.format_fit(results, args.time_steps))
+    path = Path(args.out) / f"fit-{new_run_id(device)}.csv"
+    write_csv_atomic(pd.DataFrame(analysis.fit_rows(results)), path)
+    print(f"\nwrote {path}")
+    return 0
+
+
+def _add_analysis_parsers(sub) -> None:
+    p = sub.add_parser("explain", help=cmd_explain.__doc__)
+    p.add_argument("--strategy", required=True, help="one strategy spec, e.g. baseline or checkpoint+amp")
+    p.add_argument("--phase", default="train", help="train or eval (default train)")
+    p.add_argument("--batch-size", default="100", help="default 100")
+    p.add_argument("--device", default="cpu", help="cpu (the exact tracker)")
+    p.add_argument("--data", default="synthetic", help="synthetic (default; memory does not depend on pixels) or captcha")
+    p.add_argument("--workload", default=None, help="default captcha_resnet18")
+    p.set_defaults(func=cmd_explain)
+
+    p = sub.add_parser("predict", help=cmd_predict.__doc__)
+    p.add_argument("--strategies", default="", help="comma list (baseline is always included)")
+    p.add_argument("--device", default="cuda", help="cuda (default: predict CUDA on any machine) or cpu")
+    p.add_argument("--batch-size", default="100", help="one size or a comma list (default 100)")
+    p.add_argument("--phases", default="train,eval", help="default train,eval")
+    p.add_argument("--engine", default="auto", help="auto (CPU up to batch 16, else meta with the CPU as fallback), meta or cpu")
+    p.add_argument("--data", default="synthetic", help="synthetic (default) or captcha")
+    p.add_argument("--workload", default=None, help="default captcha_resnet18")
+    p.add_argument("--out", default="results", help="folder for the CSV (default results/)")
+    p.set_defaults(func=cmd_predict)
+
+    p = sub.add_parser("fit", help=cmd_fit.__doc__)
+    p.add_argument("--budget", required=True, help="memory budget: 4GiB, 512MiB, 1e9 ...")
+    p.add_argument("--strategies", default="", help="comma list (baseline is always included)")
+    p.add_argument("--device", default="cpu", help="cpu (exact tracker) or cuda (real attempts)")
+    p.add_argument("--phase", default="train", help="train or eval (default train)")
+    p.add_argument("--max-batch", default="4096", help="largest batch size tried (default 4096)")
+    p.add_argument("--time-steps", type=int, default=1, help="timed steps at the largest batch (0: no timing)")
+    p.add_argument("--data", default="synthetic", help="synthetic (default) or captcha")
+    p.add_argument("--workload", default=None, help="default captcha_resnet18")
+    p.add_argument("--out", default="results", help="folder for the CSV (default results/)")
+    _add_memory_limit_option(p)
+    p.set_defaults(func=cmd_fit)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m bench", description=__doc__)
-    sub = parser.add_subparsers(dest="command", parser_class=_Parser, metavar="{list,env,run,compare,report}")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser, metavar="{list,env,run,compare,report,explain,predict,fit}")
     sub.required = True
 
     p = sub.add_parser("list", help=cmd_list.__doc__)
@@ -215,11 +404,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--suite", default=None, help="a suite YAML file (e.g. bench/suites/default.yaml)")
     p.add_argument("--strategies", default=None, help="comma list of strategies, e.g. checkpoint,amp,checkpoint+amp")
     _add_case_options(p)
+    _add_memory_limit_option(p)
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("compare", help=cmd_compare.__doc__)
     p.add_argument("--strategies", required=True, help="comma list, e.g. checkpoint,amp (baseline is always run)")
     _add_case_options(p)
+    _add_memory_limit_option(p)
     p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("report", help=cmd_report.__doc__)
@@ -228,6 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="where to write the charts and REPORT.md (default: the CSV's folder)")
     p.add_argument("--budget", default=None, help="a memory budget line for the batch-size chart, e.g. 4GiB")
     p.set_defaults(func=cmd_report)
+    _add_analysis_parsers(sub)
     return parser
 
 

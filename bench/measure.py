@@ -105,9 +105,11 @@ class LiveTensorTracker(TorchDispatchMode):
     given to `track()`, else the stage it was created in.
     """
 
-    def __init__(self, device: str = "cpu", record_timeline: bool = False):
+    def __init__(self, device: str = "cpu", record_timeline: bool = False, block_bytes: int = 1):
         super().__init__()
         self.device = torch.device(device).type
+        # each storage counts as its bytes rounded up to a multiple of block_bytes (512 models CUDA's allocator)
+        self.block_bytes = block_bytes
         self.record_timeline = record_timeline
         self.stage = "setup"
         self._storages: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -129,7 +131,7 @@ class LiveTensorTracker(TorchDispatchMode):
         self._update_peak("")
 
     def _register(self, t: torch.Tensor, category: str) -> None:
-        if t.device.type != self.device or t.is_meta:
+        if t.device.type != self.device or (t.is_meta and self.device != "meta"):
             return
         try:
             st = t.untyped_storage()
@@ -137,11 +139,24 @@ class LiveTensorTracker(TorchDispatchMode):
             return
         if st in self._storages:
             return
-        info = _StorageInfo(st.nbytes(), category)
+        info = _StorageInfo(self.storage_bytes(st.nbytes()), category)
         self._storages[st] = info
         self.live_bytes += info.nbytes
         self.live_by_category[category] = self.live_by_category.get(category, 0) + info.nbytes
         self._refs.append(weakref.ref(st, lambda _ref, info=info: self._freed(info)))
+
+    def storage_bytes(self, nbytes: int) -> int:
+        """The bytes one storage counts for: exact, or rounded up to `block_bytes`."""
+        return -(-nbytes // self.block_bytes) * self.block_bytes
+
+    def relabel_live(self, categories: Iterable[str], category: str) -> None:
+        """Files every live storage now under one of `categories` under `category` instead."""
+        old = set(categories)
+        for info in list(self._storages.values()):
+            if info.category in old:
+                self.live_by_category[info.category] -= info.nbytes
+                self.live_by_category[category] = self.live_by_category.get(category, 0) + info.nbytes
+                info.category = category
 
     def _freed(self, info: _StorageInfo) -> None:
         self.live_bytes -= info.nbytes

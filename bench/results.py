@@ -31,6 +31,9 @@ COLUMNS = [
     "status", "message",
     # environment
     "torch_version", "cuda_version", "cudnn_version", "cpu_threads", "git_commit", "python_version", "platform",
+    # breakdown of the peak (CPU tracker only; they add up to peak_mem_bytes) and the article's rule of thumb
+    "peak_params_bytes", "peak_grads_bytes", "peak_optimizer_bytes", "peak_activations_bytes", "peak_temp_bytes",
+    "peak_batch_bytes", "rule_of_thumb_bytes",
 ]
 
 CASE_KEY = ["workload", "strategy", "phase", "device", "batch_size", "data"]

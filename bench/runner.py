@@ -206,8 +206,16 @@ def timing_pass(case: Case, strategy: Strategy) -> dict[str, Any]:
     }
 
 
-def memory_pass(case: Case, strategy: Strategy, record_timeline: bool = False) -> dict[str, Any]:
-    """The peak of one steady-state step: CUDA's allocator statistics, or the exact live-tensor count on the CPU."""
+def memory_pass(case: Case, strategy: Strategy, record_timeline: bool = False,
+                tracker: measure.LiveTensorTracker | None = None,
+                prepare: Callable[[Session, measure.LiveTensorTracker], None] | None = None) -> dict[str, Any]:
+    """The peak of one steady-state step: CUDA's allocator statistics, or the exact live-tensor count on the CPU.
+
+    On the CPU (or meta) the row also gets the breakdown of the peak (`bench.analysis.BREAKDOWN_COLUMNS`);
+    `tracker` replaces the default exact tracker, `prepare(session, tracker)` runs just before the measured step.
+    """
+    from bench import analysis
+
     if case.device == "cuda":
         release_cuda_memory()
         session = Session(case, strategy)
@@ -217,7 +225,7 @@ def memory_pass(case: Case, strategy: Strategy, record_timeline: bool = False) -
             peak = measure.cuda_peak(session.step)
         return {"peak_mem_bytes": peak.allocated_bytes, "peak_reserved_bytes": peak.reserved_bytes,
                 "memory_method": "cuda_max_memory_allocated", "peak_stage": None}
-    tracker = measure.LiveTensorTracker(case.device, record_timeline=record_timeline)
+    tracker = tracker or measure.LiveTensorTracker(case.device, record_timeline=record_timeline)
     session = Session(case, strategy)
     with strategy.session(), tracker:
         tracker.track(session.parameters(), "params")
@@ -229,12 +237,17 @@ def memory_pass(case: Case, strategy: Strategy, record_timeline: bool = False) -
 
         for _ in range(MEMORY_WARMUP_STEPS):
             session.step(mark)
+        handles = analysis.prepare_breakdown(session, tracker)
+        if prepare is not None:
+            prepare(session, tracker)
         tracker.stage = "setup"
         tracker.reset_peak()
         session.step(mark)
+        for handle in handles:
+            handle.remove()
     return {"peak_mem_bytes": tracker.peak_bytes, "peak_reserved_bytes": None,
             "memory_method": "cpu_live_tensor_bytes", "peak_stage": tracker.peak_stage,
-            "_tracker": tracker}
+            **analysis.breakdown_columns(tracker), "_tracker": tracker}
 
 
 def release_cuda_memory() -> None:
@@ -242,6 +255,23 @@ def release_cuda_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def forget_traceback(error: BaseException) -> None:
+    """Drops the traceback (and its frames' tensors) of `error` and of the errors chained to it, then frees memory."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        error.__traceback__ = None
+        error = error.__cause__ or error.__context__
+    release_cuda_memory()
+
+
+def rule_of_thumb_bytes(case: Case) -> int:
+    """The article's estimate for the case (see `bench.analysis.rule_of_thumb`)."""
+    from bench import analysis
+
+    return analysis.rule_of_thumb(case.workload, case.phase, case.batch_size)["total_bytes"]
 
 
 def is_oom(error: BaseException) -> bool:
@@ -269,6 +299,7 @@ def run_case(case: Case, env: dict | None = None) -> dict[str, Any]:
         memory = memory_pass(case, strategy)
         memory.pop("_tracker", None)
         row.update(memory)
+        row["rule_of_thumb_bytes"] = rule_of_thumb_bytes(case)
     except UsageError:
         raise
     except Unsupported as error:
@@ -276,6 +307,7 @@ def run_case(case: Case, env: dict | None = None) -> dict[str, Any]:
     except Exception as error:  # noqa: BLE001 - any failure becomes a row and the sweep goes on
         row.update(status="oom" if is_oom(error) else "error",
                    message=f"{type(error).__name__}: {error}".splitlines()[0][:500])
+        forget_traceback(error)
     finally:
         if case.device == "cuda":
             release_cuda_memory()

@@ -1,0 +1,493 @@
+"""Memory analysis: the breakdown of the peak, the article's rule of thumb, `explain`, and `fit`.
+
+Breakdown of the peak (CPU/meta tracker only; the columns add up to `peak_mem_bytes` exactly):
+
+- `peak_params_bytes`       the model's parameters (registered before the step);
+- `peak_grads_bytes`        storages that are some parameter's `.grad` (re-filed by a post-accumulate-grad hook
+                            the moment they become `.grad`; a gradient that is still an op's output at the peak,
+                            not yet accumulated, counts as a temporary);
+- `peak_optimizer_bytes`    the optimizer's state (`optimizer.state` tensors) plus any other storage created in the
+                            backward or optimizer stage of an earlier step that is still alive when the measured step
+                            starts (state kept between steps, e.g. a GradScaler's scale);
+- `peak_activations_bytes`  storages created in a forward stage and alive at the peak: tensors autograd saved for
+                            backward, the forward's live intermediates, and the outputs/loss the loop keeps until
+                            the next step (with their graph, when eval keeps autograd on);
+- `peak_temp_bytes`         everything else: storages created in the backward or optimizer stage of this step that
+                            are not gradients (input gradients, optimizer scratch), plus the few storages first seen
+                            as an op's input (`untracked`) or created between steps (`setup`);
+- `peak_batch_bytes`        the input batch and targets, and the model's buffers (BatchNorm statistics).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from bench import measure
+from bench.errors import UsageError
+
+BREAKDOWN_COLUMNS = ("peak_params_bytes", "peak_grads_bytes", "peak_optimizer_bytes", "peak_activations_bytes",
+                     "peak_temp_bytes", "peak_batch_bytes")
+
+# tracker category -> breakdown column
+CATEGORY_COLUMN = {
+    "params": "peak_params_bytes",
+    "grads": "peak_grads_bytes",
+    "optimizer_state": "peak_optimizer_bytes",
+    "forward": "peak_activations_bytes",
+    "batch": "peak_batch_bytes",
+    "buffers": "peak_batch_bytes",
+}
+TEMP_COLUMN = "peak_temp_bytes"  # backward, optimizer (scratch), setup, untracked
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30}
+
+
+def parse_bytes(text: str | int | float) -> int:
+    """`4GiB`, `512MiB`, `1.5GB`, `1e9`, `300000` -> bytes (binary units for KiB/MiB/GiB and K/M/G)."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = float(text)
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+        if not match or match.group(2).lower() not in _UNITS:
+            raise UsageError(f"bad size {text!r}; expected e.g. 4GiB, 512MiB, 1.5GB or 1e9 (bytes)")
+        value = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if not math.isfinite(value) or value <= 0:
+        raise UsageError(f"bad size {text!r}; a size must be a positive number of bytes")
+    return int(value)
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:,.1f}"
+
+
+# --- breakdown of the peak -------------------------------------------------------------------------------
+
+def prepare_breakdown(session, tracker: measure.LiveTensorTracker) -> list:
+    """Called after the warm-up steps, before the measured one: files state and gradients for the breakdown.
+
+    Returns the hook handles to remove after the step.
+    """
+    tracker.recategorize(session.optimizer_state(), "optimizer_state")
+    tracker.relabel_live(("backward", "optimizer"), "optimizer_state")  # other state kept between steps
+    params = [p for p in session.parameters() if p.requires_grad]
+    tracker.recategorize([p.grad for p in params], "grads")  # gradients kept between steps (zero_grad to 0)
+
+    def as_grad(param: torch.Tensor) -> None:
+        tracker.recategorize([param.grad], "grads")
+
+    return [p.register_post_accumulate_grad_hook(as_grad) for p in params]
+
+
+def breakdown_columns(tracker: measure.LiveTensorTracker) -> dict[str, int]:
+    """The tracker's categories at the peak as the breakdown columns; they sum to `tracker.peak_bytes`."""
+    columns = dict.fromkeys(BREAKDOWN_COLUMNS, 0)
+    for category, nbytes in tracker.peak_by_category.items():
+        columns[CATEGORY_COLUMN.get(category, TEMP_COLUMN)] += nbytes
+    assert sum(columns.values()) == tracker.peak_bytes, (columns, tracker.peak_bytes)
+    return columns
+
+
+# --- the article's rule of thumb -------------------------------------------------------------------------
+
+OPTIMIZER_STATE_FACTOR = {"Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "Adagrad": 1, "RMSprop": 1}
+
+
+def optimizer_state_factor(optimizer: torch.optim.Optimizer) -> int:
+    """Copies of the parameters the optimizer keeps: Adam 2 (3 with amsgrad), SGD with momentum 1, plain SGD 0."""
+    name = type(optimizer).__name__
+    defaults = optimizer.defaults
+    if name == "SGD":
+        return 1 if defaults.get("momentum", 0) else 0
+    if name == "RMSprop":
+        return 1 + bool(defaults.get("momentum", 0)) + bool(defaults.get("centered", False))
+    return OPTIMIZER_STATE_FACTOR.get(name, 0) + bool(defaults.get("amsgrad", False))
+
+
+@functools.lru_cache(maxsize=64)
+def rule_of_thumb(workload: str, phase: str, batch_size: int) -> dict[str, Any]:
+    """The article's estimate: parameters + sum of every module's output (x2 with backward) + optimizer state.
+
+    Module outputs are recorded with forward hooks on every module of `model.modules()` except the root,
+    containers (nn.Sequential, the BasicBlocks) included, as the article's loop iterates them; the article's
+    code instead feeds each module the previous module's output, which only works for a purely sequential model,
+    so hooks on one real forward are used here. An in-place nn.ReLU module is skipped (the article's rule).
+    The forward runs on the meta device (shapes only) and counts 4 bytes an element (the article's
+    `type_size=4`): the estimate depends on the model, batch and phase only, not on the strategy.
+    """
+    from workloads import get_workload
+
+    wl = get_workload(workload)
+    model = wl.build_model().to("meta")
+    model.train(phase == "train")
+    x, _ = wl.make_batch(1, "synthetic")
+    x = torch.empty((batch_size, *x.shape[1:]), device="meta")
+    outputs: list[int] = []
+
+    def hook(module, inputs, output):
+        if isinstance(module, nn.ReLU) and module.inplace:
+            return
+        tensors = [t for t in torch.utils._pytree.tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+        outputs.append(sum(t.numel() for t in tensors))
+
+    modules = list(model.modules())[1:]
+    handles = [m.register_forward_hook(hook) for m in modules]
+    with torch.no_grad():
+        model(x)
+    for h in handles:
+        h.remove()
+    type_size = 4
+    params = sum(p.numel() for p in model.parameters()) * type_size
+    out_bytes = sum(outputs) * type_size
+    train = phase == "train"
+    factor = optimizer_state_factor(wl.make_optimizer(wl.build_model())) if train else 0
+    optimizer = factor * params
+    total = params + out_bytes * (2 if train else 1) + optimizer
+    return {"params_bytes": params, "outputs_bytes": out_bytes, "modules_counted": len(outputs),
+            "outputs_factor": 2 if train else 1, "optimizer_bytes": optimizer, "total_bytes": total}
+
+
+RULE_OF_THUMB_CAVEATS = [
+    "it sums every module's output, containers included, so a block's output is counted again by its Sequential",
+    "x2 for backward assumes every output is saved once more; autograd saves only what each op needs "
+    "(a conv keeps its input, BatchNorm its input and stats) and frees saved tensors during backward",
+    "it knows nothing of in-place ops (functional relu), views, or temporaries inside a module",
+    "it ignores the gradients (1x params), the batch, and the outputs the loop keeps until the next step",
+    "it is the same for every strategy (checkpointing, amp, no_grad eval change nothing in it)",
+]
+
+
+# --- explain: per-module table -----------------------------------------------------------------------------
+
+@dataclass
+class ModuleRow:
+    name: str
+    kind: str
+    depth: int
+    before: int
+    after: int = 0
+    start_op: int = 0
+    end_op: int = 0
+    peak_within: int = 0
+    output_bytes: int = 0
+
+
+def _leafish(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Modules worth a line: every module that is not the root and not a plain container (Sequential/ModuleList)."""
+    return [(name, m) for name, m in model.named_modules()
+            if name and not isinstance(m, (nn.Sequential, nn.ModuleList, nn.ModuleDict))]
+
+
+def bind_strategy(spec: str, phase: str, device: str, workload: str = "captcha_resnet18"):
+    from strategies import StepContext, parse_strategy
+
+    strategy = parse_strategy(spec)
+    context = StepContext(phase, device, workload)
+    strategy.bind(context)
+    return strategy, context
+
+
+def explain(case, strategy) -> dict[str, Any]:
+    """One tracked pass of the case with module hooks: the row's memory columns and the per-module table."""
+    from bench.runner import memory_pass
+
+    rows: list[ModuleRow] = []
+    open_rows: dict[int, list[ModuleRow]] = {}
+
+    def prepare(session, tracker):
+        tracker.record_timeline = True
+        for name, module in _leafish(session.base_model):
+            depth = name.count(".")
+
+            def pre(mod, args, name=name, depth=depth):
+                if tracker.stage != "forward":
+                    return  # recomputation in backward (checkpointing) is not the module's forward
+                row = ModuleRow(name, type(mod).__name__, depth, tracker.live_bytes, start_op=tracker._ops)
+                open_rows.setdefault(id(mod), []).append(row)
+                rows.append(row)
+
+            def post(mod, args, output):
+                stack = open_rows.get(id(mod))
+                if tracker.stage != "forward" or not stack:
+                    return
+                row = stack.pop()
+                row.after, row.end_op = tracker.live_bytes, tracker._ops
+                tensors = [t for t in torch.utils._pytree.tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+                row.output_bytes = sum(t.numel() * t.element_size() for t in tensors)
+
+            module.register_forward_pre_hook(pre)
+            module.register_forward_hook(post)
+
+    memory = memory_pass(case, strategy, prepare=prepare)
+    tracker = memory.pop("_tracker")
+    by_index = {p.index: p.live_bytes for p in tracker.timeline}
+    for row in rows:
+        lives = [by_index[i] for i in range(row.start_op, row.end_op) if i in by_index]
+        row.peak_within = max([row.before, row.after, *lives]) - row.before
+    return {"memory": memory, "modules": rows, "tracker": tracker}
+
+
+def format_explain(case, memory: dict, modules: list[ModuleRow], rule: dict) -> str:
+    peak = memory["peak_mem_bytes"]
+    lines = [f"{case.label()}  workload={case.workload} data={case.data}",
+             f"peak (exact live tensor bytes): {peak:,} B = {mib(peak)} MiB, in stage {memory['peak_stage']}", "",
+             "breakdown of the peak:"]
+    for column in BREAKDOWN_COLUMNS:
+        value = memory[column]
+        label = column.removeprefix("peak_").removesuffix("_bytes")
+        label = "batch+buffers" if label == "batch" else label
+        lines.append(f"  {label:<14} {mib(value):>10} MiB  {100 * value / peak:5.1f}%")
+    lines.append(f"  {'total':<14} {mib(sum(memory[c] for c in BREAKDOWN_COLUMNS)):>10} MiB")
+    lines += ["", "rule of thumb (the article: params + sum of module outputs"
+              + (" x2 + optimizer state):" if case.phase == "train" else "):"),
+              f"  params {mib(rule['params_bytes'])} MiB + outputs of {rule['modules_counted']} modules "
+              f"{mib(rule['outputs_bytes'])} MiB x{rule['outputs_factor']} + optimizer {mib(rule['optimizer_bytes'])} MiB"
+              f" = {mib(rule['total_bytes'])} MiB",
+              f"  measured peak {mib(peak)} MiB; rule / measured = {rule['total_bytes'] / peak:.2f}",
+              "  why it is off:"]
+    lines += [f"  - {c}" for c in RULE_OF_THUMB_CAVEATS]
+    lines += ["", "per module (forward of the measured step; added = live bytes after - before its forward,",
+              "peak within = highest live bytes during it - before; MiB):",
+              f"  {'module':<34} {'type':<18} {'output':>9} {'added':>9} {'peak within':>11}"]
+    for row in modules:
+        name = "  " * row.depth + row.name
+        lines.append(f"  {name:<34} {row.kind:<18} {mib(row.output_bytes):>9} {mib(row.after - row.before):>9} "
+                     f"{mib(row.peak_within):>11}")
+    return "\n".join(lines)
+
+
+# --- fit: the largest batch under a budget -------------------------------------------------------------------
+
+@dataclass
+class FitResult:
+    strategy: str
+    phase: str
+    device: str
+    budget_bytes: int
+    batch_size: int  # 0: not even batch 1 fits
+    peak_bytes: int | None
+    verified: bool
+    next_batch_peak_bytes: int | None  # the peak at batch_size + 1 (probe or measured), over budget
+    next_batch_method: str
+    time_per_sample_ms: float | None
+    note: str
+    runs: int  # actual tracked (or CUDA) runs made
+
+
+def measured_peak(case, strategy) -> int:
+    """An actual run: the exact tracked peak on the CPU, max_memory_allocated on CUDA."""
+    from bench.runner import memory_pass
+
+    memory = memory_pass(case, strategy)
+    memory.pop("_tracker", None)
+    return int(memory["peak_mem_bytes"])
+
+
+def _probe_peak(case, spec: str) -> int | None:
+    """A cheap estimate of the CPU peak: the same tracked step on the meta device (no arithmetic), or None."""
+    from bench import predict
+
+    try:
+        return predict.tracked_peak(case, spec, engine="meta", block_bytes=1)
+    except Exception:  # noqa: BLE001 - a strategy that cannot run on meta falls back to the linear model
+        return None
+
+
+def fit_cpu(spec: str, budget: int, phase: str, workload: str, data: str, max_batch: int,
+            low: int = 16, high: int = 32) -> FitResult:
+    """Largest batch with peak <= budget on the CPU: a linear guess from two batches (meta probes, else tracked
+    runs at 2 and 4), bracketed and bisected on the probe, then confirmed by actual tracked runs (stepping down
+    while over the budget; meta differs from the CPU by a few KB)."""
+    from bench.runner import Case
+
+    def case_at(b: int, device: str = "cpu"):
+        return Case(workload, spec, phase, b, device, data=data, warmup=0, steps=1)
+
+    strategy, _ = bind_strategy(spec, phase, "cpu", workload)
+    runs = 0
+    actual: dict[int, int] = {}
+
+    def real(b: int) -> int:
+        nonlocal runs
+        if b not in actual:
+            strat, _ = bind_strategy(spec, phase, "cpu", workload)
+            actual[b] = measured_peak(case_at(b), strat)
+            runs += 1
+        return actual[b]
+
+    probes: dict[int, int] = {}
+    use_meta = _probe_peak(case_at(1), spec) is not None
+    if not use_meta:
+        low, high = 2, 4
+
+    def probe(b: int) -> int:
+        if b not in probes:
+            value = _probe_peak(case_at(b), spec) if use_meta else None
+            probes[b] = value if value is not None else real(b)
+        return probes[b]
+
+    p_low, p_high = probe(low), probe(high)
+    slope = max((p_high - p_low) / (high - low), 1.0)
+    base = p_low - slope * low
+    guess = int(min(max_batch, max(0, math.floor((budget - base) / slope))))
+    # bracket the answer around the linear guess on the probe, then bisect: lo fits, hi does not
+    fits = lambda b: b == 0 or probe(b) <= budget  # noqa: E731
+    step = max(1, guess // 8)
+    if fits(guess):
+        lo, hi = guess, min(max_batch + 1, guess + step)
+        while hi <= max_batch and fits(hi):
+            lo, hi, step = hi, min(max_batch + 1, hi + 2 * step), 2 * step
+    else:
+        lo, hi = max(0, guess - step), guess
+        while not fits(lo):
+            lo, hi, step = max(0, lo - 2 * step), lo, 2 * step
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    batch = lo
+    # confirm with actual runs; step down while over the budget
+    note = ""
+    while batch >= 1 and real(batch) > budget:
+        over = real(batch) - budget
+        batch -= max(1, math.ceil(over / slope))
+    if batch < 1:
+        return FitResult(spec, phase, "cpu", budget, 0, None, False, None, "", None,
+                         "even batch 1 exceeds the budget", runs)
+    if batch + 1 in actual:
+        nxt, how = actual[batch + 1], "measured"
+    elif batch >= max_batch:
+        nxt, how, note = None, "", f"capped by --max-batch {max_batch}"
+    else:
+        nxt = probe(batch + 1) if use_meta else round(base + slope * (batch + 1))
+        how = "meta probe" if use_meta else "linear model"
+    return FitResult(spec, phase, "cpu", budget, batch, real(batch), True, nxt, how, None, note, runs)
+
+
+def fit_cuda(spec: str, budget: int, phase: str, workload: str, data: str, max_batch: int) -> FitResult:
+    """Largest batch on CUDA by real attempts: doubling until the peak passes the budget or an OOM, then bisection."""
+    from bench.runner import Case, is_oom, forget_traceback
+
+    runs = 0
+    results: dict[int, int | None] = {}
+
+    def attempt(b: int) -> int | None:
+        nonlocal runs
+        if b in results:
+            return results[b]
+        strat, _ = bind_strategy(spec, phase, "cuda", workload)
+        runs += 1
+        try:
+            results[b] = measured_peak(Case(workload, spec, phase, b, "cuda", data=data), strat)
+        except Exception as error:  # noqa: BLE001
+            if not is_oom(error):
+                raise
+            forget_traceback(error)
+            results[b] = None
+        return results[b]
+
+    def fits(b: int) -> bool:
+        peak = attempt(b)
+        return peak is not None and peak <= budget
+
+    good, bad = 0, None
+    b = 1
+    while b <= max_batch:
+        if fits(b):
+            good, b = b, b * 2
+        else:
+            bad = b
+            break
+    if bad is None:
+        bad = max_batch + 1
+        if good < max_batch and fits(max_batch):
+            good = max_batch
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if fits(mid) else (good, mid)
+    if good == 0:
+        return FitResult(spec, phase, "cuda", budget, 0, None, False, None, "", None, "even batch 1 does not fit", runs)
+    nxt = results.get(good + 1)
+    return FitResult(spec, phase, "cuda", budget, good, results[good], True, nxt,
+                     "measured (None = OOM)" if good + 1 in results else "", None,
+                     "" if good < max_batch else f"capped by --max-batch {max_batch}", runs)
+
+
+def time_per_sample(spec: str, phase: str, device: str, workload: str, data: str, batch: int,
+                    steps: int) -> float:
+    """Milliseconds per sample from a short timing run at `batch` (no memory tracking)."""
+    from bench.runner import Case, timing_pass
+
+    strategy, _ = bind_strategy(spec, phase, device, workload)
+    case = Case(workload, spec, phase, batch, device, data=data, warmup=0 if device == "cpu" else 1, steps=steps)
+    return timing_pass(case, strategy)["step_time_ms_median"] / batch
+
+
+def fit(specs: list[str], budget: int, phase: str = "train", device: str = "cpu",
+        workload: str = "captcha_resnet18", data: str = "synthetic", max_batch: int = 4096,
+        time_steps: int = 1) -> list[FitResult]:
+    """`fit` for each strategy (baseline first, always included); `time_steps=0` skips the timing run."""
+    from bench.errors import Unsupported
+
+    specs = ["baseline"] + [s for s in specs if s != "baseline"]
+    results = []
+    for spec in specs:
+        strategy, context = bind_strategy(spec, phase, device, workload)
+        try:
+            strategy.check(context)
+        except Unsupported as error:
+            results.append(FitResult(strategy.spec(), phase, device, budget, 0, None, False, None, "", None,
+                                     f"unsupported: {error}", 0))
+            continue
+        finder = fit_cuda if device == "cuda" else fit_cpu
+        result = finder(strategy.spec(), budget, phase, workload, data, max_batch)
+        if result.batch_size >= 1:
+            if time_steps > 0:
+                result.time_per_sample_ms = time_per_sample(result.strategy, phase, device, workload, data,
+                                                            result.batch_size, time_steps)
+            else:
+                result.note = (result.note + "; " if result.note else "") + "time not measured (--time-steps 0)"
+        results.append(result)
+    return results
+
+
+def fit_rows(results: list[FitResult]) -> list[dict]:
+    from dataclasses import asdict
+
+    return [asdict(r) for r in results]
+
+
+def format_fit(results: list[FitResult], time_steps: int) -> str:
+    header = (f"{'strategy':<28} {'phase':<5} {'largest batch':>13} {'peak MiB':>9} {'budget MiB':>10} "
+              f"{'next MiB':>9} {'ms/sample':>9} {'runs':>4}  note")
+    lines = [header, "-" * len(header)]
+    for r in results:
+        peak = mib(r.peak_bytes) if r.peak_bytes is not None else "-"
+        nxt = mib(r.next_batch_peak_bytes) if r.next_batch_peak_bytes is not None else "-"
+        t = f"{r.time_per_sample_ms:.2f}" if r.time_per_sample_ms is not None else "-"
+        verified = "verified by a tracked run" if r.verified and r.device == "cpu" else \
+            ("verified by a run" if r.verified else "")
+        note = "; ".join(x for x in (verified, f"next batch by {r.next_batch_method}" if r.next_batch_method else "",
+                                       r.note) if x)
+        lines.append(f"{r.strategy:<28} {r.phase:<5} {r.batch_size:>13} {peak:>9} {mib(r.budget_bytes):>10} "
+                     f"{nxt:>9} {t:>9} {r.runs:>4}  {note}")
+    lines.append(f"(ms/sample from {time_steps} timed step(s) at the largest batch, no warm-up on the CPU)"
+                 if time_steps else "(time not measured)")
+    return "\n".join(lines)
+
+
+def default_case(strategy: str, phase: str, batch_size: int, device: str, data: str,
+                 workload: str = "captcha_resnet18"):
+    from bench.runner import Case
+
+    return Case(workload, strategy, phase, batch_size, device, data=data)
+
+
+__all__ = ["parse_bytes", "prepare_breakdown", "breakdown_columns", "rule_of_thumb", "explain", "format_explain",
+           "fit", "format_fit", "FitResult", "BREAKDOWN_COLUMNS", "replace"]

@@ -1,0 +1,245 @@
+"""Memory analysis: breakdown of the peak, rule of thumb, explain, predict, fit, and CUDA OOM handling.
+
+Fast: synthetic data, batch sizes 2-3; expensive tracked passes are computed once and shared.
+"""
+
+import functools
+import gc
+
+import pandas as pd
+import pytest
+import torch
+
+from bench import analysis, predict
+from bench.analysis import BREAKDOWN_COLUMNS, parse_bytes
+from bench.cli import main
+from bench.errors import UsageError
+from bench.measure import LiveTensorTracker
+from bench.runner import Case, memory_pass, run_case
+from strategies import STRATEGIES
+
+WL = "captcha_resnet18"
+
+
+def case(strategy="baseline", phase="train", batch=2, device="cpu", **kw):
+    return Case(WL, strategy, phase, batch, device, data="synthetic", warmup=0, steps=1, **kw)
+
+
+@functools.lru_cache(maxsize=None)
+def tracked(strategy: str, phase: str, batch: int) -> dict:
+    """One exact CPU memory pass (cached: the tests share it)."""
+    strat, _ = analysis.bind_strategy(strategy, phase, "cpu", WL)
+    memory = memory_pass(case(strategy, phase, batch), strat)
+    memory.pop("_tracker")
+    return memory
+
+
+# --- parse_bytes ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, expected", [
+    ("4GiB", 4 * 2**30), ("512MiB", 512 * 2**20), ("1e9", 10**9), ("1.5GB", 1_500_000_000), ("300000", 300_000),
+    ("2 gib", 2 * 2**30), ("64KiB", 65536),
+])
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "4XB", "-1GiB", "0", "GiB", "1e999"])
+def test_parse_bytes_rejects(text):
+    with pytest.raises(UsageError):
+        parse_bytes(text)
+
+
+# --- breakdown ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("phase", ["train", "eval"])
+@pytest.mark.parametrize("strategy", STRATEGIES.names())
+def test_breakdown_adds_up_to_the_peak(strategy, phase):
+    memory = tracked(strategy, phase, 2)
+    assert sum(memory[c] for c in BREAKDOWN_COLUMNS) == memory["peak_mem_bytes"]
+    assert all(memory[c] >= 0 for c in BREAKDOWN_COLUMNS)
+    n_params = sum(p.numel() for p in __import__("workloads").get_workload(WL).build_model().parameters())
+    assert memory["peak_params_bytes"] == 4 * n_params
+    assert memory["peak_batch_bytes"] > 0
+    if strategy == "baseline" and phase == "train":
+        assert memory["peak_optimizer_bytes"] >= 2 * 4 * n_params  # Adam's exp_avg and exp_avg_sq
+        assert memory["peak_grads_bytes"] == 4 * n_params  # the peak is after backward: every .grad exists
+    if phase == "eval":
+        assert memory["peak_grads_bytes"] == memory["peak_optimizer_bytes"] == 0
+        assert memory["peak_activations_bytes"] > 0
+
+
+def test_breakdown_files_grads_state_and_activations():
+    """A toy step with known sizes: each category gets exactly its storages."""
+    w = torch.ones(1000, requires_grad=True)  # 4,000 params
+
+    class Toy:
+        optimizer = torch.optim.Adam([w])
+
+        def parameters(self):
+            return [w]
+
+        def optimizer_state(self):
+            return [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+
+    toy = Toy()
+    with LiveTensorTracker() as tracker:
+        tracker.track([w], "params")
+        for step in range(2):
+            if step == 1:
+                handles = analysis.prepare_breakdown(toy, tracker)
+                tracker.reset_peak()
+            tracker.stage = "forward"
+            loss = torch.sigmoid(w).sum()  # saves sigmoid's output (4,000) for backward
+            tracker.stage = "backward"
+            loss.backward()
+            tracker.stage = "optimizer"
+            toy.optimizer.step()
+            toy.optimizer.zero_grad()
+        for h in handles:
+            h.remove()
+    columns = analysis.breakdown_columns(tracker)
+    assert sum(columns.values()) == tracker.peak_bytes
+    assert columns["peak_params_bytes"] == 4000
+    assert columns["peak_optimizer_bytes"] >= 8000  # exp_avg, exp_avg_sq (+ step)
+    assert tracker.peak_stage == "optimizer" and columns["peak_grads_bytes"] == 4000
+
+
+def test_run_case_row_has_breakdown_and_rule_of_thumb():
+    row = run_case(case(phase="eval"))
+    assert row["status"] == "ok", row["message"]
+    assert sum(row[c] for c in BREAKDOWN_COLUMNS) == row["peak_mem_bytes"]
+    assert row["rule_of_thumb_bytes"] > 0
+
+
+def test_rule_of_thumb():
+    train, evl = analysis.rule_of_thumb(WL, "train", 2), analysis.rule_of_thumb(WL, "eval", 2)
+    assert train["params_bytes"] == 4 * 11_242_704 == evl["params_bytes"]
+    assert train["optimizer_bytes"] == 2 * train["params_bytes"] and evl["optimizer_bytes"] == 0
+    assert train["total_bytes"] == train["params_bytes"] * 3 + 2 * train["outputs_bytes"]
+    assert evl["total_bytes"] == evl["params_bytes"] + evl["outputs_bytes"]
+    assert analysis.rule_of_thumb(WL, "eval", 4)["outputs_bytes"] == 2 * evl["outputs_bytes"]
+
+
+# --- explain / predict / fit ----------------------------------------------------------------------------
+
+def test_explain_prints_breakdown_rule_and_modules(capsys):
+    assert main(["explain", "--strategy", "baseline", "--batch-size", "2", "--phase", "eval"]) == 0
+    out = capsys.readouterr().out
+    for word in ("breakdown of the peak", "params", "activations", "temp", "rule of thumb", "rule / measured",
+                 "why it is off", "per module", "layer1.0", "BasicBlock", "Conv2d", "fc_model"):
+        assert word in out, word
+
+
+def test_tracker_rounds_storages_to_blocks():
+    with LiveTensorTracker(block_bytes=512) as tracker:
+        a = torch.ones(1)  # 4 -> 512
+        b = torch.ones(129)  # 516 -> 1024
+        c = torch.empty(0)  # 0 -> 0
+        assert tracker.live_bytes == 1536
+    del a, b, c
+
+
+def test_predict_cuda_without_gpu(capsys, tmp_path):
+    assert main(["predict", "--device", "cuda", "--strategies", "baseline", "--batch-size", "2",
+                 "--phases", "eval", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "assumptions" in out and "512" in out
+    frame = pd.read_csv(next(tmp_path.glob("predict-*.csv")))
+    predicted = int(frame.loc[0, "predicted_bytes"])
+    exact = tracked("baseline", "eval", 2)["peak_mem_bytes"]
+    # the CPU-tracked peak with every storage rounded up to 512 bytes
+    assert exact <= predicted <= exact * 1.005
+
+
+def test_predict_on_meta_matches_the_cpu():
+    exact = tracked("baseline", "train", 2)["peak_mem_bytes"]
+    meta = predict.tracked_peak(case(), "baseline", engine="meta", block_bytes=1)
+    assert abs(meta - exact) <= exact * 1e-3
+
+
+def test_fit_finds_the_largest_verified_batch():
+    # eval: cheap steps; the search is the same for train
+    low, high = tracked("baseline", "eval", 2)["peak_mem_bytes"], tracked("baseline", "eval", 3)["peak_mem_bytes"]
+    assert high > low
+    budget = (low + high) // 2
+    [result] = analysis.fit([], budget, "eval", "cpu", WL, "synthetic", max_batch=64, time_steps=0)
+    assert result.strategy == "baseline" and result.verified and result.runs >= 1
+    assert result.batch_size == 2 and result.peak_bytes == low <= budget
+    assert high > budget  # batch + 1 does not fit (measured above)
+
+
+def test_fit_cli_table(capsys, tmp_path, monkeypatch):
+    calls = []
+
+    def fake_fit(specs, budget, *args):
+        calls.append((specs, budget))
+        return [analysis.FitResult("baseline", "train", "cpu", budget, 7, 1000, True, 2000, "meta probe", 1.5, "", 1)]
+
+    monkeypatch.setattr(analysis, "fit", fake_fit)
+    assert main(["fit", "--budget", "300MiB", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "largest batch" in out and "verified by a tracked run" in out
+    assert calls == [([], 300 * 2**20)]
+    assert pd.read_csv(next(tmp_path.glob("fit-*.csv"))).loc[0, "batch_size"] == 7
+
+
+@pytest.mark.parametrize("argv", [
+    ["fit", "--budget", "lots"],
+    ["fit", "--budget", "1GiB", "--strategies", "no_such_strategy"],
+    ["predict", "--strategies", "no_such_strategy"],
+    ["explain", "--strategy", "no_such_strategy", "--batch-size", "2"],
+    ["explain", "--strategy", "baseline", "--device", "gpu"],
+    ["fit", "--budget", "1GiB", "--device", "tpu"],
+])
+def test_cli_errors_exit_2_with_one_line(argv, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
+
+
+def test_memory_limit_on_cpu_warns_and_does_nothing(capsys):
+    from bench.cli import apply_memory_limit
+
+    assert apply_memory_limit("2GiB", "cpu") is None
+    assert "no effect" in capsys.readouterr().err
+    with pytest.raises(UsageError):
+        apply_memory_limit("lots", "cpu")
+
+
+# --- CUDA (skipped without a GPU) -----------------------------------------------------------------------
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("phase", ["train", "eval"])
+@pytest.mark.parametrize("strategy", STRATEGIES.names())
+def test_prediction_matches_cuda_measurement(strategy, phase):
+    strat, context = analysis.bind_strategy(strategy, phase, "cuda", WL)
+    try:
+        strat.check(context)
+    except Exception as error:  # noqa: BLE001
+        pytest.skip(str(error))
+    measured = memory_pass(case(strategy, phase, 8, device="cuda"), strat)["peak_mem_bytes"]
+    predicted = predict.predict_case(case(strategy, phase, 8, device="cuda"))["predicted_bytes"]
+    assert abs(predicted - measured) <= 0.10 * measured, (predicted, measured)
+
+
+@pytest.mark.cuda
+def test_oom_releases_cuda_memory(temporary_strategy=None):
+    from strategies import Strategy, register_strategy
+
+    class Hog(Strategy):
+        name = "test_cuda_hog"
+
+        def end_step(self, kept):
+            kept["hog"] = torch.empty(2**50, dtype=torch.uint8, device="cuda")  # far beyond any GPU: OOM
+
+    register_strategy(Hog)
+    try:
+        gc.collect()
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_allocated()
+        row = run_case(case("test_cuda_hog", device="cuda"))
+        assert row["status"] == "oom", row
+        assert torch.cuda.memory_allocated() == before
+    finally:
+        STRATEGIES.unregister("test_cuda_hog")
