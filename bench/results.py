@@ -33,6 +33,14 @@ COLUMNS = [
     "torch_version", "cuda_version", "cudnn_version", "cpu_threads", "git_commit", "python_version", "platform",
 ]
 
+# Sweep columns (bench.isolation, bench.stats), appended after the core ones: how the case was run and how
+# far its figures can be trusted. `cpu_threads` above is the thread count the case ran with (--threads).
+SWEEP_COLUMNS = [
+    "isolated", "deterministic", "repeats", "step_time_ms_ci95_low", "step_time_ms_ci95_high", "noisy",
+    "peak_mem_bytes_spread",
+]
+COLUMNS += SWEEP_COLUMNS
+
 CASE_KEY = ["workload", "strategy", "phase", "device", "batch_size", "data"]
 BASELINE_KEY = ["workload", "phase", "device", "batch_size", "data"]
 
