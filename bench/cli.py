@@ -171,8 +171,8 @@ def format_table(frame) -> str:
                      f"{num(r['time_vs_baseline'], RELATIVE_FORMAT):>7} {match:>7}  {status}")
     if any_noisy:
         lines.append(f"~ noisy: the 95% CI of the step time is wider than {_noise_threshold():.0%} of the median")
-    if {"peak_mem_bytes_spread", "repeats"} <= set(frame.columns) and (pd_num(frame["repeats"]) > 1).any():
-        spread = pd_num(frame["peak_mem_bytes_spread"]).where(frame["status"] == "ok")
+    if {"peak_mem_spread_bytes", "repeats"} <= set(frame.columns) and (pd_num(frame["repeats"]) > 1).any():
+        spread = pd_num(frame["peak_mem_spread_bytes"]).where(frame["status"] == "ok")
         differ = frame.loc[spread > 0, "strategy"].tolist()
         lines.append("peak bytes across repeats: " + (f"DIFFER for {', '.join(map(str, differ))}" if differ
                                                      else "identical in every ok row (spread 0 B)"))

@@ -37,7 +37,7 @@ COLUMNS = [
 # far its figures can be trusted. `cpu_threads` above is the thread count the case ran with (--threads).
 SWEEP_COLUMNS = [
     "isolated", "deterministic", "repeats", "step_time_ms_ci95_low", "step_time_ms_ci95_high", "noisy",
-    "peak_mem_bytes_spread",
+    "peak_mem_spread_bytes",
 ]
 COLUMNS += SWEEP_COLUMNS
 

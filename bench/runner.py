@@ -274,7 +274,7 @@ def run_case(case: Case, env: dict | None = None, options: RunOptions | None = N
 
     In this process, inside `process_state` (threads and determinism set, every process-wide flag restored
     afterwards). With `options.repeats` K > 1 the timing pass and the memory pass run K times each:
-    `peak_mem_bytes` is the largest peak and `peak_mem_bytes_spread` the largest minus the smallest (0 on the
+    `peak_mem_bytes` is the largest peak and `peak_mem_spread_bytes` the largest minus the smallest (0 on the
     CPU, where the count is exact). `verify_result=False` skips the comparison with the baseline (later repeats of
     an isolated case). `_step_times_ms` and `_peaks` hold the raw figures; run_cases drops them.
     """
@@ -312,8 +312,8 @@ def run_case(case: Case, env: dict | None = None, options: RunOptions | None = N
 
 
 def peak_columns(peaks: list[int]) -> dict[str, Any]:
-    """`peak_mem_bytes` (the largest of the repeats) and `peak_mem_bytes_spread` (largest minus smallest)."""
-    return {"peak_mem_bytes": max(peaks), "peak_mem_bytes_spread": max(peaks) - min(peaks), "_peaks": peaks}
+    """`peak_mem_bytes` (the largest of the repeats) and `peak_mem_spread_bytes` (largest minus smallest)."""
+    return {"peak_mem_bytes": max(peaks), "peak_mem_spread_bytes": max(peaks) - min(peaks), "_peaks": peaks}
 
 
 def run_case_isolated(case: Case, env: dict | None, options: RunOptions) -> dict[str, Any]:

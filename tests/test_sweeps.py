@@ -254,7 +254,7 @@ def test_repeats_give_a_ci_identical_peaks_and_the_requested_threads():
     assert row["status"] == "ok", row["message"]
     assert row["repeats"] == 3 and row["cpu_threads"] == 1 and row["deterministic"] is True
     assert row["step_time_ms_ci95_low"] <= row["step_time_ms_median"] <= row["step_time_ms_ci95_high"]
-    assert row["peak_mem_bytes_spread"] == 0 and row["peak_mem_bytes"] > 0
+    assert row["peak_mem_spread_bytes"] == 0 and row["peak_mem_bytes"] > 0
     assert isinstance(row["noisy"], bool)
     assert not torch.are_deterministic_algorithms_enabled()
     table = format_table(results.to_frame([row]))
@@ -266,4 +266,4 @@ def test_repeats_give_a_ci_identical_peaks_and_the_requested_threads():
 def test_sweep_columns_follow_the_core_columns():
     assert results.COLUMNS[-len(results.SWEEP_COLUMNS):] == results.SWEEP_COLUMNS
     assert {"isolated", "repeats", "step_time_ms_ci95_low", "step_time_ms_ci95_high", "noisy",
-            "peak_mem_bytes_spread", "deterministic"} <= set(results.COLUMNS)
+            "peak_mem_spread_bytes", "deterministic"} <= set(results.COLUMNS)
