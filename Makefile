@@ -1,5 +1,6 @@
 # membench: `make bench` runs the default suite, `make test` runs the tests.
-# Both create .venv and install what they need on first use.
+# `make perf` times each strategy's train step with pytest-benchmark (benchmarks/, not run by `make test`).
+# All create .venv and install what they need on first use.
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
 DEVICE ?= auto
@@ -29,6 +30,12 @@ bench: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# --benchmark-enable overrides the --benchmark-disable in pyproject's addopts; --benchmark-autosave keeps each run
+# under .benchmarks/ for --benchmark-compare; the JSON of the latest run goes to results/perf/ (git-ignored).
+perf: $(STAMP)
+	mkdir -p $(OUT)/perf
+	$(PY) -m pytest benchmarks -q --benchmark-enable --benchmark-autosave --benchmark-json=$(OUT)/perf/benchmark.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .benchmarks build *.egg-info

@@ -48,6 +48,40 @@ def _add_case_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", default=None, help="captcha (real images) or synthetic (random tensors)")
     p.add_argument("--out", default="results", help="folder for the results CSV (default results/)")
     p.add_argument("--quick", action="store_true", help="1 warm-up step and 3 measured steps")
+    _add_sweep_options(p)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise UsageError(f"bad value {text!r}; expected a positive integer") from None
+    if value <= 0:
+        raise UsageError(f"bad value {value}; expected a positive integer")
+    return value
+
+
+def _add_sweep_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
+                   help="run each case (and each repeat) in a fresh Python process (default: on for cuda, "
+                        "off for cpu); --no-isolate runs in this process with process-wide flags restored")
+    p.add_argument("--repeats", type=_positive_int, default=1,
+                   help="repeat each case's timing and memory passes K times; adds a 95%% CI and a noisy flag")
+    p.add_argument("--threads", type=_positive_int, default=None,
+                   help="torch.set_num_threads for every case (default: torch's default here, "
+                        "usually the physical cores); recorded in cpu_threads")
+    p.add_argument("--deterministic", action="store_true",
+                   help="cudnn.deterministic and torch.use_deterministic_algorithms(True) for each case")
+    p.add_argument("--resume", default=None, metavar="CSV",
+                   help="continue the run in this results CSV: skip its finished cases, run the rest into it")
+
+
+def _run_options(args, device: str):
+    from bench.isolation import RunOptions
+
+    isolate = args.isolate if getattr(args, "isolate", None) is not None else device == "cuda"
+    return RunOptions(isolate=isolate, repeats=getattr(args, "repeats", 1), threads=getattr(args, "threads", None),
+                      deterministic=getattr(args, "deterministic", False))
 
 
 def _suite_from_args(args, device: str, strategies: list[str] | None):
@@ -92,32 +126,76 @@ def _progress(index: int, total: int, case, row) -> None:
           file=sys.stderr, flush=True)
 
 
-def _run_suite(suite, device: str, out: str):
+def _run_suite(suite, device: str, out: str, options=None, resume: str | None = None):
+    """Runs the suite's cases into a new CSV under `out`, or, with `resume`, the unfinished ones into that CSV."""
     from bench.results import new_run_id, to_frame
     from bench.runner import run_cases
 
     cases = suite.cases(device)
-    out_path = Path(out) / f"{new_run_id(device)}.csv"
-    rows = run_cases(cases, out_path, progress=_progress)
+    previous, run_id = None, None
+    if resume:
+        from bench.resume import load_resume
+
+        from bench.isolation import RunOptions
+
+        resumed = load_resume(resume, cases, options or RunOptions())
+        out_path, previous, run_id = resumed.path, resumed.rows, resumed.run_id
+        print(f"resuming {out_path}: {len(previous)} finished, {len(resumed.remaining)} to run",
+              file=sys.stderr, flush=True)
+        cases = resumed.remaining
+    else:
+        out_path = Path(out) / f"{new_run_id(device)}.csv"
+    rows = run_cases(cases, out_path, progress=_progress, options=options, previous_rows=previous, run_id=run_id)
     return to_frame(rows), out_path
 
 
 def format_table(frame) -> str:
     """The console table: one line per case, memory and time relative to the baseline."""
     header = f"{'strategy':<32} {'phase':<5} {'batch':>5} {'peak MiB':>9} {'vs base':>7} " \
-             f"{'step ms':>9} {'± IQR':>7} {'vs base':>7} {'matches':>7}  status"
+             f"{'step ms':>9} {'± IQR':>7} {'95% CI ms':>15} {'vs base':>7} {'matches':>7}  status"
     lines = [header, "-" * len(header)]
+    any_noisy = False
     for _, r in frame.iterrows():
         def num(value, fmt):
             return fmt.format(value) if value == value and value is not None else "-"
         mib = r["peak_mem_bytes"] / 2**20 if r["status"] == "ok" else float("nan")
         match = {True: "yes", False: "NO"}.get(r["matches_baseline"], "-")
         status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r['message']}"
+        noisy = r.get("noisy") is True or str(r.get("noisy")).lower() == "true"
+        noisy = noisy and r["status"] == "ok"
+        any_noisy |= noisy
+        step = num(r["step_time_ms_median"], "{:.1f}") + ("~" if noisy else "")
         lines.append(f"{r['strategy']:<32} {r['phase']:<5} {r['batch_size']:>5} {num(mib, '{:.1f}'):>9} "
-                     f"{num(r['mem_vs_baseline'], RELATIVE_FORMAT):>7} {num(r['step_time_ms_median'], '{:.1f}'):>9} "
-                     f"{num(r['step_time_ms_iqr'], '{:.1f}'):>7} {num(r['time_vs_baseline'], RELATIVE_FORMAT):>7} "
-                     f"{match:>7}  {status}")
+                     f"{num(r['mem_vs_baseline'], RELATIVE_FORMAT):>7} {step:>9} "
+                     f"{num(r['step_time_ms_iqr'], '{:.1f}'):>7} {_ci(r):>15} "
+                     f"{num(r['time_vs_baseline'], RELATIVE_FORMAT):>7} {match:>7}  {status}")
+    if any_noisy:
+        lines.append(f"~ noisy: the 95% CI of the step time is wider than {_noise_threshold():.0%} of the median")
+    if {"peak_mem_spread_bytes", "repeats"} <= set(frame.columns) and (pd_num(frame["repeats"]) > 1).any():
+        spread = pd_num(frame["peak_mem_spread_bytes"]).where(frame["status"] == "ok")
+        differ = frame.loc[spread > 0, "strategy"].tolist()
+        lines.append("peak bytes across repeats: " + (f"DIFFER for {', '.join(map(str, differ))}" if differ
+                                                     else "identical in every ok row (spread 0 B)"))
     return "\n".join(lines)
+
+
+def pd_num(column):
+    import pandas as pd
+
+    return pd.to_numeric(column, errors="coerce").fillna(0)
+
+
+def _ci(r) -> str:
+    low, high = r.get("step_time_ms_ci95_low"), r.get("step_time_ms_ci95_high")
+    if low is None or high is None or low != low or high != high or r["status"] != "ok":
+        return "-"
+    return f"[{low:.1f}, {high:.1f}]"
+
+
+def _noise_threshold() -> float:
+    from bench.stats import NOISE_THRESHOLD
+
+    return NOISE_THRESHOLD
 
 
 # --- subcommands -----------------------------------------------------------------------------------------
@@ -159,7 +237,7 @@ def cmd_run(args) -> int:
     apply_memory_limit(getattr(args, "memory_limit", None), device)
     strategies = _csv_list(args.strategies) if args.strategies else None
     suite = _suite_from_args(args, device, strategies)
-    frame, path = _run_suite(suite, device, args.out)
+    frame, path = _run_suite(suite, device, args.out, _run_options(args, device), args.resume)
     print(format_table(frame))
     print(f"\nwrote {path}")
     return 0
@@ -172,7 +250,7 @@ def cmd_compare(args) -> int:
     device = resolve_device(args.device)
     apply_memory_limit(getattr(args, "memory_limit", None), device)
     suite = _suite_from_args(args, device, _csv_list(args.strategies))
-    frame, path = _run_suite(suite, device, args.out)
+    frame, path = _run_suite(suite, device, args.out, _run_options(args, device), args.resume)
     print(format_table(frame))
     print(f"\nwrote {path}")
     return 0

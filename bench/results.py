@@ -36,6 +36,14 @@ COLUMNS = [
     "peak_batch_bytes", "rule_of_thumb_bytes",
 ]
 
+# Sweep columns (bench.isolation, bench.stats), appended after the core ones: how the case was run and how
+# far its figures can be trusted. `cpu_threads` above is the thread count the case ran with (--threads).
+SWEEP_COLUMNS = [
+    "isolated", "deterministic", "repeats", "step_time_ms_ci95_low", "step_time_ms_ci95_high", "noisy",
+    "peak_mem_spread_bytes",
+]
+COLUMNS += SWEEP_COLUMNS
+
 CASE_KEY = ["workload", "strategy", "phase", "device", "batch_size", "data"]
 BASELINE_KEY = ["workload", "phase", "device", "batch_size", "data"]
 

@@ -13,12 +13,15 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
+import pandas as pd
 import torch
 
 from bench import measure
 from bench.env import environment
 from bench.errors import Unsupported, UsageError
-from bench.results import SCHEMA_VERSION, new_run_id, now_iso, write_rows
+from bench.isolation import RunOptions, process_state, run_in_worker
+from bench.results import SCHEMA_VERSION, new_run_id, now_iso, write_csv_atomic, write_rows
+from bench.stats import summarize_timing
 from strategies import StepContext, Strategy, parse_strategy
 from workloads import get_workload
 
@@ -193,17 +196,22 @@ def verify(case: Case, strategy: Strategy) -> dict[str, Any]:
 
 # --- timing and memory ---------------------------------------------------------------------------------
 
-def timing_pass(case: Case, strategy: Strategy) -> dict[str, Any]:
-    """Warm-up steps, then `case.steps` steps timed one by one, with nothing tracking memory."""
+def step_times(case: Case, strategy: Strategy) -> list[float]:
+    """One repeat: a fresh session, warm-up steps, then `case.steps` steps timed one by one (ms)."""
     session = Session(case, strategy)
     with strategy.session():
         stats = measure.time_steps(session.step, case.warmup, case.steps, case.device)
-    return {
-        "step_time_ms_median": stats.median_ms,
-        "step_time_ms_iqr": stats.iqr_ms,
-        "step_time_ms_min": stats.min_ms,
-        "samples_per_s": case.batch_size / (stats.median_ms / 1e3),
-    }
+    return stats.times_ms
+
+
+def timing_pass(case: Case, strategy: Strategy, repeats: int = 1) -> dict[str, Any]:
+    """`repeats` repeats of warm-up + timed steps, with nothing tracking memory; all steps pooled.
+
+    Besides the timing columns (see bench.stats for the confidence interval and the noise flag) the result
+    holds `_step_times_ms`, the raw times of each repeat, so that repeats run elsewhere can be pooled.
+    """
+    per_repeat = [step_times(case, strategy) for _ in range(repeats)]
+    return {**summarize_timing(case.batch_size, per_repeat), "_step_times_ms": per_repeat}
 
 
 def memory_pass(case: Case, strategy: Strategy, record_timeline: bool = False,
@@ -278,57 +286,153 @@ def is_oom(error: BaseException) -> bool:
     return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
 
 
-def run_case(case: Case, env: dict | None = None) -> dict[str, Any]:
-    """One row: the case, its verification, timing and memory, and its status (ok, oom, unsupported, error)."""
-    row: dict[str, Any] = {
+def base_row(case: Case, env: dict | None = None, options: RunOptions | None = None) -> dict[str, Any]:
+    """The columns a row has before anything is measured: the case, the run options, the environment."""
+    options = options or RunOptions()
+    return {
         "schema_version": SCHEMA_VERSION, "timestamp": now_iso(), "workload": case.workload,
         "strategy": case.strategy, "phase": case.phase, "device": case.device, "batch_size": case.batch_size,
         "data": case.data, "warmup_steps": case.warmup, "measured_steps": case.steps,
         "status": "ok", "message": "",
         **(env or environment(case.device)),
+        "isolated": bool(options.isolate), "repeats": options.repeats, "deterministic": bool(options.deterministic),
     }
-    try:
-        strategy = parse_strategy(case.strategy)
-        row["strategy"] = strategy.spec()
-        context = StepContext(case.phase, case.device, case.workload)
-        strategy.bind(context)
-        strategy.check(context)
-        row["strategy_settings"] = ";".join(f"{k}={v}" for k, v in strategy.describe().items())
-        row.update(verify(case, strategy))
-        row.update(timing_pass(case, strategy))
-        memory = memory_pass(case, strategy)
-        memory.pop("_tracker", None)
-        row.update(memory)
-        row["rule_of_thumb_bytes"] = rule_of_thumb_bytes(case)
-    except UsageError:
-        raise
-    except Unsupported as error:
-        row.update(status="unsupported", message=str(error))
-    except Exception as error:  # noqa: BLE001 - any failure becomes a row and the sweep goes on
-        row.update(status="oom" if is_oom(error) else "error",
-                   message=f"{type(error).__name__}: {error}".splitlines()[0][:500])
-        forget_traceback(error)
-    finally:
-        if case.device == "cuda":
-            release_cuda_memory()
+
+
+def run_case(case: Case, env: dict | None = None, options: RunOptions | None = None,
+             verify_result: bool = True) -> dict[str, Any]:
+    """One row: the case, its verification, timing and memory, and its status (ok, oom, unsupported, error).
+
+    In this process, inside `process_state` (threads and determinism set, every process-wide flag restored
+    afterwards). With `options.repeats` K > 1 the timing pass and the memory pass run K times each:
+    `peak_mem_bytes` is the largest peak and `peak_mem_spread_bytes` the largest minus the smallest (0 on the
+    CPU, where the count is exact). `verify_result=False` skips the comparison with the baseline (later repeats of
+    an isolated case). `_step_times_ms` and `_peaks` hold the raw figures; run_cases drops them.
+    """
+    options = options or RunOptions()
+    row = base_row(case, env, options)
+    with process_state(options.threads, options.deterministic):
+        row["cpu_threads"] = torch.get_num_threads()
+        try:
+            strategy = parse_strategy(case.strategy)
+            row["strategy"] = strategy.spec()
+            context = StepContext(case.phase, case.device, case.workload)
+            strategy.bind(context)
+            strategy.check(context)
+            row["strategy_settings"] = ";".join(f"{k}={v}" for k, v in strategy.describe().items())
+            if verify_result:
+                row.update(verify(case, strategy))
+            row.update(timing_pass(case, strategy, options.repeats))
+            peaks = []
+            for index in range(options.repeats):
+                memory = memory_pass(case, strategy, record_timeline=index == 0 and case.phase == "train")
+                tracker = memory.pop("_tracker", None)
+                if tracker is not None and tracker.timeline:
+                    row["_timeline"] = [asdict(point) for point in tracker.timeline]
+                peaks.append(memory["peak_mem_bytes"])
+            row.update(memory, **peak_columns(peaks))
+            row["rule_of_thumb_bytes"] = rule_of_thumb_bytes(case)
+        except UsageError:
+            raise
+        except Unsupported as error:
+            row.update(status="unsupported", message=str(error))
+        except Exception as error:  # noqa: BLE001 - any failure becomes a row and the sweep goes on
+            row.update(status="oom" if is_oom(error) else "error",
+                       message=f"{type(error).__name__}: {error}".splitlines()[0][:500])
+            forget_traceback(error)
+        finally:
+            if case.device == "cuda":
+                release_cuda_memory()
     return row
 
 
+def peak_columns(peaks: list[int]) -> dict[str, Any]:
+    """`peak_mem_bytes` (the largest of the repeats) and `peak_mem_spread_bytes` (largest minus smallest)."""
+    return {"peak_mem_bytes": max(peaks), "peak_mem_spread_bytes": max(peaks) - min(peaks), "_peaks": peaks}
+
+
+def run_case_isolated(case: Case, env: dict | None, options: RunOptions) -> dict[str, Any]:
+    """`run_case` with each of the K repeats in a fresh worker process; the repeats' figures pooled.
+
+    The first repeat also verifies against the baseline. A repeat that does not end `ok` (a crashed worker
+    included) ends the case, and its row is the case's row.
+    """
+    repeats = []
+    for index in range(options.repeats):
+        row = {**base_row(case, env, options), **run_in_worker(case, env, options, verify=index == 0)}
+        row.update(isolated=True, repeats=options.repeats)
+        if row["status"] != "ok":
+            return row
+        repeats.append(row)
+    row = repeats[0]
+    times = [t for r in repeats for t in r["_step_times_ms"]]
+    peaks = [p for r in repeats for p in r["_peaks"]]
+    row.update(summarize_timing(case.batch_size, times), **peak_columns(peaks))
+    row["repeats"] = options.repeats
+    return row
+
+
+class StepTimeline:
+    """Live bytes after each operator of one training step per case, kept in `<run>.timeline.csv` beside the results.
+
+    The chart of memory over a step is drawn from this file. A resumed run keeps the points already on disk.
+    """
+
+    COLUMNS = ["workload", "strategy", "phase", "device", "batch_size", "data", "index", "stage", "op", "live_bytes"]
+
+    def __init__(self, results_path: Path | None):
+        self.path = None if results_path is None else Path(results_path).with_suffix(".timeline.csv")
+        self.frames: list[pd.DataFrame] = []
+        if self.path is not None and self.path.exists():
+            self.frames.append(pd.read_csv(self.path))
+        self.changed = False
+
+    def add(self, case: Case, points: list[dict] | None) -> None:
+        if not points:
+            return
+        frame = pd.DataFrame(points)
+        for key in ("workload", "strategy", "phase", "device", "batch_size", "data"):
+            frame[key] = getattr(case, key)
+        self.frames.append(frame[self.COLUMNS])
+        self.changed = True
+
+    def write(self) -> None:
+        if self.path is not None and self.changed:
+            write_csv_atomic(pd.concat(self.frames, ignore_index=True), self.path)
+            self.changed = False
+
+
 def run_cases(cases: list[Case], out_path: Path | None = None,
-              progress: Callable[[int, int, Case, dict | None], None] | None = None) -> list[dict]:
-    """Runs every case in order; after each one the CSV at `out_path` is rewritten atomically with all rows so far."""
-    run_id = new_run_id() if out_path is None else Path(out_path).stem
+              progress: Callable[[int, int, Case, dict | None], None] | None = None,
+              options: RunOptions | None = None, previous_rows: list[dict] | None = None,
+              run_id: str | None = None) -> list[dict]:
+    """Runs every case in order; after each one the CSV at `out_path` is rewritten atomically with all rows so far.
+
+    `options`: isolation, repeats, threads, determinism (bench.isolation.RunOptions; default: in-process, once).
+    `previous_rows` (a resumed run's finished rows) are written first and returned with the new ones;
+    `run_id` defaults to the file's stem. A reader (or a run killed at any moment) never sees a half-written
+    file: each write goes to a temporary file renamed over the CSV.
+    """
+    options = (options or RunOptions()).resolved()
+    run_id = run_id or (new_run_id() if out_path is None else Path(out_path).stem)
     envs: dict[str, dict] = {}
-    rows: list[dict] = []
+    rows: list[dict] = list(previous_rows or [])
+    timeline = StepTimeline(out_path)
     for index, case in enumerate(cases):
         if progress:
             progress(index, len(cases), case, None)
         env = envs.setdefault(case.device, environment(case.device))
-        row = run_case(case, env)
+        if options.isolate:
+            row = run_case_isolated(case, env, options)
+        else:
+            row = run_case(case, env, options)
+        timeline.add(replace(case, strategy=row["strategy"]), row.get("_timeline"))
+        row = {k: v for k, v in row.items() if not k.startswith("_")}
         row["run_id"] = run_id
         rows.append(row)
         if out_path is not None:
             write_rows(rows, out_path)
+            timeline.write()
         if progress:
             progress(index, len(cases), case, row)
     return rows

@@ -55,8 +55,26 @@ def validate(values: dict[str, Any], where: str) -> dict[str, Any]:
         kind, what = _FIELDS[key]
         if not isinstance(value, kind) or isinstance(value, bool):
             raise UsageError(f"{where}: key {key!r} must be {what}, got {value!r}")
+    for key in ("strategies", "phases", "batch_sizes"):
+        items = values.get(key)
+        if items is None:
+            continue
+        if not items:
+            raise UsageError(f"{where}: key {key!r} must not be empty; give {_FIELDS[key][1]}")
+        seen = set()
+        for item in items:
+            if key == "batch_sizes" and (not isinstance(item, int) or isinstance(item, bool) or item <= 0):
+                raise UsageError(f"{where}: key 'batch_sizes': batch size {item!r} must be a positive integer")
+            if key != "batch_sizes" and not isinstance(item, str):
+                raise UsageError(f"{where}: key {key!r}: entry {item!r} must be a name (a string)")
+            if item in seen:
+                raise UsageError(f"{where}: key {key!r}: duplicate entry {item!r}")
+            seen.add(item)
     if "workload" in values:
-        WORKLOADS.get(values["workload"])
+        try:
+            WORKLOADS.get(values["workload"])
+        except UsageError as error:
+            raise UsageError(f"{where}: key 'workload': {error}") from None
     if "data" in values and values["data"] not in ("captcha", "synthetic"):
         raise UsageError(f"{where}: key 'data': unknown data source {values['data']!r}; valid choices: captcha, synthetic")
     for spec in values.get("strategies", []):
@@ -91,8 +109,12 @@ def load_suite(path: Path | str, device: str) -> Suite:
     if not isinstance(raw, dict):
         raise UsageError(f"{path}: a suite must be a mapping of keys ({', '.join(_FIELDS)}), got {type(raw).__name__}")
     overrides = raw.pop("devices", None) or {}
-    if not isinstance(overrides, dict) or any(k not in _DEVICE_KEYS for k in overrides):
+    if not isinstance(overrides, dict):
         raise UsageError(f"{path}: key 'devices' must map {' / '.join(_DEVICE_KEYS)} to overrides, got {overrides!r}")
+    for dev in overrides:
+        if dev not in _DEVICE_KEYS:
+            raise UsageError(f"{path}: key 'devices.{dev}': unknown device {dev!r}; valid choices: "
+                             f"{', '.join(_DEVICE_KEYS)}")
     values = validate(raw, str(path))
     for dev, extra in overrides.items():
         if not isinstance(extra, dict):

@@ -1,0 +1,71 @@
+"""Suite files are rejected before anything runs, with the file, the key and the reason in one message."""
+
+import pytest
+
+from bench.cli import main
+from bench.errors import UsageError
+from bench.suite import load_suite
+
+GOOD = "strategies: [baseline]\nphases: [eval]\nbatch_sizes: [2]\ndata: synthetic\nwarmup: 0\nsteps: 1\n"
+
+
+@pytest.mark.parametrize("text, key, reason", [
+    ("strategies: [baseline, nonsense]", "strategies", "unknown strategy 'nonsense'"),
+    ("strategies: []", "strategies", "must not be empty"),
+    ("strategies: [baseline, baseline]", "strategies", "duplicate entry 'baseline'"),
+    ("strategies: baseline", "strategies", "must be a list"),
+    ("strategies: [1]", "strategies", "must be a name"),
+    ("batch_sizes: [0]", "batch_sizes", "positive integer"),
+    ("batch_sizes: [-4]", "batch_sizes", "positive integer"),
+    ("batch_sizes: [2.5]", "batch_sizes", "positive integer"),
+    ("batch_sizes: [true]", "batch_sizes", "positive integer"),
+    ("batch_sizes: [2, 2]", "batch_sizes", "duplicate entry 2"),
+    ("batch_sizes: []", "batch_sizes", "must not be empty"),
+    ("phases: [train, test]", "phases", "unknown phase 'test'"),
+    ("phases: []", "phases", "must not be empty"),
+    ("steps: \"ten\"", "steps", "must be a positive integer"),
+    ("steps: 0", "steps", "must be a positive integer"),
+    ("warmup: -1", "warmup", "non-negative"),
+    ("warmup: true", "warmup", "non-negative"),
+    ("data: mnist", "data", "unknown data source 'mnist'"),
+    ("workload: resnet50", "workload", "unknown workload 'resnet50'"),
+    ("batchsizes: [2]", "batchsizes", "unknown key"),
+    ("devices: {tpu: {steps: 1}}", "devices.tpu", "unknown device 'tpu'"),
+    ("devices: [cuda]", "devices", "must map"),
+    ("devices: {cuda: 3}", "devices.cuda", "must be a mapping"),
+    ("devices: {cuda: {steps: \"ten\"}}", "steps", "must be a positive integer"),
+    ("devices: {cuda: {bogus: 1}}", "bogus", "unknown key"),
+    ("devices: {cpu: {strategies: [nonsense]}}", "strategies", "unknown strategy"),
+])
+def test_a_bad_suite_names_file_key_and_reason(tmp_path, text, key, reason):
+    path = tmp_path / "bad_suite.yaml"
+    path.write_text(text + "\n")
+    with pytest.raises(UsageError) as caught:
+        load_suite(path, "cpu")
+    message = str(caught.value)
+    assert str(path) in message and repr(key).strip("'") in message and reason in message, message
+
+
+def test_nested_override_errors_say_which_device(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text("devices:\n  cuda:\n    batch_sizes: [0]\n")
+    with pytest.raises(UsageError, match=r"devices\.cuda.*batch_sizes.*positive"):
+        load_suite(path, "cpu")  # checked even when running on the other device
+
+
+def test_a_bad_suite_fails_before_any_case_runs(tmp_path, capsys):
+    path = tmp_path / "s.yaml"
+    path.write_text(GOOD + "devices: {cpu: {steps: \"ten\"}}\n")
+    out = tmp_path / "out"
+    assert main(["run", "--suite", str(path), "--device", "cpu", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "s.yaml" in err and "'steps'" in err
+    assert not out.exists()
+
+
+def test_good_suites_load(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text(GOOD + "devices: {cuda: {steps: 30}}\n")
+    suite = load_suite(path, "cpu")
+    assert suite.steps == 1 and suite.batch_sizes == [2]
+    assert load_suite(path, "cuda").steps == 30
