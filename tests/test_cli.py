@@ -75,8 +75,11 @@ def test_compare_end_to_end_on_cpu(tmp_path):
                 "--warmup", "0", "--steps", "2", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
     assert "baseline" in proc.stdout and "peak MiB" in proc.stdout
-    [csv] = list(tmp_path.glob("*.csv"))
+    [csv] = [p for p in tmp_path.glob("*.csv") if not p.name.endswith(".timeline.csv")]
     frame = pd.read_csv(csv)
+    timeline = pd.read_csv(csv.with_suffix(".timeline.csv"))
+    assert set(timeline["stage"]) == {"forward", "backward", "optimizer"}
+    assert timeline["live_bytes"].max() == frame.loc[frame["phase"] == "train", "peak_mem_bytes"].item()
     assert list(frame.columns) == results.COLUMNS
     assert list(frame["phase"]) == ["train", "eval"] and set(frame["status"]) == {"ok"}
     assert (frame["schema_version"] == results.SCHEMA_VERSION).all()
