@@ -19,13 +19,18 @@ class Amp(Strategy):
     its scaler is disabled. The dtype used is written into the row as `amp.dtype`.
 
     Tolerance: 16-bit matmuls and convolutions do not reproduce fp32. Measured at batch 8 on the CPU (synthetic
-    data), bfloat16: SEE_BELOW
+    data), bfloat16 against fp32 from the same seed: loss_rel_diff 2.2e-4 (2.4e-4 at batch 2); per-parameter
+    gradient relative norm difference max 0.47 (0.45 at batch 2, median 0.37, largest on BatchNorm weights and
+    biases, whose gradients are sums with heavy cancellation at initialisation, where 8-bit mantissas lose most
+    of the signal); eval output max abs difference 6.6e-5 (softmax probabilities). Tolerance, with margin:
+    loss 2e-3, gradients 0.75, outputs 1e-3. The gradient check is thus weak for amp: it catches a missing or
+    mis-scaled gradient (a factor of the GradScaler's 65536, or zeros), not bf16 rounding.
     """
 
     name = "amp"
     description = "autocast forward in 16-bit floats; GradScaler on the backward for float16"
     options = {"dtype": "auto"}
-    tolerance = Tolerance(loss_rtol=1e-2, grad_rtol=0.2, output_atol=1e-2)
+    tolerance = Tolerance(loss_rtol=2e-3, grad_rtol=0.75, output_atol=1e-3)
     priority = 40  # inside no_grad/outer contexts; applies to whatever model the transforms built
 
     def __init__(self, **options):
