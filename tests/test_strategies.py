@@ -220,7 +220,8 @@ def test_amp_lowers_train_peak():
 def test_checkpoint_plus_amp_lowest_train_peak():
     # Batch 8: baseline 221,420,444; checkpoint 201,534,524; amp 201,052,956; checkpoint+amp 198,945,944 (0.898,
     # its peak now in the optimizer step). Passed with --runslow in 65 s here (bf16 timing varies with load).
-    # (At batch 4 all three tie near 198.87 MB: the peak is Adam's step, which neither touches.)
+    # (At batch 4 checkpoint, amp and checkpoint+amp tie near 198.87 MB: their peak is Adam's step, which none
+    # touches, so this comparison needs batch 8.)
     baseline, amp, ckpt = _peak("baseline", "train"), _peak("amp", "train"), _peak("checkpoint", "train")
     both = _peak("checkpoint+amp", "train")
     assert amp < baseline
