@@ -1,4 +1,4 @@
-"""Shared test set-up: a private data cache, and the `cuda` marker skipped on machines without a GPU."""
+"""Shared test set-up: a private data cache; `cuda` tests skipped without a GPU; `slow` ones only on request."""
 
 import os
 
@@ -18,10 +18,16 @@ def _private_data_cache(tmp_path_factory):
         os.environ["MEMBENCH_CACHE"] = old
 
 
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true", default=False, help="also run tests marked slow")
+
+
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU; torch.cuda.is_available() is False")
+    skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU; torch.cuda.is_available() is False")
+    skip_slow = pytest.mark.skip(reason="slow: run with --runslow or MEMBENCH_SLOW=1")
+    run_slow = config.getoption("--runslow") or os.environ.get("MEMBENCH_SLOW") == "1"
     for item in items:
-        if "cuda" in item.keywords:
-            item.add_marker(skip)
+        if "cuda" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_cuda)
+        if "slow" in item.keywords and not run_slow:
+            item.add_marker(skip_slow)

@@ -1,0 +1,30 @@
+"""cuDNN autotuning: `torch.backends.cudnn.benchmark = True` for the case, restored afterwards."""
+
+import contextlib
+
+import torch
+
+from strategies.base import Strategy, register_strategy
+
+
+@register_strategy
+class CudnnBenchmark(Strategy):
+    """Lets cuDNN try its convolution algorithms and keep the fastest (its workspace may cost memory).
+
+    CUDA only: on the CPU the row is `unsupported`. Exact to float tolerance (algorithms differ only in the order of
+    float sums). The previous flag value is restored when the session ends, even on an exception.
+    """
+
+    name = "cudnn_benchmark"
+    description = "torch.backends.cudnn.benchmark = True (autotuned convolution algorithms)"
+    devices = ("cuda",)
+    priority = 10
+
+    @contextlib.contextmanager
+    def session(self):
+        previous = torch.backends.cudnn.benchmark
+        torch.backends.cudnn.benchmark = True
+        try:
+            yield
+        finally:
+            torch.backends.cudnn.benchmark = previous

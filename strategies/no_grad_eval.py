@@ -1,0 +1,18 @@
+"""Validation under `torch.no_grad()`: no autograd graph, so no activation is kept for a backward that never comes."""
+
+import torch
+
+from strategies.base import Strategy, register_strategy
+
+
+@register_strategy
+class NoGradEval(Strategy):
+    """The eval forward inside `torch.no_grad()`. Exact; eval only (in train it is an `unsupported` row)."""
+
+    name = "no_grad_eval"
+    description = "validation forward inside torch.no_grad(): no autograd graph is built"
+    phases = ("eval",)
+    priority = 35
+
+    def forward(self):
+        return torch.no_grad()
