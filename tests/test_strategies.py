@@ -216,7 +216,6 @@ def test_amp_lowers_train_peak():
     assert _peak("amp", "train", 4) < _peak("baseline", "train", 4)
 
 
-@pytest.mark.slow  # ~2-4 minutes here: two bf16 memory passes at batch 8, ~20 s a step
 def test_checkpoint_plus_amp_lowest_train_peak():
     # Batch 8: baseline 221,420,444; checkpoint 201,534,524; amp 201,052,956; checkpoint+amp 198,945,944 (0.898,
     # its peak now in the optimizer step). Passed with --runslow in 65 s here (bf16 timing varies with load).
