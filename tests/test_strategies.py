@@ -45,9 +45,6 @@ EXPECTATIONS = {
     "cudnn_benchmark": {"phases": (), "matches": True, "memory": {}},  # CUDA only: unsupported on the CPU
 }
 
-_settings = {"MEMORY_WARMUP_STEPS": 1}  # one warm-up step already creates Adam's state and the kept output
-
-
 def _case(spec: str, phase: str, batch: int = BATCH, **kw) -> Case:
     return Case(WORKLOAD, spec, phase, batch, "cpu", data="synthetic", warmup=0, steps=1, **kw)
 
@@ -67,12 +64,7 @@ def _verify(spec: str, phase: str, batch: int | None = None) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def _peak(spec: str, phase: str, batch: int = BATCH) -> int:
-    original = runner.MEMORY_WARMUP_STEPS
-    runner.MEMORY_WARMUP_STEPS = _settings["MEMORY_WARMUP_STEPS"]
-    try:
-        return memory_pass(_case(spec, phase, batch), _bound(spec, phase))["peak_mem_bytes"]
-    finally:
-        runner.MEMORY_WARMUP_STEPS = original
+    return memory_pass(_case(spec, phase, batch), _bound(spec, phase))["peak_mem_bytes"]
 
 
 # --- the registry is covered ------------------------------------------------------------------------------
