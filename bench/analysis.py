@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -30,6 +29,7 @@ import torch
 from torch import nn
 
 from bench import measure
+from bench.units import parse_size
 from bench.errors import UsageError
 
 BREAKDOWN_COLUMNS = ("peak_params_bytes", "peak_grads_bytes", "peak_optimizer_bytes", "peak_activations_bytes",
@@ -46,22 +46,15 @@ CATEGORY_COLUMN = {
 }
 TEMP_COLUMN = "peak_temp_bytes"  # backward, optimizer (scratch), setup, untracked
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30}
-
-
 def parse_bytes(text: str | int | float) -> int:
-    """`4GiB`, `512MiB`, `1.5GB`, `1e9`, `300000` -> bytes (binary units for KiB/MiB/GiB and K/M/G)."""
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        value = float(text)
-    else:
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
-        if not match or match.group(2).lower() not in _UNITS:
-            raise UsageError(f"bad size {text!r}; expected e.g. 4GiB, 512MiB, 1.5GB or 1e9 (bytes)")
-        value = float(match.group(1)) * _UNITS[match.group(2).lower()]
-    if not math.isfinite(value) or value <= 0:
+    """A positive size (`4GiB`, `512MiB`, `1.5GB`, `1e9`, `300000`) in bytes; a UsageError otherwise."""
+    try:
+        value = parse_size(text)
+    except ValueError as error:
+        raise UsageError(f"bad size {text!r}: {error}") from None
+    if value <= 0:
         raise UsageError(f"bad size {text!r}; a size must be a positive number of bytes")
-    return int(value)
+    return value
 
 
 def mib(n: float) -> str:

@@ -22,15 +22,14 @@ class _Parser(argparse.ArgumentParser):
 # --- argument helpers ----------------------------------------------------------------------------------
 
 def _batch_sizes(text: str) -> list[int]:
+    """`100` or `25,50,100` -> positive integers; anything else is a UsageError naming the bad part."""
     sizes = []
     for part in str(text).split(","):
         try:
-            value = int(part)
-        except ValueError:
-            raise UsageError(f"bad batch size {part!r}; expected positive integers such as 100 or 25,50,100") from None
-        if value <= 0:
-            raise UsageError(f"bad batch size {value}; a batch size must be a positive integer")
-        sizes.append(value)
+            sizes.append(_positive_int(part))
+        except UsageError:
+            raise UsageError(f"bad batch size {part.strip()!r}; a batch size must be a positive integer "
+                             "(e.g. 100 or 25,50,100)") from None
     return sizes
 
 

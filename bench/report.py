@@ -15,43 +15,18 @@ from pathlib import Path
 
 import pandas as pd
 
+from bench.units import format_size, parse_size  # noqa: F401 - part of this module's API
+
 DEFAULT_BATCH_SIZE = 100
 NOT_OK = ("oom", "unsupported", "error")
 STATUS_LABEL = {"ok": "ok", "oom": "OOM", "unsupported": "unsupported", "error": "error"}
 MISMATCH_LABEL = "≠ baseline"
 
-_UNITS = {
-    "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
-
-
-def parse_size(text: str) -> int:
-    """'4GiB' -> 4294967296. Accepts B, KB/MB/GB/TB (powers of 1000) and KiB/MiB/GiB/TiB (powers of 1024),
-    case-insensitive, with an optional space; a bare number is bytes."""
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*", str(text))
-    if not match:
-        raise ValueError(f"cannot read {text!r} as a size: expected a number and a unit, e.g. 4GiB, 512MB, 1.5GB")
-    number, unit = match.groups()
-    multiplier = _UNITS.get(unit.lower() or "b")
-    if multiplier is None:
-        raise ValueError(f"unknown unit {unit!r} in size {text!r}: use one of B, KB, MB, GB, TB, KiB, MiB, GiB, TiB")
-    return int(round(float(number) * multiplier))
-
-
-def format_size(n_bytes: float) -> str:
-    """4294967296 -> '4.0 GiB'."""
-    for unit, factor in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n_bytes) >= factor:
-            return f"{n_bytes / factor:.1f} {unit}"
-    return f"{int(n_bytes)} B"
-
-
 def is_derived(path: Path) -> bool:
-    """True for files derived from a results file (`<run_id>.timeline.csv`, ...) and temporary/hidden files."""
+    """True for anything but a run's results file `<run_id>.csv` (run ids start with their UTC date): files
+    derived from one (`<run_id>.timeline.csv`), `fit-*.csv` / `predict-*.csv` tables, temporary and hidden files."""
     name = path.name
-    if not name.endswith(".csv") or name.startswith("."):
+    if not name.endswith(".csv") or not name[:1].isdigit():
         return True
     return "." in name[: -len(".csv")]
 

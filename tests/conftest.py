@@ -5,6 +5,8 @@ import os
 import pytest
 import torch
 
+from strategies import STRATEGIES
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _private_data_cache(tmp_path_factory):
@@ -16,6 +18,21 @@ def _private_data_cache(tmp_path_factory):
         os.environ.pop("MEMBENCH_CACHE", None)
     else:
         os.environ["MEMBENCH_CACHE"] = old
+
+
+@pytest.fixture
+def temporary_strategy():
+    """Registers throw-away strategies and removes them afterwards."""
+    added = []
+
+    def register(cls):
+        STRATEGIES.register(cls)
+        added.append(cls.name)
+        return cls
+
+    yield register
+    for name in added:
+        STRATEGIES.unregister(name)
 
 
 def pytest_addoption(parser):

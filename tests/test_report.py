@@ -165,6 +165,7 @@ def test_newest_csv_skips_timelines_and_hidden_files(tmp_path: Path):
     os.utime(older, (now - 100, now - 100))
     os.utime(newer, (now - 50, now - 50))
     (tmp_path / "20250102T000000Z-bbbb.timeline.csv").write_text("a\n")
+    (tmp_path / "fit-20250103T000000Z-cpu-cccc.csv").write_text("a\n")
     (tmp_path / ".20250103T000000Z-cccc.csv.tmp").write_text("a\n")
     (tmp_path / ".hidden.csv").write_text("a\n")
     assert newest_csv(tmp_path) == newer

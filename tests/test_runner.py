@@ -11,21 +11,6 @@ from strategies import STRATEGIES, Strategy, parse_strategy
 CASE = Case("captcha_resnet18", "baseline", "train", 2, "cpu", data="synthetic", warmup=0, steps=2)
 
 
-@pytest.fixture
-def temporary_strategy():
-    """Registers throw-away strategies and removes them afterwards."""
-    added = []
-
-    def register(cls):
-        STRATEGIES.register(cls)
-        added.append(cls.name)
-        return cls
-
-    yield register
-    for name in added:
-        STRATEGIES.unregister(name)
-
-
 def test_run_case_fills_every_column():
     row = run_case(CASE)
     row["run_id"] = "test"

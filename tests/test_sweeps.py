@@ -24,6 +24,7 @@ from bench.resume import load_resume
 from bench.runner import Case, run_case, run_cases
 from bench.stats import bootstrap_median_ci, summarize_timing
 from strategies import STRATEGIES, Strategy
+from strategies.cudnn_benchmark import CudnnBenchmark
 
 ROOT = Path(__file__).resolve().parent.parent
 ONE_THREAD = RunOptions(threads=1)
@@ -31,20 +32,6 @@ ONE_THREAD = RunOptions(threads=1)
 
 def _case(strategy="baseline", batch_size=2, steps=1, phase="eval"):
     return Case("captcha_resnet18", strategy, phase, batch_size, "cpu", data="synthetic", warmup=0, steps=steps)
-
-
-@pytest.fixture
-def temporary_strategy():
-    added = []
-
-    def register(cls):
-        STRATEGIES.register(cls)
-        added.append(cls.name)
-        return cls
-
-    yield register
-    for name in added:
-        STRATEGIES.unregister(name)
 
 
 # --- resume ----------------------------------------------------------------------------------------------
@@ -175,22 +162,10 @@ def test_isolated_and_in_process_runs_give_the_same_cpu_peak(isolated_sweep):
 
 def _flag_setters(register):
     @register
-    class SetsBenchmark(Strategy):
-        """Sets the flag for its case and restores it, as cudnn_benchmark does."""
+    class SetsBenchmark(CudnnBenchmark):
+        """cudnn_benchmark's own session (sets the flag, restores it), allowed on the CPU for this test."""
         name = "test_sets_benchmark"
-
-        def session(self):
-            import contextlib
-
-            @contextlib.contextmanager
-            def flag():
-                old = torch.backends.cudnn.benchmark
-                torch.backends.cudnn.benchmark = True
-                try:
-                    yield
-                finally:
-                    torch.backends.cudnn.benchmark = old
-            return flag()
+        devices = ("cpu", "cuda")
 
     @register
     class LeaksBenchmark(Strategy):

@@ -1,0 +1,40 @@
+"""Byte sizes as people write them (`4GiB`, `512MB`, `1e9`) and as the reports print them."""
+
+from __future__ import annotations
+
+import math
+import re
+
+_UNITS = {
+    "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE = re.compile(r"\s*((?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*")
+
+
+def parse_size(text: str | int | float) -> int:
+    """'4GiB' -> 4294967296. B, KB/MB/GB/TB (powers of 1000), KiB/MiB/GiB/TiB (powers of 1024), any case,
+    optional space; a bare number (`123`, `1e9`) is bytes. Raises ValueError naming the text otherwise."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = float(text)
+    else:
+        match = _SIZE.fullmatch(str(text))
+        if not match:
+            raise ValueError(f"cannot read {text!r} as a size: expected a number and a unit, e.g. 4GiB, 512MB, 1.5GB")
+        number, unit = match.groups()
+        multiplier = _UNITS.get(unit.lower() or "b")
+        if multiplier is None:
+            raise ValueError(f"unknown unit {unit!r} in size {text!r}: use one of B, KB, MB, GB, TB, KiB, MiB, GiB, TiB")
+        value = float(number) * multiplier
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"cannot read {text!r} as a size: it must be a finite, non-negative number of bytes")
+    return int(round(value))
+
+
+def format_size(n_bytes: float) -> str:
+    """4294967296 -> '4.0 GiB'."""
+    for unit, factor in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n_bytes) >= factor:
+            return f"{n_bytes / factor:.1f} {unit}"
+    return f"{int(n_bytes)} B"
