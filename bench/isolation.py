@@ -103,7 +103,7 @@ def _crash_message(returncode: int, stderr: str) -> str:
     else:
         how = f"exit code {returncode}"
     last = next((line.strip() for line in reversed(stderr.splitlines()) if line.strip()), "")
-    return f"worker crashed ({how})" + (f": {last}" if last else "")[:500]
+    return (f"worker crashed ({how})" + (f": {last}" if last else ""))[:500]
 
 
 def run_in_worker(case, env: dict | None, options: RunOptions, verify: bool = True,
