@@ -293,17 +293,34 @@ def _probe_peak(case, spec: str) -> int | None:
         return None
 
 
+def stage_peaks(case, strategy) -> tuple[dict[str, int], int]:
+    """One tracked step: the peak of live bytes within each stage (forward, backward, optimizer), and the peak."""
+    from bench.runner import memory_pass
+
+    memory = memory_pass(case, strategy, record_timeline=True)
+    tracker = memory.pop("_tracker")
+    peaks: dict[str, int] = {}
+    for point in tracker.timeline:
+        peaks[point.stage] = max(peaks.get(point.stage, 0), point.live_bytes)
+    return peaks, int(memory["peak_mem_bytes"])
+
+
 def fit_cpu(spec: str, budget: int, phase: str, workload: str, data: str, max_batch: int,
             low: int = 16, high: int = 32) -> FitResult:
-    """Largest batch with peak <= budget on the CPU: a linear guess from two batches (meta probes, else tracked
-    runs at 2 and 4), bracketed and bisected on the probe, then confirmed by actual tracked runs (stepping down
-    while over the budget; meta differs from the CPU by a few KB)."""
+    """Largest batch with peak <= budget on the CPU, confirmed by actual tracked runs.
+
+    With the meta device (fast at any batch): a linear guess from two meta probes, bracketed and bisected on meta
+    probes. Where meta cannot run the strategy (autocast): the peak within each stage of the step (forward,
+    backward, optimizer) is linear in the batch size, so two tracked runs give one line per stage and the step's
+    peak is the largest of them at any batch -- which a single slope from small batches is not (there the peak is
+    Adam's step; at large ones it is the backward). Then actual tracked runs at the answer, stepping down while
+    over the budget (meta differs from the CPU by a few KB).
+    """
     from bench.runner import Case
 
     def case_at(b: int, device: str = "cpu"):
         return Case(workload, spec, phase, b, device, data=data, warmup=0, steps=1)
 
-    strategy, _ = bind_strategy(spec, phase, "cpu", workload)
     runs = 0
     actual: dict[int, int] = {}
 
@@ -315,36 +332,52 @@ def fit_cpu(spec: str, budget: int, phase: str, workload: str, data: str, max_ba
             runs += 1
         return actual[b]
 
-    probes: dict[int, int] = {}
-    use_meta = _probe_peak(case_at(1), spec) is not None
-    if not use_meta:
-        low, high = 2, 4
+    if _probe_peak(case_at(1), spec) is not None:
+        probes: dict[int, int] = {}
 
-    def probe(b: int) -> int:
-        if b not in probes:
-            value = _probe_peak(case_at(b), spec) if use_meta else None
-            probes[b] = value if value is not None else real(b)
-        return probes[b]
+        def estimate(b: int) -> int:
+            if b not in probes:
+                probes[b] = _probe_peak(case_at(b), spec)
+            return probes[b]
 
-    p_low, p_high = probe(low), probe(high)
-    slope = max((p_high - p_low) / (high - low), 1.0)
-    base = p_low - slope * low
-    guess = int(min(max_batch, max(0, math.floor((budget - base) / slope))))
-    # bracket the answer around the linear guess on the probe, then bisect: lo fits, hi does not
-    fits = lambda b: b == 0 or probe(b) <= budget  # noqa: E731
-    step = max(1, guess // 8)
-    if fits(guess):
-        lo, hi = guess, min(max_batch + 1, guess + step)
-        while hi <= max_batch and fits(hi):
-            lo, hi, step = hi, min(max_batch + 1, hi + 2 * step), 2 * step
+        slope = max((estimate(high) - estimate(low)) / (high - low), 1.0)
+        base = estimate(low) - slope * low
+        guess = int(min(max_batch, max(0, math.floor((budget - base) / slope))))
+        # bracket the answer around the linear guess on the probe, then bisect: lo fits, hi does not
+        fits = lambda b: b == 0 or estimate(b) <= budget  # noqa: E731
+        step = max(1, guess // 8)
+        if fits(guess):
+            lo, hi = guess, min(max_batch + 1, guess + step)
+            while hi <= max_batch and fits(hi):
+                lo, hi, step = hi, min(max_batch + 1, hi + 2 * step), 2 * step
+        else:
+            lo, hi = max(0, guess - step), guess
+            while not fits(lo):
+                lo, hi, step = max(0, lo - 2 * step), lo, 2 * step
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        batch, method = lo, "meta probe"
     else:
-        lo, hi = max(0, guess - step), guess
-        while not fits(lo):
-            lo, hi, step = max(0, lo - 2 * step), lo, 2 * step
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    batch = lo
+        lines = {}
+        (peaks_low, actual[low]), (peaks_high, actual[high]) = (
+            stage_peaks(case_at(b), bind_strategy(spec, phase, "cpu", workload)[0]) for b in (low, high))
+        runs += 2
+        for stage in peaks_low.keys() & peaks_high.keys():
+            slope_s = (peaks_high[stage] - peaks_low[stage]) / (high - low)
+            lines[stage] = (peaks_low[stage] - slope_s * low, slope_s)
+
+        def estimate(b: int) -> int:
+            return round(max(base_s + slope_s * b for base_s, slope_s in lines.values()))
+
+        slope = max(max(slope_s for _, slope_s in lines.values()), 1.0)
+        batch = max_batch
+        for base_s, slope_s in lines.values():
+            if slope_s > 0:
+                batch = min(batch, math.floor((budget - base_s) / slope_s))
+            elif base_s > budget:
+                batch = 0
+        batch, method = max(0, batch), "per-stage linear model"
     # confirm with actual runs; step down while over the budget
     note = ""
     while batch >= 1 and real(batch) > budget:
@@ -358,8 +391,7 @@ def fit_cpu(spec: str, budget: int, phase: str, workload: str, data: str, max_ba
     elif batch >= max_batch:
         nxt, how, note = None, "", f"capped by --max-batch {max_batch}"
     else:
-        nxt = probe(batch + 1) if use_meta else round(base + slope * (batch + 1))
-        how = "meta probe" if use_meta else "linear model"
+        nxt, how = estimate(batch + 1), method
     return FitResult(spec, phase, "cpu", budget, batch, real(batch), True, nxt, how, None, note, runs)
 
 

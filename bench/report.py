@@ -240,7 +240,10 @@ def _note(row) -> str:
 
 
 def phase_table(rows: pd.DataFrame, order: list[str]) -> list[str]:
-    lines = ["| strategy | status | peak MiB | mem vs baseline | step ms (median ± IQR) | time vs baseline "
+    has_ci = {"step_time_ms_ci95_low", "step_time_ms_ci95_high"} <= set(rows.columns) and \
+        rows["step_time_ms_ci95_low"].notna().any()
+    spread = "median [95% CI]" if has_ci else "median ± IQR"
+    lines = [f"| strategy | status | peak MiB | mem vs baseline | step ms ({spread}) | time vs baseline "
              "| matches baseline | note |",
              "|---|---|---:|---:|---:|---:|---|---|"]
     for strategy in order:

@@ -85,6 +85,9 @@ def write_csv_atomic(frame: pd.DataFrame, path: Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes the file private; a results file is as readable as any other
     try:
         with os.fdopen(fd, "w", newline="") as f:
             frame.to_csv(f, index=False)

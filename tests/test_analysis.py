@@ -169,6 +169,18 @@ def test_fit_finds_the_largest_verified_batch():
     assert high > budget  # batch + 1 does not fit (measured above)
 
 
+def test_fit_without_meta_uses_one_line_per_stage(monkeypatch):
+    # Where meta cannot run a strategy (autocast), fit models each stage's peak as a line in the batch size and
+    # takes the largest: at batches 2 and 3 the train peak is Adam's step, by batch 5 it is the backward.
+    monkeypatch.setattr(analysis, "_probe_peak", lambda case, spec: None)
+    four, five = tracked("baseline", "train", 4)["peak_mem_bytes"], tracked("baseline", "train", 5)["peak_mem_bytes"]
+    budget = (four + five) // 2
+    result = analysis.fit_cpu("baseline", budget, "train", WL, "synthetic", max_batch=64, low=2, high=3)
+    assert result.verified and result.batch_size == 4 and result.peak_bytes == four <= budget
+    assert result.next_batch_method in ("measured", "per-stage linear model")
+    assert result.next_batch_peak_bytes > budget
+
+
 def test_fit_cli_table(capsys, tmp_path, monkeypatch):
     calls = []
 
