@@ -391,7 +391,8 @@ def fit_cpu(spec: str, budget: int, phase: str, workload: str, data: str, max_ba
     elif batch >= max_batch:
         nxt, how, note = None, "", f"capped by --max-batch {max_batch}"
     else:
-        nxt, how = estimate(batch + 1), method
+        # the model's step from the measured peak: the model itself may be off by a few MiB at large batches
+        nxt, how = real(batch) + estimate(batch + 1) - estimate(batch), f"{method} from the measured batch"
     return FitResult(spec, phase, "cpu", budget, batch, real(batch), True, nxt, how, None, note, runs)
 
 
