@@ -30,6 +30,7 @@ from torch import nn
 
 from bench import measure
 from bench.units import parse_size
+from strategies import bind_strategy
 from bench.errors import UsageError
 
 BREAKDOWN_COLUMNS = ("peak_params_bytes", "peak_grads_bytes", "peak_optimizer_bytes", "peak_activations_bytes",
@@ -176,15 +177,6 @@ def _leafish(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Modules worth a line: every module that is not the root and not a plain container (Sequential/ModuleList)."""
     return [(name, m) for name, m in model.named_modules()
             if name and not isinstance(m, (nn.Sequential, nn.ModuleList, nn.ModuleDict))]
-
-
-def bind_strategy(spec: str, phase: str, device: str, workload: str = "captcha_resnet18"):
-    from strategies import StepContext, parse_strategy
-
-    strategy = parse_strategy(spec)
-    context = StepContext(phase, device, workload)
-    strategy.bind(context)
-    return strategy, context
 
 
 def explain(case, strategy) -> dict[str, Any]:

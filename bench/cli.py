@@ -353,7 +353,9 @@ def cmd_explain(args) -> int:
     phase = _check_choice("phase", args.phase, ("train", "eval"))
     device = _check_choice("device", args.device, ("cpu",))  # the breakdown needs the exact CPU tracker
     batch = _one_batch_size(args.batch_size)
-    strategy, context = analysis.bind_strategy(args.strategy, phase, device, workload)
+    from strategies import bind_strategy
+
+    strategy, context = bind_strategy(args.strategy, phase, device, workload)
     try:
         strategy.check(context)
     except Unsupported as error:
@@ -430,6 +432,13 @@ def cmd_fit(args) -> int:
     return 0
 
 
+def _add_table_options(p: argparse.ArgumentParser) -> None:
+    """Options of the commands that write a table of their own (predict, fit)."""
+    p.add_argument("--data", default="synthetic", help="synthetic (default) or captcha")
+    p.add_argument("--workload", default=None, help="default captcha_resnet18")
+    p.add_argument("--out", default="results", help="folder for the CSV (default results/)")
+
+
 def _add_analysis_parsers(sub) -> None:
     p = sub.add_parser("explain", help=cmd_explain.__doc__)
     p.add_argument("--strategy", required=True, help="one strategy spec, e.g. baseline or checkpoint+amp")
@@ -446,9 +455,7 @@ def _add_analysis_parsers(sub) -> None:
     p.add_argument("--batch-size", default="100", help="one size or a comma list (default 100)")
     p.add_argument("--phases", default="train,eval", help="default train,eval")
     p.add_argument("--engine", default="auto", help="auto (CPU up to batch 16, else meta with the CPU as fallback), meta or cpu")
-    p.add_argument("--data", default="synthetic", help="synthetic (default) or captcha")
-    p.add_argument("--workload", default=None, help="default captcha_resnet18")
-    p.add_argument("--out", default="results", help="folder for the CSV (default results/)")
+    _add_table_options(p)
     p.set_defaults(func=cmd_predict)
 
     p = sub.add_parser("fit", help=cmd_fit.__doc__)
@@ -458,9 +465,7 @@ def _add_analysis_parsers(sub) -> None:
     p.add_argument("--phase", default="train", help="train or eval (default train)")
     p.add_argument("--max-batch", default="4096", help="largest batch size tried (default 4096)")
     p.add_argument("--time-steps", type=int, default=1, help="timed steps at the largest batch (0: no timing)")
-    p.add_argument("--data", default="synthetic", help="synthetic (default) or captcha")
-    p.add_argument("--workload", default=None, help="default captcha_resnet18")
-    p.add_argument("--out", default="results", help="folder for the CSV (default results/)")
+    _add_table_options(p)
     _add_memory_limit_option(p)
     p.set_defaults(func=cmd_fit)
 

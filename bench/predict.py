@@ -8,12 +8,12 @@ block. What the prediction assumes is in `ASSUMPTIONS`, printed by `python -m be
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import replace
 
 import torch
 
 from bench import measure
+from strategies import bind_strategy
 
 CUDA_BLOCK_BYTES = 512
 ENGINES = ("auto", "meta", "cpu")
@@ -57,7 +57,6 @@ def _cuda_like_forward(strategy, engine: str):
 def tracked_peak(case, spec: str, engine: str = "meta", block_bytes: int = CUDA_BLOCK_BYTES,
                  cuda_autocast: bool = True) -> int:
     """The tracked peak of one steady-state step of `case` (its device is ignored) on `engine` (meta or cpu)."""
-    from bench.analysis import bind_strategy
     from bench.runner import memory_pass
 
     strategy, _ = bind_strategy(spec, case.phase, "cpu", case.workload)
@@ -70,7 +69,6 @@ def tracked_peak(case, spec: str, engine: str = "meta", block_bytes: int = CUDA_
 
 def predict_case(case, engine: str = "auto") -> dict:
     """One prediction row: strategy, phase, batch, predicted bytes, the engine used, status and message."""
-    from bench.analysis import bind_strategy
     from bench.errors import Unsupported
 
     row = {"workload": case.workload, "strategy": case.strategy, "phase": case.phase,
@@ -116,7 +114,3 @@ def format_predictions(rows: list[dict]) -> str:
         lines.append(f"{r['strategy']:<28} {r['phase']:<5} {r['batch_size']:>5} {b:>16} {m:>9} "
                      f"{r['engine'] or '-':<6}  {note}")
     return "\n".join(lines)
-
-
-def round_up(nbytes: int, block: int = CUDA_BLOCK_BYTES) -> int:
-    return math.ceil(nbytes / block) * block

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import gc
 import random
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -22,7 +22,7 @@ from bench.errors import Unsupported, UsageError
 from bench.isolation import RunOptions, process_state, run_in_worker
 from bench.results import SCHEMA_VERSION, new_run_id, now_iso, write_csv_atomic, write_rows
 from bench.stats import summarize_timing
-from strategies import StepContext, Strategy, parse_strategy
+from strategies import Strategy, bind_strategy
 from workloads import get_workload
 
 # Steps before the measured one: one makes Adam's state and the kept output of the previous step exist; CUDA
@@ -151,9 +151,7 @@ def snapshot(case: Case, strategy: Strategy) -> Snapshot:
 def baseline_snapshot(case: Case) -> Snapshot:
     """The baseline's snapshot for the case's workload, phase, batch, device and data."""
     case = replace(case, strategy="baseline", warmup=0, steps=0)
-    strategy = parse_strategy("baseline")
-    strategy.bind(StepContext(case.phase, case.device, case.workload))
-    return snapshot(case, strategy)
+    return snapshot(case, bind_strategy("baseline", case.phase, case.device, case.workload)[0])
 
 
 def compare(result: Snapshot, reference: Snapshot, strategy: Strategy) -> dict[str, Any]:
@@ -316,10 +314,8 @@ def run_case(case: Case, env: dict | None = None, options: RunOptions | None = N
     with process_state(options.threads, options.deterministic):
         row["cpu_threads"] = torch.get_num_threads()
         try:
-            strategy = parse_strategy(case.strategy)
+            strategy, context = bind_strategy(case.strategy, case.phase, case.device, case.workload)
             row["strategy"] = strategy.spec()
-            context = StepContext(case.phase, case.device, case.workload)
-            strategy.bind(context)
             strategy.check(context)
             row["strategy_settings"] = ";".join(f"{k}={v}" for k, v in strategy.describe().items())
             if verify_result:

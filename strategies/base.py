@@ -237,6 +237,15 @@ def parse_one(text: str) -> Strategy:
     return cls(**options)
 
 
+def bind_strategy(spec: str, phase: str, device: str,
+                  workload: str = "captcha_resnet18") -> tuple[Strategy, StepContext]:
+    """`parse_strategy(spec)` bound to the case's phase, device and workload (not yet checked)."""
+    strategy = parse_strategy(spec)
+    context = StepContext(phase, device, workload)
+    strategy.bind(context)
+    return strategy, context
+
+
 def parse_strategy(spec: str) -> Strategy:
     """`a`, `a:opt=v` or `a+b+c` -> a Strategy (a Composite for several); unknown names raise UsageError."""
     parts = [p for p in spec.split("+") if p.strip()]

@@ -16,7 +16,7 @@ from bench.cli import main
 from bench.errors import Unsupported, UsageError
 from bench.measure import LiveTensorTracker
 from bench.runner import Case, memory_pass, run_case
-from strategies import STRATEGIES
+from strategies import STRATEGIES, bind_strategy
 
 WL = "captcha_resnet18"
 
@@ -26,9 +26,19 @@ def case(strategy="baseline", phase="train", batch=2, device="cpu", **kw):
 
 
 @functools.lru_cache(maxsize=None)
+def applicable_or_skip(strategy: str, phase: str, device: str):
+    """The bound strategy, or a skip when it does not apply to this phase or device."""
+    strat, context = bind_strategy(strategy, phase, device, WL)
+    try:
+        strat.check(context)
+    except Unsupported as reason:
+        pytest.skip(str(reason))
+    return strat
+
+
 def tracked(strategy: str, phase: str, batch: int) -> dict:
     """One exact CPU memory pass (cached: the tests share it)."""
-    strat, _ = analysis.bind_strategy(strategy, phase, "cpu", WL)
+    strat, _ = bind_strategy(strategy, phase, "cpu", WL)
     memory = memory_pass(case(strategy, phase, batch), strat)
     memory.pop("_tracker")
     return memory
@@ -55,11 +65,7 @@ def test_parse_bytes_rejects(text):
 @pytest.mark.parametrize("phase", ["train", "eval"])
 @pytest.mark.parametrize("strategy", STRATEGIES.names())
 def test_breakdown_adds_up_to_the_peak(strategy, phase):
-    strat, context = analysis.bind_strategy(strategy, phase, "cpu", WL)
-    try:
-        strat.check(context)
-    except Unsupported as reason:  # no_grad_eval in training, cudnn_benchmark on the CPU
-        pytest.skip(str(reason))
+    applicable_or_skip(strategy, phase, "cpu")  # no_grad_eval in training, cudnn_benchmark on the CPU
     memory = tracked(strategy, phase, 2)
     assert sum(memory[c] for c in BREAKDOWN_COLUMNS) == memory["peak_mem_bytes"]
     assert all(memory[c] >= 0 for c in BREAKDOWN_COLUMNS)
@@ -230,11 +236,7 @@ def test_memory_limit_on_cpu_warns_and_does_nothing(capsys):
 @pytest.mark.parametrize("phase", ["train", "eval"])
 @pytest.mark.parametrize("strategy", STRATEGIES.names())
 def test_prediction_matches_cuda_measurement(strategy, phase):
-    strat, context = analysis.bind_strategy(strategy, phase, "cuda", WL)
-    try:
-        strat.check(context)
-    except Exception as error:  # noqa: BLE001
-        pytest.skip(str(error))
+    strat = applicable_or_skip(strategy, phase, "cuda")
     measured = memory_pass(case(strategy, phase, 8, device="cuda"), strat)["peak_mem_bytes"]
     predicted = predict.predict_case(case(strategy, phase, 8, device="cuda"))["predicted_bytes"]
     assert abs(predicted - measured) <= 0.10 * measured, (predicted, measured)

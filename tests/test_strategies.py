@@ -15,7 +15,7 @@ import torch
 from bench import runner
 from bench.errors import UsageError
 from bench.runner import Case, memory_pass, run_case, verify
-from strategies import STRATEGIES, Composite, StepContext, Strategy, parse_strategy
+from strategies import STRATEGIES, Composite, Strategy, bind_strategy, parse_strategy
 
 WORKLOAD = "captcha_resnet18"
 BATCH = 8      # memory comparisons: the train peak falls in backward, where activations count
@@ -50,9 +50,7 @@ def _case(spec: str, phase: str, batch: int = BATCH, **kw) -> Case:
 
 
 def _bound(spec: str, phase: str) -> Strategy:
-    strategy = parse_strategy(spec)
-    context = StepContext(phase, "cpu", WORKLOAD)
-    strategy.bind(context)
+    strategy, context = bind_strategy(spec, phase, "cpu", WORKLOAD)
     strategy.check(context)
     return strategy
 

@@ -92,6 +92,7 @@ class CaptchaResNet18(nn.Module):
         self.avgPool = nn.AdaptiveAvgPool2d((1, 1))
         self.fc_model = nn.Linear(512 * block_type.expansion, NUM_LABELS)
         self.softmax = nn.Softmax(dim=2)
+        self._stages: list[nn.Module] | None = None  # a plain list, built once: not registered a second time
 
     def _make_layer(self, block_type, channels_out, num_blocks, stride):
         blocks = [block_type(self.previous_channels_out, channels_out, stride)]
@@ -103,8 +104,10 @@ class CaptchaResNet18(nn.Module):
 
     def stages(self) -> list[nn.Module]:
         """Stem, the eight blocks, head: chaining them computes exactly `forward`."""
-        blocks = [block for layer in (self.layer1, self.layer2, self.layer3, self.layer4) for block in layer]
-        return [Stem(self), *blocks, Head(self)]
+        if self._stages is None:
+            blocks = [block for layer in (self.layer1, self.layer2, self.layer3, self.layer4) for block in layer]
+            self._stages = [Stem(self), *blocks, Head(self)]
+        return self._stages
 
     def forward(self, x):
         for stage in self.stages():
