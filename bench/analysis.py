@@ -1,51 +1,24 @@
-"""Memory analysis: the breakdown of the peak, the article's rule of thumb, `explain`, and `fit`.
+"""Memory analysis above the runner: `explain` (the peak module by module) and `fit` (the largest batch under a budget).
 
-Breakdown of the peak (CPU/meta tracker only; the columns add up to `peak_mem_bytes` exactly):
-
-- `peak_params_bytes`       the model's parameters (registered before the step);
-- `peak_grads_bytes`        storages that are some parameter's `.grad` (re-filed by a post-accumulate-grad hook
-                            the moment they become `.grad`; a gradient that is still an op's output at the peak,
-                            not yet accumulated, counts as a temporary);
-- `peak_optimizer_bytes`    the optimizer's state (`optimizer.state` tensors) plus any other storage created in the
-                            backward or optimizer stage of an earlier step that is still alive when the measured step
-                            starts (state kept between steps, e.g. a GradScaler's scale);
-- `peak_activations_bytes`  storages created in a forward stage and alive at the peak: tensors autograd saved for
-                            backward, the forward's live intermediates, and the outputs/loss the loop keeps until
-                            the next step (with their graph, when eval keeps autograd on);
-- `peak_temp_bytes`         everything else: storages created in the backward or optimizer stage of this step that
-                            are not gradients (input gradients, optimizer scratch), plus the few storages first seen
-                            as an op's input (`untracked`) or created between steps (`setup`);
-- `peak_batch_bytes`        the input batch and targets, and the model's buffers (BatchNorm statistics).
+The breakdown of a peak is `bench.breakdown`, the article's estimate `bench.rule_of_thumb`; both run below the
+runner, which writes them into every row.
 """
 
 from __future__ import annotations
 
-import functools
 import math
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from bench import measure
+from bench import predict
+from bench.breakdown import BREAKDOWN_COLUMNS
+from bench.errors import Unsupported, UsageError
+from bench.rule_of_thumb import RULE_OF_THUMB_CAVEATS
+from bench.runner import Case, bind_case, forget_traceback, is_oom, memory_pass, timing_pass
 from bench.units import parse_size
-from strategies import bind_strategy
-from bench.errors import UsageError
-
-BREAKDOWN_COLUMNS = ("peak_params_bytes", "peak_grads_bytes", "peak_optimizer_bytes", "peak_activations_bytes",
-                     "peak_temp_bytes", "peak_batch_bytes")
-
-# tracker category -> breakdown column
-CATEGORY_COLUMN = {
-    "params": "peak_params_bytes",
-    "grads": "peak_grads_bytes",
-    "optimizer_state": "peak_optimizer_bytes",
-    "forward": "peak_activations_bytes",
-    "batch": "peak_batch_bytes",
-    "buffers": "peak_batch_bytes",
-}
-TEMP_COLUMN = "peak_temp_bytes"  # backward, optimizer (scratch), setup, untracked
 
 def parse_bytes(text: str | int | float) -> int:
     """A positive size (`4GiB`, `512MiB`, `1.5GB`, `1e9`, `300000`) in bytes; a UsageError otherwise."""
@@ -60,102 +33,6 @@ def parse_bytes(text: str | int | float) -> int:
 
 def mib(n: float) -> str:
     return f"{n / 2**20:,.1f}"
-
-
-# --- breakdown of the peak -------------------------------------------------------------------------------
-
-def prepare_breakdown(session, tracker: measure.LiveTensorTracker) -> list:
-    """Called after the warm-up steps, before the measured one: files state and gradients for the breakdown.
-
-    Returns the hook handles to remove after the step.
-    """
-    tracker.recategorize(session.optimizer_state(), "optimizer_state")
-    tracker.relabel_live(("backward", "optimizer"), "optimizer_state")  # other state kept between steps
-    params = [p for p in session.parameters() if p.requires_grad]
-    tracker.recategorize([p.grad for p in params], "grads")  # gradients kept between steps (zero_grad to 0)
-
-    def as_grad(param: torch.Tensor) -> None:
-        tracker.recategorize([param.grad], "grads")
-
-    return [p.register_post_accumulate_grad_hook(as_grad) for p in params]
-
-
-def breakdown_columns(tracker: measure.LiveTensorTracker) -> dict[str, int]:
-    """The tracker's categories at the peak as the breakdown columns; they sum to `tracker.peak_bytes`."""
-    columns = dict.fromkeys(BREAKDOWN_COLUMNS, 0)
-    for category, nbytes in tracker.peak_by_category.items():
-        columns[CATEGORY_COLUMN.get(category, TEMP_COLUMN)] += nbytes
-    assert sum(columns.values()) == tracker.peak_bytes, (columns, tracker.peak_bytes)
-    return columns
-
-
-# --- the article's rule of thumb -------------------------------------------------------------------------
-
-OPTIMIZER_STATE_FACTOR = {"Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "Adagrad": 1, "RMSprop": 1}
-
-
-def optimizer_state_factor(optimizer: torch.optim.Optimizer) -> int:
-    """Copies of the parameters the optimizer keeps: Adam 2 (3 with amsgrad), SGD with momentum 1, plain SGD 0."""
-    name = type(optimizer).__name__
-    defaults = optimizer.defaults
-    if name == "SGD":
-        return 1 if defaults.get("momentum", 0) else 0
-    if name == "RMSprop":
-        return 1 + bool(defaults.get("momentum", 0)) + bool(defaults.get("centered", False))
-    return OPTIMIZER_STATE_FACTOR.get(name, 0) + bool(defaults.get("amsgrad", False))
-
-
-@functools.lru_cache(maxsize=64)
-def rule_of_thumb(workload: str, phase: str, batch_size: int) -> dict[str, Any]:
-    """The article's estimate: parameters + sum of every module's output (x2 with backward) + optimizer state.
-
-    Module outputs are recorded with forward hooks on every module of `model.modules()` except the root,
-    containers (nn.Sequential, the BasicBlocks) included, as the article's loop iterates them; the article's
-    code instead feeds each module the previous module's output, which only works for a purely sequential model,
-    so hooks on one real forward are used here. An in-place nn.ReLU module is skipped (the article's rule).
-    The forward runs on the meta device (shapes only) and counts 4 bytes an element (the article's
-    `type_size=4`): the estimate depends on the model, batch and phase only, not on the strategy.
-    """
-    from workloads import get_workload
-
-    wl = get_workload(workload)
-    model = wl.build_model().to("meta")
-    model.train(phase == "train")
-    x, _ = wl.make_batch(1, "synthetic")
-    x = torch.empty((batch_size, *x.shape[1:]), device="meta")
-    outputs: list[int] = []
-
-    def hook(module, inputs, output):
-        if isinstance(module, nn.ReLU) and module.inplace:
-            return
-        tensors = [t for t in torch.utils._pytree.tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
-        outputs.append(sum(t.numel() for t in tensors))
-
-    modules = list(model.modules())[1:]
-    handles = [m.register_forward_hook(hook) for m in modules]
-    with torch.no_grad():
-        model(x)
-    for h in handles:
-        h.remove()
-    type_size = 4
-    params = sum(p.numel() for p in model.parameters()) * type_size
-    out_bytes = sum(outputs) * type_size
-    train = phase == "train"
-    factor = optimizer_state_factor(wl.make_optimizer(wl.build_model())) if train else 0
-    optimizer = factor * params
-    total = params + out_bytes * (2 if train else 1) + optimizer
-    return {"params_bytes": params, "outputs_bytes": out_bytes, "modules_counted": len(outputs),
-            "outputs_factor": 2 if train else 1, "optimizer_bytes": optimizer, "total_bytes": total}
-
-
-RULE_OF_THUMB_CAVEATS = [
-    "it sums every module's output, containers included, so a block's output is counted again by its Sequential",
-    "x2 for backward assumes every output is saved once more; autograd saves only what each op needs "
-    "(a conv keeps its input, BatchNorm its input and stats) and frees saved tensors during backward",
-    "it knows nothing of in-place ops (functional relu), views, or temporaries inside a module",
-    "it ignores the gradients (1x params), the batch, and the outputs the loop keeps until the next step",
-    "it is the same for every strategy (checkpointing, amp, no_grad eval change nothing in it)",
-]
 
 
 # --- explain: per-module table -----------------------------------------------------------------------------
@@ -181,8 +58,6 @@ def _leafish(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def explain(case, strategy) -> dict[str, Any]:
     """One tracked pass of the case with module hooks: the row's memory columns and the per-module table."""
-    from bench.runner import memory_pass
-
     rows: list[ModuleRow] = []
     open_rows: dict[int, list[ModuleRow]] = {}
 
@@ -268,8 +143,6 @@ class FitResult:
 
 def measured_peak(case, strategy) -> int:
     """An actual run: the exact tracked peak on the CPU, max_memory_allocated on CUDA."""
-    from bench.runner import memory_pass
-
     memory = memory_pass(case, strategy)
     memory.pop("_tracker", None)
     return int(memory["peak_mem_bytes"])
@@ -277,8 +150,6 @@ def measured_peak(case, strategy) -> int:
 
 def _probe_peak(case, spec: str) -> int | None:
     """A cheap estimate of the CPU peak: the same tracked step on the meta device (no arithmetic), or None."""
-    from bench import predict
-
     try:
         return predict.tracked_peak(case, spec, engine="meta", block_bytes=1)
     except Exception:  # noqa: BLE001 - a strategy that cannot run on meta falls back to the linear model
@@ -287,8 +158,6 @@ def _probe_peak(case, spec: str) -> int | None:
 
 def stage_peaks(case, strategy) -> tuple[dict[str, int], int]:
     """One tracked step: the peak of live bytes within each stage (forward, backward, optimizer), and the peak."""
-    from bench.runner import memory_pass
-
     memory = memory_pass(case, strategy, record_timeline=True)
     tracker = memory.pop("_tracker")
     peaks: dict[str, int] = {}
@@ -308,8 +177,6 @@ def fit_cpu(spec: str, budget: int, phase: str, workload: str, data: str, max_ba
     Adam's step; at large ones it is the backward). Then actual tracked runs at the answer, stepping down while
     over the budget (meta differs from the CPU by a few KB).
     """
-    from bench.runner import Case
-
     def case_at(b: int, device: str = "cpu"):
         return Case(workload, spec, phase, b, device, data=data, warmup=0, steps=1)
 
@@ -319,8 +186,8 @@ def fit_cpu(spec: str, budget: int, phase: str, workload: str, data: str, max_ba
     def real(b: int) -> int:
         nonlocal runs
         if b not in actual:
-            strat, _ = bind_strategy(spec, phase, "cpu", workload)
-            actual[b] = measured_peak(case_at(b), strat)
+            case = case_at(b)
+            actual[b] = measured_peak(case, bind_case(case)[0])
             runs += 1
         return actual[b]
 
@@ -353,7 +220,7 @@ def fit_cpu(spec: str, budget: int, phase: str, workload: str, data: str, max_ba
     else:
         lines = {}
         (peaks_low, actual[low]), (peaks_high, actual[high]) = (
-            stage_peaks(case_at(b), bind_strategy(spec, phase, "cpu", workload)[0]) for b in (low, high))
+            stage_peaks(case_at(b), bind_case(case_at(b))[0]) for b in (low, high))
         runs += 2
         for stage in peaks_low.keys() & peaks_high.keys():
             slope_s = (peaks_high[stage] - peaks_low[stage]) / (high - low)
@@ -390,8 +257,6 @@ def fit_cpu(spec: str, budget: int, phase: str, workload: str, data: str, max_ba
 
 def fit_cuda(spec: str, budget: int, phase: str, workload: str, data: str, max_batch: int) -> FitResult:
     """Largest batch on CUDA by real attempts: doubling until the peak passes the budget or an OOM, then bisection."""
-    from bench.runner import Case, is_oom, forget_traceback
-
     runs = 0
     results: dict[int, int | None] = {}
 
@@ -399,10 +264,10 @@ def fit_cuda(spec: str, budget: int, phase: str, workload: str, data: str, max_b
         nonlocal runs
         if b in results:
             return results[b]
-        strat, _ = bind_strategy(spec, phase, "cuda", workload)
+        case = Case(workload, spec, phase, b, "cuda", data=data)
         runs += 1
         try:
-            results[b] = measured_peak(Case(workload, spec, phase, b, "cuda", data=data), strat)
+            results[b] = measured_peak(case, bind_case(case)[0])
         except Exception as error:  # noqa: BLE001
             if not is_oom(error):
                 raise
@@ -440,23 +305,18 @@ def fit_cuda(spec: str, budget: int, phase: str, workload: str, data: str, max_b
 def time_per_sample(spec: str, phase: str, device: str, workload: str, data: str, batch: int,
                     steps: int) -> float:
     """Milliseconds per sample from a short timing run at `batch` (no memory tracking)."""
-    from bench.runner import Case, timing_pass
-
-    strategy, _ = bind_strategy(spec, phase, device, workload)
     case = Case(workload, spec, phase, batch, device, data=data, warmup=0 if device == "cpu" else 1, steps=steps)
-    return timing_pass(case, strategy)["step_time_ms_median"] / batch
+    return timing_pass(case, bind_case(case)[0])["step_time_ms_median"] / batch
 
 
 def fit(specs: list[str], budget: int, phase: str = "train", device: str = "cpu",
         workload: str = "captcha_resnet18", data: str = "synthetic", max_batch: int = 4096,
         time_steps: int = 1) -> list[FitResult]:
     """`fit` for each strategy (baseline first, always included); `time_steps=0` skips the timing run."""
-    from bench.errors import Unsupported
-
     specs = ["baseline"] + [s for s in specs if s != "baseline"]
     results = []
     for spec in specs:
-        strategy, context = bind_strategy(spec, phase, device, workload)
+        strategy, context = bind_case(Case(workload, spec, phase, 1, device, data=data))
         try:
             strategy.check(context)
         except Unsupported as error:
@@ -476,8 +336,6 @@ def fit(specs: list[str], budget: int, phase: str = "train", device: str = "cpu"
 
 
 def fit_rows(results: list[FitResult]) -> list[dict]:
-    from dataclasses import asdict
-
     return [asdict(r) for r in results]
 
 
@@ -502,10 +360,4 @@ def format_fit(results: list[FitResult], time_steps: int) -> str:
 
 def default_case(strategy: str, phase: str, batch_size: int, device: str, data: str,
                  workload: str = "captcha_resnet18"):
-    from bench.runner import Case
-
     return Case(workload, strategy, phase, batch_size, device, data=data)
-
-
-__all__ = ["parse_bytes", "prepare_breakdown", "breakdown_columns", "rule_of_thumb", "explain", "format_explain",
-           "fit", "format_fit", "FitResult", "BREAKDOWN_COLUMNS", "replace"]

@@ -17,7 +17,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.transforms import Bbox, blended_transform_factory
 
-from bench.report import MISMATCH_LABEL, STATUS_LABEL, Group, format_size, row_flag, strategy_order
+from bench.report_data import MISMATCH_LABEL, STATUS_LABEL, Group, format_size, row_flag, strategy_order
 
 MiB = 2**20
 DPI = 110

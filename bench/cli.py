@@ -10,6 +10,9 @@ from typing import Sequence
 from bench.errors import UsageError, choices_error
 
 RELATIVE_FORMAT = "{:.2f}x"
+DEFAULT_WORKLOAD = "captcha_resnet18"
+WORKLOAD_HELP = ("a registered workload with options (see `list`; e.g. deep_mlp:layers=100, timm:resnet18) or your own: "
+                 "path/to/file.py:NAME or package.module:NAME; default captcha_resnet18")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -38,13 +41,14 @@ def _csv_list(text: str) -> list[str]:
 
 
 def _add_case_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workload", default=None, help="workload name (see `list`); default captcha_resnet18")
+    p.add_argument("--workload", default=None, help=WORKLOAD_HELP)
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto)")
     p.add_argument("--batch-size", default=None, help="one size or a comma list, e.g. 25,50,100 (default 100)")
     p.add_argument("--phases", default=None, help="train,eval (default both)")
     p.add_argument("--steps", type=int, default=None, help="measured steps per case")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps before timing")
-    p.add_argument("--data", default=None, help="captcha (real images) or synthetic (random tensors)")
+    p.add_argument("--data", default=None, help="a data source of the workload (see `list`), e.g. captcha (real "
+                                                 "images) or synthetic (random tensors); default the workload's first")
     p.add_argument("--out", default="results", help="folder for the results CSV (default results/)")
     p.add_argument("--quick", action="store_true", help="1 warm-up step and 3 measured steps")
     _add_sweep_options(p)
@@ -85,14 +89,14 @@ def _run_options(args, device: str):
 
 def _suite_from_args(args, device: str, strategies: list[str] | None):
     """The suite to run: the suite file if given, with any command-line option taking precedence."""
-    from bench.suite import Suite, load_suite, validate
+    from bench.suite import Suite, check_data, load_suite, validate
 
     suite = load_suite(args.suite, device) if getattr(args, "suite", None) else Suite()
     overrides = {}
     if strategies is not None:
         overrides["strategies"] = strategies
     if args.workload:
-        overrides["workload"] = args.workload
+        overrides["workloads"] = _csv_list(args.workload)
     if args.data:
         overrides["data"] = args.data
     if args.phases:
@@ -108,7 +112,7 @@ def _suite_from_args(args, device: str, strategies: list[str] | None):
     validate(overrides, "command line")
     for key, value in overrides.items():
         setattr(suite, key, value)
-    return suite
+    return check_data(suite, "command line")
 
 
 def _progress(index: int, total: int, case, row) -> None:
@@ -149,25 +153,19 @@ def _run_suite(suite, device: str, out: str, options=None, resume: str | None = 
 
 
 def format_table(frame) -> str:
-    """The console table: one line per case, memory and time relative to the baseline."""
+    """The console table: per workload, one line per case, memory and time relative to that workload's baseline."""
     header = f"{'strategy':<32} {'phase':<5} {'batch':>5} {'peak MiB':>9} {'vs base':>7} " \
              f"{'step ms':>9} {'± IQR':>7} {'95% CI ms':>15} {'vs base':>7} {'matches':>7}  status"
-    lines = [header, "-" * len(header)]
+    lines = []
     any_noisy = False
-    for _, r in frame.iterrows():
-        def num(value, fmt):
-            return fmt.format(value) if value == value and value is not None else "-"
-        mib = r["peak_mem_bytes"] / 2**20 if r["status"] == "ok" else float("nan")
-        match = {True: "yes", False: "NO"}.get(r["matches_baseline"], "-")
-        status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r['message']}"
-        noisy = r.get("noisy") is True or str(r.get("noisy")).lower() == "true"
-        noisy = noisy and r["status"] == "ok"
-        any_noisy |= noisy
-        step = num(r["step_time_ms_median"], "{:.1f}") + ("~" if noisy else "")
-        lines.append(f"{r['strategy']:<32} {r['phase']:<5} {r['batch_size']:>5} {num(mib, '{:.1f}'):>9} "
-                     f"{num(r['mem_vs_baseline'], RELATIVE_FORMAT):>7} {step:>9} "
-                     f"{num(r['step_time_ms_iqr'], '{:.1f}'):>7} {_ci(r):>15} "
-                     f"{num(r['time_vs_baseline'], RELATIVE_FORMAT):>7} {match:>7}  {status}")
+    for (workload, data), rows in frame.groupby(["workload", "data"], sort=False, dropna=False):
+        if lines:
+            lines.append("")
+        lines += [f"workload {workload} (data {data})", header, "-" * len(header)]
+        for _, r in rows.iterrows():
+            line, noisy = _table_line(r)
+            lines.append(line)
+            any_noisy |= noisy
     if any_noisy:
         lines.append(f"~ noisy: the 95% CI of the step time is wider than {_noise_threshold():.0%} of the median")
     if {"peak_mem_spread_bytes", "repeats"} <= set(frame.columns) and (pd_num(frame["repeats"]) > 1).any():
@@ -176,6 +174,22 @@ def format_table(frame) -> str:
         lines.append("peak bytes across repeats: " + (f"DIFFER for {', '.join(map(str, differ))}" if differ
                                                      else "identical in every ok row (spread 0 B)"))
     return "\n".join(lines)
+
+
+def _table_line(r) -> tuple[str, bool]:
+    """One case's line of the console table, and whether its step time is noisy."""
+    def num(value, fmt):
+        return fmt.format(value) if value == value and value is not None else "-"
+    mib = r["peak_mem_bytes"] / 2**20 if r["status"] == "ok" else float("nan")
+    match = {True: "yes", False: "NO"}.get(r["matches_baseline"], "-")
+    status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r['message']}"
+    noisy = r.get("noisy") is True or str(r.get("noisy")).lower() == "true"
+    noisy = noisy and r["status"] == "ok"
+    step = num(r["step_time_ms_median"], "{:.1f}") + ("~" if noisy else "")
+    return (f"{r['strategy']:<32} {r['phase']:<5} {r['batch_size']:>5} {num(mib, '{:.1f}'):>9} "
+            f"{num(r['mem_vs_baseline'], RELATIVE_FORMAT):>7} {step:>9} "
+            f"{num(r['step_time_ms_iqr'], '{:.1f}'):>7} {_ci(r):>15} "
+            f"{num(r['time_vs_baseline'], RELATIVE_FORMAT):>7} {match:>7}  {status}"), noisy
 
 
 def pd_num(column):
@@ -202,11 +216,15 @@ def _noise_threshold() -> float:
 def cmd_list(args) -> int:
     """Workloads and strategies with one-line descriptions."""
     from strategies import STRATEGIES
-    from workloads import WORKLOADS
+    from workloads import WORKLOADS, workload_names
 
-    print("workloads:")
-    for name in WORKLOADS:
-        print(f"  {name:<20} {WORKLOADS.get(name).description}")
+    print("workloads (options with name:option=value; your own model: path/to/file.py:NAME):")
+    for name in workload_names():
+        cls = WORKLOADS.get(name)
+        details = [f"data: {', '.join(cls.data_sources)}", f"batch {cls.default_batch_size}"]
+        if cls.options:
+            details.append("options: " + ", ".join(f"{k}={v}" for k, v in cls.options.items()))
+        print(f"  {name:<20} {cls.description} [{'; '.join(details)}]")
     print("strategies (combine with +, options with name:option=value):")
     for name in STRATEGIES:
         cls = STRATEGIES.get(name)
@@ -298,11 +316,13 @@ def _analysis_device(text: str) -> str:
 
 
 def _workload_and_data(args) -> tuple[str, str]:
-    from workloads import WORKLOADS
+    """The workload's canonical spec and the data source (default: synthetic where the workload has it, since
+    memory does not depend on the values, else its first)."""
+    from workloads import get_workload
 
-    workload = args.workload or "captcha_resnet18"
-    WORKLOADS.get(workload)
-    return workload, _check_choice("data source", args.data, ("synthetic", "captcha"))
+    workload = get_workload(args.workload or DEFAULT_WORKLOAD)
+    default = "synthetic" if "synthetic" in workload.data_sources else workload.data_sources[0]
+    return workload.spec(), workload.check_data(args.data or default)
 
 
 def _add_memory_limit_option(p: argparse.ArgumentParser) -> None:
@@ -347,15 +367,14 @@ def cmd_explain(args) -> int:
     of thumb beside it, and memory added by each module's forward."""
     from bench import analysis
     from bench.errors import Unsupported
-    from bench.runner import Case
+    from bench.rule_of_thumb import rule_of_thumb
+    from bench.runner import Case, bind_case
 
     workload, data = _workload_and_data(args)
     phase = _check_choice("phase", args.phase, ("train", "eval"))
     device = _check_choice("device", args.device, ("cpu",))  # the breakdown needs the exact CPU tracker
     batch = _one_batch_size(args.batch_size)
-    from strategies import bind_strategy
-
-    strategy, context = bind_strategy(args.strategy, phase, device, workload)
+    strategy, context = bind_case(Case(workload, args.strategy, phase, batch, device, data=data))
     try:
         strategy.check(context)
     except Unsupported as error:
@@ -363,7 +382,7 @@ def cmd_explain(args) -> int:
     case = Case(workload, strategy.spec(), phase, batch, device, data=data)
     result = analysis.explain(case, strategy)
     print(analysis.format_explain(case, result["memory"], result["modules"],
-                                  analysis.rule_of_thumb(workload, phase, batch)))
+                                  rule_of_thumb(workload, phase, batch)))
     return 0
 
 
@@ -434,8 +453,8 @@ def cmd_fit(args) -> int:
 
 def _add_table_options(p: argparse.ArgumentParser) -> None:
     """Options of the commands that write a table of their own (predict, fit)."""
-    p.add_argument("--data", default="synthetic", help="synthetic (default) or captcha")
-    p.add_argument("--workload", default=None, help="default captcha_resnet18")
+    p.add_argument("--data", default=None, help="a data source of the workload (default synthetic where it has one)")
+    p.add_argument("--workload", default=None, help=WORKLOAD_HELP)
     p.add_argument("--out", default="results", help="folder for the CSV (default results/)")
 
 
@@ -445,8 +464,9 @@ def _add_analysis_parsers(sub) -> None:
     p.add_argument("--phase", default="train", help="train or eval (default train)")
     p.add_argument("--batch-size", default="100", help="default 100")
     p.add_argument("--device", default="cpu", help="cpu (the exact tracker)")
-    p.add_argument("--data", default="synthetic", help="synthetic (default; memory does not depend on pixels) or captcha")
-    p.add_argument("--workload", default=None, help="default captcha_resnet18")
+    p.add_argument("--data", default=None, help="a data source of the workload (default synthetic where it has one: "
+                                                 "memory does not depend on the values)")
+    p.add_argument("--workload", default=None, help=WORKLOAD_HELP)
     p.set_defaults(func=cmd_explain)
 
     p = sub.add_parser("predict", help=cmd_predict.__doc__)

@@ -13,7 +13,8 @@ from dataclasses import replace
 import torch
 
 from bench import measure
-from strategies import bind_strategy
+from bench.errors import Unsupported
+from bench.runner import bind_case, memory_pass
 
 CUDA_BLOCK_BYTES = 512
 ENGINES = ("auto", "meta", "cpu")
@@ -57,9 +58,7 @@ def _cuda_like_forward(strategy, engine: str):
 def tracked_peak(case, spec: str, engine: str = "meta", block_bytes: int = CUDA_BLOCK_BYTES,
                  cuda_autocast: bool = True) -> int:
     """The tracked peak of one steady-state step of `case` (its device is ignored) on `engine` (meta or cpu)."""
-    from bench.runner import memory_pass
-
-    strategy, _ = bind_strategy(spec, case.phase, "cpu", case.workload)
+    strategy, _ = bind_case(replace(case, strategy=spec, device="cpu"))
     if cuda_autocast:
         strategy.forward = _cuda_like_forward(strategy, engine)
     tracker = measure.LiveTensorTracker(engine, block_bytes=block_bytes)
@@ -69,12 +68,10 @@ def tracked_peak(case, spec: str, engine: str = "meta", block_bytes: int = CUDA_
 
 def predict_case(case, engine: str = "auto") -> dict:
     """One prediction row: strategy, phase, batch, predicted bytes, the engine used, status and message."""
-    from bench.errors import Unsupported
-
     row = {"workload": case.workload, "strategy": case.strategy, "phase": case.phase,
            "batch_size": case.batch_size, "device": case.device, "predicted_bytes": None,
            "predicted_mib": None, "engine": None, "status": "ok", "message": ""}
-    strategy, context = bind_strategy(case.strategy, case.phase, case.device, case.workload)
+    strategy, context = bind_case(case)
     row["strategy"] = strategy.spec()
     try:
         strategy.check(context)

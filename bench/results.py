@@ -10,14 +10,14 @@ import secrets
 
 import pandas as pd
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: workload_settings, output_rel_diff; `workload` holds the workload spec (name and options)
 STATUSES = ("ok", "oom", "unsupported", "error")
 
 # Every results file has these columns, in this order; a test checks it.
 COLUMNS = [
     "schema_version", "run_id", "timestamp",
     # the case
-    "workload", "strategy", "strategy_settings", "phase", "device", "device_name", "batch_size", "data",
+    "workload", "workload_settings", "strategy", "strategy_settings", "phase", "device", "device_name", "batch_size", "data",
     "warmup_steps", "measured_steps",
     # timing pass
     "step_time_ms_median", "step_time_ms_iqr", "step_time_ms_min", "samples_per_s",
@@ -27,7 +27,7 @@ COLUMNS = [
     "mem_vs_baseline", "time_vs_baseline",
     # verification against the baseline on the same weights and batch
     "matches_baseline", "loss_rel_diff", "max_abs_grad_diff", "max_grad_rel_diff", "params_without_grad",
-    "bn_stats_match",
+    "bn_stats_match", "output_rel_diff",
     "status", "message",
     # environment
     "torch_version", "cuda_version", "cudnn_version", "cpu_threads", "git_commit", "python_version", "platform",

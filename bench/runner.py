@@ -16,14 +16,16 @@ from typing import Any, Callable
 import pandas as pd
 import torch
 
-from bench import measure
+from bench import breakdown, measure
 from bench.env import environment
 from bench.errors import Unsupported, UsageError
 from bench.isolation import RunOptions, process_state, run_in_worker
+from bench.rule_of_thumb import rule_of_thumb
 from bench.results import SCHEMA_VERSION, new_run_id, now_iso, write_csv_atomic, write_rows
 from bench.stats import summarize_timing
-from strategies import Strategy, bind_strategy
+from strategies import StepContext, Strategy, bind_strategy
 from workloads import get_workload
+from workloads.base import tensors_of, to_device, to_float32
 
 # Steps before the measured one: one makes Adam's state and the kept output of the previous step exist; CUDA
 # gets a second so that cuDNN's autotuning and the allocator's first-step behaviour are behind it.
@@ -32,24 +34,28 @@ MEMORY_WARMUP_STEPS = {"cpu": 1, "cuda": 2}
 
 @dataclass(frozen=True)
 class Case:
-    """One measured configuration."""
+    """One measured configuration. `workload` is a workload spec (`deep_mlp:layers=100`, `file.py:NAME`)."""
 
     workload: str
     strategy: str
     phase: str
     batch_size: int
     device: str
-    data: str = "captcha"
+    data: str | None = None  # None: the workload's default data source (its first)
     warmup: int = 3
     steps: int = 10
 
+    def __post_init__(self):
+        if self.data is None:
+            object.__setattr__(self, "data", get_workload(self.workload).data_sources[0])
+
     def label(self) -> str:
-        return f"{self.strategy} {self.phase} bs={self.batch_size} {self.device}"
+        return f"{self.workload} {self.strategy} {self.phase} bs={self.batch_size} {self.device}"
 
 
 @functools.lru_cache(maxsize=8)
-def _cpu_batch(workload_name: str, batch_size: int, data: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return get_workload(workload_name).make_batch(batch_size, data)
+def _cpu_batch(workload_spec: str, batch_size: int, data: str):
+    return get_workload(workload_spec).make_batch(batch_size, data)
 
 
 def seed_everything(seed: int) -> None:
@@ -60,26 +66,45 @@ def seed_everything(seed: int) -> None:
         torch.cuda.manual_seed_all(seed)
 
 
+def bind_case(case: Case) -> tuple[Strategy, StepContext]:
+    """The case's strategy parsed and bound to its phase, device and (resolved) workload; not yet checked."""
+    return bind_strategy(case.strategy, case.phase, case.device, get_workload(case.workload))
+
+
 def _no_mark(stage: str) -> None:
     pass
 
 
 class Session:
-    """A fresh model, optimizer, loss and batch for one pass of one case, with the strategy applied."""
+    """A fresh model, optimizer, loss and batch for one pass of one case, with the strategy applied.
+
+    The steps are the article's loop, the same for every workload: the workload says what to train (model,
+    batch, loss, optimizer), the strategy how (its hooks), and this class runs it.
+    """
 
     def __init__(self, case: Case, strategy: Strategy):
-        workload = get_workload(case.workload)
+        self.workload = workload = get_workload(case.workload)
         seed_everything(workload.seed)
         self.case = case
         self.strategy = strategy
         self.base_model = workload.build_model().to(case.device)
-        self.model = strategy.prepare_model(self.base_model, workload.stages(self.base_model))
+        self.model = strategy.prepare_model(self.base_model, workload.checkpoint_units(self.base_model))
         self.optimizer = workload.make_optimizer(self.base_model)
-        self.loss_fn = workload.loss_fn()
-        x, y = _cpu_batch(case.workload, case.batch_size, case.data)
-        self.x, self.y = x.to(case.device), y.to(case.device)
+        inputs, target = _cpu_batch(case.workload, case.batch_size, case.data)
+        self.x, self.y = to_device(inputs, case.device), to_device(target, case.device)
         self.model.train(case.phase == "train")
         self.kept: dict[str, Any] = {}  # what the article's loop keeps alive until the next step
+        # dropout draws from the global generator: every pass starts its steps from the same random state
+        seed_everything(workload.seed + 1)
+
+    def forward(self) -> Any:
+        """The model's output on the batch, inside the strategy's forward context."""
+        with self.strategy.forward():
+            return self.workload.run_model(self.model, self.x)
+
+    def loss(self, predicted: Any) -> torch.Tensor:
+        """The workload's loss on the output in float32 (losses are not autocast-safe), outside autocast."""
+        return self.workload.loss(to_float32(predicted), self.y)
 
     def step(self, mark: Callable[[str], None] = _no_mark) -> None:
         """One step of the case's phase; `mark` is told when the forward, backward and optimizer stages begin."""
@@ -89,12 +114,11 @@ class Session:
             self.eval_step(mark)
 
     def train_step(self, mark: Callable[[str], None] = _no_mark) -> None:
-        """The article's training step: forward, BCELoss, backward, optimizer step, zero_grad."""
+        """The article's training step: forward, loss, backward, optimizer step, zero_grad."""
         s = self.strategy
         mark("forward")
-        with s.forward():
-            predicted = self.model(self.x)
-        loss = self.loss_fn(predicted.float(), self.y)  # BCELoss is not autocast-safe: always float32
+        predicted = self.forward()
+        loss = self.loss(predicted)
         mark("backward")
         s.backward(loss)
         mark("optimizer")
@@ -106,13 +130,14 @@ class Session:
     def eval_step(self, mark: Callable[[str], None] = _no_mark) -> None:
         """The article's validation step: the model in eval mode, one forward pass (autograd as the strategy says)."""
         mark("forward")
-        with self.strategy.forward():
-            predicted = self.model(self.x)
-        self.kept["predicted"] = predicted
+        self.kept["predicted"] = self.forward()
         self.strategy.end_step(self.kept)
 
     def parameters(self) -> list[torch.Tensor]:
         return list(self.base_model.parameters())
+
+    def batch_tensors(self) -> list[torch.Tensor]:
+        return tensors_of((self.x, self.y))
 
     def optimizer_state(self) -> list[torch.Tensor]:
         return [v for state in self.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
@@ -125,7 +150,7 @@ class Snapshot:
     """The result of one forward (and backward, in training) from the seeded start."""
 
     loss: float
-    output: torch.Tensor
+    outputs: list[torch.Tensor]
     grads: dict[str, torch.Tensor | None]
     buffers: dict[str, torch.Tensor]
 
@@ -134,9 +159,8 @@ def snapshot(case: Case, strategy: Strategy) -> Snapshot:
     """Forward, loss and (in training) backward once from a fresh session; gradients brought to true scale."""
     session = Session(case, strategy)
     with strategy.session():
-        with strategy.forward():
-            output = session.model(session.x)
-        loss = session.loss_fn(output.float(), session.y)
+        output = session.forward()
+        loss = session.loss(output)
         grads: dict[str, torch.Tensor | None] = {}
         if case.phase == "train":
             strategy.backward(loss)
@@ -144,14 +168,15 @@ def snapshot(case: Case, strategy: Strategy) -> Snapshot:
             grads = {name: None if p.grad is None else p.grad.detach().float().cpu().clone()
                      for name, p in session.base_model.named_parameters()}
     buffers = {name: b.detach().cpu().clone() for name, b in session.base_model.named_buffers()}
-    return Snapshot(float(loss.detach()), output.detach().float().cpu(), grads, buffers)
+    outputs = [t.detach().float().cpu() for t in tensors_of(output) if t.is_floating_point()]
+    return Snapshot(float(loss.detach()), outputs, grads, buffers)
 
 
 @functools.lru_cache(maxsize=16)
 def baseline_snapshot(case: Case) -> Snapshot:
     """The baseline's snapshot for the case's workload, phase, batch, device and data."""
     case = replace(case, strategy="baseline", warmup=0, steps=0)
-    return snapshot(case, bind_strategy("baseline", case.phase, case.device, case.workload)[0])
+    return snapshot(case, bind_case(case)[0])
 
 
 def compare(result: Snapshot, reference: Snapshot, strategy: Strategy) -> dict[str, Any]:
@@ -176,7 +201,8 @@ def compare(result: Snapshot, reference: Snapshot, strategy: Strategy) -> dict[s
             bn_match &= bool(torch.equal(got, ref))  # num_batches_tracked: a second update shows here
         else:
             bn_match &= bool(torch.allclose(got, ref, rtol=tol.grad_rtol, atol=tol.output_atol))
-    output_match = bool(torch.allclose(result.output, reference.output, rtol=0, atol=tol.output_atol))
+    output_rel_diff = _output_rel_diff(result.outputs, reference.outputs, tol.output_atol)
+    output_match = output_rel_diff <= tol.output_rtol
     matches = (loss_rel_diff <= tol.loss_rtol and max_rel <= tol.grad_rtol and missing == 0 and bn_match
                and (output_match or bool(reference.grads)))
     return {
@@ -186,7 +212,20 @@ def compare(result: Snapshot, reference: Snapshot, strategy: Strategy) -> dict[s
         "max_grad_rel_diff": max_rel if reference.grads else None,
         "params_without_grad": missing,
         "bn_stats_match": bool(bn_match),
+        "output_rel_diff": output_rel_diff,
     }
+
+
+def _output_rel_diff(outputs: list[torch.Tensor], references: list[torch.Tensor], atol: float) -> float:
+    """The largest |out - ref| / |ref| (norms) over the output tensors; 0 for one within `atol` element by
+    element; infinite when the outputs differ in number or shape."""
+    if len(outputs) != len(references) or any(o.shape != r.shape for o, r in zip(outputs, references)):
+        return float("inf")
+    worst = 0.0
+    for got, ref in zip(outputs, references):
+        if not torch.allclose(got, ref, rtol=0, atol=atol):
+            worst = max(worst, float((got - ref).norm() / ref.norm().clamp_min(1e-12)))
+    return worst
 
 
 def verify(case: Case, strategy: Strategy) -> dict[str, Any]:
@@ -219,11 +258,9 @@ def memory_pass(case: Case, strategy: Strategy, record_timeline: bool = False,
                 prepare: Callable[[Session, measure.LiveTensorTracker], None] | None = None) -> dict[str, Any]:
     """The peak of one steady-state step: CUDA's allocator statistics, or the exact live-tensor count on the CPU.
 
-    On the CPU (or meta) the row also gets the breakdown of the peak (`bench.analysis.BREAKDOWN_COLUMNS`);
+    On the CPU (or meta) the row also gets the breakdown of the peak (`bench.breakdown.BREAKDOWN_COLUMNS`);
     `tracker` replaces the default exact tracker, `prepare(session, tracker)` runs just before the measured step.
     """
-    from bench import analysis
-
     if case.device == "cuda":
         release_cuda_memory()
         session = Session(case, strategy)
@@ -238,14 +275,14 @@ def memory_pass(case: Case, strategy: Strategy, record_timeline: bool = False,
     with strategy.session(), tracker:
         tracker.track(session.parameters(), "params")
         tracker.track(session.base_model.buffers(), "buffers")
-        tracker.track([session.x, session.y], "batch")
+        tracker.track(session.batch_tensors(), "batch")
 
         def mark(stage: str) -> None:
             tracker.stage = stage
 
         for _ in range(MEMORY_WARMUP_STEPS.get(case.device, 1)):
             session.step(mark)
-        handles = analysis.prepare_breakdown(session, tracker)
+        handles = breakdown.prepare_breakdown(session, tracker)
         if prepare is not None:
             prepare(session, tracker)
         tracker.stage = "setup"
@@ -255,7 +292,7 @@ def memory_pass(case: Case, strategy: Strategy, record_timeline: bool = False,
             handle.remove()
     return {"peak_mem_bytes": tracker.peak_bytes, "peak_reserved_bytes": None,
             "memory_method": "cpu_live_tensor_bytes", "peak_stage": tracker.peak_stage,
-            **analysis.breakdown_columns(tracker), "_tracker": tracker}
+            **breakdown.breakdown_columns(tracker), "_tracker": tracker}
 
 
 def release_cuda_memory() -> None:
@@ -276,10 +313,8 @@ def forget_traceback(error: BaseException) -> None:
 
 
 def rule_of_thumb_bytes(case: Case) -> int:
-    """The article's estimate for the case (see `bench.analysis.rule_of_thumb`)."""
-    from bench import analysis
-
-    return analysis.rule_of_thumb(case.workload, case.phase, case.batch_size)["total_bytes"]
+    """The article's estimate for the case (see `bench.rule_of_thumb`)."""
+    return rule_of_thumb(case.workload, case.phase, case.batch_size)["total_bytes"]
 
 
 def is_oom(error: BaseException) -> bool:
@@ -299,6 +334,17 @@ def base_row(case: Case, env: dict | None = None, options: RunOptions | None = N
     }
 
 
+def settings_text(strategy: Strategy) -> str:
+    """The row's `strategy_settings`: `name.option=value;...`."""
+    return ";".join(f"{k}={v}" for k, v in strategy.describe().items())
+
+
+def workload_columns(workload) -> dict[str, str]:
+    """`workload` (the canonical spec) and `workload_settings` (every option, `name=value;...`) of a row."""
+    return {"workload": workload.spec(),
+            "workload_settings": ";".join(f"{k}={v}" for k, v in workload.describe().items())}
+
+
 def run_case(case: Case, env: dict | None = None, options: RunOptions | None = None,
              verify_result: bool = True) -> dict[str, Any]:
     """One row: the case, its verification, timing and memory, and its status (ok, oom, unsupported, error).
@@ -314,10 +360,11 @@ def run_case(case: Case, env: dict | None = None, options: RunOptions | None = N
     with process_state(options.threads, options.deterministic):
         row["cpu_threads"] = torch.get_num_threads()
         try:
-            strategy, context = bind_strategy(case.strategy, case.phase, case.device, case.workload)
+            strategy, context = bind_case(case)
+            row.update(workload_columns(context.workload))
             row["strategy"] = strategy.spec()
             strategy.check(context)
-            row["strategy_settings"] = ";".join(f"{k}={v}" for k, v in strategy.describe().items())
+            row["strategy_settings"] = settings_text(strategy)
             if verify_result:
                 row.update(verify(case, strategy))
             row.update(timing_pass(case, strategy, options.repeats))
@@ -330,6 +377,7 @@ def run_case(case: Case, env: dict | None = None, options: RunOptions | None = N
                 peaks.append(memory["peak_mem_bytes"])
             row.update(memory, **peak_columns(peaks))
             row["rule_of_thumb_bytes"] = rule_of_thumb_bytes(case)
+            row["strategy_settings"] = settings_text(strategy)  # with what the model resolved (segments=auto)
         except UsageError:
             raise
         except Unsupported as error:

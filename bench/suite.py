@@ -8,17 +8,18 @@ from typing import Any
 
 import yaml
 
-from bench.errors import UsageError, choices_error
+from bench.errors import UsageError
 from bench.runner import Case
-from strategies import PHASES, STRATEGIES, parse_strategy
-from workloads import WORKLOADS
+from strategies import PHASES, parse_strategy
+from workloads import get_workload
 
 DEFAULT_SUITE = Path(__file__).parent / "suites" / "default.yaml"
 
 # key -> (type check, description); `devices` holds per-device overrides of the other keys.
 _FIELDS: dict[str, tuple[type, str]] = {
-    "workload": (str, "a workload name"),
-    "data": (str, "captcha or synthetic"),
+    "workload": (str, "a workload spec"),
+    "workloads": (list, "a list of workload specs, or of mappings {workload: spec, <key>: override}"),
+    "data": (str, "a data source of the workload"),
     "strategies": (list, "a list of strategy names"),
     "phases": (list, "a list of phases"),
     "batch_sizes": (list, "a list of positive integers"),
@@ -26,57 +27,90 @@ _FIELDS: dict[str, tuple[type, str]] = {
     "steps": (int, "a positive integer"),
 }
 _DEVICE_KEYS = ("cpu", "cuda")
+_PER_WORKLOAD = ("data", "strategies", "phases", "batch_sizes", "warmup", "steps")
 
 
 @dataclass
 class Suite:
-    """What to run: every strategy x phase x batch size of one workload."""
+    """What to run: every strategy x phase x batch size of each workload.
 
-    workload: str = "captcha_resnet18"
-    data: str = "captcha"
+    `workloads` holds one entry per workload: its spec and any of `_PER_WORKLOAD` that differ from the suite's
+    own values. `batch_sizes` and `data` left at None mean each workload's default batch size and data source.
+    """
+
+    workloads: list[dict[str, Any]] = field(default_factory=lambda: [{"workload": "captcha_resnet18"}])
+    data: str | None = None
     strategies: list[str] = field(default_factory=lambda: ["baseline"])
     phases: list[str] = field(default_factory=lambda: list(PHASES))
-    batch_sizes: list[int] = field(default_factory=lambda: [100])
+    batch_sizes: list[int] | None = None
     warmup: int = 3
     steps: int = 10
 
+    def set_workloads(self, specs: list[str]) -> None:
+        """Replaces the suite's workloads by `specs`, keeping no per-workload override."""
+        self.workloads = [{"workload": spec} for spec in specs]
+
     def cases(self, device: str) -> list[Case]:
-        """Cases in run order: per batch size and phase, the baseline first (the others are compared to it)."""
-        specs = ["baseline"] + [s for s in self.strategies if s != "baseline"]
-        return [Case(self.workload, spec, phase, bs, device, self.data, self.warmup, self.steps)
-                for bs in self.batch_sizes for phase in self.phases for spec in specs]
+        """Cases in run order: per workload, batch size and phase, the baseline first (the others compare to it)."""
+        cases = []
+        for entry in self.workloads:
+            values = {key: entry.get(key, getattr(self, key)) for key in _PER_WORKLOAD}
+            workload = get_workload(entry["workload"])
+            if values["data"] is not None:
+                workload.check_data(values["data"])
+            specs = ["baseline"] + [s for s in values["strategies"] if s != "baseline"]
+            sizes = values["batch_sizes"] or [workload.default_batch_size]
+            cases += [Case(workload.spec(), spec, phase, bs, device, values["data"], values["warmup"], values["steps"])
+                      for bs in sizes for phase in values["phases"] for spec in specs]
+        return cases
+
+
+def _check_list(values: dict[str, Any], key: str, where: str) -> None:
+    items = values.get(key)
+    if items is None:
+        return
+    if not items:
+        raise UsageError(f"{where}: key {key!r} must not be empty; give {_FIELDS[key][1]}")
+    seen = set()
+    for item in items:
+        if key == "batch_sizes" and (not isinstance(item, int) or isinstance(item, bool) or item <= 0):
+            raise UsageError(f"{where}: key 'batch_sizes': batch size {item!r} must be a positive integer")
+        if key in ("strategies", "phases") and not isinstance(item, str):
+            raise UsageError(f"{where}: key {key!r}: entry {item!r} must be a name (a string)")
+        marker = repr(item) if isinstance(item, dict) else item
+        if marker in seen:
+            raise UsageError(f"{where}: key {key!r}: duplicate entry {item!r}")
+        seen.add(marker)
+
+
+def _check_workload(spec, data, where: str, key: str):
+    """The resolved workload of `spec`, with `data` (if given) checked against its data sources."""
+    if not isinstance(spec, str):
+        raise UsageError(f"{where}: key {key!r}: entry {spec!r} must be a workload spec (a string)")
+    try:
+        workload = get_workload(spec)
+        if data is not None:
+            workload.check_data(data)
+    except UsageError as error:
+        raise UsageError(f"{where}: key {key!r}: {error}") from None
+    return workload
 
 
 def validate(values: dict[str, Any], where: str) -> dict[str, Any]:
-    """Checks keys, types and names; raises UsageError naming the place, the key and the reason."""
+    """Checks keys, types and names; raises UsageError naming the place, the key and the reason.
+
+    `workload` (one spec) is turned into `workloads` (a list of entries); every workload is resolved (a missing
+    file or unknown name fails here, before anything runs) and its data source checked."""
     for key, value in values.items():
         if key not in _FIELDS:
             raise UsageError(f"{where}: unknown key {key!r}; valid keys: {', '.join([*_FIELDS, 'devices'])}")
         kind, what = _FIELDS[key]
         if not isinstance(value, kind) or isinstance(value, bool):
             raise UsageError(f"{where}: key {key!r} must be {what}, got {value!r}")
-    for key in ("strategies", "phases", "batch_sizes"):
-        items = values.get(key)
-        if items is None:
-            continue
-        if not items:
-            raise UsageError(f"{where}: key {key!r} must not be empty; give {_FIELDS[key][1]}")
-        seen = set()
-        for item in items:
-            if key == "batch_sizes" and (not isinstance(item, int) or isinstance(item, bool) or item <= 0):
-                raise UsageError(f"{where}: key 'batch_sizes': batch size {item!r} must be a positive integer")
-            if key != "batch_sizes" and not isinstance(item, str):
-                raise UsageError(f"{where}: key {key!r}: entry {item!r} must be a name (a string)")
-            if item in seen:
-                raise UsageError(f"{where}: key {key!r}: duplicate entry {item!r}")
-            seen.add(item)
-    if "workload" in values:
-        try:
-            WORKLOADS.get(values["workload"])
-        except UsageError as error:
-            raise UsageError(f"{where}: key 'workload': {error}") from None
-    if "data" in values and values["data"] not in ("captcha", "synthetic"):
-        raise UsageError(f"{where}: key 'data': unknown data source {values['data']!r}; valid choices: captcha, synthetic")
+    if "workload" in values and "workloads" in values:
+        raise UsageError(f"{where}: give either key 'workload' or key 'workloads', not both")
+    for key in ("strategies", "phases", "batch_sizes", "workloads"):
+        _check_list(values, key, where)
     for spec in values.get("strategies", []):
         try:
             parse_strategy(str(spec))
@@ -85,13 +119,27 @@ def validate(values: dict[str, Any], where: str) -> dict[str, Any]:
     for phase in values.get("phases", []):
         if phase not in PHASES:
             raise UsageError(f"{where}: key 'phases': unknown phase {phase!r}; valid choices: {', '.join(PHASES)}")
-    for bs in values.get("batch_sizes", []):
-        if not isinstance(bs, int) or isinstance(bs, bool) or bs <= 0:
-            raise UsageError(f"{where}: key 'batch_sizes': batch size {bs!r} must be a positive integer")
     if values.get("warmup", 0) < 0:
         raise UsageError(f"{where}: key 'warmup' must be a non-negative integer, got {values['warmup']!r}")
     if "steps" in values and values["steps"] <= 0:
         raise UsageError(f"{where}: key 'steps' must be a positive integer, got {values['steps']!r}")
+    if "workload" in values:
+        values["workloads"] = [{"workload": values.pop("workload")}]
+    entries = []
+    for raw in values.get("workloads", []):
+        entry = {"workload": raw} if not isinstance(raw, dict) else dict(raw)
+        if "workload" not in entry:
+            raise UsageError(f"{where}: key 'workloads': entry {raw!r} has no 'workload' key")
+        extra = {k: v for k, v in entry.items() if k != "workload"}
+        bad = [k for k in extra if k not in _PER_WORKLOAD]
+        if bad:
+            raise UsageError(f"{where}: key 'workloads': unknown key {bad[0]!r} in entry {raw!r}; valid keys: "
+                             f"workload, {', '.join(_PER_WORKLOAD)}")
+        validate(extra, f"{where} (workload {entry['workload']})")
+        workload = _check_workload(entry["workload"], extra.get("data", values.get("data")), where, "workloads")
+        entries.append({**extra, "workload": workload.spec()})
+    if "workloads" in values:
+        values["workloads"] = entries
     return values
 
 
@@ -121,4 +169,11 @@ def load_suite(path: Path | str, device: str) -> Suite:
             raise UsageError(f"{path}: key 'devices.{dev}' must be a mapping, got {extra!r}")
         validate(extra, f"{path} (devices.{dev})")
     values.update(overrides.get(device, {}))
-    return replace(Suite(), **values)
+    return check_data(replace(Suite(), **values), str(path))
+
+
+def check_data(suite: Suite, where: str) -> Suite:
+    """Checks each workload's data source (the suite's `data` or its entry's) against what the workload makes."""
+    for entry in suite.workloads:
+        _check_workload(entry["workload"], entry.get("data", suite.data), where, "data")
+    return suite

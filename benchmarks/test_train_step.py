@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from bench.errors import Unsupported
-from bench.runner import Case, Session, memory_pass
-from strategies import STRATEGIES, StepContext, parse_strategy
+from bench.runner import Case, Session, bind_case, memory_pass
+from strategies import STRATEGIES
 
 BATCH_SIZE = 8
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -20,9 +20,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 @pytest.mark.parametrize("name", STRATEGIES.names())
 def test_train_step(benchmark, name):
     case = Case("captcha_resnet18", name, "train", BATCH_SIZE, DEVICE, data="synthetic", warmup=1, steps=3)
-    strategy = parse_strategy(name)
-    context = StepContext(case.phase, case.device, case.workload)
-    strategy.bind(context)
+    strategy, context = bind_case(case)
     try:
         strategy.check(context)
     except Unsupported as error:

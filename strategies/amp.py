@@ -22,15 +22,18 @@ class Amp(Strategy):
     data), bfloat16 against fp32 from the same seed: loss_rel_diff 2.2e-4 (2.4e-4 at batch 2); per-parameter
     gradient relative norm difference max 0.47 (0.45 at batch 2, median 0.37, largest on BatchNorm weights and
     biases, whose gradients are sums with heavy cancellation at initialisation, where 8-bit mantissas lose most
-    of the signal); eval output max abs difference 6.6e-5 (softmax probabilities). Tolerance, with margin:
-    loss 2e-3, gradients 0.75, outputs 1e-3. The gradient check is thus weak for amp: it catches a missing or
+    of the signal); eval output max abs difference 6.6e-5 (softmax probabilities). On other workloads the loss
+    differs more: deep_mlp:layers=24:width=8 at batch 8 (MSE of a 24-layer linear chain) 2.9e-3, which is less
+    than one bfloat16 rounding step (2**-8 = 3.9e-3). Tolerance, with margin: loss 1e-2 (about 2.5 bfloat16
+    steps), gradients 0.75, outputs 1e-3 element by element or 0.05 in relative norm (deep_mlp's regression
+    outputs differ by up to 0.033 where they reach 2.6; unet's logits 1.4e-3, gpt_mini's 1.8e-3 at batch 2). The gradient check is thus weak for amp: it catches a missing or
     mis-scaled gradient (a factor of the GradScaler's 65536, or zeros), not bf16 rounding.
     """
 
     name = "amp"
     description = "autocast forward in 16-bit floats; GradScaler on the backward for float16"
     options = {"dtype": "auto"}
-    tolerance = Tolerance(loss_rtol=2e-3, grad_rtol=0.75, output_atol=1e-3)
+    tolerance = Tolerance(loss_rtol=1e-2, grad_rtol=0.75, output_atol=1e-3, output_rtol=0.05)
     priority = 40  # inside no_grad/outer contexts; applies to whatever model the transforms built
 
     def __init__(self, **options):
@@ -58,7 +61,7 @@ class Amp(Strategy):
         super().bind(context)
         self.scaler = self._new_scaler()
 
-    def prepare_model(self, model, stages):
+    def prepare_model(self, model, units):
         self.scaler = self._new_scaler()  # one scaler per session: each pass starts from the same state
         return model
 

@@ -2,7 +2,8 @@
 
 A strategy is applied only to the stage it concerns (the pyperf hook pattern):
 - `session()`      process-wide settings for the whole case, restored on exit (cudnn flags);
-- `prepare_model()` transform the model once, before the optimizer sees it (in-place ReLU, checkpointing);
+- `prepare_model()` transform the model once, before the optimizer sees it (in-place ReLU, checkpointing of the
+                   workload's checkpoint units); raises Unsupported when the model gives it nothing to do;
 - `forward()`      a context around the forward pass only (autocast, no_grad); the loss runs outside it;
 - `backward()`, `optimizer_step()`, `unscale_grads()`  the backward pass and the step (GradScaler);
 - `end_step()`     what the training loop keeps or frees between steps;
@@ -12,13 +13,14 @@ A strategy is applied only to the stage it concerns (the pyperf hook pattern):
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, ContextManager
 
 import torch
 from torch import nn
 
 from bench.errors import UsageError, Unsupported, choices_error
+from bench.options import changed_options, check_option_names, parse_option_parts
 from bench.registry import Registry
 
 PHASES = ("train", "eval")
@@ -33,13 +35,12 @@ class Tolerance:
     """How close to the baseline a strategy's loss and gradients must be to count as the same result."""
 
     loss_rtol: float = 1e-5
-    grad_rtol: float = 1e-4
-    output_atol: float = 1e-5
+    grad_rtol: float = 1e-4  # per parameter: |grad - ref| / |ref| (norms); also the BatchNorm statistics' rtol
+    output_atol: float = 1e-5  # an output (eval) or BatchNorm statistic within this, element by element, matches
+    output_rtol: float = 1e-5  # else an output matches when |out - ref| / |ref| (norms) is within this
 
     def loosest(self, other: "Tolerance") -> "Tolerance":
-        return Tolerance(*(max(a, b) for a, b in zip(
-            (self.loss_rtol, self.grad_rtol, self.output_atol),
-            (other.loss_rtol, other.grad_rtol, other.output_atol))))
+        return Tolerance(**{f.name: max(getattr(self, f.name), getattr(other, f.name)) for f in fields(self)})
 
 
 # fp32 strategies reorder no arithmetic, or only reorder float sums: they must match to float tolerance.
@@ -52,7 +53,7 @@ class StepContext:
 
     phase: str
     device: str
-    workload: Any = None
+    workload: Any = None  # the case's workloads.Workload (its checkpoint units, whether they chain, its spec)
 
 
 class Strategy:
@@ -68,10 +69,7 @@ class Strategy:
     conflicts: tuple[str, ...] = ()
 
     def __init__(self, **options):
-        unknown = set(options) - set(self.options)
-        if unknown:
-            bad = sorted(unknown)[0]
-            raise choices_error(f"option of strategy {self.name!r}:", bad, list(self.options) or ["(none)"])
+        check_option_names("strategy", self.name, options, self.options)
         self.settings = {**self.options, **options}
         self.context = StepContext(phase="train", device="cpu")
 
@@ -90,7 +88,7 @@ class Strategy:
         """Process-wide settings for the whole case; restored when the context exits."""
         return contextlib.nullcontext()
 
-    def prepare_model(self, model: nn.Module, stages: list[nn.Module]) -> nn.Module:
+    def prepare_model(self, model: nn.Module, units: list[nn.Module]) -> nn.Module:
         """Returns the model to train (may be `model` changed in place, or a wrapper sharing its parameters)."""
         return model
 
@@ -122,8 +120,7 @@ class Strategy:
 
     def spec(self) -> str:
         """The canonical spelling: `name` or `name:opt=value` for options that differ from the default."""
-        changed = [f"{k}={v}" for k, v in self.settings.items() if v != self.options[k]]
-        return ":".join([self.name, *changed])
+        return ":".join([self.name, *changed_options(self.settings, self.options)])
 
 
 def _overrides(strategy: Strategy, hook: str) -> bool:
@@ -179,9 +176,9 @@ class Composite(Strategy):
     def forward(self):
         return self._entered("forward")
 
-    def prepare_model(self, model, stages):
+    def prepare_model(self, model, units):
         for m in self.members:
-            model = m.prepare_model(model, stages)
+            model = m.prepare_model(model, units)
         return model
 
     def backward(self, loss):
@@ -210,35 +207,14 @@ class Composite(Strategy):
         return "+".join(m.spec() for m in self.members)
 
 
-def _parse_value(raw: str, default: Any, strategy: str, option: str) -> Any:
-    kind = type(default)
-    try:
-        if kind is bool:
-            if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                raise ValueError(raw)
-            return raw.lower() in ("true", "1", "yes")
-        return kind(raw)
-    except ValueError:
-        raise UsageError(f"bad value {raw!r} for {strategy}:{option}; expected {kind.__name__}") from None
-
-
 def parse_one(text: str) -> Strategy:
     """`name` or `name:opt=value:opt=value` -> a Strategy instance."""
     name, *parts = text.strip().split(":")
     cls = STRATEGIES.get(name)
-    options = {}
-    for part in parts:
-        key, sep, raw = part.partition("=")
-        if not sep:
-            raise UsageError(f"bad strategy option {part!r} in {text!r}; expected {name}:option=value")
-        if key not in cls.options:
-            raise choices_error(f"option of strategy {name!r}:", key, list(cls.options) or ["(none)"])
-        options[key] = _parse_value(raw, cls.options[key], name, key)
-    return cls(**options)
+    return cls(**parse_option_parts("strategy", name, parts, cls.options, text))
 
 
-def bind_strategy(spec: str, phase: str, device: str,
-                  workload: str = "captcha_resnet18") -> tuple[Strategy, StepContext]:
+def bind_strategy(spec: str, phase: str, device: str, workload: Any = None) -> tuple[Strategy, StepContext]:
     """`parse_strategy(spec)` bound to the case's phase, device and workload (not yet checked)."""
     strategy = parse_strategy(spec)
     context = StepContext(phase, device, workload)

@@ -1,14 +1,15 @@
-"""Activation checkpointing over the model's stages (checkpoint_sequential semantics), BatchNorm-safe."""
+"""Activation checkpointing over the workload's checkpoint units (checkpoint_sequential semantics), BatchNorm-safe."""
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from bench.errors import UsageError
+from bench.errors import UsageError, Unsupported
 from strategies.base import Strategy, register_strategy
 
 
@@ -29,36 +30,27 @@ def preserved(buffers: list[torch.Tensor]):
                 b.copy_(s)
 
 
-class CheckpointedModel(nn.Module):
-    """Runs `stages` in `segments` chunks, all but the last checkpointed (as `checkpoint_sequential` does).
+class UnitCheckpointer:
+    """Checkpoints groups of a model's units in place, by replacing each group's `forward` (checkpoint_sequential
+    semantics over any model: the units need not be the whole forward, only blocks that the model calls).
 
-    The original model stays a registered submodule, so `.parameters()`, `.train()`, `.eval()` and `state_dict`
-    behave as before. In eval mode or with autograd off the stages run plainly.
+    A group of consecutive units that chain (the output of one is the input of the next and nothing else) is one
+    checkpoint: its first unit runs the whole chain, the others pass their input through (checked: a model that
+    does not feed them the chain's output raises). Units that do not chain are checkpointed one by one. Only in
+    training with autograd on; otherwise the units run plainly.
 
     `bn_fix`: the recomputation in backward runs each BatchNorm's training-mode forward a second time, which would
     update running_mean/var again and count num_batches_tracked twice. With the fix, the recompute restores every
     BatchNorm buffer to what it was when the recompute began. `checkpoint_sequential` in this torch does not pass
-    `context_fn` on, hence the segmenting here.
+    `context_fn` on, hence the segmenting here. Random state (dropout) is replayed by checkpoint itself
+    (`preserve_rng_state`), so the recompute draws the same masks.
     """
 
-    def __init__(self, model: nn.Module, stages: list[nn.Module], segments: int,
-                 reentrant: bool = False, bn_fix: bool = True):
-        super().__init__()
-        if not 1 <= segments <= len(stages):
-            raise UsageError(f"checkpoint:segments={segments} must be between 1 and the {len(stages)} stages")
+    def __init__(self, model: nn.Module, reentrant: bool = False, bn_fix: bool = True):
         self.model = model
-        self._stages = list(stages)  # a plain list: the stages' modules are already registered under `model`
-        self.segments = segments
         self.reentrant = reentrant
         self.bn_fix = bn_fix
         self._bn_buffers = batchnorm_buffers(model) if bn_fix else []
-
-    def _run(self, start: int, end: int):
-        def run_segment(x):
-            for stage in self._stages[start:end]:
-                x = stage(x)
-            return x
-        return run_segment
 
     def _context_fn(self):
         return contextlib.nullcontext(), preserved(self._bn_buffers)
@@ -66,30 +58,57 @@ class CheckpointedModel(nn.Module):
     def _reentrant_fn(self, function):
         calls = [0]  # the first call is the forward; any later one is the recompute in backward
 
-        def run(x):
+        def run(*args):
             calls[0] += 1
             if calls[0] == 1 or not self.bn_fix:
-                return function(x)
+                return function(*args)
             with preserved(self._bn_buffers):
-                return function(x)
+                return function(*args)
         return run
 
-    def forward(self, x):
-        n = len(self._stages)
-        if not (self.training and torch.is_grad_enabled()):
-            return self._run(0, n)(x)
-        size = n // self.segments
-        end = 0
-        for start in range(0, size * (self.segments - 1), size):
-            end = start + size
-            function = self._run(start, end)
-            if self.reentrant:
-                x = checkpoint(self._reentrant_fn(function), x, use_reentrant=True)
-            elif self.bn_fix:
-                x = checkpoint(function, x, use_reentrant=False, context_fn=self._context_fn)
-            else:
-                x = checkpoint(function, x, use_reentrant=False)
-        return self._run(end, n)(x)  # the last segment is never checkpointed: backward needs it at once
+    def checkpointed(self, function, *args, **kwargs):
+        """`function(*args, **kwargs)`, its activations recomputed in backward (in training with autograd on)."""
+        if not (self.model.training and torch.is_grad_enabled()):
+            return function(*args, **kwargs)
+        if self.reentrant:
+            return checkpoint(self._reentrant_fn(function), *args, use_reentrant=True)
+        if self.bn_fix:
+            return checkpoint(function, *args, use_reentrant=False, context_fn=self._context_fn, **kwargs)
+        return checkpoint(function, *args, use_reentrant=False, **kwargs)
+
+    def install(self, group: list[nn.Module]) -> None:
+        """Makes `group` (consecutive units that chain) one checkpoint."""
+        forwards = [unit.forward for unit in group]
+        last_output: list = [None]  # a weak reference to what the group's first unit returned
+
+        def run_chain(*args, **kwargs):
+            x = forwards[0](*args, **kwargs)
+            for forward in forwards[1:]:
+                x = forward(x)
+            return x
+
+        def first(*args, **kwargs):
+            out = self.checkpointed(run_chain, *args, **kwargs)
+            last_output[0] = weakref.ref(out) if isinstance(out, torch.Tensor) else None
+            return out
+
+        def passed_through(x, *rest, **kwargs):
+            if rest or kwargs or last_output[0] is None or last_output[0]() is not x:
+                raise RuntimeError("checkpoint units do not chain: a unit inside a checkpointed segment was not "
+                                   "called with the previous unit's output (set the workload's units_chain = False)")
+            return x
+
+        group[0].forward = first
+        for unit in group[1:]:
+            unit.forward = passed_through
+
+
+def segment_groups(units: list[nn.Module], segments: int, chain: bool) -> list[list[nn.Module]]:
+    """checkpoint_sequential's plan: `segments` chunks of len(units) // segments units, all but the last
+    checkpointed; a chunk is one checkpoint when its units chain, else each unit is its own."""
+    size = len(units) // segments
+    groups = [units[start:start + size] for start in range(0, size * (segments - 1), size)]
+    return groups if chain else [[unit] for group in groups for unit in group]
 
 
 @register_strategy
@@ -97,8 +116,10 @@ class Checkpoint(Strategy):
     """Activation checkpointing: keep only each segment's input, recompute the segment in backward.
 
     Options:
-    - `segments` (default 6): how many chunks the 10 stages (stem, 8 blocks, head) are cut into, of
-      `10 // segments` stages each; all but the last are checkpointed (the rest runs plainly). Evidence: train peak
+    - `segments` (default `auto`): how many chunks the workload's N checkpoint units are cut into, of `N // segments`
+      units each; all but the last are checkpointed (the rest runs plainly). A number, or `auto` = min(6, N); the
+      row's settings give the number used. More segments than units is an `unsupported` row. 6 was chosen on the
+      captcha ResNet's 10 units (stem, 8 blocks, head). Evidence: train peak
       of live tensor bytes at batch 8 on the CPU (exact tracker, synthetic data; baseline 221,420,444, of which
       ~180 MB are weights, gradients and Adam state, so only ~40 MB are activations to save):
         segments  1: 221,420,444 (nothing checkpointed)   2: 220,082,748   3: 212,546,108
@@ -116,15 +137,40 @@ class Checkpoint(Strategy):
     """
 
     name = "checkpoint"
-    description = "activation checkpointing of the model's stages (non-reentrant, BatchNorm statistics kept once)"
-    options = {"segments": 6, "reentrant": False, "bn_fix": True}
+    description = "activation checkpointing of the workload's checkpoint units (non-reentrant, BatchNorm statistics kept once)"
+    options = {"segments": "auto", "reentrant": False, "bn_fix": True}
+    auto_segments = 6
     priority = 30  # wraps the model after in-place ReLU changed it
 
     def __init__(self, **options):
         super().__init__(**options)
-        if self.settings["segments"] < 1:
-            raise UsageError(f"checkpoint:segments={self.settings['segments']} must be at least 1")
+        segments = str(self.settings["segments"])
+        if segments != "auto" and not (segments.isdigit() and int(segments) >= 1):
+            raise UsageError(f"checkpoint:segments={segments} must be a positive integer or auto")
+        self.segments_used: int | None = None
 
-    def prepare_model(self, model, stages):
-        return CheckpointedModel(model, stages, self.settings["segments"],
-                                 reentrant=self.settings["reentrant"], bn_fix=self.settings["bn_fix"])
+    def segments_for(self, units: int) -> int:
+        """The number of segments over `units` checkpoint units."""
+        segments = str(self.settings["segments"])
+        return min(self.auto_segments, units) if segments == "auto" else int(segments)
+
+    def prepare_model(self, model, units):
+        workload = self.context.workload
+        owner = f"workload {workload.spec()!r}" if workload is not None else "the model"
+        segments = self.segments_for(len(units))
+        if len(units) < 2:
+            raise Unsupported(f"checkpoint needs at least 2 checkpoint units; {owner} names {len(units)}")
+        if segments > len(units):
+            raise Unsupported(f"checkpoint:segments={segments} exceeds the {len(units)} checkpoint units of {owner}")
+        chain = workload.units_chain if workload is not None else True
+        checkpointer = UnitCheckpointer(model, reentrant=self.settings["reentrant"], bn_fix=self.settings["bn_fix"])
+        for group in segment_groups(list(units), segments, chain):
+            checkpointer.install(group)
+        self.segments_used = segments
+        return model
+
+    def describe(self):
+        described = super().describe()
+        if self.segments_used is not None:
+            described["checkpoint.segments"] = self.segments_used
+        return described

@@ -1,21 +1,29 @@
-"""In-place ReLU: every ReLU of the model overwrites its input instead of allocating an output."""
+"""In-place ReLU: every ReLU-like activation of the model overwrites its input instead of allocating an output."""
 
 from torch import nn
 
+from bench.errors import Unsupported
 from strategies.base import Strategy, register_strategy
 
+# activation modules with an `inplace` switch (nn.Dropout has one too, but it is no activation)
+RELU_LIKE = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.CELU, nn.SELU, nn.RReLU, nn.Hardtanh, nn.Threshold,
+             nn.SiLU, nn.Hardswish, nn.Hardsigmoid, nn.Mish)
 
-def make_relus_inplace(model: nn.Module) -> int:
-    """Sets `inplace_relu = True` on every module with that flag and `inplace=True` on every nn.ReLU; returns the count."""
-    changed = 0
+
+def make_relus_inplace(model: nn.Module) -> tuple[int, int]:
+    """Switches every ReLU-like activation of `model` to in place: its `inplace` attribute, or the `inplace_relu`
+    flag of modules that call the functional form (the captcha ResNet). Returns (found, switched)."""
+    found = switched = 0
     for module in model.modules():
         if hasattr(module, "inplace_relu"):
+            found += 1
+            switched += not module.inplace_relu
             module.inplace_relu = True
-            changed += 1
-        if isinstance(module, nn.ReLU):
+        if isinstance(module, RELU_LIKE):
+            found += 1
+            switched += not module.inplace
             module.inplace = True
-            changed += 1
-    return changed
+    return found, switched
 
 
 @register_strategy
@@ -26,14 +34,21 @@ class InplaceReLU(Strategy):
     BatchNorm's backward needs its input (the conv output), not its own output, so the BN output is needed only
     until ReLU has run. In-place ReLU therefore removes a transient buffer, not a saved activation; in training
     the peak barely moves (see tests/test_strategies.py for the measured ratio).
+
+    A model without a ReLU-like activation module (GELU transformers, a purely linear MLP), or whose activations
+    are all in place already (most timm CNNs), is an `unsupported` row that says so.
     """
 
     name = "inplace_relu"
-    description = "every ReLU computed in place (inplace=True), no separate output buffer"
+    description = "every ReLU-like activation computed in place (inplace=True), no separate output buffer"
     priority = 20  # transforms the plain model before checkpoint wraps it
 
-    def prepare_model(self, model, stages):
-        make_relus_inplace(model)
-        for stage in stages:
-            make_relus_inplace(stage)
+    def prepare_model(self, model, units):
+        found, switched = make_relus_inplace(model)
+        workload = self.context.workload
+        owner = f"workload {workload.spec()!r}" if workload is not None else "the model"
+        if not found:
+            raise Unsupported(f"inplace_relu: {owner} has no ReLU-like activation module to switch")
+        if not switched:
+            raise Unsupported(f"inplace_relu: every ReLU-like activation of {owner} is in place already")
         return model

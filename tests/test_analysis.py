@@ -11,12 +11,15 @@ import pytest
 import torch
 
 from bench import analysis, predict
-from bench.analysis import BREAKDOWN_COLUMNS, parse_bytes
+from bench.analysis import parse_bytes
+from bench.breakdown import BREAKDOWN_COLUMNS
+from bench import breakdown
+from bench.rule_of_thumb import rule_of_thumb
 from bench.cli import main
 from bench.errors import Unsupported, UsageError
 from bench.measure import LiveTensorTracker
-from bench.runner import Case, memory_pass, run_case
-from strategies import STRATEGIES, bind_strategy
+from bench.runner import Case, bind_case, memory_pass, run_case
+from strategies import STRATEGIES
 
 WL = "captcha_resnet18"
 
@@ -28,7 +31,7 @@ def case(strategy="baseline", phase="train", batch=2, device="cpu", **kw):
 @functools.lru_cache(maxsize=None)
 def applicable_or_skip(strategy: str, phase: str, device: str):
     """The bound strategy, or a skip when it does not apply to this phase or device."""
-    strat, context = bind_strategy(strategy, phase, device, WL)
+    strat, context = bind_case(case(strategy, phase, device=device))
     try:
         strat.check(context)
     except Unsupported as reason:
@@ -38,7 +41,7 @@ def applicable_or_skip(strategy: str, phase: str, device: str):
 
 def tracked(strategy: str, phase: str, batch: int) -> dict:
     """One exact CPU memory pass (cached: the tests share it)."""
-    strat, _ = bind_strategy(strategy, phase, "cpu", WL)
+    strat, _ = bind_case(case(strategy, phase, batch))
     memory = memory_pass(case(strategy, phase, batch), strat)
     memory.pop("_tracker")
     return memory
@@ -98,7 +101,7 @@ def test_breakdown_files_grads_state_and_activations():
         tracker.track([w], "params")
         for step in range(2):
             if step == 1:
-                handles = analysis.prepare_breakdown(toy, tracker)
+                handles = breakdown.prepare_breakdown(toy, tracker)
                 tracker.reset_peak()
             tracker.stage = "forward"
             loss = torch.sigmoid(w).sum()  # saves sigmoid's output (4,000) for backward
@@ -109,7 +112,7 @@ def test_breakdown_files_grads_state_and_activations():
             toy.optimizer.zero_grad()
         for h in handles:
             h.remove()
-    columns = analysis.breakdown_columns(tracker)
+    columns = breakdown.breakdown_columns(tracker)
     assert sum(columns.values()) == tracker.peak_bytes
     assert columns["peak_params_bytes"] == 4000
     assert columns["peak_optimizer_bytes"] >= 8000  # exp_avg, exp_avg_sq (+ step)
@@ -124,12 +127,12 @@ def test_run_case_row_has_breakdown_and_rule_of_thumb():
 
 
 def test_rule_of_thumb():
-    train, evl = analysis.rule_of_thumb(WL, "train", 2), analysis.rule_of_thumb(WL, "eval", 2)
+    train, evl = rule_of_thumb(WL, "train", 2), rule_of_thumb(WL, "eval", 2)
     assert train["params_bytes"] == 4 * 11_242_704 == evl["params_bytes"]
     assert train["optimizer_bytes"] == 2 * train["params_bytes"] and evl["optimizer_bytes"] == 0
     assert train["total_bytes"] == train["params_bytes"] * 3 + 2 * train["outputs_bytes"]
     assert evl["total_bytes"] == evl["params_bytes"] + evl["outputs_bytes"]
-    assert analysis.rule_of_thumb(WL, "eval", 4)["outputs_bytes"] == 2 * evl["outputs_bytes"]
+    assert rule_of_thumb(WL, "eval", 4)["outputs_bytes"] == 2 * evl["outputs_bytes"]
 
 
 # --- explain / predict / fit ----------------------------------------------------------------------------

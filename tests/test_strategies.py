@@ -15,7 +15,7 @@ import torch
 from bench import runner
 from bench.errors import UsageError
 from bench.runner import Case, memory_pass, run_case, verify
-from strategies import STRATEGIES, Composite, Strategy, bind_strategy, parse_strategy
+from strategies import STRATEGIES, Composite, Strategy, parse_strategy
 
 WORKLOAD = "captcha_resnet18"
 BATCH = 8      # memory comparisons: the train peak falls in backward, where activations count
@@ -50,7 +50,7 @@ def _case(spec: str, phase: str, batch: int = BATCH, **kw) -> Case:
 
 
 def _bound(spec: str, phase: str) -> Strategy:
-    strategy, context = bind_strategy(spec, phase, "cpu", WORKLOAD)
+    strategy, context = runner.bind_case(_case(spec, phase))
     strategy.check(context)
     return strategy
 
@@ -171,13 +171,23 @@ def test_checkpoint_batchnorm_double_update_trap_is_caught():
     assert result["matches_baseline"] is False
 
 
-def test_checkpoint_wrapper_keeps_the_model():
+def test_checkpoint_patches_the_units_in_place_and_runs_plainly_in_eval(monkeypatch):
+    import strategies.checkpoint as checkpoint_module
+
     strategy = _bound("checkpoint", "train")
     session = runner.Session(_case("checkpoint", "train", 2), strategy)
-    assert session.model is not session.base_model
-    assert list(session.model.parameters()) == list(session.base_model.parameters())
+    assert session.model is session.base_model  # parameters, state_dict and train()/eval() are the model's own
+    units = session.workload.checkpoint_units(session.base_model)
+    assert sum("forward" in vars(unit) for unit in units) == 5  # segments=6 of 10 units: 5 checkpointed
+    calls = []
+    original = checkpoint_module.checkpoint
+    monkeypatch.setattr(checkpoint_module, "checkpoint", lambda *a, **k: calls.append(1) or original(*a, **k))
     session.model.eval()
-    assert not session.base_model.training
+    session.forward()
+    assert calls == []
+    session.model.train()
+    session.forward()
+    assert len(calls) == 5
 
 
 # --- amp ------------------------------------------------------------------------------------------------

@@ -1,13 +1,22 @@
-"""Workloads: one module per model, registered by name (see `workloads.base.Workload`)."""
+"""Workloads: one module per model, registered by name (see `workloads.base.Workload`), or the user's own."""
 
 from workloads.base import WORKLOADS, Workload, register_workload
+from workloads.loader import load_entry_points, resolve_workload
 
-# Importing a workload module registers it.
-from workloads import captcha_resnet18  # noqa: E402,F401
+# Importing a workload module registers it; one module per workload.
+from workloads import captcha_resnet18, deep_mlp, unet, gpt_mini  # noqa: E402,F401
 
-__all__ = ["WORKLOADS", "Workload", "register_workload", "get_workload"]
+__all__ = ["WORKLOADS", "Workload", "register_workload", "get_workload", "workload_names"]
 
 
-def get_workload(name: str) -> Workload:
-    """A new instance of the workload registered as `name` (UsageError listing the choices otherwise)."""
-    return WORKLOADS.get(name)()
+def get_workload(spec) -> Workload:
+    """A new Workload for `spec` (a name with options, or the user's `file.py:NAME`); an instance is returned as is."""
+    if isinstance(spec, Workload):
+        return spec
+    return resolve_workload(spec)
+
+
+def workload_names() -> list[str]:
+    """Every registered workload name, entry points included."""
+    load_entry_points()
+    return WORKLOADS.names()

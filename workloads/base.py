@@ -1,41 +1,131 @@
-"""The workload interface: a model, its data, loss and optimizer, with defaults as class attributes."""
+"""The workload interface: a model, its data, loss and optimizer, with defaults as class attributes and options.
+
+A workload is a small class (the TorchBench `models/<name>` pattern) that any user can write; see
+`examples/my_workload.py`. The training and evaluation steps are not part of it: the runner runs the article's
+loop for every workload (forward, float32 loss, backward, optimizer step, zero_grad; eval: one forward), so a
+workload only says *what* to train:
+
+- `build_model()`        the model, on the CPU (the runner seeds torch with `seed` first);
+- `make_batch(n, data)`  one batch `(inputs, target)`; inputs a tensor, a tuple (positional arguments) or a dict
+                         (keyword arguments), the same for the same `n`, `data` and `seed`;
+- `loss(output, target)` the training loss, always given the output in float32;
+- `make_optimizer(model)`;
+- `checkpoint_units(model)` the ordered blocks that activation checkpointing may recompute.
+
+Options work as for strategies: `options = {"layers": 1000}` declares `deep_mlp:layers=100`; the values the
+instance runs with are in `self.settings`.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
 
+from bench.errors import UsageError
+from bench.options import changed_options, check_option_names
 from bench.registry import Registry
 
 WORKLOADS: Registry[type["Workload"]] = Registry("workload")
 register_workload = WORKLOADS.register
 
+Batch = Any  # a tensor, a tuple of tensors or a dict of tensors (and a target tensor)
+
 
 class Workload:
-    """One trainable model and the data it is trained on (the TorchBench `models/<name>` pattern)."""
+    """One trainable model and the data it is trained on. Override the methods; keep defaults as attributes."""
 
     name = ""
     description = ""
-    default_batch_size = 100
+    default_batch_size = 32
     seed = 0
-    data_sources = ("captcha", "synthetic")
+    # the data sources `make_batch` accepts; the first is the default (e.g. real images, then synthetic)
+    data_sources: tuple[str, ...] = ("synthetic",)
+    options: dict[str, Any] = {}  # option name -> default; the default's type is the option's type
+    # the option that a bare part after the name sets: `timm:resnet18` means `timm:model=resnet18`
+    positional_option: str | None = None
+    # True when each checkpoint unit's output is the next unit's input and nothing else uses it (a Sequential's
+    # children, a transformer's layers): then checkpointing may recompute several consecutive units as one segment.
+    # False (a UNet's blocks, whose outputs also feed skip connections): each unit is checkpointed on its own.
+    units_chain = True
 
+    def __init__(self, **options):
+        check_option_names("workload", self.name or type(self).__name__, options, self.options)
+        self.settings: dict[str, Any] = {**self.options, **options}
+        self.reference = ""  # `file.py:NAME` or `module:NAME` for a workload loaded from the user's code
+        self.configure()
+
+    def configure(self) -> None:
+        """Checks the settings and derives what depends on them (a UsageError for a bad value); called again
+        whenever the settings change."""
+
+    def require_positive(self, *names: str) -> None:
+        """A UsageError naming the first of the options `names` whose value is below 1."""
+        for name in names:
+            if self.settings[name] < 1:
+                raise UsageError(f"{self.name}:{name}={self.settings[name]} must be at least 1")
+
+    # --- what a workload says --------------------------------------------------------------------------------
     def build_model(self) -> nn.Module:
         """The model with weights from `seed`, on the CPU."""
         raise NotImplementedError
 
-    def stages(self, model: nn.Module) -> list[nn.Module]:
-        """The model as an ordered list of modules whose chained calls equal `model(x)` (for checkpointing)."""
+    def make_batch(self, batch_size: int, data: str) -> tuple[Batch, torch.Tensor]:
+        """One `(inputs, target)` batch on the CPU, the same for the same `batch_size`, `data` and `seed`."""
         raise NotImplementedError
 
-    def loss_fn(self) -> nn.Module:
-        """The training loss, called as `loss_fn(output, target)`."""
+    def loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        """The training loss; `output` is the model's output converted to float32."""
         raise NotImplementedError
 
     def make_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        """The optimizer over `model`'s parameters."""
-        raise NotImplementedError
+        """The optimizer over `model`'s parameters (default: Adam with PyTorch's defaults, as the article)."""
+        return torch.optim.Adam(model.parameters())
 
-    def make_batch(self, batch_size: int, data: str = "captcha") -> tuple[torch.Tensor, torch.Tensor]:
-        """One (input, target) batch on the CPU, the same for the same `batch_size`, `data` and `seed`."""
-        raise NotImplementedError
+    def checkpoint_units(self, model: nn.Module) -> list[nn.Module]:
+        """The ordered blocks checkpointing may recompute (default: an nn.Sequential's children, else none)."""
+        return list(model.children()) if isinstance(model, nn.Sequential) else []
+
+    # --- used by the runner ----------------------------------------------------------------------------------
+    def run_model(self, model: nn.Module, inputs: Batch) -> Any:
+        """Calls `model` on a batch's inputs: a tuple as positional arguments, a dict as keyword arguments."""
+        if isinstance(inputs, dict):
+            return model(**inputs)
+        if isinstance(inputs, (tuple, list)):
+            return model(*inputs)
+        return model(inputs)
+
+    def check_data(self, data: str) -> str:
+        """`data` if this workload can make it; a UsageError listing its data sources otherwise."""
+        if data not in self.data_sources:
+            raise UsageError(f"unknown data source {data!r} for workload {self.spec()!r}; valid choices: "
+                             f"{', '.join(self.data_sources)}")
+        return data
+
+    def describe(self) -> dict[str, Any]:
+        """The settings this workload runs with, for the row's `workload_settings`."""
+        return dict(self.settings)
+
+    def spec(self) -> str:
+        """The canonical spelling: `name`, `name:opt=value` for options that differ, or the user's reference."""
+        return ":".join([self.reference or self.name, *changed_options(self.settings, self.options)])
+
+    def __repr__(self) -> str:
+        return f"<workload {self.spec()}>"
+
+
+def to_device(batch: Any, device: str | torch.device) -> Any:
+    """Every tensor of a (nested) batch moved to `device`."""
+    return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, batch)
+
+
+def to_float32(output: Any) -> Any:
+    """Every floating-point tensor of a (nested) output in float32 (the loss always runs in float32)."""
+    return tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t, output)
+
+
+def tensors_of(value: Any) -> list[torch.Tensor]:
+    """The tensors in a (nested) batch or output, in order."""
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]

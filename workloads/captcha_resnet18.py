@@ -123,6 +123,7 @@ class CaptchaResNet18Workload(Workload):
     description = "captcha ResNet-18 (BasicBlock x[2,2,2,2]), 3x56x24 -> 4x36 softmax, BCELoss, Adam"
     default_batch_size = 100
     seed = 0
+    data_sources = ("captcha", "synthetic")
     input_shape = (3, 56, 24)
     num_outputs = NUM_LABELS
 
@@ -130,22 +131,20 @@ class CaptchaResNet18Workload(Workload):
         torch.manual_seed(self.seed)
         return CaptchaResNet18()
 
-    def stages(self, model: nn.Module) -> list[nn.Module]:
+    def checkpoint_units(self, model: nn.Module) -> list[nn.Module]:
         return model.stages()
 
-    def loss_fn(self) -> nn.Module:
-        return nn.BCELoss()
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.binary_cross_entropy(output, target)  # the article's nn.BCELoss()
 
     def make_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.Adam(model.parameters())
 
     def make_batch(self, batch_size: int, data: str = "captcha") -> tuple[torch.Tensor, torch.Tensor]:
-        if data == "captcha":
+        if self.check_data(data) == "captcha":
             return captcha_data.load(batch_size, self.seed)
-        if data == "synthetic":
-            gen = torch.Generator().manual_seed(self.seed)
-            images = torch.rand((batch_size, *self.input_shape), generator=gen)
-            symbols = torch.randint(SYMBOLS, (batch_size, DIGITS), generator=gen)
-            targets = nn.functional.one_hot(symbols, SYMBOLS).reshape(batch_size, NUM_LABELS).float()
-            return images, targets
-        raise ValueError(f"unknown data source {data!r}; valid choices: {', '.join(self.data_sources)}")
+        gen = torch.Generator().manual_seed(self.seed)
+        images = torch.rand((batch_size, *self.input_shape), generator=gen)
+        symbols = torch.randint(SYMBOLS, (batch_size, DIGITS), generator=gen)
+        targets = nn.functional.one_hot(symbols, SYMBOLS).reshape(batch_size, NUM_LABELS).float()
+        return images, targets
