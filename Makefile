@@ -3,6 +3,10 @@
 # All create .venv and install what they need on first use.
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
+# the torchvision release built for $(TORCH); timm (the `timm:` workload, tested by `make test`) imports it. PyPI's
+# x86_64 torchvision is a CUDA build whose compiled ops do not load beside a CPU torch: timm does not need them
+# (workloads/timm_models.py imports it without them).
+TORCHVISION ?= torchvision==0.28.0
 DEVICE ?= auto
 SUITE ?= bench/suites/default.yaml
 OUT ?= results
@@ -15,11 +19,12 @@ STAMP := $(VENV)/.installed
 install: $(STAMP)
 
 # torch first, pinned, so that the project's unpinned `torch>=2.4` is already satisfied
-# and pip never pulls the multi-GB CUDA build.
+# and pip never pulls the multi-GB CUDA build; torchvision with it, pinned to the release built for that torch,
+# since timm asks for any torchvision and the newest one would pull a newer torch.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH)"
-	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH)" "$(TORCHVISION)"
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev,timm]"
 	touch $(STAMP)
 
 BUDGET ?= 4GiB

@@ -28,7 +28,7 @@ SMALL = {
     "deep_mlp": ("deep_mlp:layers=24:width=8", 8),
     "unet": ("unet:depth=2:base_channels=4:image_size=32x16", 2),
     "gpt_mini": ("gpt_mini:layers=2:width=32:heads=2:seq_len=16", 2),
-    "timm": ("timm:test_resnet:img_size=32", 2),
+    "timm": ("timm:test_resnet:img_size=64", 4),  # at 32x32 and batch 2 the last BatchNorms see 2 values: bf16 diverges
 }
 
 # (workload, strategy) -> the reason the strategy cannot apply to the workload on the CPU, in any phase

@@ -110,7 +110,11 @@ class Workload:
 
     def spec(self) -> str:
         """The canonical spelling: `name`, `name:opt=value` for options that differ, or the user's reference."""
-        return ":".join([self.reference or self.name, *changed_options(self.settings, self.options)])
+        changed = changed_options(self.settings, self.options)
+        if self.positional_option:  # `timm:resnet18`, not `timm:model=resnet18`
+            changed = [str(self.settings[self.positional_option])] + [
+                part for part in changed if not part.startswith(f"{self.positional_option}=")]
+        return ":".join([self.reference or self.name, *changed])
 
     def __repr__(self) -> str:
         return f"<workload {self.spec()}>"
