@@ -20,14 +20,18 @@ def batchnorm_buffers(model: nn.Module) -> list[torch.Tensor]:
 
 @contextlib.contextmanager
 def preserved(buffers: list[torch.Tensor]):
-    """Restores `buffers` on exit (also on an exception, e.g. checkpoint's early stop of a recompute)."""
+    """Restores those of `buffers` that changed inside the block, on exit (also on an exception, e.g. checkpoint's
+    early stop of a recompute). Only the changed ones: writing a buffer that a BatchNorm outside the recomputed
+    segment saved for its backward would bump its version and make that backward fail. (Changes are found by
+    value: the batch-norm kernel updates running statistics without bumping their version counter.)"""
     saved = [b.detach().clone() for b in buffers]
     try:
         yield
     finally:
         with torch.no_grad():
             for b, s in zip(buffers, saved):
-                b.copy_(s)
+                if not torch.equal(b, s):
+                    b.copy_(s)
 
 
 class UnitCheckpointer:
