@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -130,13 +131,22 @@ def validate(values: dict[str, Any], where: str) -> dict[str, Any]:
         entry = {"workload": raw} if not isinstance(raw, dict) else dict(raw)
         if "workload" not in entry:
             raise UsageError(f"{where}: key 'workloads': entry {raw!r} has no 'workload' key")
+        optional = entry.pop("optional", False)
+        if not isinstance(optional, bool):
+            raise UsageError(f"{where}: key 'workloads': 'optional' must be true or false in entry {raw!r}")
         extra = {k: v for k, v in entry.items() if k != "workload"}
         bad = [k for k in extra if k not in _PER_WORKLOAD]
         if bad:
             raise UsageError(f"{where}: key 'workloads': unknown key {bad[0]!r} in entry {raw!r}; valid keys: "
-                             f"workload, {', '.join(_PER_WORKLOAD)}")
+                             f"workload, optional, {', '.join(_PER_WORKLOAD)}")
         validate(extra, f"{where} (workload {entry['workload']})")
-        workload = _check_workload(entry["workload"], extra.get("data", values.get("data")), where, "workloads")
+        try:
+            workload = _check_workload(entry["workload"], extra.get("data", values.get("data")), where, "workloads")
+        except UsageError as error:
+            if not optional:
+                raise
+            print(f"warning: skipping optional workload {entry['workload']!r}: {error}", file=sys.stderr)
+            continue
         entries.append({**extra, "workload": workload.spec()})
     if "workloads" in values:
         values["workloads"] = entries

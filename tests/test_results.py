@@ -56,3 +56,13 @@ def test_atomic_write_leaves_the_old_file_when_writing_fails(tmp_path, monkeypat
 def test_run_id_is_sortable_and_names_the_device():
     run_id = results.new_run_id("cuda")
     assert "-cuda-" in run_id and run_id[:8].isdigit()
+
+
+def test_every_column_and_the_schema_version_are_documented():
+    """A change of columns updates results/README.md: each column is named there, with the current version."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "results" / "README.md").read_text(encoding="utf-8")
+    undocumented = [c for c in results.COLUMNS if f"`{c}`" not in readme]
+    assert not undocumented, f"describe these columns in results/README.md: {undocumented}"
+    assert f"schema_version {results.SCHEMA_VERSION})" in readme
