@@ -106,6 +106,11 @@ def write_rows(rows: list[dict], path: Path) -> pd.DataFrame:
     return frame
 
 
+# columns whose values look like numbers but are text: a commit such as `50685e286372` would be read as infinity
+TEXT_COLUMNS = ["run_id", "git_commit", "workload", "workload_settings", "strategy", "strategy_settings",
+                "torch_version", "cuda_version", "cudnn_version", "python_version"]
+
+
 def read_results(path: Path) -> pd.DataFrame:
-    """A results CSV back as a frame."""
-    return pd.read_csv(path)
+    """A results CSV back as a frame, text columns as text."""
+    return pd.read_csv(path, dtype={column: str for column in TEXT_COLUMNS})

@@ -66,3 +66,9 @@ def test_every_column_and_the_schema_version_are_documented():
     undocumented = [c for c in results.COLUMNS if f"`{c}`" not in readme]
     assert not undocumented, f"describe these columns in results/README.md: {undocumented}"
     assert f"schema_version {results.SCHEMA_VERSION})" in readme
+
+
+def test_a_commit_that_looks_like_a_number_is_read_back_as_text(tmp_path):
+    row = {**_row("baseline"), "git_commit": "50685e286372", "run_id": "20261122T085651Z-cpu-35de"}
+    results.write_rows([row], tmp_path / "r.csv")
+    assert results.read_results(tmp_path / "r.csv")["git_commit"].iloc[0] == "50685e286372"
