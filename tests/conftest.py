@@ -35,6 +35,15 @@ def temporary_strategy():
         STRATEGIES.unregister(name)
 
 
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test (small models run no faster on more), restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", default=False, help="also run tests marked slow")
 

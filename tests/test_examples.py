@@ -15,13 +15,9 @@ SPEC = "examples/my_workload.py:MyWorkload"
 
 
 @pytest.fixture(autouse=True)
-def _from_the_root(monkeypatch):
+def _from_the_root(monkeypatch, one_thread):
     """The spec is a path relative to the checkout's root, as in the example's docstring."""
     monkeypatch.chdir(ROOT)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_the_example_loads_with_its_options():

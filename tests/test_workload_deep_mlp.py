@@ -4,7 +4,6 @@ import pytest
 import torch
 from torch import nn
 
-import workloads.deep_mlp  # noqa: F401 - registers the workload
 from bench.errors import UsageError
 from bench.measure import LiveTensorTracker
 from workloads.loader import resolve_workload

@@ -5,7 +5,6 @@ import math
 import pytest
 import torch
 
-import workloads.gpt_mini  # noqa: F401 - registers gpt_mini until workloads/__init__.py imports it
 from bench.errors import UsageError
 from workloads import text_data
 from workloads.gpt_mini import VOCAB_SIZE, Block
@@ -14,12 +13,7 @@ from workloads.loader import resolve_workload
 SMALL = "gpt_mini:layers=2:width=64:heads=2:seq_len=32"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_parameter_count_at_the_defaults():

@@ -26,12 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CHAINING_MODELS = ["test_resnet", "test_vit", "test_efficientnet", "test_convnext"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def train_step(workload, model, batch_size=2):

@@ -5,7 +5,6 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-import workloads.unet  # noqa: F401 - registers the workload
 from bench.errors import UsageError
 from workloads import unet_data
 from workloads.loader import resolve_workload

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import random
 from pathlib import Path
+from typing import Callable
 from unittest import mock
 
 import numpy
@@ -23,7 +24,7 @@ IMAGE_SIZE = (56, 24)  # PIL (width, height), as in the article
 CACHE_VERSION = 1
 
 
-class _SeededSecrets(random.Random):
+class SeededSecrets(random.Random):
     """The three `secrets` functions `captcha.image` calls, drawn from a seeded generator."""
 
     def randbelow(self, n: int) -> int:
@@ -68,7 +69,7 @@ def generate(count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, list[st
     from captcha.image import ImageCaptcha
     import captcha.image
 
-    rng = _SeededSecrets(seed)
+    rng = SeededSecrets(seed)
     generator = ImageCaptcha(width=CAPTCHA_SIZE[0], height=CAPTCHA_SIZE[1])
     images, targets, codes = [], [], []
     with mock.patch.object(captcha.image, "secrets", rng):
@@ -80,18 +81,27 @@ def generate(count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, list[st
     return torch.stack(images), torch.stack(targets), codes
 
 
-def load(count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Images and targets for (`count`, `seed`), generated once and then read from the cache."""
-    path = cache_dir() / f"captcha-v{CACHE_VERSION}-seed{seed}-n{count}.pt"
+def cached(name: str, make: Callable[[], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The tensors saved as `name` in the cache, else `make()`'s, saved there (atomically) for next time."""
+    path = cache_dir() / name
     if path.exists():
         try:
-            saved = torch.load(path, weights_only=True)
-            return saved["images"], saved["targets"]
+            return torch.load(path, weights_only=True)
         except Exception:  # a truncated or foreign file: regenerate it
             pass
-    images, targets, _ = generate(count, seed)
+    tensors = make()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    torch.save({"images": images, "targets": targets}, tmp)
+    torch.save(tensors, tmp)
     os.replace(tmp, path)
-    return images, targets
+    return tensors
+
+
+def load(count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Images and targets for (`count`, `seed`), generated once and then read from the cache."""
+    def make():
+        images, targets, _ = generate(count, seed)
+        return {"images": images, "targets": targets}
+
+    saved = cached(f"captcha-v{CACHE_VERSION}-seed{seed}-n{count}.pt", make)
+    return saved["images"], saved["targets"]

@@ -9,7 +9,6 @@ Images are N,3,H,W RGB in [0, 1]; masks N,1,H,W of 0.0 and 1.0.
 
 from __future__ import annotations
 
-import os
 from unittest import mock
 
 import numpy
@@ -36,7 +35,7 @@ def generate(count: int, seed: int, width: int, height: int) -> tuple[torch.Tens
     import captcha.image
     from captcha.image import ImageCaptcha
 
-    rng = captcha_data._SeededSecrets(seed)
+    rng = captcha_data.SeededSecrets(seed)
     # fonts scaled to the height, so that any image size shows whole characters as the package's 60 px default does
     font_sizes = tuple(max(8, round(size * height / 60)) for size in FONT_SIZES_AT_60_PX)
     generator = ImageCaptcha(width=width, height=height, font_sizes=font_sizes)
@@ -61,16 +60,9 @@ def generate(count: int, seed: int, width: int, height: int) -> tuple[torch.Tens
 
 def load(count: int, seed: int, width: int, height: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Images and masks for (`count`, `seed`, size), generated once and then read from the cache."""
-    path = captcha_data.cache_dir() / f"unet-captcha-v{CACHE_VERSION}-{width}x{height}-seed{seed}-n{count}.pt"
-    if path.exists():
-        try:
-            saved = torch.load(path, weights_only=True)
-            return saved["images"], saved["masks"]
-        except Exception:  # a truncated or foreign file: regenerate it
-            pass
-    images, masks, _ = generate(count, seed, width, height)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    torch.save({"images": images, "masks": masks}, tmp)
-    os.replace(tmp, path)
-    return images, masks
+    def make():
+        images, masks, _ = generate(count, seed, width, height)
+        return {"images": images, "masks": masks}
+
+    saved = captcha_data.cached(f"unet-captcha-v{CACHE_VERSION}-{width}x{height}-seed{seed}-n{count}.pt", make)
+    return saved["images"], saved["masks"]
