@@ -96,7 +96,14 @@ def _suite_from_args(args, device: str, strategies: list[str] | None):
     if strategies is not None:
         overrides["strategies"] = strategies
     if args.workload:
+        from workloads import get_workload
+
         overrides["workloads"] = _csv_list(args.workload)
+        for spec in overrides["workloads"]:
+            try:
+                get_workload(spec)
+            except UsageError as error:
+                raise UsageError(f"--workload: {error}") from None
     if args.data:
         overrides["data"] = args.data
     if args.phases:

@@ -28,6 +28,13 @@ def _cli(*args, cwd=ROOT):
     (["compare", "--strategies", "baseline", "--data", "mnist"], ["'mnist'", "captcha, synthetic"]),
     (["compare", "--strategies", "baseline", "--device", "tpu"], ["'tpu'", "auto, cpu, cuda"]),
     (["frobnicate"], ["'frobnicate'", "compare"]),
+    (["compare", "--strategies", "checkpoint", "--workload", "nope.py:x"], ["--workload", "'nope.py'"]),
+    (["compare", "--strategies", "checkpoint", "--workload", "deep_mlp:layers=abc"], ["'abc'", "deep_mlp:layers"]),
+    (["compare", "--strategies", "baseline", "--workload", "deep_mlp", "--data", "captcha"],
+     ["'captcha'", "deep_mlp", "synthetic"]),
+    (["explain", "--strategy", "baseline", "--workload", "nope.py:x"], ["'nope.py'"]),
+    (["predict", "--workload", "deep_mlp:width=0"], ["deep_mlp:width=0"]),
+    (["fit", "--budget", "1GiB", "--workload", "unet:depth=x"], ["'x'", "unet:depth"]),
 ])
 def test_bad_input_is_one_line_exit_2(args, names, capsys):
     assert main(args) == 2
@@ -54,11 +61,13 @@ def test_malformed_suite_names_the_bad_key(tmp_path, capsys):
     assert "malformed YAML" in capsys.readouterr().err
 
 
-def test_subprocess_error_has_no_traceback():
-    proc = _cli("compare", "--strategies", "nonsense")
+@pytest.mark.parametrize("args", [("compare", "--strategies", "nonsense"),
+                                  ("compare", "--workload", "nope.py:x", "--strategies", "checkpoint")])
+def test_subprocess_error_has_no_traceback(args):
+    proc = _cli(*args)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
-    assert "valid choices" in proc.stderr
+    assert "valid choices" in proc.stderr or "does not exist" in proc.stderr
 
 
 def test_list_and_env():
