@@ -1,4 +1,4 @@
-# membench: `make bench` runs the default suite, `make test` runs the tests.
+# membench: `make bench` runs the default suite into runs/, `make test` runs the tests.
 # `make perf` times each strategy's train step with pytest-benchmark (benchmarks/, not run by `make test`).
 # All create .venv and install what they need on first use.
 PYTHON ?= python3
@@ -9,7 +9,11 @@ TORCH ?= torch==2.13.0
 TORCHVISION ?= torchvision==0.28.0
 DEVICE ?= auto
 SUITE ?= bench/suites/default.yaml
-OUT ?= results
+# your own runs (git-ignored); the committed reference runs are under results/reference/ and no target writes there
+OUT ?= runs
+# the generated data sets (bench: workloads/captcha_data.py), and where they go when that folder is unusable
+DATA_CACHE ?= $(or $(MEMBENCH_CACHE),$(HOME)/.cache/membench)
+DATA_CACHE_FALLBACK = $${TMPDIR:-/tmp}/membench-cache-$$(id -u)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -37,11 +41,16 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 # --benchmark-enable overrides the --benchmark-disable in pyproject's addopts; --benchmark-autosave keeps each run
-# under .benchmarks/ for --benchmark-compare; the JSON of the latest run goes to results/perf/ (git-ignored).
+# under .benchmarks/ for --benchmark-compare; the JSON of the latest run goes to runs/perf/ (git-ignored).
 perf: $(STAMP)
 	mkdir -p $(OUT)/perf
 	$(PY) -m pytest benchmarks -q --benchmark-enable --benchmark-autosave --benchmark-json=$(OUT)/perf/benchmark.json
 
+# removes what README.md's "Two commands" says: the virtual environment, Python's and pytest's caches, the
+# pytest-benchmark history and JSON, and the generated data sets; keeps your runs and the reference results.
+# The data cache loses only its *.pt files: $(MEMBENCH_CACHE) may name a folder that holds other things.
 clean:
-	rm -rf $(VENV) .pytest_cache .benchmarks build *.egg-info
+	rm -rf $(VENV) .pytest_cache .benchmarks build *.egg-info $(OUT)/perf
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
+	rm -f "$(DATA_CACHE)"/*.pt "$(DATA_CACHE_FALLBACK)"/*.pt
+	-rmdir "$(DATA_CACHE)" "$(DATA_CACHE_FALLBACK)" 2>/dev/null
