@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from bench.results import TEXT_COLUMNS
+from bench.results import REPORT_COLUMNS, read_results_file
 from bench.units import format_size, parse_size  # noqa: F401 - the report's and the charts' size helpers
 
 DEFAULT_BATCH_SIZE = 100
@@ -65,7 +65,7 @@ TEXT = ["run_id", "workload", "strategy", "phase", "device", "device_name", "dat
 def load_results(csv_path: Path) -> pd.DataFrame:
     """One results CSV as a frame with the columns the report reads always present and normalised."""
     csv_path = Path(csv_path)
-    frame = pd.read_csv(csv_path, dtype={column: str for column in TEXT_COLUMNS})
+    frame = read_results_file(csv_path, "cannot report on", REPORT_COLUMNS)
     for column in TEXT:
         if column not in frame:
             frame[column] = None

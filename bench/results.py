@@ -114,3 +114,53 @@ TEXT_COLUMNS = ["run_id", "git_commit", "workload", "workload_settings", "strate
 def read_results(path: Path) -> pd.DataFrame:
     """A results CSV back as a frame, text columns as text."""
     return pd.read_csv(path, dtype={column: str for column in TEXT_COLUMNS})
+
+
+# Columns a results file must have to be resumed (the case key), and to be reported on (what the report draws;
+# the rest it recomputes or leaves out). The other CSVs membench writes lack some of them.
+RESUME_COLUMNS = ["run_id", "status", *CASE_KEY]
+REPORT_COLUMNS = ["strategy", "phase", "device", "batch_size", "status", "peak_mem_bytes"]
+# a column that only one of the other tables has -> what that table is, for the error message
+OTHER_TABLES = {"predicted_bytes": "a `predict` table", "budget_bytes": "a `fit` table",
+                "live_bytes": "a step timeline (<run>.timeline.csv)"}
+_SNIFF_BYTES = 1 << 16
+
+
+def read_results_file(path: Path | str, purpose: str, required: list[str] = RESUME_COLUMNS) -> pd.DataFrame:
+    """A results CSV handed to us by the user (`purpose`: "cannot resume", "cannot report on"), checked to be one
+    with the `required` columns.
+
+    Anything else -- a missing, empty or binary file, text that is not UTF-8, a file that is not CSV, or another
+    of membench's tables (fit, predict, timeline) -- is a UsageError of one line that says what the file is."""
+    from bench.errors import UsageError
+
+    path = Path(path)
+    where = f"{purpose} {str(path)!r}"
+    if not path.is_file():
+        raise UsageError(f"{where}: no such results file")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(_SNIFF_BYTES)
+        if not head.strip():
+            raise UsageError(f"{where}: the file is empty; give a results CSV written by `run` or `compare`")
+        if b"\0" in head:
+            raise UsageError(f"{where}: a binary file, not a results CSV")
+        path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise UsageError(f"{where}: not UTF-8 text (byte 0x{error.object[error.start]:02x} at offset "
+                         f"{error.start}); results CSVs are UTF-8") from None
+    except OSError as error:
+        raise UsageError(f"{where}: {error.strerror}") from None
+    try:
+        frame = read_results(path)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, ValueError) as error:
+        raise UsageError(f"{where}: not a readable CSV ({str(error).splitlines()[0]})") from None
+    for column, kind in OTHER_TABLES.items():
+        if column in frame.columns:
+            raise UsageError(f"{where}: this is {kind}, not a results file of `run` or `compare`")
+    missing = [c for c in required if c not in frame.columns]
+    if missing:
+        raise UsageError(f"{where}: not a membench results file (no column {missing[0]!r})")
+    if frame.empty:
+        raise UsageError(f"{where}: the file has a header but no rows")
+    return frame

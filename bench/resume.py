@@ -21,7 +21,7 @@ import pandas as pd
 
 from bench.errors import UsageError
 from bench.isolation import RunOptions
-from bench.results import CASE_KEY, read_results
+from bench.results import CASE_KEY, read_results_file
 
 FINISHED = ("ok", "oom", "unsupported")
 
@@ -72,15 +72,7 @@ def _same(stored, wanted) -> bool:
 def load_resume(path: Path | str, cases: list, options: RunOptions) -> Resumed:
     """Reads the run at `path`, checks that `cases`/`options` are consistent with it, and splits off what is done."""
     path = Path(path)
-    if not path.is_file():
-        raise UsageError(f"cannot resume {str(path)!r}: no such results file")
-    try:
-        frame = read_results(path)
-    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as error:
-        raise UsageError(f"cannot resume {str(path)!r}: not a readable results CSV ({error})") from None
-    missing = [c for c in [*CASE_KEY, "status", "run_id"] if c not in frame]
-    if missing:
-        raise UsageError(f"cannot resume {str(path)!r}: not a membench results file (no column {missing[0]!r})")
+    frame = read_results_file(path, "cannot resume")
     run_ids = frame["run_id"].dropna().unique()
     run_id = str(run_ids[0]) if len(run_ids) else path.stem
     options = options.resolved()

@@ -10,6 +10,7 @@ from typing import Any
 import yaml
 
 from bench.errors import UsageError
+from bench.preflight import DEFAULT_MEASURED_STEPS, DEFAULT_WARMUP_STEPS
 from bench.runner import Case
 from strategies import PHASES, parse_strategy
 from workloads import get_workload
@@ -44,8 +45,8 @@ class Suite:
     strategies: list[str] = field(default_factory=lambda: ["baseline"])
     phases: list[str] = field(default_factory=lambda: list(PHASES))
     batch_sizes: list[int] | None = None
-    warmup: int = 3
-    steps: int = 10
+    warmup: int = DEFAULT_WARMUP_STEPS
+    steps: int = DEFAULT_MEASURED_STEPS
 
     def set_workloads(self, specs: list[str]) -> None:
         """Replaces the suite's workloads by `specs`, keeping no per-workload override."""
@@ -157,13 +158,17 @@ def load_suite(path: Path | str, device: str) -> Suite:
     """Reads and validates a suite file, applying the overrides under `devices: {<device>: ...}`."""
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.safe_load(path.read_bytes().decode("utf-8"))
     except OSError as error:
         raise UsageError(f"cannot read suite {str(path)!r}: {error.strerror}") from None
+    except UnicodeDecodeError as error:
+        raise UsageError(f"{path}: malformed suite: not UTF-8 text (byte 0x{error.object[error.start]:02x} at "
+                         f"offset {error.start}); a suite is a UTF-8 YAML file") from None
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark else ""
-        raise UsageError(f"{path}: malformed YAML{at}: {getattr(error, 'problem', error)}") from None
+        problem = str(getattr(error, "problem", None) or error).splitlines()[0]  # a ReaderError spans lines
+        raise UsageError(f"{path}: malformed YAML{at}: {problem}") from None
     if not isinstance(raw, dict):
         raise UsageError(f"{path}: a suite must be a mapping of keys ({', '.join(_FIELDS)}), got {type(raw).__name__}")
     overrides = raw.pop("devices", None) or {}
