@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -166,8 +166,12 @@ def stage_peaks(case, strategy) -> tuple[dict[str, int], int]:
     return peaks, int(memory["peak_mem_bytes"])
 
 
+def _quiet(text: str) -> None:
+    pass
+
+
 def fit_cpu(spec: str, budget: int, phase: str, workload: str, data: str, max_batch: int,
-            low: int = 16, high: int = 32) -> FitResult:
+            low: int = 16, high: int = 32, progress: Callable[[str], None] = _quiet) -> FitResult:
     """Largest batch with peak <= budget on the CPU, confirmed by actual tracked runs.
 
     With the meta device (fast at any batch): a linear guess from two meta probes, bracketed and bisected on meta
@@ -181,14 +185,24 @@ def fit_cpu(spec: str, budget: int, phase: str, workload: str, data: str, max_ba
         return Case(workload, spec, phase, b, device, data=data, warmup=0, steps=1)
 
     runs = 0
-    actual: dict[int, int] = {}
+    actual: dict[int, int | float] = {}
 
-    def real(b: int) -> int:
+    def real(b: int) -> int | float:
+        """The measured peak at batch `b`; infinite when the CPU allocator runs out of memory (over any budget)."""
         nonlocal runs
         if b not in actual:
             case = case_at(b)
-            actual[b] = measured_peak(case, bind_case(case)[0])
+            progress(f"fit {spec}: tracked run at batch {b} ...")
+            try:
+                actual[b] = measured_peak(case, bind_case(case)[0])
+            except Exception as error:  # noqa: BLE001
+                if not is_oom(error):
+                    raise
+                forget_traceback(error)
+                actual[b] = math.inf
             runs += 1
+            progress(f"fit {spec}: batch {b}: " + ("out of memory" if actual[b] == math.inf else
+                                                   f"peak {mib(actual[b])} MiB, budget {mib(budget)} MiB"))
         return actual[b]
 
     if _probe_peak(case_at(1), spec) is not None:
@@ -241,12 +255,14 @@ def fit_cpu(spec: str, budget: int, phase: str, workload: str, data: str, max_ba
     note = ""
     while batch >= 1 and real(batch) > budget:
         over = real(batch) - budget
-        batch -= max(1, math.ceil(over / slope))
+        batch -= max(1, batch // 2) if over == math.inf else max(1, math.ceil(over / slope))
     if batch < 1:
         return FitResult(spec, phase, "cpu", budget, 0, None, False, None, "", None,
                          "even batch 1 exceeds the budget", runs)
     if batch + 1 in actual:
         nxt, how = actual[batch + 1], "measured"
+        if nxt == math.inf:
+            nxt, how = None, "measured: out of memory"
     elif batch >= max_batch:
         nxt, how, note = None, "", f"capped by --max-batch {max_batch}"
     else:
@@ -255,7 +271,8 @@ def fit_cpu(spec: str, budget: int, phase: str, workload: str, data: str, max_ba
     return FitResult(spec, phase, "cpu", budget, batch, real(batch), True, nxt, how, None, note, runs)
 
 
-def fit_cuda(spec: str, budget: int, phase: str, workload: str, data: str, max_batch: int) -> FitResult:
+def fit_cuda(spec: str, budget: int, phase: str, workload: str, data: str, max_batch: int,
+             progress: Callable[[str], None] = _quiet) -> FitResult:
     """Largest batch on CUDA by real attempts: doubling until the peak passes the budget or an OOM, then bisection."""
     runs = 0
     results: dict[int, int | None] = {}
@@ -266,6 +283,7 @@ def fit_cuda(spec: str, budget: int, phase: str, workload: str, data: str, max_b
             return results[b]
         case = Case(workload, spec, phase, b, "cuda", data=data)
         runs += 1
+        progress(f"fit {spec}: run at batch {b} ...")
         try:
             results[b] = measured_peak(case, bind_case(case)[0])
         except Exception as error:  # noqa: BLE001
@@ -311,8 +329,10 @@ def time_per_sample(spec: str, phase: str, device: str, workload: str, data: str
 
 def fit(specs: list[str], budget: int, phase: str = "train", device: str = "cpu",
         workload: str = "captcha_resnet18", data: str = "synthetic", max_batch: int = 4096,
-        time_steps: int = 1) -> list[FitResult]:
-    """`fit` for each strategy (baseline first, always included); `time_steps=0` skips the timing run."""
+        time_steps: int = 1, progress: Callable[[str], None] = _quiet) -> list[FitResult]:
+    """`fit` for each strategy (baseline first, always included); `time_steps=0` skips the timing run.
+
+    `progress` is told each run as it starts and ends (the CLI prints it on stderr)."""
     specs = ["baseline"] + [s for s in specs if s != "baseline"]
     results = []
     for spec in specs:
@@ -324,9 +344,11 @@ def fit(specs: list[str], budget: int, phase: str = "train", device: str = "cpu"
                                      f"unsupported: {error}", 0))
             continue
         finder = fit_cuda if device == "cuda" else fit_cpu
-        result = finder(strategy.spec(), budget, phase, workload, data, max_batch)
+        progress(f"fit {strategy.spec()}: searching for the largest batch under {mib(budget)} MiB ...")
+        result = finder(strategy.spec(), budget, phase, workload, data, max_batch, progress=progress)
         if result.batch_size >= 1:
             if time_steps > 0:
+                progress(f"fit {strategy.spec()}: timing {time_steps} step(s) at batch {result.batch_size} ...")
                 result.time_per_sample_ms = time_per_sample(result.strategy, phase, device, workload, data,
                                                             result.batch_size, time_steps)
             else:
@@ -339,19 +361,29 @@ def fit_rows(results: list[FitResult]) -> list[dict]:
     return [asdict(r) for r in results]
 
 
+def mib_beside_budget(n_bytes: int, budget_bytes: int) -> str:
+    """MiB to one decimal, rounded away from the budget: a peak over the budget never prints as equal to it or
+    below it, and a peak under it never prints above it."""
+    tenths = n_bytes / 2**20 * 10
+    tenths = math.ceil(tenths) if n_bytes > budget_bytes else math.floor(tenths)
+    return f"{tenths / 10:,.1f}"
+
+
 def format_fit(results: list[FitResult], time_steps: int) -> str:
     header = (f"{'strategy':<28} {'phase':<5} {'largest batch':>13} {'peak MiB':>9} {'budget MiB':>10} "
               f"{'next MiB':>9} {'ms/sample':>9} {'runs':>4}  note")
     lines = [header, "-" * len(header)]
     for r in results:
-        peak = mib(r.peak_bytes) if r.peak_bytes is not None else "-"
-        nxt = mib(r.next_batch_peak_bytes) if r.next_batch_peak_bytes is not None else "-"
+        peak = mib_beside_budget(r.peak_bytes, r.budget_bytes) if r.peak_bytes is not None else "-"
+        nxt = (mib_beside_budget(r.next_batch_peak_bytes, r.budget_bytes) if r.next_batch_peak_bytes is not None
+               else "-")
         t = f"{r.time_per_sample_ms:.2f}" if r.time_per_sample_ms is not None else "-"
         verified = "verified by a tracked run" if r.verified and r.device == "cpu" else \
             ("verified by a run" if r.verified else "")
         note = "; ".join(x for x in (verified, f"next batch by {r.next_batch_method}" if r.next_batch_method else "",
                                        r.note) if x)
-        lines.append(f"{r.strategy:<28} {r.phase:<5} {r.batch_size:>13} {peak:>9} {mib(r.budget_bytes):>10} "
+        budget = mib_beside_budget(r.budget_bytes, r.budget_bytes)
+        lines.append(f"{r.strategy:<28} {r.phase:<5} {r.batch_size:>13} {peak:>9} {budget:>10} "
                      f"{nxt:>9} {t:>9} {r.runs:>4}  {note}")
     lines.append(f"(ms/sample from {time_steps} timed step(s) at the largest batch, no warm-up on the CPU)"
                  if time_steps else "(time not measured)")

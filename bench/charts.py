@@ -328,6 +328,16 @@ def chart_pareto(group: Group, path: Path) -> Path:
 # --- chart 4: memory against batch size ------------------------------------------------------------------
 
 
+# A budget line is drawn only while it leaves the data most of the plot's height: above this multiple of the
+# highest peak it would squash every line into the bottom of the panel, so it is named in a note instead.
+BUDGET_IN_VIEW_FACTOR = 1.5
+
+
+def budget_in_view(data_top: float, budget: float) -> bool:
+    """Whether a budget line at `budget` is drawn on a panel whose data reaches `data_top` (same units)."""
+    return budget <= data_top * BUDGET_IN_VIEW_FACTOR
+
+
 def chart_batch(group: Group, path: Path, budget_bytes: int | None) -> Path:
     frame = group.frame
     order = strategy_order(frame)
@@ -370,16 +380,20 @@ def chart_batch(group: Group, path: Path, budget_bytes: int | None) -> Path:
                         ax.text(b, y, f" {strategy}: {STATUS_LABEL.get(status, status)}  ",
                                 transform=marker_transform, ha="right", va="center", fontsize=8,
                                 color="#b00000")
-        if budget_bytes is not None:
+        data_top = ax.get_ylim()[1]
+        if budget_bytes is not None and budget_in_view(data_top, budget_bytes / MiB):
             budget = budget_bytes / MiB
             ax.axhline(budget, color="#d62728", linestyle="-.", linewidth=1.6, zorder=1)
             ax.text(0.01, budget, f"budget {format_size(budget_bytes)}", transform=blended_transform_factory(
                 ax.transAxes, ax.transData), ha="left", va="bottom", fontsize=9, color="#d62728",
                 fontweight="bold")
-            low, high = ax.get_ylim()
-            ax.set_ylim(0, max(high, budget * 1.08))
+            ax.set_ylim(0, max(data_top, budget * 1.08))
         else:
-            ax.set_ylim(0, ax.get_ylim()[1] * 1.1)
+            ax.set_ylim(0, data_top * 1.1)
+            if budget_bytes is not None:  # far above the data: named, not drawn, so the data keeps the plot
+                ax.text(0.01, 0.99, f"↑ budget {format_size(budget_bytes)}: far above every peak here",
+                        transform=ax.transAxes, ha="left", va="top", fontsize=9, color="#d62728",
+                        fontweight="bold")
         ax.set_xticks(group.batch_sizes)
         ax.set_xlabel("batch size")
         ax.set_ylabel("peak memory (MiB)")

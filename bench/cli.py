@@ -1,9 +1,14 @@
-"""`python -m bench {list,env,run,compare,report,explain,predict,fit}`: one `cmd_<name>` function per subcommand."""
+"""`python -m bench {list,env,run,compare,report,explain,predict,fit}`: one `cmd_<name>` function per subcommand.
+
+The CLI parses, checks every value before anything runs (bench.preflight), dispatches and prints.
+"""
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -13,6 +18,12 @@ RELATIVE_FORMAT = "{:.2f}x"
 DEFAULT_WORKLOAD = "captcha_resnet18"
 WORKLOAD_HELP = ("a registered workload with options (see `list`; e.g. deep_mlp:layers=100, timm:resnet18) or your own: "
                  "path/to/file.py:NAME or package.module:NAME; default captcha_resnet18")
+# Where a user's own runs go. The committed reference runs live under results/reference/ and are never a default
+# output, so that no command of a user rewrites them.
+DEFAULT_OUT = "runs"
+DESCRIPTION = ("Measures what each PyTorch memory-saving technique saves and costs (peak memory, step time, whether "
+               "the result still matches the baseline) on a model you choose, on this machine. Results go to "
+               f"{DEFAULT_OUT}/ unless --out says otherwise; `python -m bench <command> --help` for each command.")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -30,9 +41,9 @@ def _batch_sizes(text: str) -> list[int]:
     for part in str(text).split(","):
         try:
             sizes.append(_positive_int(part))
-        except UsageError:
-            raise UsageError(f"bad batch size {part.strip()!r}; a batch size must be a positive integer "
-                             "(e.g. 100 or 25,50,100)") from None
+        except argparse.ArgumentTypeError:
+            raise UsageError(f"--batch-size: bad batch size {part.strip()!r}; a batch size must be a positive "
+                             "integer (e.g. 100 or 25,50,100)") from None
     return sizes
 
 
@@ -41,26 +52,43 @@ def _csv_list(text: str) -> list[str]:
 
 
 def _add_case_options(p: argparse.ArgumentParser) -> None:
+    from bench.preflight import DEFAULT_MEASURED_STEPS, DEFAULT_WARMUP_STEPS
+
     p.add_argument("--workload", default=None, help=WORKLOAD_HELP)
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto)")
-    p.add_argument("--batch-size", default=None, help="one size or a comma list, e.g. 25,50,100 (default 100)")
-    p.add_argument("--phases", default=None, help="train,eval (default both)")
-    p.add_argument("--steps", type=int, default=None, help="measured steps per case")
-    p.add_argument("--warmup", type=int, default=None, help="warm-up steps before timing")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto: cuda if there is a GPU)")
+    p.add_argument("--batch-size", default=None, help="one size or a comma list, e.g. 25,50,100 (default: the "
+                                                       "workload's own, 100 for captcha_resnet18; see `list`)")
+    p.add_argument("--phases", default=None, help="train,eval, train or eval (default train,eval)")
+    p.add_argument("--steps", type=_positive_int, default=None,
+                   help=f"measured steps per case (default {DEFAULT_MEASURED_STEPS}, or the suite's)")
+    p.add_argument("--warmup", type=_non_negative_int, default=None,
+                   help=f"warm-up steps before timing (default {DEFAULT_WARMUP_STEPS}, or the suite's)")
     p.add_argument("--data", default=None, help="a data source of the workload (see `list`), e.g. captcha (real "
                                                  "images) or synthetic (random tensors); default the workload's first")
-    p.add_argument("--out", default="results", help="folder for the results CSV (default results/)")
-    p.add_argument("--quick", action="store_true", help="1 warm-up step and 3 measured steps")
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"folder for the results CSV (default {DEFAULT_OUT}/)")
+    p.add_argument("--quick", action="store_true", help="1 warm-up step and 3 measured steps: a first look in "
+                                                        "minutes on a CPU")
     _add_sweep_options(p)
 
 
 def _positive_int(text: str) -> int:
+    """argparse's type for counts: the error (an ArgumentTypeError) is reported with the option's name."""
     try:
         value = int(text)
     except ValueError:
-        raise UsageError(f"bad value {text!r}; expected a positive integer") from None
+        raise argparse.ArgumentTypeError(f"bad value {text!r}; expected a positive integer") from None
     if value <= 0:
-        raise UsageError(f"bad value {value}; expected a positive integer")
+        raise argparse.ArgumentTypeError(f"bad value {value}; expected a positive integer")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad value {text!r}; expected 0 or a positive integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"bad value {value}; expected 0 or a positive integer")
     return value
 
 
@@ -69,14 +97,16 @@ def _add_sweep_options(p: argparse.ArgumentParser) -> None:
                    help="run each case (and each repeat) in a fresh Python process (default: on for cuda, "
                         "off for cpu); --no-isolate runs in this process with process-wide flags restored")
     p.add_argument("--repeats", type=_positive_int, default=1,
-                   help="repeat each case's timing and memory passes K times; adds a 95%% CI and a noisy flag")
+                   help="repeat each case's timing and memory passes K times; adds a 95%% CI and a noisy flag "
+                        "(default 1)")
     p.add_argument("--threads", type=_positive_int, default=None,
                    help="torch.set_num_threads for every case (default: torch's default here, "
                         "usually the physical cores); recorded in cpu_threads")
     p.add_argument("--deterministic", action="store_true",
-                   help="cudnn.deterministic and torch.use_deterministic_algorithms(True) for each case")
+                   help="cudnn.deterministic and torch.use_deterministic_algorithms(True) for each case (default off)")
     p.add_argument("--resume", default=None, metavar="CSV",
-                   help="continue the run in this results CSV: skip its finished cases, run the rest into it")
+                   help="continue the run in this results CSV: skip its finished cases, run the rest into it "
+                        "(default: a new CSV in --out)")
 
 
 def _run_options(args, device: str):
@@ -88,16 +118,21 @@ def _run_options(args, device: str):
 
 
 def _suite_from_args(args, device: str, strategies: list[str] | None):
-    """The suite to run: the suite file if given, with any command-line option taking precedence."""
+    """The suite to run: the suite file if given, with any command-line option taking precedence. Every value is
+    checked here, before anything runs; a bad one is a UsageError that names its option."""
     from bench.suite import Suite, check_data, load_suite, validate
+    from strategies import PHASES
+    from workloads import get_workload
 
     suite = load_suite(args.suite, device) if getattr(args, "suite", None) else Suite()
     overrides = {}
     if strategies is not None:
         overrides["strategies"] = strategies
+        try:
+            validate({"strategies": strategies}, "--strategies")
+        except UsageError as error:
+            raise UsageError(str(error).replace("--strategies: key 'strategies':", "--strategies:")) from None
     if args.workload:
-        from workloads import get_workload
-
         overrides["workloads"] = _csv_list(args.workload)
         for spec in overrides["workloads"]:
             try:
@@ -107,7 +142,7 @@ def _suite_from_args(args, device: str, strategies: list[str] | None):
     if args.data:
         overrides["data"] = args.data
     if args.phases:
-        overrides["phases"] = _csv_list(args.phases)
+        overrides["phases"] = [_check_choice("phase", p, PHASES, "--phases") for p in _csv_list(args.phases)]
     if args.batch_size:
         overrides["batch_sizes"] = _batch_sizes(args.batch_size)
     if args.quick:
@@ -119,44 +154,247 @@ def _suite_from_args(args, device: str, strategies: list[str] | None):
     validate(overrides, "command line")
     for key, value in overrides.items():
         setattr(suite, key, value)
+    if args.data:
+        for entry in suite.workloads:
+            try:
+                get_workload(entry["workload"]).check_data(args.data)
+            except UsageError as error:
+                raise UsageError(f"--data: {error}") from None
     return check_data(suite, "command line")
 
 
-def _progress(index: int, total: int, case, row) -> None:
-    prefix = f"[{index + 1:>{len(str(total))}}/{total}] {case.label()}"
-    if row is None:
-        print(f"{prefix} ...", file=sys.stderr, flush=True)
-        return
-    if row["status"] != "ok":
-        print(f"{prefix}: {row['status']} {row['message']}", file=sys.stderr, flush=True)
-        return
-    mib = row["peak_mem_bytes"] / 2**20
-    match = "" if row.get("matches_baseline") else "  DOES NOT MATCH BASELINE"
-    print(f"{prefix}: {row['step_time_ms_median']:.1f} ms/step, peak {mib:.1f} MiB{match}",
-          file=sys.stderr, flush=True)
+def _check_steps(cases, args) -> None:
+    """Step counts within bench.preflight's limits, named by the option (or suite key) that set them."""
+    from bench.preflight import check_steps
+
+    for case in {(c.warmup, c.steps): c for c in cases}.values():
+        check_steps(case.steps, "--steps" if args.steps is not None else "the suite's steps", 1)
+        check_steps(case.warmup, "--warmup" if args.warmup is not None else "the suite's warmup", 0)
 
 
-def _run_suite(suite, device: str, out: str, options=None, resume: str | None = None):
-    """Runs the suite's cases into a new CSV under `out`, or, with `resume`, the unfinished ones into that CSV."""
+# A run holds more than one step's live tensors: the verification keeps the baseline's result (outputs, gradients)
+# beside the strategy's, and the batch is cached between passes. Twice the step's peak covers what we have seen.
+RUN_MEMORY_FACTOR = 2
+MEMORY_PROBE_BATCH = 64
+
+
+def _check_memory(cases) -> None:
+    """On the CPU: for each workload and phase, whether its largest batch fits in this machine's memory.
+
+    The need is the baseline's exact tracked peak on the meta device (no memory used): at the batch itself up to
+    twice `MEMORY_PROBE_BATCH`, else extrapolated linearly from that batch and its double (at small batches the
+    peak is Adam's step, whose size does not grow with the batch, so a slope from batches 1 and 2 is far too
+    low). More than the machine's memory is an error before anything runs (the system would kill the run);
+    more than its share once verification is counted, a warning."""
+    from dataclasses import replace
+
+    from bench import predict, preflight
+    from bench.units import format_size
+
+    memory = preflight.machine_memory_bytes()
+    if memory is None:
+        return
+    largest: dict[tuple, object] = {}
+    for case in cases:
+        if case.device == "cpu":
+            key = (case.workload, case.phase, case.data)
+            if key not in largest or case.batch_size > largest[key].batch_size:
+                largest[key] = case
+    for case in largest.values():
+        def peak_at(batch: int) -> int:
+            return predict.tracked_peak(replace(case, batch_size=batch, strategy="baseline"), "baseline",
+                                        engine="meta", block_bytes=1)
+
+        low, high = MEMORY_PROBE_BATCH, 2 * MEMORY_PROBE_BATCH
+        try:
+            if case.batch_size <= high:
+                need, per_sample = peak_at(case.batch_size), None
+            else:
+                at_low, at_high = peak_at(low), peak_at(high)
+                per_sample = max((at_high - at_low) / (high - low), 1.0)
+                need = int(at_high + per_sample * (case.batch_size - high))
+        except Exception:  # noqa: BLE001 - a model meta cannot run: no estimate, no check
+            continue
+        what = (f"--batch-size {case.batch_size} of {case.workload} ({case.phase}) needs about {format_size(need)} "
+                f"for one baseline step")
+        if need > memory:
+            hint = (f"; give a batch size below {int(case.batch_size - (need - memory) / per_sample):,}"
+                    if per_sample else "")
+            raise UsageError(f"{what}, more than this machine's {format_size(memory)} of memory{hint}")
+        if need * RUN_MEMORY_FACTOR > memory:
+            preflight.warn(f"{what}, and a run holds up to {RUN_MEMORY_FACTOR}x that: more than this machine's "
+                           f"{format_size(memory)} of memory; expect `oom` rows, or the system ending the run")
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+class _Progress:
+    """The progress lines of a run on stderr: each case as it starts and ends, with the time elapsed and an
+    estimate of the time left, and, within a case, the pass and step being run (bench.progress).
+
+    On a terminal the step line is rewritten in place; in a log, a step line at most every `LOG_INTERVAL_S`."""
+
+    LOG_INTERVAL_S = 15.0
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.started = time.monotonic()
+        self.case_started = self.started
+        self.prefix = ""
+        self.partial = False
+        self.last_step_line = 0.0
+
+    def _print(self, text: str) -> None:
+        if self.partial:
+            self.stream.write("\r\033[K")
+            self.partial = False
+        print(text, file=self.stream, flush=True)
+
+    def step(self, what: str, done: int, total: int) -> None:
+        """A bench.progress listener."""
+        now = time.monotonic()
+        text = f"{self.prefix}: {what}" + (f" step {done}/{total}" if total > 1 else "") + \
+            f" ({_duration(now - self.case_started)} into the case)"
+        if self.tty:
+            self.stream.write("\r\033[K" + text)
+            self.stream.flush()
+            self.partial = True
+        elif now - self.last_step_line >= self.LOG_INTERVAL_S and now - self.case_started >= self.LOG_INTERVAL_S:
+            self._print(text)
+            self.last_step_line = now
+
+    def case(self, index: int, total: int, case, row) -> None:
+        """run_cases' progress callback."""
+        self.prefix = f"[{index + 1:>{len(str(total))}}/{total}] {case.label()}"
+        if row is None:
+            self.case_started = self.last_step_line = time.monotonic()
+            self._print(f"{self.prefix} ...")
+            return
+        elapsed = time.monotonic() - self.started
+        left = total - index - 1
+        timing = f"  ({_duration(elapsed)} elapsed" + (f", about {_duration(elapsed / (index + 1) * left)} left)"
+                                                       if left else ")")
+        if row["status"] != "ok":
+            self._print(f"{self.prefix}: {row['status']} {row['message']}{timing}")
+            return
+        mib = row["peak_mem_bytes"] / 2**20
+        match = "" if row.get("matches_baseline") else "  DOES NOT MATCH BASELINE"
+        self._print(f"{self.prefix}: {row['step_time_ms_median']:.1f} ms/step, peak {mib:.1f} MiB{match}{timing}")
+
+
+# What an interrupt (Ctrl-C) should tell the user: set by a command once it knows what it writes.
+_interrupt_note = {"text": "interrupted: nothing was written"}
+
+
+def _resume_command(path: Path) -> str:
+    """The command line of this run with `--resume path` in place of any --resume it had."""
+    argv, kept, skip = _ARGV["argv"], [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg == "--resume":
+            skip = True
+            continue
+        if arg.startswith("--resume="):
+            continue
+        kept.append(arg)
+    python = Path(sys.executable)
+    try:
+        python = python.relative_to(Path.cwd())
+    except ValueError:
+        pass
+    return shlex.join([str(python), "-m", "bench", *kept, "--resume", str(path)])
+
+
+def _announce(cases, out_path: Path, resumed: bool) -> None:
+    """Before the first case: how many cases, how many steps each, where the results go, and how to be quick."""
+    if not cases:
+        print(f"nothing left to run in {out_path}", file=sys.stderr, flush=True)
+        return
+    workloads = list(dict.fromkeys(c.workload for c in cases))
+    steps = sorted({(c.warmup, c.steps) for c in cases})
+    per_case = ", ".join(f"{w} warm-up + {m} measured" for w, m in steps)
+    print(f"{'resuming' if resumed else 'running'} {len(cases)} case(s) of {', '.join(workloads)} on "
+          f"{cases[0].device}, {per_case} steps each (plus a verification and a memory pass), into "
+          f"{out_path}", file=sys.stderr, flush=True)
+    if cases[0].device == "cpu" and any(c.steps > 3 or c.warmup > 1 for c in cases):
+        print("  a CPU step at a full batch can take seconds: --quick (1 warm-up + 3 measured steps) or a "
+              "smaller --batch-size gives a first look in minutes; the time left is shown after each case",
+              file=sys.stderr, flush=True)
+
+
+def _run_suite(suite, device: str, out: str, options=None, resume: str | None = None, args=None):
+    """Runs the suite's cases into a new CSV under `out`, or, with `resume`, the unfinished ones into that CSV.
+
+    Everything is checked before the first case: the output folder (or the resumed file) is writable, the step
+    counts and thread count are sane, every case's strategy applies to its workload, and nobody else is writing
+    the same file (bench.preflight.RunLock)."""
+    from bench import preflight, progress
+    from bench.isolation import RunOptions
     from bench.results import new_run_id, to_frame
-    from bench.runner import run_cases
+    from bench.runner import bind_case, run_cases
 
+    options = options or RunOptions()
+    preflight.check_threads(options.threads)
     cases = suite.cases(device)
+    if args is not None:
+        _check_steps(cases, args)
+    preflight.check_cases(cases, bind_case)
     previous, run_id = None, None
     if resume:
         from bench.resume import load_resume
 
-        from bench.isolation import RunOptions
-
-        resumed = load_resume(resume, cases, options or RunOptions())
-        out_path, previous, run_id = resumed.path, resumed.rows, resumed.run_id
-        print(f"resuming {out_path}: {len(previous)} finished, {len(resumed.remaining)} to run",
-              file=sys.stderr, flush=True)
-        cases = resumed.remaining
+        out_path = preflight.check_output_file(resume, "--resume")
     else:
-        out_path = Path(out) / f"{new_run_id(device)}.csv"
-    rows = run_cases(cases, out_path, progress=_progress, options=options, previous_rows=previous, run_id=run_id)
+        out_path = preflight.check_output_dir(out, "--out") / f"{new_run_id(device)}.csv"
+    with preflight.RunLock(out_path):
+        if resume:
+            resumed = load_resume(resume, cases, options)  # read under the lock: another run may have just written it
+            previous, run_id = resumed.rows, resumed.run_id
+            print(f"resuming {out_path}: {len(previous)} finished, {len(resumed.remaining)} to run",
+                  file=sys.stderr, flush=True)
+            cases = resumed.remaining
+        if device == "cpu":
+            _check_memory(cases)
+        _announce(cases, out_path, bool(resume))
+        _interrupt_note["text"] = (
+            f"interrupted: {out_path} holds every case that finished; to run the rest:\n  "
+            f"{_resume_command(out_path)}" if resume else
+            f"interrupted before the first case finished: nothing was written (the results would have gone to "
+            f"{out_path})")
+        bar = _Progress()
+
+        def on_case(index, total, case, row):
+            bar.case(index, total, case, row)
+            if row is not None and not resume:
+                _interrupt_note["text"] = (f"interrupted: {out_path} holds every case that finished; to run "
+                                           f"the rest:\n  {_resume_command(out_path)}")
+
+        with progress.listening(bar.step):
+            rows = run_cases(cases, out_path, progress=on_case, options=options, previous_rows=previous,
+                             run_id=run_id)
     return to_frame(rows), out_path
+
+
+def _finish_run(frame, path: Path) -> int:
+    """Prints the table and the file; exit status 1 when no case succeeded (every row oom, unsupported, error)."""
+    print(format_table(frame))
+    print(f"\nwrote {path}")
+    if frame.empty or not (frame["status"] == "ok").any():
+        counts = ", ".join(f"{n} {status}" for status, n in frame["status"].value_counts().items())
+        print(f"error: no case succeeded ({counts or 'no rows'}); the message column of {path} says why",
+              file=sys.stderr)
+        return 1
+    return 0
 
 
 def format_table(frame) -> str:
@@ -261,10 +499,8 @@ def cmd_run(args) -> int:
     apply_memory_limit(getattr(args, "memory_limit", None), device)
     strategies = _csv_list(args.strategies) if args.strategies else None
     suite = _suite_from_args(args, device, strategies)
-    frame, path = _run_suite(suite, device, args.out, _run_options(args, device), args.resume)
-    print(format_table(frame))
-    print(f"\nwrote {path}")
-    return 0
+    frame, path = _run_suite(suite, device, args.out, _run_options(args, device), args.resume, args)
+    return _finish_run(frame, path)
 
 
 def cmd_compare(args) -> int:
@@ -274,15 +510,15 @@ def cmd_compare(args) -> int:
     device = resolve_device(args.device)
     apply_memory_limit(getattr(args, "memory_limit", None), device)
     suite = _suite_from_args(args, device, _csv_list(args.strategies))
-    frame, path = _run_suite(suite, device, args.out, _run_options(args, device), args.resume)
-    print(format_table(frame))
-    print(f"\nwrote {path}")
-    return 0
+    frame, path = _run_suite(suite, device, args.out, _run_options(args, device), args.resume, args)
+    return _finish_run(frame, path)
 
 
 def cmd_report(args) -> int:
-    """Draws the charts and REPORT.md from results CSVs alone (default: the newest CSV in results/)."""
+    """Draws the charts and REPORT.md from results CSVs alone (default: the newest CSV in runs/)."""
+    from bench.preflight import check_output_dir
     from bench.report import build_report, newest_csv, parse_size
+    from bench.results import REPORT_COLUMNS, read_results_file
 
     try:
         budget = parse_size(args.budget) if args.budget else None
@@ -290,15 +526,16 @@ def cmd_report(args) -> int:
         raise UsageError(f"bad --budget {args.budget!r}: {error}") from None
     if args.csv:
         paths = [Path(p) for p in args.csv]
-        missing = [str(p) for p in paths if not p.is_file()]
-        if missing:
-            raise UsageError(f"no such results file {missing[0]!r}")
     else:
         try:
             paths = [newest_csv(Path(args.results))]
         except FileNotFoundError:
-            raise UsageError(f"no results CSV in {args.results!r}; run `python -m bench compare` first") from None
-    report = build_report(paths, Path(args.out) if args.out else paths[0].parent, budget)
+            raise UsageError(f"no results CSV in {args.results!r}; run `python -m bench compare` first, or name "
+                             "a CSV (the reference runs are under results/reference/)") from None
+    for path in paths:
+        read_results_file(path, "cannot report on", REPORT_COLUMNS)  # every file checked before anything is drawn
+    out = check_output_dir(args.out or paths[0].parent, "--out" if args.out else "the results file's folder")
+    report = build_report(paths, out, budget)
     print(f"wrote {report}")
     return 0
 
@@ -312,14 +549,29 @@ def _one_batch_size(text) -> int:
     return sizes[0]
 
 
-def _check_choice(kind: str, value: str, choices) -> str:
+def _check_choice(kind: str, value: str, choices, option: str | None = None) -> str:
+    """`value` if it is one of `choices`; else a UsageError naming the option (default `--<kind>`)."""
     if value not in choices:
-        raise choices_error(kind, value, choices)
+        raise UsageError(f"{option or '--' + kind}: {choices_error(kind, value, choices)}")
     return value
 
 
 def _analysis_device(text: str) -> str:
     return _check_choice("device", text, ("cpu", "cuda"))
+
+
+def _size_option(text: str, option: str) -> int:
+    """A positive size (`4GiB`, `1e9`) given to `option`; a UsageError naming the option otherwise."""
+    from bench.analysis import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except UsageError as error:
+        raise UsageError(f"{option}: {error}") from None
+
+
+def _status(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
 
 
 def _workload_and_data(args) -> tuple[str, str]:
@@ -335,7 +587,7 @@ def _workload_and_data(args) -> tuple[str, str]:
 def _add_memory_limit_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-limit", default=None,
                    help="cap CUDA memory: bytes (2GiB, 512MiB, 1e9) or a fraction of the GPU (0.5); "
-                        "on the CPU a warning and no effect")
+                        "on the CPU a warning and no effect (default: no cap)")
 
 
 def apply_memory_limit(limit: str | None, device: str) -> float | None:
@@ -344,7 +596,6 @@ def apply_memory_limit(limit: str | None, device: str) -> float | None:
     Returns the fraction set (None when nothing was set)."""
     if limit is None:
         return None
-    from bench.analysis import parse_bytes
 
     try:
         value = float(limit)
@@ -354,7 +605,7 @@ def apply_memory_limit(limit: str | None, device: str) -> float | None:
         fraction = value
         nbytes = None
     else:
-        nbytes = parse_bytes(limit)
+        nbytes = _size_option(limit, "--memory-limit")
         fraction = None
     if device != "cuda":
         print(f"warning: --memory-limit {limit} has no effect on device {device} (it caps CUDA memory only)",
@@ -402,6 +653,8 @@ def cmd_predict(args) -> int:
     from bench.runner import Case
     from strategies import parse_strategy
 
+    from bench.preflight import check_output_dir
+
     workload, data = _workload_and_data(args)
     device = _analysis_device(args.device)
     engine = _check_choice("engine", args.engine, predict.ENGINES)
@@ -409,11 +662,15 @@ def cmd_predict(args) -> int:
     specs = ["baseline"] + [s for s in _csv_list(args.strategies or "") if s != "baseline"]
     for spec in specs:
         parse_strategy(spec)  # unknown names: exit 2 before any work
+    batches = _batch_sizes(args.batch_size)
+    out = check_output_dir(args.out, "--out")
+    _interrupt_note["text"] = "interrupted: nothing was written (predict writes its table at the end)"
+    cases = [Case(workload, spec, phase, batch, device, data=data) for spec in specs for phase in phases
+             for batch in batches]
     rows = []
-    for spec in specs:
-        for phase in phases:
-            for batch in _batch_sizes(args.batch_size):
-                rows.append(predict.predict_case(Case(workload, spec, phase, batch, device, data=data), engine))
+    for index, case in enumerate(cases):
+        _status(f"[{index + 1}/{len(cases)}] predicting {case.strategy} {case.phase} bs={case.batch_size} ...")
+        rows.append(predict.predict_case(case, engine))
     print(f"predicted peak memory on {device}" + (" (torch.cuda.max_memory_allocated)" if device == "cuda" else
                                                   " (exact live tensor bytes)"))
     print(predict.format_predictions(rows))
@@ -421,7 +678,7 @@ def cmd_predict(args) -> int:
         print("\nassumptions:")
         for line in predict.ASSUMPTIONS:
             print(f"  - {line}")
-    path = Path(args.out) / f"predict-{new_run_id(device)}.csv"
+    path = out / f"predict-{new_run_id(device)}.csv"
     write_csv_atomic(pd.DataFrame(rows), path)
     print(f"\nwrote {path}")
     return 0
@@ -431,11 +688,13 @@ def cmd_fit(args) -> int:
     """The largest batch size under a memory budget, per strategy (baseline always), each verified by a run."""
     import pandas as pd
 
-    from bench import analysis
+    from bench import analysis, preflight
+    from bench.preflight import check_output_dir
     from bench.results import new_run_id, write_csv_atomic
+    from bench.units import format_size
     from strategies import parse_strategy
 
-    budget = analysis.parse_bytes(args.budget)
+    budget = _size_option(args.budget, "--budget")
     workload, data = _workload_and_data(args)
     device = _analysis_device(args.device)
     if device == "cuda":
@@ -446,13 +705,21 @@ def cmd_fit(args) -> int:
     specs = _csv_list(args.strategies or "")
     for spec in specs:
         parse_strategy(spec)
-    if args.time_steps < 0:
-        raise UsageError("--time-steps must be 0 or more")
+    preflight.check_steps(args.time_steps, "--time-steps", 0)
+    memory = preflight.machine_memory_bytes()
+    if device == "cpu" and memory is not None and budget > memory:
+        # fit confirms each answer with a real run: a budget beyond the machine's memory cannot be confirmed
+        raise UsageError(f"--budget {args.budget} is more than this machine's {format_size(memory)} of memory; "
+                         "on the CPU each answer is confirmed by a real run, so give a budget below that (or "
+                         "`predict` for larger batches)")
+    out = check_output_dir(args.out, "--out")
     apply_memory_limit(args.memory_limit, device)
-    results = analysis.fit(specs, budget, phase, device, workload, data, max_batch, args.time_steps)
+    _interrupt_note["text"] = "interrupted: nothing was written (fit writes its table when every strategy is done)"
+    results = analysis.fit(specs, budget, phase, device, workload, data, max_batch, args.time_steps,
+                           progress=_status)
     print(f"largest batch with peak <= {args.budget} ({budget:,} B) on {device}, phase {phase}")
     print(analysis.format_fit(results, args.time_steps))
-    path = Path(args.out) / f"fit-{new_run_id(device)}.csv"
+    path = out / f"fit-{new_run_id(device)}.csv"
     write_csv_atomic(pd.DataFrame(analysis.fit_rows(results)), path)
     print(f"\nwrote {path}")
     return 0
@@ -462,77 +729,100 @@ def _add_table_options(p: argparse.ArgumentParser) -> None:
     """Options of the commands that write a table of their own (predict, fit)."""
     p.add_argument("--data", default=None, help="a data source of the workload (default synthetic where it has one)")
     p.add_argument("--workload", default=None, help=WORKLOAD_HELP)
-    p.add_argument("--out", default="results", help="folder for the CSV (default results/)")
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"folder for the CSV (default {DEFAULT_OUT}/)")
+
+
+# What each command does, as `--help` shows it to a user.
+COMMAND_HELP = {
+    "list": "list the workloads and strategies, with their options",
+    "env": "show the environment every results row records (device, torch, CPU threads, commit)",
+    "run": "run a suite file, or the strategies given with --strategies, into a results CSV",
+    "compare": "run the baseline and each named strategy, print a table relative to the baseline, write the CSV",
+    "report": "draw the charts and REPORT.md from results CSVs alone (no torch needed)",
+    "explain": "break one case's peak memory down (weights, gradients, optimizer, activations, ...) module by module",
+    "predict": "estimate the peak memory of each strategy (CUDA's by default) without running on that device",
+    "fit": "find the largest batch size whose peak stays under a memory budget, per strategy, confirmed by a run",
+}
+
+
+def _add_command(sub, name: str, func):
+    p = sub.add_parser(name, help=COMMAND_HELP[name], description=COMMAND_HELP[name][0].upper() + COMMAND_HELP[name][1:] + ".")
+    p.set_defaults(func=func)
+    return p
 
 
 def _add_analysis_parsers(sub) -> None:
-    p = sub.add_parser("explain", help=cmd_explain.__doc__)
+    p = _add_command(sub, "explain", cmd_explain)
     p.add_argument("--strategy", required=True, help="one strategy spec, e.g. baseline or checkpoint+amp")
     p.add_argument("--phase", default="train", help="train or eval (default train)")
-    p.add_argument("--batch-size", default="100", help="default 100")
-    p.add_argument("--device", default="cpu", help="cpu (the exact tracker)")
+    p.add_argument("--batch-size", default="100", help="one batch size (default 100)")
+    p.add_argument("--device", default="cpu", help="cpu, the only choice: the breakdown needs the exact CPU count "
+                                                   "(default cpu)")
     p.add_argument("--data", default=None, help="a data source of the workload (default synthetic where it has one: "
                                                  "memory does not depend on the values)")
     p.add_argument("--workload", default=None, help=WORKLOAD_HELP)
-    p.set_defaults(func=cmd_explain)
 
-    p = sub.add_parser("predict", help=cmd_predict.__doc__)
-    p.add_argument("--strategies", default="", help="comma list (baseline is always included)")
-    p.add_argument("--device", default="cuda", help="cuda (default: predict CUDA on any machine) or cpu")
+    p = _add_command(sub, "predict", cmd_predict)
+    p.add_argument("--strategies", default="", help="comma list (baseline is always included; default: baseline only)")
+    p.add_argument("--device", default="cuda", help="cuda (predict CUDA on any machine) or cpu (default cuda)")
     p.add_argument("--batch-size", default="100", help="one size or a comma list (default 100)")
-    p.add_argument("--phases", default="train,eval", help="default train,eval")
-    p.add_argument("--engine", default="auto", help="auto (CPU up to batch 16, else meta with the CPU as fallback), meta or cpu")
+    p.add_argument("--phases", default="train,eval", help="train,eval, train or eval (default train,eval)")
+    p.add_argument("--engine", default="auto", help="auto (CPU up to batch 16, else meta with the CPU as fallback), "
+                                                    "meta or cpu (default auto)")
     _add_table_options(p)
-    p.set_defaults(func=cmd_predict)
 
-    p = sub.add_parser("fit", help=cmd_fit.__doc__)
-    p.add_argument("--budget", required=True, help="memory budget: 4GiB, 512MiB, 1e9 ...")
-    p.add_argument("--strategies", default="", help="comma list (baseline is always included)")
-    p.add_argument("--device", default="cpu", help="cpu (exact tracker) or cuda (real attempts)")
+    p = _add_command(sub, "fit", cmd_fit)
+    p.add_argument("--budget", required=True, help="memory budget: 4GiB, 512MiB, 1e9 ... (required)")
+    p.add_argument("--strategies", default="", help="comma list (baseline is always included; default: baseline only)")
+    p.add_argument("--device", default="cpu", help="cpu (exact count) or cuda (real attempts) (default cpu)")
     p.add_argument("--phase", default="train", help="train or eval (default train)")
     p.add_argument("--max-batch", default="4096", help="largest batch size tried (default 4096)")
-    p.add_argument("--time-steps", type=int, default=1, help="timed steps at the largest batch (0: no timing)")
+    p.add_argument("--time-steps", type=_non_negative_int, default=1,
+                   help="timed steps at the largest batch (0: no timing; default 1)")
     _add_table_options(p)
     _add_memory_limit_option(p)
-    p.set_defaults(func=cmd_fit)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m bench", description=__doc__)
-    sub = parser.add_subparsers(dest="command", parser_class=_Parser, metavar="{list,env,run,compare,report,explain,predict,fit}")
+    parser = _Parser(prog="python -m bench", description=DESCRIPTION)
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser, metavar="{" + ",".join(COMMAND_HELP) + "}")
     sub.required = True
 
-    p = sub.add_parser("list", help=cmd_list.__doc__)
-    p.set_defaults(func=cmd_list)
+    _add_command(sub, "list", cmd_list)
 
-    p = sub.add_parser("env", help=cmd_env.__doc__)
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    p.set_defaults(func=cmd_env)
+    p = _add_command(sub, "env", cmd_env)
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto)")
 
-    p = sub.add_parser("run", help=cmd_run.__doc__)
-    p.add_argument("--suite", default=None, help="a suite YAML file (e.g. bench/suites/default.yaml)")
-    p.add_argument("--strategies", default=None, help="comma list of strategies, e.g. checkpoint,amp,checkpoint+amp")
+    p = _add_command(sub, "run", cmd_run)
+    p.add_argument("--suite", default=None, help="a suite YAML file, e.g. bench/suites/default.yaml (what `make "
+                                                 "bench` runs); default: none, give --strategies")
+    p.add_argument("--strategies", default=None, help="comma list of strategies, e.g. checkpoint,amp,checkpoint+amp "
+                                                      "(default: the suite's)")
     _add_case_options(p)
     _add_memory_limit_option(p)
-    p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("compare", help=cmd_compare.__doc__)
+    p = _add_command(sub, "compare", cmd_compare)
     p.add_argument("--strategies", required=True, help="comma list, e.g. checkpoint,amp (baseline is always run)")
     _add_case_options(p)
     _add_memory_limit_option(p)
-    p.set_defaults(func=cmd_compare)
 
-    p = sub.add_parser("report", help=cmd_report.__doc__)
+    p = _add_command(sub, "report", cmd_report)
     p.add_argument("csv", nargs="*", help="results CSV files (default: the newest in --results)")
-    p.add_argument("--results", default="results", help="where to look for the newest CSV (default results/)")
+    p.add_argument("--results", default=DEFAULT_OUT, help=f"where to look for the newest CSV (default {DEFAULT_OUT}/)")
     p.add_argument("--out", default=None, help="where to write the charts and REPORT.md (default: the CSV's folder)")
-    p.add_argument("--budget", default=None, help="a memory budget line for the batch-size chart, e.g. 4GiB")
-    p.set_defaults(func=cmd_report)
+    p.add_argument("--budget", default=None, help="a memory budget line for the batch-size chart, e.g. 4GiB "
+                                                  "(default: none)")
     _add_analysis_parsers(sub)
     return parser
 
 
+# The command line of this invocation, for the `--resume` command an interrupt prints.
+_ARGV = {"argv": []}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    _ARGV["argv"] = list(sys.argv[1:] if argv is None else argv)
+    _interrupt_note["text"] = "interrupted: nothing was written"
     try:
         args = build_parser().parse_args(argv)
         return args.func(args)
@@ -540,5 +830,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted: the results CSV holds every case that finished", file=sys.stderr)
+        print(f"\n{_interrupt_note['text']}", file=sys.stderr)
         return 130

@@ -16,6 +16,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+from bench import progress
+
 STAGES = ("setup", "forward", "backward", "optimizer")
 
 
@@ -46,16 +48,20 @@ def synchronize(device: str) -> None:
 
 
 def time_steps(step: Callable[[], None], warmup: int, steps: int, device: str) -> TimingStats:
-    """Runs `warmup` untimed steps, then times `steps` steps one by one with the device synchronised around each."""
-    for _ in range(warmup):
+    """Runs `warmup` untimed steps, then times `steps` steps one by one with the device synchronised around each.
+
+    Progress (`bench.progress`) is reported after each step, outside the timed span."""
+    for index in range(warmup):
         step()
+        progress.report("warm-up", index + 1, warmup)
     times = []
-    for _ in range(steps):
+    for index in range(steps):
         synchronize(device)
         start = time.perf_counter()
         step()
         synchronize(device)
         times.append((time.perf_counter() - start) * 1e3)
+        progress.report("timing", index + 1, steps)
     return TimingStats(times)
 
 

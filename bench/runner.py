@@ -16,7 +16,7 @@ from typing import Any, Callable
 import pandas as pd
 import torch
 
-from bench import breakdown, measure
+from bench import breakdown, measure, progress
 from bench.env import environment
 from bench.errors import Unsupported, UsageError
 from bench.isolation import RunOptions, process_state, run_in_worker
@@ -230,6 +230,7 @@ def _output_rel_diff(outputs: list[torch.Tensor], references: list[torch.Tensor]
 
 def verify(case: Case, strategy: Strategy) -> dict[str, Any]:
     """The verification columns of the row."""
+    progress.report("verification", 0, 1)
     return compare(snapshot(case, strategy), baseline_snapshot(case), strategy)
 
 
@@ -280,6 +281,7 @@ def memory_pass(case: Case, strategy: Strategy, record_timeline: bool = False,
         def mark(stage: str) -> None:
             tracker.stage = stage
 
+        progress.report("memory", 0, 1)
         for _ in range(MEMORY_WARMUP_STEPS.get(case.device, 1)):
             session.step(mark)
         handles = breakdown.prepare_breakdown(session, tracker)
@@ -317,8 +319,17 @@ def rule_of_thumb_bytes(case: Case) -> int:
     return rule_of_thumb(case.workload, case.phase, case.batch_size)["total_bytes"]
 
 
+# What the allocators say when memory runs out: CUDA raises torch.OutOfMemoryError ("CUDA out of memory"), the
+# CPU allocator a plain RuntimeError ("DefaultCPUAllocator: can't allocate memory: you tried to allocate ...").
+OOM_MESSAGES = ("out of memory", "can't allocate memory", "cannot allocate memory")
+
+
 def is_oom(error: BaseException) -> bool:
-    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
+    """Whether `error` is an allocation failure (on CUDA or the CPU): such a case is an `oom` row."""
+    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    text = str(error).lower()
+    return any(message in text for message in OOM_MESSAGES)
 
 
 def base_row(case: Case, env: dict | None = None, options: RunOptions | None = None) -> dict[str, Any]:
@@ -378,9 +389,9 @@ def run_case(case: Case, env: dict | None = None, options: RunOptions | None = N
             row.update(memory, **peak_columns(peaks))
             row["rule_of_thumb_bytes"] = rule_of_thumb_bytes(case)
             row["strategy_settings"] = settings_text(strategy)  # with what the model resolved (segments=auto)
-        except UsageError:
-            raise
-        except Unsupported as error:
+        except (Unsupported, UsageError) as error:
+            # a value the pre-run checks (bench.preflight) let through that this one case cannot take: its row
+            # says so and the sweep goes on with the unrelated cases after it
             row.update(status="unsupported", message=str(error))
         except Exception as error:  # noqa: BLE001 - any failure becomes a row and the sweep goes on
             row.update(status="oom" if is_oom(error) else "error",
@@ -475,6 +486,7 @@ def run_cases(cases: list[Case], out_path: Path | None = None,
         timeline.add(replace(case, strategy=row["strategy"]), row.get("_timeline"))
         row = {k: v for k, v in row.items() if not k.startswith("_")}
         row["run_id"] = run_id
+        row["timestamp"] = now_iso()  # when the case finished, as results/README.md says
         rows.append(row)
         if out_path is not None:
             write_rows(rows, out_path)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import random
+import sys
+import tempfile
 from pathlib import Path
 from typing import Callable
 from unittest import mock
@@ -81,19 +83,57 @@ def generate(count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, list[st
     return torch.stack(images), torch.stack(targets), codes
 
 
-def cached(name: str, make: Callable[[], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """The tensors saved as `name` in the cache, else `make()`'s, saved there (atomically) for next time."""
-    path = cache_dir() / name
-    if path.exists():
+def fallback_cache_dir() -> Path:
+    """Where data sets go when `cache_dir()` cannot be written: a folder of this user's in the temporary folder."""
+    return Path(tempfile.gettempdir()) / f"membench-cache-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def _save(tensors: dict[str, torch.Tensor], name: str) -> None:
+    """Saves `tensors` as `name` (atomically) in the cache, or in the fallback folder when the cache is unusable: an
+    unwritable cache must cost a regeneration next time, never the case."""
+    preferred, fallback = cache_dir(), fallback_cache_dir()
+    for folder in (preferred, fallback):
+        path = folder / name
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
         try:
-            return torch.load(path, weights_only=True)
-        except Exception:  # a truncated or foreign file: regenerate it
-            pass
+            folder.mkdir(parents=True, exist_ok=True)
+            torch.save(tensors, tmp)
+            os.replace(tmp, path)
+            return
+        except (OSError, RuntimeError) as error:  # torch.save reports a failed write as a RuntimeError
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
+            reason = getattr(error, "strerror", None) or str(error).splitlines()[0]
+            if folder == preferred:
+                _warn_once(f"the data cache {str(preferred)!r} is not usable ({reason}); using {str(fallback)!r} "
+                           "instead (set MEMBENCH_CACHE to choose another folder)")
+            else:
+                _warn_once(f"the data cache fallback {str(fallback)!r} is not usable either ({reason}); the data "
+                           "is made again each time")
+
+
+def cached(name: str, make: Callable[[], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The tensors saved as `name` in the cache (or its fallback), else `make()`'s, saved there for next time."""
+    for folder in (cache_dir(), fallback_cache_dir()):
+        path = folder / name
+        if path.is_file():
+            try:
+                return torch.load(path, weights_only=True)
+            except Exception:  # a truncated or foreign file: regenerate it
+                pass
     tensors = make()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    torch.save(tensors, tmp)
-    os.replace(tmp, path)
+    _save(tensors, name)
     return tensors
 
 
