@@ -35,14 +35,14 @@ class _Parser(argparse.ArgumentParser):
 
 # --- argument helpers ----------------------------------------------------------------------------------
 
-def _batch_sizes(text: str) -> list[int]:
+def _batch_sizes(text: str, option: str = "--batch-size") -> list[int]:
     """`100` or `25,50,100` -> positive integers; anything else is a UsageError naming the bad part."""
     sizes = []
     for part in str(text).split(","):
         try:
             sizes.append(_positive_int(part))
         except argparse.ArgumentTypeError:
-            raise UsageError(f"--batch-size: bad batch size {part.strip()!r}; a batch size must be a positive "
+            raise UsageError(f"{option}: bad batch size {part.strip()!r}; a batch size must be a positive "
                              "integer (e.g. 100 or 25,50,100)") from None
     return sizes
 
@@ -67,7 +67,7 @@ def _add_case_options(p: argparse.ArgumentParser) -> None:
                                                  "images) or synthetic (random tensors); default the workload's first")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"folder for the results CSV (default {DEFAULT_OUT}/)")
     p.add_argument("--quick", action="store_true", help="1 warm-up step and 3 measured steps: a first look in "
-                                                        "minutes on a CPU")
+                                                        "minutes on a CPU (default off)")
     _add_sweep_options(p)
 
 
@@ -244,7 +244,7 @@ class _Progress:
     LOG_INTERVAL_S = 15.0
 
     def __init__(self, stream=None):
-        self.stream = stream or sys.stderr
+        self.stream = stream if stream is not None else sys.stderr
         self.tty = self.stream.isatty()
         self.started = time.monotonic()
         self.case_started = self.started
@@ -542,10 +542,10 @@ def cmd_report(args) -> int:
 
 # --- memory analysis: explain, predict, fit, --memory-limit ------------------------------------------------
 
-def _one_batch_size(text) -> int:
-    sizes = _batch_sizes(text)
+def _one_batch_size(text, option: str = "--batch-size") -> int:
+    sizes = _batch_sizes(text, option)
     if len(sizes) != 1:
-        raise UsageError(f"bad batch size {text!r}; this command takes one batch size")
+        raise UsageError(f"{option}: bad batch size {text!r}; this command takes one batch size")
     return sizes[0]
 
 
@@ -701,7 +701,7 @@ def cmd_fit(args) -> int:
         from bench.env import resolve_device
         resolve_device("cuda")
     phase = _check_choice("phase", args.phase, ("train", "eval"))
-    max_batch = _one_batch_size(args.max_batch)
+    max_batch = _one_batch_size(args.max_batch, "--max-batch")
     specs = _csv_list(args.strategies or "")
     for spec in specs:
         parse_strategy(spec)

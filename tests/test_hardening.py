@@ -1,0 +1,565 @@
+"""Issue 10's classes of failure, one test (or a parametrized family) each: values checked before the first case,
+files handed to us validated, failures reported as what they are, and the first hour.
+
+Where the behaviour is an exit code or a file, the CLI runs as a real subprocess. Tests run as root here, and root
+writes into a chmod 0o555 folder, so unwritable outputs are paths that cannot work for anyone: an existing file
+where a folder is needed, and a path under a file. Cases are tiny (deep_mlp with 4 layers of width 8, batch 2,
+eval, one step, one thread) so that the file stays cheap on a loaded 2-core machine.
+"""
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from bench import analysis, charts, preflight, progress, results
+from bench.cli import DEFAULT_OUT, _Progress, build_parser
+from bench.errors import UsageError
+from bench.isolation import RunOptions
+from bench.report_data import load_results, make_groups
+from bench.runner import Case, run_cases
+from workloads import captcha_data
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["--workload", "deep_mlp:layers=4:width=8", "--phases", "eval", "--batch-size", "2", "--device", "cpu",
+        "--warmup", "0", "--steps", "1", "--threads", "1", "--no-isolate"]
+
+
+def _cli(*args, cwd=ROOT, env=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "bench", *map(str, args)], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def _one_line_exit_2(done, *names):
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    for name in names:
+        assert name in done.stderr, (name, done.stderr)
+
+
+def _a_run(tmp_path, strategies="baseline") -> Path:
+    out = tmp_path / "run"
+    done = _cli("compare", "--strategies", strategies, *TINY, "--out", out)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return next(out.glob("*.csv"))
+
+
+# --- checked before anything runs ---------------------------------------------------------------------------
+
+def test_a_value_for_one_case_is_its_row_and_a_value_for_none_stops_before_the_first(tmp_path):
+    """checkpoint:segments=999 cannot apply to a 4-unit model: that case is `unsupported` and the case after it
+    still runs; segments=0 can never apply: exit 2 before any case, nothing written."""
+    csv = _a_run(tmp_path, "checkpoint:segments=999,del_intermediates")
+    frame = results.read_results(csv).set_index("strategy")
+    assert frame.loc["checkpoint:segments=999", "status"] == "unsupported"
+    assert "segments=999" in frame.loc["checkpoint:segments=999", "message"]
+    assert frame.loc["del_intermediates", "status"] == "ok"
+
+    out = tmp_path / "never"
+    done = _cli("compare", "--strategies", "del_intermediates,checkpoint:segments=0", *TINY, "--out", out)
+    _one_line_exit_2(done, "segments=0")
+    assert not list(out.glob("*.csv")) and "[1/" not in done.stderr
+
+
+def test_a_usage_error_raised_inside_one_case_is_its_row(temporary_strategy):
+    """A strategy that finds a bad value only once it sees the model makes that case a row, never aborts the sweep."""
+    from strategies import Strategy
+
+    @temporary_strategy
+    class PicksAFight(Strategy):
+        name = "picks_a_fight"
+        description = "raises a UsageError in prepare_model"
+
+        def prepare_model(self, model, units):
+            raise UsageError("picks_a_fight:level=9 is more than this model allows")
+
+    cases = [Case("deep_mlp:layers=4:width=8", name, "eval", 2, "cpu", warmup=0, steps=1)
+             for name in ("picks_a_fight", "baseline")]
+    rows = run_cases(cases, options=RunOptions(threads=1))
+    assert [r["status"] for r in rows] == ["unsupported", "ok"]
+    assert "level=9" in rows[0]["message"]
+
+
+def _file(tmp_path):
+    path = tmp_path / "a-file"
+    path.write_text("not a folder\n")
+    return path
+
+
+@pytest.mark.parametrize("command, where", [
+    (["compare", "--strategies", "baseline", *TINY, "--out"], "file"),
+    (["compare", "--strategies", "baseline", *TINY, "--out"], "under a file"),
+    (["run", "--strategies", "baseline", *TINY, "--out"], "under a file"),
+    (["predict", "--workload", "deep_mlp:layers=4:width=8", "--batch-size", "2", "--out"], "file"),
+    (["fit", "--budget", "1MiB", "--workload", "deep_mlp:layers=4:width=8", "--max-batch", "4", "--out"], "file"),
+    (["report", "--out"], "under a file"),
+])
+def test_an_unwritable_output_is_an_error_before_the_first_case(tmp_path, command, where):
+    target = _file(tmp_path) if where == "file" else _file(tmp_path) / "sub"
+    if command[0] == "report":
+        command = ["report", str(_a_run(tmp_path)), *command[1:]]
+    started = time.monotonic()
+    done = _cli(*command, target)
+    _one_line_exit_2(done, "--out", str(target))
+    assert "[1/" not in done.stderr and "fit baseline:" not in done.stderr  # nothing ran
+    assert time.monotonic() - started < 60
+
+
+def test_a_resumed_file_that_cannot_be_written_is_an_error(tmp_path):
+    done = _cli("compare", "--strategies", "baseline", *TINY, "--resume", _file(tmp_path) / "run.csv")
+    _one_line_exit_2(done, "--resume")
+
+
+@pytest.mark.parametrize("args, names", [
+    (["compare", "--strategies", "baseline", *TINY, "--threads", "4096"], ["--threads", "4096", "cores"]),
+    (["compare", "--strategies", "baseline", *TINY, "--steps", "100000000"], ["--steps", f"{preflight.MAX_STEPS:,}"]),
+    (["compare", "--strategies", "baseline", *TINY, "--warmup", "100000000"], ["--warmup", "limit"]),
+    # about a petabyte for one step: more than any machine's memory, found on the meta device with none used
+    (["compare", "--strategies", "baseline", *TINY, "--batch-size", "1000000000000"],
+     ["--batch-size", "memory", "below"]),
+    (["fit", "--budget", "1000TiB", "--workload", "deep_mlp:layers=4:width=8"], ["--budget", "memory"]),
+])
+def test_valid_but_absurd_values_are_errors_that_name_the_limit(tmp_path, args, names):
+    done = _cli(*args, "--out", tmp_path / "out")
+    _one_line_exit_2(done, *names)
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").glob("*.csv"))
+
+
+def test_fit_on_the_cpu_survives_an_allocation_failure(monkeypatch):
+    """Batches the allocator refuses are over the budget, not a traceback that loses what was measured."""
+    real = analysis.measured_peak
+
+    def refusing(case, strategy):
+        if case.batch_size > 6:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 99999999 bytes")
+        return real(case, strategy)
+
+    monkeypatch.setattr(analysis, "measured_peak", refusing)
+    monkeypatch.setattr(analysis, "_probe_peak", lambda case, spec: 1)  # every probe fits: the runs must say no
+    [result] = analysis.fit([], 2**40, "eval", "cpu", "deep_mlp:layers=4:width=8", "synthetic", max_batch=64,
+                            time_steps=0)
+    assert 1 <= result.batch_size <= 6 and result.verified
+
+
+@pytest.mark.parametrize("args, option", [
+    (["compare", "--strategies", "baseline", "--threads", "0"], "--threads"),
+    (["compare", "--strategies", "baseline", "--repeats", "-1"], "--repeats"),
+    (["compare", "--strategies", "baseline", "--steps", "0"], "--steps"),
+    (["compare", "--strategies", "baseline", "--warmup", "-1"], "--warmup"),
+    (["compare", "--strategies", "baseline", "--steps", "many"], "--steps"),
+    (["compare", "--strategies", "baseline", "--batch-size", "0"], "--batch-size"),
+    (["compare", "--strategies", "baseline", "--phases", "test"], "--phases"),
+    (["compare", "--strategies", "baseline", "--data", "mnist"], "--data"),
+    (["compare", "--strategies", "nonsense"], "--strategies"),
+    (["compare", "--strategies", "baseline", "--memory-limit", "lots"], "--memory-limit"),
+    (["fit", "--budget", "lots"], "--budget"),
+    (["fit", "--budget", "1GiB", "--time-steps", "-1"], "--time-steps"),
+    (["fit", "--budget", "1GiB", "--max-batch", "0"], "--max-batch"),
+    (["fit", "--budget", "1GiB", "--phase", "test"], "--phase"),
+    (["predict", "--engine", "gpu"], "--engine"),
+    (["predict", "--phases", "test"], "--phase"),
+])
+def test_error_messages_name_the_option(args, option, capsys):
+    from bench.cli import main
+
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert option in err and err.count("\n") == 1, err
+
+
+def test_the_issue_example_threads_0_names_threads_in_a_subprocess():
+    _one_line_exit_2(_cli("compare", "--strategies", "baseline", "--threads", "0"), "--threads")
+
+
+# --- files handed to us -------------------------------------------------------------------------------------
+
+def _not_results(tmp_path, kind: str) -> Path:
+    path = tmp_path / f"{kind}.csv"
+    if kind == "empty":
+        path.write_bytes(b"")
+    elif kind == "not_csv":
+        path.write_text('{"this": "is json",\n "not": ["a", "csv"]}\n\n"unbalanced,quote\n')
+    elif kind == "latin1":
+        path.write_bytes("strategy,phase,note\nbaseline,train,café\n".encode("latin-1"))
+    elif kind == "binary":
+        path.write_bytes(bytes(range(256)) * 4)
+    elif kind == "fit_table":
+        pd.DataFrame([asdict_fit()]).to_csv(path, index=False)
+    elif kind == "predict_table":
+        pd.DataFrame([{"workload": "deep_mlp", "strategy": "baseline", "phase": "train", "batch_size": 2,
+                       "device": "cuda", "predicted_bytes": 1, "predicted_mib": 0.0, "engine": "cpu",
+                       "status": "ok", "message": ""}]).to_csv(path, index=False)
+    elif kind == "timeline":
+        pd.DataFrame([{"workload": "deep_mlp", "strategy": "baseline", "phase": "train", "device": "cpu",
+                       "batch_size": 2, "data": "synthetic", "index": 0, "stage": "forward", "op": "mm",
+                       "live_bytes": 10}]).to_csv(path, index=False)
+    elif kind == "header_only":
+        path.write_text(",".join(results.COLUMNS) + "\n")
+    return path
+
+
+def asdict_fit() -> dict:
+    from dataclasses import asdict
+
+    return asdict(analysis.FitResult("baseline", "train", "cpu", 2**30, 8, 2**29, True, None, "", None, "", 1))
+
+
+FILE_KINDS = ["empty", "not_csv", "latin1", "binary", "fit_table", "predict_table", "timeline", "header_only"]
+
+
+@pytest.mark.parametrize("kind", FILE_KINDS)
+def test_report_rejects_a_file_that_is_not_a_results_csv(tmp_path, kind):
+    path = _not_results(tmp_path, kind)
+    done = _cli("report", path, "--out", tmp_path / "report")
+    _one_line_exit_2(done, str(path))
+    assert not (tmp_path / "report" / "REPORT.md").exists()
+
+
+@pytest.mark.parametrize("kind", FILE_KINDS)
+def test_resume_rejects_a_file_that_is_not_a_results_csv(kind, tmp_path, capsys):
+    from bench.cli import main
+
+    path = _not_results(tmp_path, kind)
+    assert main(["compare", "--strategies", "baseline", *TINY, "--resume", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "cannot resume" in err and err.count("\n") == 1
+
+
+def test_report_names_the_kind_of_table_it_was_given(tmp_path):
+    for kind, words in (("fit_table", "fit"), ("predict_table", "predict"), ("timeline", "timeline")):
+        with pytest.raises(UsageError, match=words):
+            load_results(_not_results(tmp_path, kind))
+
+
+@pytest.mark.parametrize("content", [b"strategies: [baseline]\n\x00\x01\x02\xff", "strategies: [baseline]  # caf\xe9\n"
+                                     .encode("latin-1"), bytes(range(256))])
+def test_a_suite_that_is_not_utf8_text_is_a_malformed_suite(tmp_path, content):
+    suite = tmp_path / "suite.yaml"
+    suite.write_bytes(content)
+    _one_line_exit_2(_cli("run", "--suite", suite, "--out", tmp_path / "out"), str(suite))
+
+
+def test_a_second_run_on_the_same_file_refuses_while_the_first_holds_it(tmp_path):
+    """The lock is the kernel's (flock), held by a live process: here this test's, in the way a first `--resume`
+    holds it; the second `--resume` is a real process and refuses; after the holder ends, a resume works."""
+    csv = _a_run(tmp_path, "baseline,del_intermediates")
+    frame = results.read_results(csv)
+    frame[frame["strategy"] == "baseline"].to_csv(csv, index=False)  # as if interrupted after the first case
+    args = ["compare", "--strategies", "baseline,del_intermediates", *TINY, "--resume", csv]
+    with preflight.RunLock(csv):
+        _one_line_exit_2(_cli(*args), "another membench run", str(csv))
+    done = _cli(*args)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert sorted(results.read_results(csv)["strategy"]) == ["baseline", "del_intermediates"]
+    assert not list(tmp_path.rglob(".*.lock"))
+
+
+# --- failures reported as what they are ---------------------------------------------------------------------
+
+HUNGRY = textwrap.dedent('''
+    """A workload whose forward asks the CPU allocator for 4 EiB, which it refuses at once (nothing is allocated)."""
+    import torch
+    from torch import nn
+
+    from workloads import Workload
+
+
+    class Hungry(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            torch.empty(2**62, dtype=torch.uint8)
+            return self.second(self.first(x))
+
+
+    class HungryWorkload(Workload):
+        name = "hungry"
+        description = "asks for more memory than any machine has"
+        default_batch_size = 2
+
+        def build_model(self):
+            torch.manual_seed(self.seed)
+            return Hungry()
+
+        def make_batch(self, batch_size, data="synthetic"):
+            gen = torch.Generator().manual_seed(self.seed)
+            return torch.randn(batch_size, 4, generator=gen), torch.randn(batch_size, 4, generator=gen)
+
+        def loss(self, output, target):
+            return nn.functional.mse_loss(output, target)
+
+        def checkpoint_units(self, model):
+            return [model.first, model.second]
+''')
+
+
+def test_a_cpu_allocation_failure_is_an_oom_row_and_a_run_without_success_exits_1(tmp_path):
+    workload = tmp_path / "hungry.py"
+    workload.write_text(HUNGRY)
+    out = tmp_path / "out"
+    done = _cli("compare", "--strategies", "checkpoint", *TINY, "--workload", f"{workload}:HungryWorkload",
+                "--out", out)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "no case succeeded" in done.stderr and "Traceback" not in done.stderr
+    frame = results.read_results(next(out.glob("*.csv")))
+    assert set(frame["status"]) == {"oom"}, frame[["status", "message"]]
+    assert frame["message"].str.contains("can't allocate memory").all()
+
+
+def test_an_unusable_data_cache_falls_back_to_a_temporary_folder_with_a_warning(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MEMBENCH_CACHE", str(_file(tmp_path) / "cache"))
+    monkeypatch.setattr(captcha_data.tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    made = []
+    tensors = captcha_data.cached("probe.pt", lambda: made.append(1) or {"x": __import__("torch").ones(2)})
+    assert tensors["x"].tolist() == [1.0, 1.0]
+    assert "not usable" in capsys.readouterr().err
+    assert (captcha_data.fallback_cache_dir() / "probe.pt").is_file()
+    captcha_data.cached("probe.pt", lambda: made.append(2) or {})
+    assert made == [1]  # the second call read the fallback
+
+
+def _interrupt_after_first_row(args, out: Path) -> subprocess.CompletedProcess:
+    proc = subprocess.Popen([sys.executable, "-m", "bench", *map(str, args)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "MEMBENCH_TEST_SLOW": "1"})
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        found = [p for p in out.glob("*.csv")] if out.is_dir() else []
+        if found and len(results.read_results(found[0])) >= 1:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(args, proc.returncode, stdout, stderr)
+
+
+SLOW_AT_BATCH_2 = textwrap.dedent('''
+    """A workload whose steps take a tenth of a second at batch 2 while $MEMBENCH_TEST_SLOW is set."""
+    import os
+    import time
+
+    import torch
+    from torch import nn
+
+    from workloads import Workload
+
+
+    class Slow(nn.Linear):
+        def forward(self, x):
+            if x.shape[0] >= 2 and os.environ.get("MEMBENCH_TEST_SLOW"):
+                time.sleep(0.1)
+            return super().forward(x)
+
+
+    class SlowWorkload(Workload):
+        name = "slow"
+        description = "slow at batch 2"
+        default_batch_size = 1
+
+        def build_model(self):
+            torch.manual_seed(self.seed)
+            return nn.Sequential(Slow(4, 4), nn.Linear(4, 4))
+
+        def make_batch(self, batch_size, data="synthetic"):
+            gen = torch.Generator().manual_seed(self.seed)
+            return torch.randn(batch_size, 4, generator=gen), torch.randn(batch_size, 4, generator=gen)
+
+        def loss(self, output, target):
+            return nn.functional.mse_loss(output, target)
+''')
+
+
+def test_an_interrupt_names_the_file_and_the_exact_resume_command(tmp_path):
+    """Ctrl-C during the second case (a slow one): the message names the CSV holding the first and the command
+    that finishes the run; that command, run as printed, does."""
+    workload = tmp_path / "slow.py"
+    workload.write_text(SLOW_AT_BATCH_2)
+    out = tmp_path / "out"
+    args = ["compare", "--strategies", "baseline", "--workload", f"{workload}:SlowWorkload", "--phases", "eval",
+            "--batch-size", "1,2", "--device", "cpu", "--warmup", "0", "--steps", "3000", "--threads", "1",
+            "--no-isolate", "--out", out]
+    done = _interrupt_after_first_row(args, out)
+    assert done.returncode == 130, done.stderr[-2000:]
+    csv = next(out.glob("*.csv"))
+    assert str(csv) in done.stderr
+    command = re.search(r"^\s+(\S*python\S* -m bench .*--resume .*)$", done.stderr, re.M).group(1)
+    assert command.endswith(f"--resume {csv}")
+    resumed = subprocess.run(command, shell=True, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                             env={k: v for k, v in os.environ.items() if k != "MEMBENCH_TEST_SLOW"})
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert sorted(results.read_results(csv)["batch_size"]) == [1, 2]
+
+
+def test_an_interrupt_without_a_file_says_nothing_was_written(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "bench", "fit", "--budget", "1GiB", "--workload",
+                             "deep_mlp:layers=4:width=8", "--max-batch", "64", "--time-steps", "9000",
+                             "--out", str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + 120
+    seen = ""
+    while time.monotonic() < deadline and "timing" not in seen:
+        seen += proc.stderr.readline()
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130
+    assert "nothing was written" in stderr and "CSV" not in stderr
+    assert not list(tmp_path.glob("*.csv"))
+
+
+def test_fit_never_prints_an_over_budget_peak_as_fitting():
+    budget = 2**30
+    over = analysis.FitResult("baseline", "train", "cpu", budget, 8, budget - 1, True, budget + 1000, "measured",
+                              None, "", 2)
+    line = analysis.format_fit([over], 0).splitlines()[2]
+    peak, budget_cell, nxt = line.split()[3:6]
+    assert float(peak.replace(",", "")) <= float(budget_cell.replace(",", "")) < float(nxt.replace(",", ""))
+
+
+def test_the_timestamp_is_when_the_case_finished():
+    """results/README.md: `timestamp` is when the case finished. A case made to last over a second by a progress
+    listener shows it: its timestamp is after the moment it started."""
+    started = []
+
+    def slow(what, done, total):
+        time.sleep(1.1)
+
+    case = Case("deep_mlp:layers=4:width=8", "baseline", "eval", 2, "cpu", warmup=0, steps=1)
+    with progress.listening(slow):
+        rows = run_cases([case], progress=lambda i, n, c, row: row is None and started.append(results.now_iso()),
+                         options=RunOptions(threads=1))
+    assert rows[0]["timestamp"] > started[0]
+    assert "when the case finished" in (ROOT / "results" / "README.md").read_text(encoding="utf-8")
+
+
+# --- the first hour -----------------------------------------------------------------------------------------
+
+def _markdown_files():
+    return [ROOT / "README.md", ROOT / "results" / "README.md", ROOT / "examples" / "README.md"]
+
+
+@pytest.mark.parametrize("doc", _markdown_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_docs_point_only_inside_the_repository(doc):
+    text = doc.read_text(encoding="utf-8")
+    for target in re.findall(r"\]\(([^)#\s]+)", text):
+        if re.match(r"[a-z]+://", target):
+            continue
+        resolved = (doc.parent / target).resolve()
+        assert resolved.is_relative_to(ROOT), f"{doc.name} links outside the repository: {target}"
+        assert resolved.exists(), f"{doc.name} links to a missing file: {target}"
+    assert "../" not in re.sub(r"\]\([^)]*\)", "", text), f"{doc.name} names a path outside the repository"
+
+
+def test_the_readme_says_how_to_run_the_cli():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert ".venv/bin/python -m bench" in readme and "source .venv/bin/activate" in readme
+
+
+def _subparsers(parser):
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices
+
+
+def test_help_shows_every_default_and_no_text_for_developers():
+    parser = build_parser()
+    assert "cmd_" not in parser.format_help() and "`python -m bench {" not in parser.format_help()
+    for name, sub in _subparsers(parser).items():
+        text = sub.format_help()
+        assert "cmd_" not in text and "one `cmd_" not in text, name
+        for action in sub._actions:
+            if action.option_strings and action.help != argparse.SUPPRESS and action.dest != "help":
+                assert "default" in action.help or action.required, (name, action.option_strings)
+    done = _cli("compare", "--help")
+    assert done.returncode == 0 and "default 10" in done.stdout and "default 3" in done.stdout
+
+
+def test_a_run_says_before_it_starts_how_much_it_runs_and_how_to_be_quick(tmp_path):
+    done = _cli("compare", "--strategies", "baseline", *TINY[:8], "--steps", "4", "--threads", "1",
+                "--no-isolate", "--out", tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    first = done.stderr.splitlines()[0]
+    assert first.startswith("running 1 case(s)") and "3 warm-up + 4 measured" in first and str(tmp_path) in first
+    assert "--quick" in done.stderr and "elapsed" in done.stderr
+
+
+def test_progress_shows_the_step_within_a_case():
+    class Terminal(list):
+        def isatty(self):
+            return True
+
+        def write(self, text):
+            self.append(text)
+
+        def flush(self):
+            pass
+
+    screen = Terminal()
+    bar = _Progress(screen)
+    case = Case("deep_mlp:layers=4:width=8", "baseline", "eval", 2, "cpu", warmup=1, steps=3)
+    bar.case(0, 1, case, None)
+    with progress.listening(bar.step):
+        run_cases([case], options=RunOptions(threads=1))
+    shown = "".join(screen)
+    for text in ("verification", "warm-up", "timing step 1/3", "timing step 3/3", "memory"):
+        assert text in shown, (text, shown)
+
+
+def test_fit_and_predict_show_progress(tmp_path):
+    done = _cli("predict", "--workload", "deep_mlp:layers=4:width=8", "--batch-size", "2", "--strategies", "amp",
+                "--out", tmp_path)
+    assert done.returncode == 0 and "[1/4] predicting baseline" in done.stderr and "[4/4]" in done.stderr
+    assert "GradScaler" not in done.stderr and "Warning" not in done.stderr  # no PyTorch warning without CUDA
+    done = _cli("fit", "--budget", "1MiB", "--workload", "deep_mlp:layers=4:width=8", "--max-batch", "16",
+                "--phase", "eval", "--time-steps", "0", "--out", tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "fit baseline: tracked run at batch" in done.stderr
+
+
+def test_no_default_output_is_inside_the_committed_reference_results(tmp_path):
+    """Every command's default output is runs/ (git-ignored); the reference runs are under results/reference/."""
+    assert not DEFAULT_OUT.startswith("results")
+    for name, sub in _subparsers(build_parser()).items():
+        for action in sub._actions:
+            if action.dest in ("out", "results") and action.default is not None:
+                assert action.default == DEFAULT_OUT, (name, action.dest)
+    assert "runs/" in (ROOT / ".gitignore").read_text().splitlines()
+    assert list((ROOT / "results" / "reference").rglob("REPORT.md"))
+    assert not list((ROOT / "results").glob("*.csv"))  # nothing that `report` could pick up and rewrite
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^OUT \?= runs$", makefile, re.M)
+
+
+def test_make_clean_removes_what_the_readme_says():
+    """The clean recipe (read, not run) removes the venv, the caches, the data cache and the perf JSON, and the
+    README says exactly that."""
+    makefile = (ROOT / "Makefile").read_text()
+    recipe = re.search(r"^clean:\n((?:\t.*\n)+)", makefile, re.M).group(1)
+    for removed in ("$(VENV)", ".pytest_cache", "__pycache__", "$(DATA_CACHE)", "$(DATA_CACHE_FALLBACK)",
+                    "$(OUT)/perf", ".benchmarks"):
+        assert removed in recipe, removed
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    sentence = re.search(r"`make clean` removes[^.]*\.", readme).group(0)
+    for said in ("virtual environment", "data", "perf", "runs"):
+        assert said in sentence, (said, sentence)
+
+
+def test_the_budget_line_never_squashes_the_batch_chart(tmp_path, monkeypatch):
+    csv = ROOT / "results" / "reference" / "captcha" / "20261121T235651Z-cpu-dd84.csv"
+    group = make_groups(load_results(csv))[0]
+    highest = group.frame["peak_mem_bytes"].max()
+    drawn = {}
+    monkeypatch.setattr(charts, "_save", lambda fig, path: drawn.setdefault("fig", fig) and path)
+    charts.chart_batch(group, tmp_path / "batch.png", budget_bytes=int(highest * 100))
+    for ax in drawn["fig"].axes:
+        if ax.get_ylabel():
+            assert ax.get_ylim()[1] < highest * charts.BUDGET_IN_VIEW_FACTOR / 2**20
+    assert charts.budget_in_view(100.0, 120.0) and not charts.budget_in_view(100.0, 1000.0)
