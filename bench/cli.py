@@ -353,6 +353,8 @@ def _run_suite(suite, device: str, out: str, options=None, resume: str | None = 
     if resume:
         from bench.resume import load_resume
 
+        if not Path(resume).is_file():
+            raise UsageError(f"--resume {str(resume)!r}: no such results file")
         out_path = preflight.check_output_file(resume, "--resume")
     else:
         out_path = preflight.check_output_dir(out, "--out") / f"{new_run_id(device)}.csv"

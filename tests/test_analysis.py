@@ -198,7 +198,7 @@ def test_fit_without_meta_uses_one_line_per_stage(monkeypatch):
 def test_fit_cli_table(capsys, tmp_path, monkeypatch):
     calls = []
 
-    def fake_fit(specs, budget, *args):
+    def fake_fit(specs, budget, *args, **kwargs):
         calls.append((specs, budget))
         return [analysis.FitResult("baseline", "train", "cpu", budget, 7, 1000, True, 2000, "meta probe", 1.5, "", 1)]
 
