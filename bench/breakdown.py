@@ -42,7 +42,8 @@ TEMP_COLUMN = "peak_temp_bytes"  # backward, optimizer (scratch), setup, untrack
 def prepare_breakdown(session, tracker: measure.LiveTensorTracker) -> list:
     """Called after the warm-up steps, before the measured one: files state and gradients for the breakdown.
 
-    Returns the hook handles to remove after the step.
+    Returns the hook handles to remove after the step. `session.watch_grads` sees each gradient before a strategy
+    that steps in backward frees it, so that the gradients alive at the peak count as gradients there too.
     """
     tracker.recategorize(session.optimizer_state(), "optimizer_state")
     tracker.relabel_live(("backward", "optimizer"), "optimizer_state")  # other state kept between steps
@@ -52,7 +53,7 @@ def prepare_breakdown(session, tracker: measure.LiveTensorTracker) -> list:
     def as_grad(param: torch.Tensor) -> None:
         tracker.recategorize([param.grad], "grads")
 
-    return [p.register_post_accumulate_grad_hook(as_grad) for p in params]
+    return [session.watch_grads(as_grad)]
 
 
 def breakdown_columns(tracker: measure.LiveTensorTracker) -> dict[str, int]:

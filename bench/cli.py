@@ -400,7 +400,12 @@ def _finish_run(frame, path: Path) -> int:
 
 
 def format_table(frame) -> str:
-    """The console table: per workload, one line per case, memory and time relative to that workload's baseline."""
+    """The console table: per workload, one line per case, memory and time relative to that workload's baseline;
+    pitfalls (and the baseline's eval, autograd left on) apart, with the memory each adds per step."""
+    import pandas as pd
+
+    from bench.results import is_pitfall
+
     header = f"{'strategy':<32} {'phase':<5} {'batch':>5} {'peak MiB':>9} {'vs base':>7} " \
              f"{'step ms':>9} {'± IQR':>7} {'95% CI ms':>15} {'vs base':>7} {'matches':>7}  status"
     lines = []
@@ -409,10 +414,20 @@ def format_table(frame) -> str:
         if lines:
             lines.append("")
         lines += [f"workload {workload} (data {data})", header, "-" * len(header)]
-        for _, r in rows.iterrows():
+        pitfall = rows["strategy"].map(is_pitfall)
+        for _, r in rows[~pitfall].iterrows():
             line, noisy = _table_line(r)
             lines.append(line)
             any_noisy |= noisy
+        eval_baseline = rows[(rows["strategy"] == "baseline") & (rows["phase"] == "eval")]
+        if pitfall.any() or not eval_baseline.empty:
+            lines.append("pitfalls (what each costs; growth = live bytes added per step; the baseline's eval "
+                         "leaves autograd on, fix: no_grad_eval):")
+            for _, r in pd.concat([eval_baseline, rows[pitfall]]).iterrows():
+                line, noisy = _table_line(r)
+                growth = r.get("mem_growth_bytes_per_step")
+                lines.append(line + (f"  growth {growth:,.0f} B/step" if _is_number(growth) else ""))
+                any_noisy |= noisy
     if any_noisy:
         lines.append(f"~ noisy: the 95% CI of the step time is wider than {_noise_threshold():.0%} of the median")
     if {"peak_mem_spread_bytes", "repeats"} <= set(frame.columns) and (pd_num(frame["repeats"]) > 1).any():
@@ -439,6 +454,10 @@ def _table_line(r) -> tuple[str, bool]:
             f"{num(r['time_vs_baseline'], RELATIVE_FORMAT):>7} {match:>7}  {status}"), noisy
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and value == value
+
+
 def pd_num(column):
     import pandas as pd
 
@@ -461,7 +480,8 @@ def _noise_threshold() -> float:
 # --- subcommands -----------------------------------------------------------------------------------------
 
 def cmd_list(args) -> int:
-    """Workloads and strategies with one-line descriptions."""
+    """Workloads, strategies and pitfalls with one-line descriptions."""
+    from bench.results import is_pitfall
     from strategies import STRATEGIES
     from workloads import WORKLOADS, workload_names
 
@@ -472,12 +492,23 @@ def cmd_list(args) -> int:
         if cls.options:
             details.append("options: " + ", ".join(f"{k}={v}" for k, v in cls.options.items()))
         print(f"  {name:<20} {cls.description} [{'; '.join(details)}]")
+    techniques = [name for name in STRATEGIES if not is_pitfall(name)]
+    pitfalls = [name for name in STRATEGIES if is_pitfall(name)]
     print("strategies (combine with +, options with name:option=value):")
-    for name in STRATEGIES:
+    _list_strategies(techniques)
+    print("pitfalls (habits the articles warn about, run to show what they cost; the baseline's eval, autograd on "
+          "during validation, is one too):")
+    _list_strategies(pitfalls)
+    return 0
+
+
+def _list_strategies(names: list[str]) -> None:
+    from strategies import STRATEGIES
+
+    for name in names:
         cls = STRATEGIES.get(name)
         options = ", ".join(f"{k}={v}" for k, v in cls.options.items())
-        print(f"  {name:<20} {cls.description}" + (f" [options: {options}]" if options else ""))
-    return 0
+        print(f"  {name:<22} {cls.description}" + (f" [options: {options}]" if options else ""))
 
 
 def cmd_env(args) -> int:

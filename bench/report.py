@@ -16,6 +16,7 @@ from bench import charts
 from bench.report_data import (  # noqa: F401 - newest_csv and parse_size are part of this module's API
     Group, MISMATCH_LABEL, STATUS_LABEL, find_timeline, format_size, load_results, make_groups, newest_csv, parse_size, row_flag, strategy_order,
 )
+from bench.results import is_pitfall
 
 # --- markdown --------------------------------------------------------------------------------------------
 
@@ -84,6 +85,34 @@ def phase_table(rows: pd.DataFrame, order: list[str]) -> list[str]:
     return lines
 
 
+# The baseline's eval is the article's validation with autograd left on (article 004 §6): a pitfall too.
+EVAL_BASELINE_PITFALL = "autograd left on during validation (article 004 §6); the fix is `no_grad_eval`"
+
+
+def _growth(n_bytes) -> str:
+    return "—" if n_bytes is None or pd.isna(n_bytes) else f"{n_bytes:,.0f}"
+
+
+def pitfall_table(rows: pd.DataFrame, order: list[str]) -> list[str]:
+    """The pitfalls of one phase (and the baseline's eval): what each costs in peak, per step, and in time."""
+    lines = ["| pitfall | status | peak MiB | mem vs baseline | growth B/step | time vs baseline | matches baseline "
+             "| note |",
+             "|---|---|---:|---:|---:|---:|---|---|"]
+    picked = [(s, None) for s in order if is_pitfall(s)]
+    if (rows["phase"] == "eval").all():
+        picked.insert(0, ("baseline", EVAL_BASELINE_PITFALL))
+    for strategy, note in picked:
+        for _, row in rows[rows["strategy"] == strategy].iterrows():
+            status = row["status"]
+            matches = {True: "yes", False: f"**no ({MISMATCH_LABEL})**", None: "—"}[row["matches_baseline"]]
+            lines.append("| " + " | ".join(_cell(c) for c in (
+                f"`{strategy}`", "ok" if status == "ok" else f"**{STATUS_LABEL.get(status, status)}**",
+                _mib(row["peak_mem_bytes"]), _pct(row["mem_vs_baseline"]),
+                _growth(row.get("mem_growth_bytes_per_step")), _pct(row["time_vs_baseline"]), matches,
+                note or _note(row))) + " |")
+    return lines if len(lines) > 2 else []
+
+
 def batch_table(group: Group, phase: str, order: list[str], budget_bytes: int | None) -> list[str]:
     """Peak MiB by strategy and batch size for one phase (all rows, non-ok ones by their status)."""
     rows = group.frame[group.frame["phase"] == phase]
@@ -114,6 +143,9 @@ def batch_table(group: Group, phase: str, order: list[str], budget_bytes: int | 
         lines.append(f"| `{strategy}` | " + " | ".join(cells) + " |")
     return lines
 
+
+PITFALLS_INTRO = ("Habits the articles warn about, measured: what each adds to the peak, and the live bytes it "
+                  "adds per step (growth that no step gives back runs out of memory in a long enough loop).")
 
 HOW_TO_READ = """## How to read this report
 
@@ -167,11 +199,16 @@ def render_markdown(groups: list[Group], out_dir: Path, budget_bytes: int | None
         lines += [f"## {title}", "", "### Environment", "", *_env_lines(group), ""]
         order = strategy_order(group.frame)
         rows = group.at_batch()
+        techniques = [s for s in order if not is_pitfall(s)]
         for phase in ("train", "eval"):
             phase_rows = rows[rows["phase"] == phase]
             if phase_rows.empty:
                 continue
-            lines += [f"### {phase} (batch {group.chosen_batch})", "", *phase_table(phase_rows, order), ""]
+            lines += [f"### {phase} (batch {group.chosen_batch})", "", *phase_table(phase_rows, techniques), ""]
+            pitfalls = pitfall_table(phase_rows, order)
+            if pitfalls:
+                lines += [f"#### pitfalls, {phase} (batch {group.chosen_batch})", "", PITFALLS_INTRO, "",
+                          *pitfalls, ""]
         other_phases = sorted(set(rows["phase"]) - {"train", "eval"})
         for phase in other_phases:
             lines += [f"### {phase} (batch {group.chosen_batch})", "",

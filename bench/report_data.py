@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from bench.results import REPORT_COLUMNS, read_results_file
+from bench.results import REPORT_COLUMNS, is_pitfall, read_results_file
 from bench.units import format_size, parse_size  # noqa: F401 - the report's and the charts' size helpers
 
 DEFAULT_BATCH_SIZE = 100
@@ -57,7 +57,8 @@ def _to_bool(value):
 
 NUMERIC = ["batch_size", "step_time_ms_median", "step_time_ms_iqr", "step_time_ms_min", "samples_per_s",
            "peak_mem_bytes", "peak_reserved_bytes", "mem_vs_baseline", "time_vs_baseline", "loss_rel_diff",
-           "max_abs_grad_diff", "max_grad_rel_diff", "step_time_ms_ci95_low", "step_time_ms_ci95_high"]
+           "max_abs_grad_diff", "max_grad_rel_diff", "step_time_ms_ci95_low", "step_time_ms_ci95_high",
+           "mem_growth_bytes_per_step", "max_param_rel_diff"]
 TEXT = ["run_id", "workload", "strategy", "phase", "device", "device_name", "data", "status", "message",
         "torch_version", "cuda_version", "cpu_threads", "git_commit"]
 
@@ -173,11 +174,11 @@ def make_groups(frame: pd.DataFrame) -> list[Group]:
 
 
 def strategy_order(frame: pd.DataFrame) -> list[str]:
-    """Baseline first, then single techniques, then compositions, each in the order they appear."""
+    """Baseline first, then single techniques, then compositions, then pitfalls, each in the order they appear."""
     seen = list(dict.fromkeys(frame["strategy"]))
-    rest = [s for s in seen if s != "baseline"]
+    rest = [s for s in seen if s != "baseline" and not is_pitfall(s)]
     return (["baseline"] if "baseline" in seen else []) + [s for s in rest if "+" not in s] + \
-        [s for s in rest if "+" in s]
+        [s for s in rest if "+" in s] + [s for s in seen if is_pitfall(s)]
 
 
 def row_flag(row) -> str | None:

@@ -10,7 +10,9 @@ import secrets
 
 import pandas as pd
 
-SCHEMA_VERSION = 2  # 2: workload_settings, output_rel_diff; `workload` holds the workload spec (name and options)
+# 2: workload_settings, output_rel_diff; `workload` holds the workload spec (name and options)
+# 3: max_param_rel_diff (the weights after one optimizer step), mem_growth_bytes_per_step
+SCHEMA_VERSION = 3
 STATUSES = ("ok", "oom", "unsupported", "error")
 
 # Every results file has these columns, in this order; a test checks it.
@@ -22,12 +24,12 @@ COLUMNS = [
     # timing pass
     "step_time_ms_median", "step_time_ms_iqr", "step_time_ms_min", "samples_per_s",
     # memory pass
-    "peak_mem_bytes", "peak_reserved_bytes", "memory_method", "peak_stage",
+    "peak_mem_bytes", "peak_reserved_bytes", "memory_method", "peak_stage", "mem_growth_bytes_per_step",
     # relative to the baseline row of the same workload, phase, batch size, device and data
     "mem_vs_baseline", "time_vs_baseline",
     # verification against the baseline on the same weights and batch
     "matches_baseline", "loss_rel_diff", "max_abs_grad_diff", "max_grad_rel_diff", "params_without_grad",
-    "bn_stats_match", "output_rel_diff",
+    "bn_stats_match", "output_rel_diff", "max_param_rel_diff",
     "status", "message",
     # environment
     "torch_version", "cuda_version", "cudnn_version", "cpu_threads", "git_commit", "python_version", "platform",
@@ -43,6 +45,16 @@ SWEEP_COLUMNS = [
     "peak_mem_spread_bytes",
 ]
 COLUMNS += SWEEP_COLUMNS
+
+# A strategy whose name (or one of whose `+` members) starts with this is a pitfall: a habit the articles warn
+# about, measured to show its cost. A naming rule, so that the report sees it in a CSV without the registry.
+PITFALL_PREFIX = "pitfall_"
+
+
+def is_pitfall(strategy: str) -> bool:
+    """Whether a strategy spec (`pitfall_loss_sum`, `checkpoint+pitfall_retain_graph:...`) includes a pitfall."""
+    return any(part.strip().startswith(PITFALL_PREFIX) for part in str(strategy).split("+"))
+
 
 CASE_KEY = ["workload", "strategy", "phase", "device", "batch_size", "data"]
 BASELINE_KEY = ["workload", "phase", "device", "batch_size", "data"]

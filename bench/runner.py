@@ -9,12 +9,15 @@ from __future__ import annotations
 import functools
 import gc
 import random
-from dataclasses import asdict, dataclass, replace
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
 import pandas as pd
 import torch
+from torch.utils._pytree import tree_map
+from torch.utils.hooks import RemovableHandle
 
 from bench import breakdown, measure, progress
 from bench.env import environment
@@ -68,7 +71,7 @@ def seed_everything(seed: int) -> None:
 
 def bind_case(case: Case) -> tuple[Strategy, StepContext]:
     """The case's strategy parsed and bound to its phase, device and (resolved) workload; not yet checked."""
-    return bind_strategy(case.strategy, case.phase, case.device, get_workload(case.workload))
+    return bind_strategy(case.strategy, case.phase, case.device, get_workload(case.workload), case.batch_size)
 
 
 def _no_mark(stage: str) -> None:
@@ -79,32 +82,63 @@ class Session:
     """A fresh model, optimizer, loss and batch for one pass of one case, with the strategy applied.
 
     The steps are the article's loop, the same for every workload: the workload says what to train (model,
-    batch, loss, optimizer), the strategy how (its hooks), and this class runs it.
+    batch, loss, optimizer), the strategy how (its hooks), and this class runs it. With `observe_grads`,
+    `watch_grads()` callbacks see each gradient as it is accumulated, before any hook of the strategy (which may
+    step and free it at once); the timed passes leave it off, so that their steps hold nothing but the step.
     """
 
-    def __init__(self, case: Case, strategy: Strategy):
+    def __init__(self, case: Case, strategy: Strategy, observe_grads: bool = False):
         self.workload = workload = get_workload(case.workload)
         seed_everything(workload.seed)
         self.case = case
         self.strategy = strategy
         self.base_model = workload.build_model().to(case.device)
+        self.observe_grads = observe_grads
+        self._grad_watchers: OrderedDict[int, Callable[[torch.Tensor], None]] = OrderedDict()  # RemovableHandle's
+        if observe_grads:
+            for param in self.base_model.parameters():
+                if param.requires_grad:
+                    param.register_post_accumulate_grad_hook(self._grad_ready)
         self.model = strategy.prepare_model(self.base_model, workload.checkpoint_units(self.base_model))
-        self.optimizer = workload.make_optimizer(self.base_model)
-        inputs, target = _cpu_batch(case.workload, case.batch_size, case.data)
+        self.optimizer = strategy.wrap_optimizer(workload.make_optimizer(self.base_model), self.base_model)
+        self.host_batch = _cpu_batch(case.workload, case.batch_size, case.data)
+        inputs, target = self.host_batch
         self.x, self.y = to_device(inputs, case.device), to_device(target, case.device)
         self.model.train(case.phase == "train")
         self.kept: dict[str, Any] = {}  # what the article's loop keeps alive until the next step
         # dropout draws from the global generator: every pass starts its steps from the same random state
         seed_everything(workload.seed + 1)
 
-    def forward(self) -> Any:
-        """The model's output on the batch, inside the strategy's forward context."""
+    def forward(self, inputs: Any = None) -> Any:
+        """The model's output on `inputs` (default: the session's batch), inside the strategy's forward context."""
         with self.strategy.forward():
-            return self.workload.run_model(self.model, self.x)
+            return self.workload.run_model(self.model, self.x if inputs is None else inputs)
 
-    def loss(self, predicted: Any) -> torch.Tensor:
+    def loss(self, predicted: Any, target: torch.Tensor | None = None) -> torch.Tensor:
         """The workload's loss on the output in float32 (losses are not autocast-safe), outside autocast."""
-        return self.workload.loss(to_float32(predicted), self.y)
+        return self.workload.loss(to_float32(predicted), self.y if target is None else target)
+
+    def batch(self) -> tuple[Any, torch.Tensor]:
+        """The (inputs, target) of one step, from where the strategy loads it."""
+        return self.strategy.load_batch(self.host_batch, (self.x, self.y))
+
+    def forward_backward(self, mark: Callable[[str], None] = _no_mark,
+                         seen: Callable[[Any, torch.Tensor], None] | None = None) -> tuple[Any, torch.Tensor]:
+        """Forward, loss and backward on each of the strategy's micro-batches of one step's batch (the whole batch
+        unless it splits it), each loss weighted as it says; returns the last micro-batch's output and loss, as
+        the loop's variables hold them after it. `seen(output, weighted loss)` is told of each micro-batch."""
+        s = self.strategy
+        for inputs, target, weight in s.micro_batches(*self.batch()):
+            mark("forward")
+            predicted = self.forward(inputs)
+            loss = self.loss(predicted, target)
+            if weight != 1:
+                loss = loss * weight
+            mark("backward")
+            s.backward(loss)
+            if seen is not None:
+                seen(predicted, loss)
+        return predicted, loss
 
     def step(self, mark: Callable[[str], None] = _no_mark) -> None:
         """One step of the case's phase; `mark` is told when the forward, backward and optimizer stages begin."""
@@ -114,24 +148,35 @@ class Session:
             self.eval_step(mark)
 
     def train_step(self, mark: Callable[[str], None] = _no_mark) -> None:
-        """The article's training step: forward, loss, backward, optimizer step, zero_grad."""
+        """The article's training step: forward, loss, backward (per micro-batch), optimizer step, zero_grad."""
         s = self.strategy
-        mark("forward")
-        predicted = self.forward()
-        loss = self.loss(predicted)
-        mark("backward")
-        s.backward(loss)
+        predicted, loss = self.forward_backward(mark)
         mark("optimizer")
         s.optimizer_step(self.optimizer)
         s.zero_grad(self.optimizer)
         self.kept["predicted"], self.kept["loss"] = predicted, loss
+        s.accumulate_loss(lambda: loss)
         s.end_step(self.kept)
 
     def eval_step(self, mark: Callable[[str], None] = _no_mark) -> None:
         """The article's validation step: the model in eval mode, one forward pass (autograd as the strategy says)."""
         mark("forward")
-        self.kept["predicted"] = self.forward()
+        inputs, target = self.batch()
+        predicted = self.kept["predicted"] = self.forward(inputs)
+        self.strategy.accumulate_loss(lambda: self.loss(predicted, target))
         self.strategy.end_step(self.kept)
+
+    def _grad_ready(self, param: torch.Tensor) -> None:
+        for watcher in list(self._grad_watchers.values()):
+            watcher(param)
+
+    def watch_grads(self, callback: Callable[[torch.Tensor], None]) -> RemovableHandle:
+        """`callback(param)` runs as each parameter's gradient is accumulated, until the handle is removed."""
+        if not self.observe_grads:
+            raise RuntimeError("watch_grads needs a Session built with observe_grads=True")
+        handle = RemovableHandle(self._grad_watchers)
+        self._grad_watchers[handle.id] = callback
+        return handle
 
     def parameters(self) -> list[torch.Tensor]:
         return list(self.base_model.parameters())
@@ -147,29 +192,57 @@ class Session:
 
 @dataclass
 class Snapshot:
-    """The result of one forward (and backward, in training) from the seeded start."""
+    """The result of one forward (and in training backward and one optimizer step) from the seeded start."""
 
     loss: float
     outputs: list[torch.Tensor]
     grads: dict[str, torch.Tensor | None]
     buffers: dict[str, torch.Tensor]
+    stepped: dict[str, torch.Tensor] = field(default_factory=dict)  # the weights after the optimizer step
 
 
 def snapshot(case: Case, strategy: Strategy) -> Snapshot:
-    """Forward, loss and (in training) backward once from a fresh session; gradients brought to true scale."""
-    session = Session(case, strategy)
+    """Forward, loss and (in training) backward and one optimizer step from a fresh session.
+
+    Gradients are brought to true scale; a gradient that a strategy frees as soon as it exists (a step taken in
+    backward) is the one seen when it was accumulated. Outputs of micro-batches are joined along the batch.
+    """
+    accumulated: dict[torch.Tensor, torch.Tensor] = {}
+
+    def keep_grad(param: torch.Tensor) -> None:
+        accumulated[param] = param.grad.detach().float().cpu().clone()
+
+    session = Session(case, strategy, observe_grads=True)
+    session.watch_grads(keep_grad)
+    grads: dict[str, torch.Tensor | None] = {}
+    stepped: dict[str, torch.Tensor] = {}
     with strategy.session():
-        output = session.forward()
-        loss = session.loss(output)
-        grads: dict[str, torch.Tensor | None] = {}
         if case.phase == "train":
-            strategy.backward(loss)
+            parts: list[Any] = []
+            losses: list[float] = []
+            session.forward_backward(seen=lambda out, loss: (parts.append(_detached(out)),
+                                                             losses.append(float(loss.detach()))))
+            loss = sum(losses)
+            output_parts = [tensors_of(part) for part in parts]
+            outputs = [torch.cat(pieces) if len(pieces) > 1 else pieces[0] for pieces in zip(*output_parts)]
             strategy.unscale_grads(session.optimizer)
-            grads = {name: None if p.grad is None else p.grad.detach().float().cpu().clone()
-                     for name, p in session.base_model.named_parameters()}
+            for name, p in session.base_model.named_parameters():
+                grad = p.grad.detach().float().cpu().clone() if p.grad is not None else accumulated.get(p)
+                grads[name] = grad
+            strategy.optimizer_step(session.optimizer)
+            stepped = {name: p.detach().float().cpu().clone() for name, p in session.base_model.named_parameters()}
+        else:
+            inputs, _ = session.batch()
+            output = session.forward(inputs)
+            loss = float(session.loss(output).detach())
+            outputs = tensors_of(_detached(output))
     buffers = {name: b.detach().cpu().clone() for name, b in session.base_model.named_buffers()}
-    outputs = [t.detach().float().cpu() for t in tensors_of(output) if t.is_floating_point()]
-    return Snapshot(float(loss.detach()), outputs, grads, buffers)
+    outputs = [t.float() for t in outputs if t.is_floating_point()]
+    return Snapshot(loss, outputs, grads, buffers, stepped)
+
+
+def _detached(output: Any) -> Any:
+    return tree_map(lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t, output)
 
 
 @functools.lru_cache(maxsize=16)
@@ -203,8 +276,10 @@ def compare(result: Snapshot, reference: Snapshot, strategy: Strategy) -> dict[s
             bn_match &= bool(torch.allclose(got, ref, rtol=tol.grad_rtol, atol=tol.output_atol))
     output_rel_diff = _output_rel_diff(result.outputs, reference.outputs, tol.output_atol)
     output_match = output_rel_diff <= tol.output_rtol
+    param_rel = max((float((result.stepped[name] - ref).norm() / ref.norm().clamp_min(1e-12))
+                     for name, ref in reference.stepped.items()), default=0.0)
     matches = (loss_rel_diff <= tol.loss_rtol and max_rel <= tol.grad_rtol and missing == 0 and bn_match
-               and (output_match or bool(reference.grads)))
+               and param_rel <= tol.step_rtol and (output_match or bool(reference.grads)))
     return {
         "matches_baseline": bool(matches),
         "loss_rel_diff": loss_rel_diff,
@@ -213,6 +288,7 @@ def compare(result: Snapshot, reference: Snapshot, strategy: Strategy) -> dict[s
         "params_without_grad": missing,
         "bn_stats_match": bool(bn_match),
         "output_rel_diff": output_rel_diff,
+        "max_param_rel_diff": param_rel if reference.stepped else None,
     }
 
 
@@ -229,9 +305,13 @@ def _output_rel_diff(outputs: list[torch.Tensor], references: list[torch.Tensor]
 
 
 def verify(case: Case, strategy: Strategy) -> dict[str, Any]:
-    """The verification columns of the row."""
+    """The verification columns of the row, and in `message` why the strategy cannot match, if it cannot."""
     progress.report("verification", 0, 1)
-    return compare(snapshot(case, strategy), baseline_snapshot(case), strategy)
+    columns = compare(snapshot(case, strategy), baseline_snapshot(case), strategy)
+    reason = strategy.differs_by_design()
+    if reason:
+        columns["message"] = f"does not match the baseline by design: {reason}"
+    return columns
 
 
 # --- timing and memory ---------------------------------------------------------------------------------
@@ -261,18 +341,25 @@ def memory_pass(case: Case, strategy: Strategy, record_timeline: bool = False,
 
     On the CPU (or meta) the row also gets the breakdown of the peak (`bench.breakdown.BREAKDOWN_COLUMNS`);
     `tracker` replaces the default exact tracker, `prepare(session, tracker)` runs just before the measured step.
+    After the measured step `MEMORY_GROWTH_STEPS` more run, outside the peak, for `mem_growth_bytes_per_step`.
     """
+    warmup = MEMORY_WARMUP_STEPS.get(case.device, 1)
     if case.device == "cuda":
         release_cuda_memory()
         session = Session(case, strategy)
         with strategy.session():
-            for _ in range(MEMORY_WARMUP_STEPS.get(case.device, 1)):
+            ends = []
+            for _ in range(warmup):
                 session.step()
+                ends.append(torch.cuda.memory_allocated())
             peak = measure.cuda_peak(session.step)
+            ends.append(torch.cuda.memory_allocated())
+            ends += _growth_steps(session.step, torch.cuda.memory_allocated)
         return {"peak_mem_bytes": peak.allocated_bytes, "peak_reserved_bytes": peak.reserved_bytes,
-                "memory_method": "cuda_max_memory_allocated", "peak_stage": None}
+                "memory_method": "cuda_max_memory_allocated", "peak_stage": None,
+                "mem_growth_bytes_per_step": growth_per_step(ends)}
     tracker = tracker or measure.LiveTensorTracker(case.device, record_timeline=record_timeline)
-    session = Session(case, strategy)
+    session = Session(case, strategy, observe_grads=True)
     with strategy.session(), tracker:
         tracker.track(session.parameters(), "params")
         tracker.track(session.base_model.buffers(), "buffers")
@@ -282,8 +369,10 @@ def memory_pass(case: Case, strategy: Strategy, record_timeline: bool = False,
             tracker.stage = stage
 
         progress.report("memory", 0, 1)
-        for _ in range(MEMORY_WARMUP_STEPS.get(case.device, 1)):
+        ends = []
+        for _ in range(warmup):
             session.step(mark)
+            ends.append(tracker.live_bytes)
         handles = breakdown.prepare_breakdown(session, tracker)
         if prepare is not None:
             prepare(session, tracker)
@@ -292,9 +381,31 @@ def memory_pass(case: Case, strategy: Strategy, record_timeline: bool = False,
         session.step(mark)
         for handle in handles:
             handle.remove()
-    return {"peak_mem_bytes": tracker.peak_bytes, "peak_reserved_bytes": None,
-            "memory_method": "cpu_live_tensor_bytes", "peak_stage": tracker.peak_stage,
-            **breakdown.breakdown_columns(tracker), "_tracker": tracker}
+        ends.append(tracker.live_bytes)
+        result = {"peak_mem_bytes": tracker.peak_bytes, "peak_reserved_bytes": None,
+                  "memory_method": "cpu_live_tensor_bytes", "peak_stage": tracker.peak_stage,
+                  **breakdown.breakdown_columns(tracker)}
+        timeline, tracker.record_timeline = tracker.timeline, False
+        ends += _growth_steps(lambda: session.step(mark), lambda: tracker.live_bytes)
+    tracker.timeline = timeline
+    return {**result, "mem_growth_bytes_per_step": growth_per_step(ends), "_tracker": tracker}
+
+
+# Steps run after the measured one, so that growth is seen over several steps (not only across the measured one).
+MEMORY_GROWTH_STEPS = 1
+
+
+def _growth_steps(step: Callable[[], None], live_bytes: Callable[[], int]) -> list[int]:
+    ends = []
+    for _ in range(MEMORY_GROWTH_STEPS):
+        step()
+        ends.append(live_bytes())
+    return ends
+
+
+def growth_per_step(ends: list[int]) -> float:
+    """The mean growth of live bytes per step, from the live bytes at the end of consecutive steps."""
+    return (ends[-1] - ends[0]) / (len(ends) - 1)
 
 
 def release_cuda_memory() -> None:

@@ -9,4 +9,6 @@ from strategies.base import (  # noqa: F401
 from strategies import baseline  # noqa: E402,F401
 from strategies import (  # noqa: E402,F401
     inplace_relu, checkpoint, amp, del_intermediates, no_grad_eval, cudnn_benchmark,
+    grad_accumulation, optimizer_in_backward, optimizer, keep_grads, empty_cache, pinned_loader,
+    pitfall_loss_sum, pitfall_retain_graph,
 )

@@ -27,13 +27,15 @@ class Amp(Strategy):
     than one bfloat16 rounding step (2**-8 = 3.9e-3). Tolerance, with margin: loss 1e-2 (about 2.5 bfloat16
     steps), gradients 0.75, outputs 1e-3 element by element or 0.05 in relative norm (deep_mlp's regression
     outputs differ by up to 0.033 where they reach 2.6; unet's logits 1.4e-3, gpt_mini's 1.8e-3 at batch 2). The gradient check is thus weak for amp: it catches a missing or
-    mis-scaled gradient (a factor of the GradScaler's 65536, or zeros), not bf16 rounding.
+    mis-scaled gradient (a factor of the GradScaler's 65536, or zeros), not bf16 rounding. The weights after one
+    step are not compared: Adam's first step is about `lr * sign(g)` for every element, and bf16 rounding flips
+    the sign of the tiniest gradients (deep_mlp's zero-initialised biases: 0.71 of their norm at batch 8).
     """
 
     name = "amp"
     description = "autocast forward in 16-bit floats; GradScaler on the backward for float16"
     options = {"dtype": "auto"}
-    tolerance = Tolerance(loss_rtol=1e-2, grad_rtol=0.75, output_atol=1e-3, output_rtol=0.05)
+    tolerance = Tolerance(loss_rtol=1e-2, grad_rtol=0.75, output_atol=1e-3, output_rtol=0.05, step_rtol=float("inf"))
     priority = 40  # inside no_grad/outer contexts; applies to whatever model the transforms built
 
     def __init__(self, **options):

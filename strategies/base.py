@@ -4,17 +4,25 @@ A strategy is applied only to the stage it concerns (the pyperf hook pattern):
 - `session()`      process-wide settings for the whole case, restored on exit (cudnn flags);
 - `prepare_model()` transform the model once, before the optimizer sees it (in-place ReLU, checkpointing of the
                    workload's checkpoint units); raises Unsupported when the model gives it nothing to do;
+- `wrap_optimizer()` replace or wrap the workload's optimizer once it is made (another algorithm or
+                   implementation, per-parameter steps run in backward);
+- `load_batch()`   where each step's batch comes from (a pinned host-memory DataLoader);
+- `micro_batches()` the pieces one training step runs forward and backward on (gradient accumulation);
 - `forward()`      a context around the forward pass only (autocast, no_grad); the loss runs outside it;
-- `backward()`, `optimizer_step()`, `unscale_grads()`  the backward pass and the step (GradScaler);
+- `backward()`, `optimizer_step()`, `unscale_grads()`, `zero_grad()`  the backward pass and the step (GradScaler);
+- `accumulate_loss()` what the loop does with each step's loss for its running total;
 - `end_step()`     what the training loop keeps or frees between steps;
-- `describe()`     the settings it ran with, written into the result row.
+- `describe()`, `differs_by_design()`  the settings it ran with, and why its result cannot be the baseline's.
+
+A strategy named `pitfall_...` is a habit the articles warn about, measured to show what it costs
+(`bench.results.is_pitfall`); listings, tables and the report put those apart.
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, fields
-from typing import Any, ContextManager
+from typing import Any, Callable, ContextManager
 
 import torch
 from torch import nn
@@ -22,6 +30,7 @@ from torch import nn
 from bench.errors import UsageError, Unsupported, choices_error
 from bench.options import changed_options, check_option_names, parse_option_parts
 from bench.registry import Registry
+from bench.results import is_pitfall
 
 PHASES = ("train", "eval")
 DEVICES = ("cpu", "cuda")
@@ -38,6 +47,7 @@ class Tolerance:
     grad_rtol: float = 1e-4  # per parameter: |grad - ref| / |ref| (norms); also the BatchNorm statistics' rtol
     output_atol: float = 1e-5  # an output (eval) or BatchNorm statistic within this, element by element, matches
     output_rtol: float = 1e-5  # else an output matches when |out - ref| / |ref| (norms) is within this
+    step_rtol: float = 1e-4  # per parameter after one optimizer step: |w - ref| / |ref| (norms)
 
     def loosest(self, other: "Tolerance") -> "Tolerance":
         return Tolerance(**{f.name: max(getattr(self, f.name), getattr(other, f.name)) for f in fields(self)})
@@ -54,6 +64,11 @@ class StepContext:
     phase: str
     device: str
     workload: Any = None  # the case's workloads.Workload (its checkpoint units, whether they chain, its spec)
+    batch_size: int | None = None
+
+
+# One micro-batch of a step: (inputs, target, the factor its loss is multiplied by before backward)
+MicroBatch = tuple[Any, torch.Tensor, float]
 
 
 class Strategy:
@@ -92,6 +107,25 @@ class Strategy:
         """Returns the model to train (may be `model` changed in place, or a wrapper sharing its parameters)."""
         return model
 
+    @property
+    def pitfall(self) -> bool:
+        """Whether this is a habit the articles warn about (its name starts with `pitfall_`), not a technique."""
+        return is_pitfall(self.name)
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer:
+        """Returns the optimizer to train with: `optimizer` (the workload's, over `model`) or one replacing it."""
+        return optimizer
+
+    def load_batch(self, host_batch: tuple[Any, torch.Tensor], device_batch: tuple[Any, torch.Tensor]
+                   ) -> tuple[Any, torch.Tensor]:
+        """The (inputs, target) of one step; `host_batch` is the same batch in host memory (default: the batch
+        moved to the device once, before any step)."""
+        return device_batch
+
+    def micro_batches(self, inputs: Any, target: torch.Tensor) -> list[MicroBatch]:
+        """The pieces a training step runs forward and backward on before its one optimizer step."""
+        return [(inputs, target, 1.0)]
+
     def forward(self) -> ContextManager:
         """A context around the forward pass only."""
         return contextlib.nullcontext()
@@ -111,12 +145,20 @@ class Strategy:
         """Clears the gradients after the step (the article's plain `optimizer.zero_grad()`)."""
         optimizer.zero_grad()
 
+    def accumulate_loss(self, loss_of_step: Callable[[], torch.Tensor]) -> None:
+        """Adds the step's loss to the loop's running total; `loss_of_step()` computes it (in eval, where the step
+        itself computes none). The baseline keeps no total: a `loss.item()` would synchronise inside the timed step."""
+
     def end_step(self, kept: dict[str, Any]) -> None:
         """`kept` holds what the article's loop keeps alive until the next step (output, loss); may drop it."""
 
     def describe(self) -> dict[str, Any]:
         """The settings this strategy ran with, as `name.option -> value` for the result row."""
         return {f"{self.name}.{k}": v for k, v in self.settings.items()}
+
+    def differs_by_design(self) -> str | None:
+        """Why, in the bound case, this strategy cannot give the baseline's result (None: it must match it)."""
+        return None
 
     def spec(self) -> str:
         """The canonical spelling: `name` or `name:opt=value` for options that differ from the default."""
@@ -139,7 +181,7 @@ class Composite(Strategy):
             for other in m.conflicts:
                 if other in names:
                     raise UsageError(f"strategies {m.name!r} and {other!r} cannot be combined")
-        for hook in ("backward", "unscale_grads", "optimizer_step", "zero_grad"):
+        for hook in ("load_batch", "micro_batches", "backward", "unscale_grads", "optimizer_step", "zero_grad"):
             owners = [m.name for m in self.members if _overrides(m, hook)]
             if len(owners) > 1:
                 raise UsageError(f"strategies {owners[0]!r} and {owners[1]!r} cannot be combined: both replace {hook}")
@@ -181,6 +223,17 @@ class Composite(Strategy):
             model = m.prepare_model(model, units)
         return model
 
+    def wrap_optimizer(self, optimizer, model):
+        for m in self.members:
+            optimizer = m.wrap_optimizer(optimizer, model)
+        return optimizer
+
+    def load_batch(self, host_batch, device_batch):
+        return self._owner("load_batch").load_batch(host_batch, device_batch)
+
+    def micro_batches(self, inputs, target):
+        return self._owner("micro_batches").micro_batches(inputs, target)
+
     def backward(self, loss):
         self._owner("backward").backward(loss)
 
@@ -193,9 +246,17 @@ class Composite(Strategy):
     def zero_grad(self, optimizer):
         self._owner("zero_grad").zero_grad(optimizer)
 
+    def accumulate_loss(self, loss_of_step):
+        for m in self.members:
+            m.accumulate_loss(loss_of_step)
+
     def end_step(self, kept):
         for m in self.members:
             m.end_step(kept)
+
+    def differs_by_design(self):
+        reasons = [reason for m in self.members if (reason := m.differs_by_design())]
+        return "; ".join(reasons) or None
 
     def describe(self):
         described = {}
@@ -214,10 +275,11 @@ def parse_one(text: str) -> Strategy:
     return cls(**parse_option_parts("strategy", name, parts, cls.options, text))
 
 
-def bind_strategy(spec: str, phase: str, device: str, workload: Any = None) -> tuple[Strategy, StepContext]:
-    """`parse_strategy(spec)` bound to the case's phase, device and workload (not yet checked)."""
+def bind_strategy(spec: str, phase: str, device: str, workload: Any = None,
+                  batch_size: int | None = None) -> tuple[Strategy, StepContext]:
+    """`parse_strategy(spec)` bound to the case's phase, device, workload and batch size (not yet checked)."""
     strategy = parse_strategy(spec)
-    context = StepContext(phase, device, workload)
+    context = StepContext(phase, device, workload, batch_size)
     strategy.bind(context)
     return strategy, context
 

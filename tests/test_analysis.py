@@ -96,6 +96,9 @@ def test_breakdown_files_grads_state_and_activations():
         def optimizer_state(self):
             return [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
 
+        def watch_grads(self, callback):
+            return w.register_post_accumulate_grad_hook(callback)
+
     toy = Toy()
     with LiveTensorTracker() as tracker:
         tracker.track([w], "params")

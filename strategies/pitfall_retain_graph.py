@@ -1,0 +1,20 @@
+"""Pitfall: `backward(retain_graph=True)` where nothing calls backward on the graph a second time."""
+
+from strategies.base import Strategy, register_strategy
+
+
+@register_strategy
+class PitfallRetainGraph(Strategy):
+    """`loss.backward(retain_graph=True)` without a second backward (article 004 §7): autograd keeps every saved
+    activation after backward instead of freeing it, for as long as something references the graph. The article's
+    loop keeps `predicted` and `loss` until the next step overwrites them, so the previous step's activations are
+    alive through the next forward: the peak holds two steps' activations where it fell in the forward, and the
+    step after backward holds one more. The same gradients: it matches the baseline. Training only.
+    """
+
+    name = "pitfall_retain_graph"
+    description = "loss.backward(retain_graph=True) with no second backward: saved activations kept"
+    phases = ("train",)
+
+    def backward(self, loss):
+        loss.backward(retain_graph=True)
