@@ -10,7 +10,8 @@ import secrets
 
 import pandas as pd
 
-SCHEMA_VERSION = 2  # 2: workload_settings, output_rel_diff; `workload` holds the workload spec (name and options)
+SCHEMA_VERSION = 3  # 2: workload_settings, output_rel_diff; `workload` holds the workload spec (name and options)
+# 3: STRATEGY_COLUMNS (predicted_peak_bytes of a budget plan, compile_time_ms, offload_host_peak_bytes)
 STATUSES = ("ok", "oom", "unsupported", "error")
 
 # Every results file has these columns, in this order; a test checks it.
@@ -43,6 +44,10 @@ SWEEP_COLUMNS = [
     "peak_mem_spread_bytes",
 ]
 COLUMNS += SWEEP_COLUMNS
+
+# Figures a strategy measures itself (`Strategy.columns()`), empty for the others.
+STRATEGY_COLUMNS = ["predicted_peak_bytes", "compile_time_ms", "offload_host_peak_bytes"]
+COLUMNS += STRATEGY_COLUMNS
 
 CASE_KEY = ["workload", "strategy", "phase", "device", "batch_size", "data"]
 BASELINE_KEY = ["workload", "phase", "device", "batch_size", "data"]

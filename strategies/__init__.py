@@ -9,4 +9,5 @@ from strategies.base import (  # noqa: F401
 from strategies import baseline  # noqa: E402,F401
 from strategies import (  # noqa: E402,F401
     inplace_relu, checkpoint, amp, del_intermediates, no_grad_eval, cudnn_benchmark, selective_checkpoint,
+    offload, compile,
 )
