@@ -17,8 +17,8 @@ from bench import predict
 from bench.breakdown import BREAKDOWN_COLUMNS
 from bench.errors import Unsupported, UsageError
 from bench.rule_of_thumb import RULE_OF_THUMB_CAVEATS
-from bench.runner import Case, bind_case, forget_traceback, is_oom, memory_pass, timing_pass
-from bench.units import parse_size
+from bench.runner import Case, CaseMeter, bind_case, forget_traceback, is_oom, memory_pass, timing_pass
+from bench.units import format_size, parse_size
 
 def parse_bytes(text: str | int | float) -> int:
     """A positive size (`4GiB`, `512MiB`, `1.5GB`, `1e9`, `300000`) in bytes; a UsageError otherwise."""
@@ -120,6 +120,80 @@ def format_explain(case, memory: dict, modules: list[ModuleRow], rule: dict) -> 
         name = "  " * row.depth + row.name
         lines.append(f"  {name:<34} {row.kind:<18} {mib(row.output_bytes):>9} {mib(row.after - row.before):>9} "
                      f"{mib(row.peak_within):>11}")
+    return "\n".join(lines)
+
+
+# --- explain: a checkpointing plan unit by unit ----------------------------------------------------------------
+
+@dataclass
+class UnitRow:
+    index: int
+    name: str
+    checkpoint: str  # "0-2" for the checkpoint it belongs to, "" when it runs plainly
+    forward_flops: int
+    kept_bytes: int  # live bytes its forward adds in the baseline: what it keeps for backward (and its output)
+
+
+def checkpoint_plan_of(strategy) -> tuple[str, list[tuple[int, ...]]] | None:
+    """(kind, plan) of the checkpointing member of `strategy` once its model was prepared: `checkpoint` with the
+    units each checkpoint recomputes, or `selective_checkpoint:<policy>` with every unit; None for the others."""
+    for member in getattr(strategy, "members", [strategy]):
+        if getattr(member, "plan_used", None) is not None:
+            return "checkpoint", [tuple(group) for group in member.plan_used]
+        if member.name == "selective_checkpoint":
+            return f"selective_checkpoint:policy={member.settings['policy']}", []
+    return None
+
+
+def plan_units(case) -> list[UnitRow]:
+    """Each checkpoint unit of the case's workload: its forward FLOPs and what its forward keeps alive in the
+    baseline's measured step (live bytes after its forward minus before)."""
+    baseline = replace(case, strategy="baseline")
+    strategy = bind_case(baseline)[0]
+    kept: dict[int, int] = {}
+    names: list[str] = []
+
+    def prepare(session, tracker):
+        units = session.workload.checkpoint_units(session.base_model)
+        module_names = {id(m): name for name, m in session.base_model.named_modules()}
+        names.extend(module_names.get(id(unit)) or f"{type(unit).__name__}" for unit in units)
+        for index, unit in enumerate(units):
+            def before(module, args, index=index):
+                kept[index] = -tracker.live_bytes
+
+            def after(module, args, output, index=index):
+                kept[index] += tracker.live_bytes
+            unit.register_forward_pre_hook(before)
+            unit.register_forward_hook(after)
+
+    memory_pass(baseline, strategy, prepare=prepare).pop("_tracker")
+    flops = CaseMeter(baseline).unit_flops()
+    return [UnitRow(i, names[i], "", flops[i], kept.get(i, 0)) for i in range(len(names))]
+
+
+def format_plan_units(kind: str, plan: list[tuple[int, ...]], units: list[UnitRow], peak: int,
+                      baseline_peak: int) -> str:
+    """The plan unit by unit: which units are recomputed in backward and what each one's forward keeps in the
+    baseline, which is what recomputing it can save."""
+    for group in plan:
+        label = f"{group[0]}-{group[-1]}" if len(group) > 1 else f"{group[0]}"
+        for index in group:
+            units[index].checkpoint = label
+    selective = kind.startswith("selective")
+    total_flops = sum(u.forward_flops for u in units) or 1
+    recomputed = [u for u in units if u.checkpoint or selective]
+    lines = ["", f"checkpointing plan ({kind}): peak {mib(peak)} MiB against the baseline's {mib(baseline_peak)} MiB",
+             ("  every unit is its own checkpoint; in backward only its cheap ops are recomputed (the policy keeps the "
+              "outputs of its expensive ones)") if selective else
+             (f"  {len(recomputed)} of {len(units)} units recomputed in backward, "
+              f"{sum(u.forward_flops for u in recomputed) / 1e9:,.3f} of {total_flops / 1e9:,.3f} forward GFLOP; a "
+              "checkpoint keeps only its first unit's input, so it saves what its units keep, less that input"),
+             f"  {'unit':<4} {'module':<26} {'checkpoint':>10} {'fwd GFLOP':>10} {'kept':>11} {'saves':>11}"]
+    for u in units:
+        saves = format_size(u.kept_bytes) if u.checkpoint else ("part" if selective else "-")
+        lines.append(f"  {u.index:<4} {u.name[:26]:<26} {u.checkpoint or ('each' if selective else '-'):>10} "
+                     f"{u.forward_flops / 1e9:>10,.3f} {format_size(u.kept_bytes):>11} {saves:>11}")
+    lines.append("  (kept: live bytes the unit's forward adds in the baseline's measured step, its output included)")
     return "\n".join(lines)
 
 

@@ -17,7 +17,9 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.transforms import Bbox, blended_transform_factory
 
-from bench.report_data import MISMATCH_LABEL, STATUS_LABEL, Group, format_size, row_flag, strategy_order
+from bench.report_data import (
+    MISMATCH_LABEL, STATUS_LABEL, Group, format_size, plan_label, plan_rows, row_flag, state_floor_bytes, strategy_order,
+)
 
 MiB = 2**20
 DPI = 110
@@ -33,6 +35,7 @@ CAPTIONS = {
     "pareto": "3. Memory against time",
     "batch": "4. Peak memory against batch size",
     "timeline": "5. Memory over one training step",
+    "tradeoff": "6. Checkpointing plans: peak memory against step time",
 }
 
 
@@ -325,6 +328,47 @@ def chart_pareto(group: Group, path: Path) -> Path:
     return _save(fig, path)
 
 
+# --- chart 6: the checkpointing trade-off curve ------------------------------------------------------------
+
+
+def chart_tradeoff(group: Group, path: Path) -> Path:
+    """One point per checkpointing plan (baseline, segment counts, sqrt, budget plans, selective policies) in
+    training: peak memory against step time, the Pareto front joined, and the floor of weights + gradients +
+    optimizer state that no activation technique can go below."""
+    rows = plan_rows(group.at_batch())
+    fig = _new_figure(12.0, 7.5)
+    ax = fig.add_subplot()
+    points = [(r["step_time_ms_median"], r["peak_mem_bytes"] / MiB, r["strategy"]) for _, r in rows.iterrows()]
+    front = pareto_front(points)
+    front_names = {name for _, _, name in front}
+    ax.plot([p[0] for p in front], [p[1] for p in front], color=PHASE_COLOR["train"], linestyle="--", linewidth=1.5,
+            zorder=1, label="Pareto front")
+    for _, r in rows.iterrows():
+        on_front = r["strategy"] in front_names
+        marker = "*" if r["strategy"] == "baseline" else ("s" if r["strategy"].startswith("selective") else "o")
+        ax.scatter(r["step_time_ms_median"], r["peak_mem_bytes"] / MiB, s=120 if marker == "*" else 55,
+                   marker=marker, color=PHASE_COLOR["train"] if on_front else "#9ecae1",
+                   edgecolors="black" if on_front else "none", linewidths=1.2, zorder=3)
+    floor = state_floor_bytes(group.at_batch())
+    if floor is not None:
+        ax.axhline(floor / MiB, color="#b00000", linestyle=":", linewidth=1.3,
+                   label=f"floor: weights + gradients + optimizer state ({floor / MiB:,.0f} MiB)")
+    labels = [(r["step_time_ms_median"], r["peak_mem_bytes"] / MiB,
+               f"{r['strategy']} [{plan_label(r)}]") for _, r in rows.iterrows()]
+    ax.set_xlabel("step time, median (ms)")
+    ax.set_ylabel("peak memory (MiB)")
+    ax.grid(alpha=0.3)
+    ax.margins(0.25, 0.15)
+    low = min([p[1] for p in points] + ([floor / MiB] if floor is not None else []))
+    ax.set_ylim(bottom=max(0.0, low * 0.9))
+    ax.legend(loc="upper right", fontsize=9, framealpha=0.9)
+    fig.canvas.draw()
+    place_labels(fig, ax, labels, fontsize=7.5)
+    _titles(fig, "Checkpointing plans (labels: the units recomputed; filled, outlined: on the Pareto front)",
+            group.subtitle())
+    return _save(fig, path)
+
+
 # --- chart 4: memory against batch size ------------------------------------------------------------------
 
 
@@ -519,6 +563,9 @@ def draw_all(group: Group, out_dir: Path, budget_bytes: int | None) -> None:
     else:
         group.skipped["batch"] = (f"this run holds a single batch size ({group.chosen_batch}); run several "
                                   "batch sizes to see how memory grows")
+    plans = plan_rows(rows)
+    if len(plans[plans["strategy"] != "baseline"]) >= 2:  # else not a run about checkpointing: no chart, no note
+        group.charts["tradeoff"] = chart_tradeoff(group, target("tradeoff"))
     if group.timeline is None:
         group.skipped["timeline"] = (f"no timeline file (`{group.run_id}.timeline.csv`) next to the results; "
                                      "it is written when the run records a step timeline")

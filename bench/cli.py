@@ -658,8 +658,10 @@ def cmd_explain(args) -> int:
     of thumb beside it, and memory added by each module's forward."""
     from bench import analysis
     from bench.errors import Unsupported
+    from dataclasses import replace
+
     from bench.rule_of_thumb import rule_of_thumb
-    from bench.runner import Case, bind_case
+    from bench.runner import Case, CaseMeter, bind_case
 
     workload, data = _workload_and_data(args)
     phase = _check_choice("phase", args.phase, ("train", "eval"))
@@ -671,9 +673,19 @@ def cmd_explain(args) -> int:
     except Unsupported as error:
         raise UsageError(f"{strategy.spec()} cannot run here: {error}") from None
     case = Case(workload, strategy.spec(), phase, batch, device, data=data)
+    try:
+        strategy.plan(CaseMeter(case))
+    except Unsupported as error:
+        raise UsageError(f"{strategy.spec()} cannot run here: {error}") from None
     result = analysis.explain(case, strategy)
     print(analysis.format_explain(case, result["memory"], result["modules"],
                                   rule_of_thumb(workload, phase, batch)))
+    plan = analysis.checkpoint_plan_of(strategy)
+    if plan is not None and phase == "train":
+        baseline = analysis.measured_peak(replace(case, strategy="baseline"),
+                                          bind_case(replace(case, strategy="baseline"))[0])
+        print(analysis.format_plan_units(*plan, analysis.plan_units(case), result["memory"]["peak_mem_bytes"],
+                                         baseline))
     return 0
 
 

@@ -15,6 +15,7 @@ import pandas as pd
 from bench import charts
 from bench.report_data import (  # noqa: F401 - newest_csv and parse_size are part of this module's API
     Group, MISMATCH_LABEL, STATUS_LABEL, find_timeline, format_size, load_results, make_groups, newest_csv, parse_size, row_flag, strategy_order,
+    plan_label, plan_rows, settings_of, state_floor_bytes,
 )
 from bench.results import is_pitfall
 
@@ -147,6 +148,36 @@ def batch_table(group: Group, phase: str, order: list[str], budget_bytes: int | 
 PITFALLS_INTRO = ("Habits the articles warn about, measured: what each adds to the peak, and the live bytes it "
                   "adds per step (growth that no step gives back runs out of memory in a long enough loop).")
 
+
+def plan_table(group: Group) -> list[str]:
+    """The checkpointing plans in training: what each recomputes, its peak (and predicted peak), its time, and
+    whether it is on the Pareto front; the floor of weights + gradients + optimizer state below."""
+    rows = plan_rows(group.at_batch())
+    if len(rows[rows["strategy"] != "baseline"]) < 2:
+        return []
+    front = {name for _, _, name in charts.pareto_front(
+        [(r["step_time_ms_median"], r["peak_mem_bytes"], r["strategy"]) for _, r in rows.iterrows()])}
+    lines = [f"### Checkpointing plans (train, batch {group.chosen_batch})", "",
+             "| strategy | units recomputed | peak MiB | predicted MiB | mem vs baseline | step ms | time vs baseline "
+             "| Pareto front |", "|---|---|---:|---:|---:|---:|---:|---|"]
+    for _, row in rows.sort_values("peak_mem_bytes").iterrows():
+        predicted = row.get("predicted_peak_bytes")
+        lines.append("| " + " | ".join(_cell(c) for c in (
+            f"`{row['strategy']}`", plan_label(row), _mib(row["peak_mem_bytes"]),
+            _mib(predicted) if predicted is not None and not pd.isna(predicted) else "—",
+            _pct(row["mem_vs_baseline"]), _ms(row), _pct(row["time_vs_baseline"]),
+            "yes" if row["strategy"] in front else "")) + " |")
+    floor = state_floor_bytes(group.at_batch())
+    if floor is not None:
+        lines += ["", f"Floor that no activation technique can go below (weights + gradients + optimizer state): "
+                      f"{_mib(floor)} MiB."]
+    settings = [settings_of(r) for _, r in group.at_batch().iterrows()]
+    if any("checkpoint.planning_s" in s for s in settings):
+        lines += ["Budget plans were searched on the meta device and confirmed by a measured step "
+                  "(`checkpoint.planning_s` in the CSV's `strategy_settings`)."]
+    return lines + [""]
+
+
 HOW_TO_READ = """## How to read this report
 
 - **Peak memory** is the highest memory in use during one step (`memory_method` says how it was measured: on
@@ -162,6 +193,10 @@ HOW_TO_READ = """## How to read this report
 - **Memory over one training step** shows live bytes after each operator of one training step; the shaded
   spans are forward, backward and the optimizer. The peak is usually at the end of forward or early in
   backward: a technique that saves activations lowers that hump.
+- **Checkpointing plans** (when a run holds several): one point per plan of what to recompute (segment counts,
+  `segments=sqrt`, budget plans, selective policies), peak memory against step time in training; the dashed line
+  joins the plans no other plan beats on both, the dotted line is the floor of weights + gradients + optimizer
+  state that no activation technique can go below.
 """
 
 
@@ -217,6 +252,7 @@ def render_markdown(groups: list[Group], out_dir: Path, budget_bytes: int | None
             for phase in [p for p in ("train", "eval") if (group.frame["phase"] == p).any()]:
                 lines += [f"### Peak MiB by batch size ({phase})", "",
                           *batch_table(group, phase, order, budget_bytes), ""]
+        lines += plan_table(group)
         lines += ["### Charts", ""]
         for name, caption in charts.CAPTIONS.items():
             if name in group.charts:

@@ -58,7 +58,7 @@ def _to_bool(value):
 NUMERIC = ["batch_size", "step_time_ms_median", "step_time_ms_iqr", "step_time_ms_min", "samples_per_s",
            "peak_mem_bytes", "peak_reserved_bytes", "mem_vs_baseline", "time_vs_baseline", "loss_rel_diff",
            "max_abs_grad_diff", "max_grad_rel_diff", "step_time_ms_ci95_low", "step_time_ms_ci95_high",
-           "mem_growth_bytes_per_step", "max_param_rel_diff"]
+           "mem_growth_bytes_per_step", "max_param_rel_diff", "predicted_peak_bytes"]
 TEXT = ["run_id", "workload", "strategy", "phase", "device", "device_name", "data", "status", "message",
         "torch_version", "cuda_version", "cpu_threads", "git_commit"]
 
@@ -190,3 +190,51 @@ def row_flag(row) -> str | None:
     return None
 
 
+
+
+# --- checkpointing plans -----------------------------------------------------------------------------------
+
+PLAN_STRATEGIES = ("checkpoint", "selective_checkpoint")  # each spelling of these is one plan of what to recompute
+
+
+def is_checkpoint_plan(strategy: str) -> bool:
+    """The baseline (nothing recomputed) or one checkpointing strategy on its own, with any options."""
+    return strategy == "baseline" or ("+" not in strategy and strategy.split(":")[0] in PLAN_STRATEGIES)
+
+
+def settings_of(row) -> dict[str, str]:
+    """A row's `strategy_settings` (`name.option=value;...`) as a dict."""
+    text = row.get("strategy_settings")
+    if not isinstance(text, str):
+        return {}
+    return dict(part.split("=", 1) for part in text.split(";") if "=" in part)
+
+
+def plan_label(row) -> str:
+    """What a plan recomputes, for a chart label: the checkpointed units (`0-2 3-5`), a selective policy, or none."""
+    if row["strategy"] == "baseline":
+        return "none"
+    settings = settings_of(row)
+    if "selective_checkpoint.policy" in settings:
+        return f"each unit, saving {settings['selective_checkpoint.policy']}"
+    return settings.get("checkpoint.plan", "")
+
+
+def plan_rows(rows: pd.DataFrame) -> pd.DataFrame:
+    """The ok training rows that are checkpointing plans, the baseline included, and that match the baseline."""
+    mask = rows["strategy"].map(is_checkpoint_plan) & (rows["phase"] == "train") & (rows["status"] == "ok")
+    mask &= rows["matches_baseline"].map(lambda v: v is not False)
+    return rows[mask & rows["peak_mem_bytes"].notna() & rows["step_time_ms_median"].notna()]
+
+
+def state_floor_bytes(rows: pd.DataFrame) -> int | None:
+    """Weights + gradients + optimizer state of the baseline training row (the floor no activation technique can
+    go below; gradients as large as the weights), from its breakdown columns; None without them."""
+    base = rows[(rows["strategy"] == "baseline") & (rows["phase"] == "train") & (rows["status"] == "ok")]
+    if base.empty or not {"peak_params_bytes", "peak_optimizer_bytes"} <= set(base.columns):
+        return None
+    params = pd.to_numeric(base["peak_params_bytes"], errors="coerce").iloc[-1]
+    optimizer = pd.to_numeric(base["peak_optimizer_bytes"], errors="coerce").iloc[-1]
+    if pd.isna(params) or pd.isna(optimizer):
+        return None
+    return int(2 * params + optimizer)

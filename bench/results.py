@@ -11,7 +11,8 @@ import secrets
 import pandas as pd
 
 # 2: workload_settings, output_rel_diff; `workload` holds the workload spec (name and options)
-# 3: max_param_rel_diff (the weights after one optimizer step), mem_growth_bytes_per_step
+# 3: max_param_rel_diff (the weights after one optimizer step), mem_growth_bytes_per_step; STRATEGY_COLUMNS
+#    (predicted_peak_bytes of a budget plan, compile_time_ms, offload_host_peak_bytes)
 SCHEMA_VERSION = 3
 STATUSES = ("ok", "oom", "unsupported", "error")
 
@@ -55,6 +56,9 @@ def is_pitfall(strategy: str) -> bool:
     """Whether a strategy spec (`pitfall_loss_sum`, `checkpoint+pitfall_retain_graph:...`) includes a pitfall."""
     return any(part.strip().startswith(PITFALL_PREFIX) for part in str(strategy).split("+"))
 
+# Figures a strategy measures itself (`Strategy.columns()`), empty for the others.
+STRATEGY_COLUMNS = ["predicted_peak_bytes", "compile_time_ms", "offload_host_peak_bytes"]
+COLUMNS += STRATEGY_COLUMNS
 
 CASE_KEY = ["workload", "strategy", "phase", "device", "batch_size", "data"]
 BASELINE_KEY = ["workload", "phase", "device", "batch_size", "data"]

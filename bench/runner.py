@@ -27,6 +27,7 @@ from bench.rule_of_thumb import rule_of_thumb
 from bench.results import SCHEMA_VERSION, new_run_id, now_iso, write_csv_atomic, write_rows
 from bench.stats import summarize_timing
 from strategies import StepContext, Strategy, bind_strategy
+from strategies.base import PlanMeter
 from workloads import get_workload
 from workloads.base import tensors_of, to_device, to_float32
 
@@ -408,6 +409,58 @@ def growth_per_step(ends: list[int]) -> float:
     return (ends[-1] - ends[0]) / (len(ends) - 1)
 
 
+class CaseMeter(PlanMeter):
+    """The runner's side of `Strategy.plan()`: peaks and FLOPs of the case, for a strategy choosing its settings."""
+
+    def __init__(self, case: Case):
+        self.case = case
+        self._baseline: int | None = None
+
+    def predicted_peak(self, strategy: Strategy) -> int:
+        """On the meta device with the exact tracker (no arithmetic: seconds at any batch); on the CPU where meta
+        cannot run the strategy."""
+        try:
+            memory = memory_pass(replace(self.case, device="meta"), strategy,
+                                 tracker=measure.LiveTensorTracker("meta"))
+        except Exception as error:  # noqa: BLE001 - a strategy meta cannot run is tracked on the CPU
+            forget_traceback(error)
+            memory = memory_pass(replace(self.case, device="cpu"), strategy)
+        return int(memory["peak_mem_bytes"])
+
+    def measured_peak(self, strategy: Strategy) -> int:
+        return int(memory_pass(self.case, strategy)["peak_mem_bytes"])
+
+    def baseline_peak(self) -> int:
+        if self._baseline is None:
+            baseline = replace(self.case, strategy="baseline")
+            self._baseline = self.measured_peak(bind_case(baseline)[0])
+        return self._baseline
+
+    def unit_flops(self) -> list[int]:
+        """One training-mode forward of the baseline on the meta device under FlopCounterMode, split at the
+        checkpoint units by forward hooks (FLOPs of matmuls, convolutions and attention; element-wise work counts 0)."""
+        from torch.utils.flop_counter import FlopCounterMode
+
+        case = replace(self.case, strategy="baseline", device="meta")
+        session = Session(case, bind_case(case)[0])
+        units = session.workload.checkpoint_units(session.base_model)
+        flops = [0] * len(units)
+        counter = FlopCounterMode(display=False)
+        handles = []
+        for index, unit in enumerate(units):
+            def before(module, args, index=index):
+                flops[index] -= counter.get_total_flops()
+
+            def after(module, args, output, index=index):
+                flops[index] += counter.get_total_flops()
+            handles += [unit.register_forward_pre_hook(before), unit.register_forward_hook(after)]
+        with counter:
+            session.forward()
+        for handle in handles:
+            handle.remove()
+        return flops
+
+
 def release_cuda_memory() -> None:
     """Frees what earlier cases left in the caching allocator, so one case's pool does not feed the next."""
     gc.collect()
@@ -487,6 +540,7 @@ def run_case(case: Case, env: dict | None = None, options: RunOptions | None = N
             row["strategy"] = strategy.spec()
             strategy.check(context)
             row["strategy_settings"] = settings_text(strategy)
+            strategy.plan(CaseMeter(case))
             if verify_result:
                 row.update(verify(case, strategy))
             row.update(timing_pass(case, strategy, options.repeats))
@@ -498,6 +552,7 @@ def run_case(case: Case, env: dict | None = None, options: RunOptions | None = N
                     row["_timeline"] = [asdict(point) for point in tracker.timeline]
                 peaks.append(memory["peak_mem_bytes"])
             row.update(memory, **peak_columns(peaks))
+            row.update(strategy.columns())
             row["rule_of_thumb_bytes"] = rule_of_thumb_bytes(case)
             row["strategy_settings"] = settings_text(strategy)  # with what the model resolved (segments=auto)
         except (Unsupported, UsageError) as error:

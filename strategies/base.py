@@ -12,7 +12,11 @@ A strategy is applied only to the stage it concerns (the pyperf hook pattern):
 - `backward()`, `optimizer_step()`, `unscale_grads()`, `zero_grad()`  the backward pass and the step (GradScaler);
 - `accumulate_loss()` what the loop does with each step's loss for its running total;
 - `end_step()`     what the training loop keeps or frees between steps;
-- `describe()`, `differs_by_design()`  the settings it ran with, and why its result cannot be the baseline's.
+- `plan()`         once per case, before any pass: choices that need measuring the case itself (a checkpoint plan
+                   under a memory budget), through the `PlanMeter` the runner gives it;
+- `describe()`, `differs_by_design()`  the settings it ran with (the row's `strategy_settings`), and why its
+                   result cannot be the baseline's;
+- `columns()`      figures it measured itself (compilation time, host memory), written into the row's columns.
 
 A strategy named `pitfall_...` is a habit the articles warn about, measured to show what it costs
 (`bench.results.is_pitfall`); listings, tables and the report put those apart.
@@ -69,6 +73,27 @@ class StepContext:
 
 # One micro-batch of a step: (inputs, target, the factor its loss is multiplied by before backward)
 MicroBatch = tuple[Any, torch.Tensor, float]
+
+
+class PlanMeter:
+    """What a strategy's `plan()` may measure about its case; the runner implements it (`bench.runner.CaseMeter`)."""
+
+    def predicted_peak(self, strategy: "Strategy") -> int:
+        """The peak of one steady-state step of the case under `strategy`, tracked cheaply (on the meta device
+        where it can run: shapes only, no arithmetic)."""
+        raise NotImplementedError
+
+    def measured_peak(self, strategy: "Strategy") -> int:
+        """The peak of one steady-state step of the case under `strategy`, measured on the case's device."""
+        raise NotImplementedError
+
+    def baseline_peak(self) -> int:
+        """The measured peak of the case's baseline."""
+        raise NotImplementedError
+
+    def unit_flops(self) -> list[int]:
+        """Floating-point operations of each checkpoint unit's forward (matmul, convolution, attention)."""
+        raise NotImplementedError
 
 
 class Strategy:
@@ -152,6 +177,9 @@ class Strategy:
     def end_step(self, kept: dict[str, Any]) -> None:
         """`kept` holds what the article's loop keeps alive until the next step (output, loss); may drop it."""
 
+    def plan(self, meter: PlanMeter) -> None:
+        """Called once per case after `check()`, before any pass; raises Unsupported when no choice can work."""
+
     def describe(self) -> dict[str, Any]:
         """The settings this strategy ran with, as `name.option -> value` for the result row."""
         return {f"{self.name}.{k}": v for k, v in self.settings.items()}
@@ -159,6 +187,9 @@ class Strategy:
     def differs_by_design(self) -> str | None:
         """Why, in the bound case, this strategy cannot give the baseline's result (None: it must match it)."""
         return None
+    def columns(self) -> dict[str, Any]:
+        """Figures this strategy measured itself, as `column -> value` (columns of `bench.results.COLUMNS`)."""
+        return {}
 
     def spec(self) -> str:
         """The canonical spelling: `name` or `name:opt=value` for options that differ from the default."""
@@ -257,6 +288,9 @@ class Composite(Strategy):
     def differs_by_design(self):
         reasons = [reason for m in self.members if (reason := m.differs_by_design())]
         return "; ".join(reasons) or None
+    def plan(self, meter):
+        for m in self.members:
+            m.plan(_MemberMeter(meter, self, m))
 
     def describe(self):
         described = {}
@@ -264,8 +298,38 @@ class Composite(Strategy):
             described.update(m.describe())
         return described
 
+    def columns(self):
+        measured = {}
+        for m in self.members:
+            measured.update(m.columns())
+        return measured
+
     def spec(self):
         return "+".join(m.spec() for m in self.members)
+
+
+class _MemberMeter(PlanMeter):
+    """A member's view of its composite's meter: a candidate for the member is measured with the other members."""
+
+    def __init__(self, meter: PlanMeter, composite: Composite, member: Strategy):
+        self.meter, self.composite, self.member = meter, composite, member
+
+    def _with(self, candidate: Strategy) -> Strategy:
+        combined = Composite([candidate if m is self.member else m for m in self.composite.members])
+        combined.context = self.composite.context
+        return combined
+
+    def predicted_peak(self, strategy):
+        return self.meter.predicted_peak(self._with(strategy))
+
+    def measured_peak(self, strategy):
+        return self.meter.measured_peak(self._with(strategy))
+
+    def baseline_peak(self):
+        return self.meter.baseline_peak()
+
+    def unit_flops(self):
+        return self.meter.unit_flops()
 
 
 def parse_one(text: str) -> Strategy:

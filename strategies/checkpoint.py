@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import math
+import time
 import weakref
 
 import torch
@@ -10,7 +12,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from bench.errors import UsageError, Unsupported
-from strategies.base import Strategy, register_strategy
+from bench.units import format_size, parse_size
+from strategies.base import PlanMeter, Strategy, register_strategy
 
 
 def batchnorm_buffers(model: nn.Module) -> list[torch.Tensor]:
@@ -24,6 +27,9 @@ def preserved(buffers: list[torch.Tensor]):
     early stop of a recompute). Only the changed ones: writing a buffer that a BatchNorm outside the recomputed
     segment saved for its backward would bump its version and make that backward fail. (Changes are found by
     value: the batch-norm kernel updates running statistics without bumping their version counter.)"""
+    if any(b.is_meta for b in buffers):  # shapes only (a plan's memory on meta): no values to change or restore
+        yield
+        return
     saved = [b.detach().clone() for b in buffers]
     try:
         yield
@@ -32,6 +38,12 @@ def preserved(buffers: list[torch.Tensor]):
             for b, s in zip(buffers, saved):
                 if not torch.equal(b, s):
                     b.copy_(s)
+
+
+@contextlib.contextmanager
+def _both(first, second):
+    with first, second:
+        yield
 
 
 class UnitCheckpointer:
@@ -50,14 +62,19 @@ class UnitCheckpointer:
     (`preserve_rng_state`), so the recompute draws the same masks.
     """
 
-    def __init__(self, model: nn.Module, reentrant: bool = False, bn_fix: bool = True):
+    def __init__(self, model: nn.Module, reentrant: bool = False, bn_fix: bool = True, context_fn=None):
         self.model = model
         self.reentrant = reentrant
         self.bn_fix = bn_fix
         self._bn_buffers = batchnorm_buffers(model) if bn_fix else []
+        # (forward context, recompute context) for each checkpoint, e.g. a selective-checkpoint policy's
+        self._inner_context_fn = context_fn
 
     def _context_fn(self):
-        return contextlib.nullcontext(), preserved(self._bn_buffers)
+        if self._inner_context_fn is None:
+            return contextlib.nullcontext(), preserved(self._bn_buffers)
+        forward, recompute = self._inner_context_fn()
+        return forward, _both(preserved(self._bn_buffers), recompute)  # its clones outside the policy
 
     def _reentrant_fn(self, function):
         calls = [0]  # the first call is the forward; any later one is the recompute in backward
@@ -76,7 +93,7 @@ class UnitCheckpointer:
             return function(*args, **kwargs)
         if self.reentrant:
             return checkpoint(self._reentrant_fn(function), *args, use_reentrant=True)
-        if self.bn_fix:
+        if self.bn_fix or self._inner_context_fn is not None:
             return checkpoint(function, *args, use_reentrant=False, context_fn=self._context_fn, **kwargs)
         return checkpoint(function, *args, use_reentrant=False, **kwargs)
 
@@ -107,12 +124,69 @@ class UnitCheckpointer:
             unit.forward = passed_through
 
 
-def segment_groups(units: list[nn.Module], segments: int, chain: bool) -> list[list[nn.Module]]:
-    """checkpoint_sequential's plan: `segments` chunks of len(units) // segments units, all but the last
+Plan = tuple[tuple[int, ...], ...]  # the checkpoints, each a tuple of consecutive unit indices
+
+
+def segment_plan(units: int, segments: int, chain: bool) -> Plan:
+    """checkpoint_sequential's plan: `segments` chunks of units // segments units, all but the last
     checkpointed; a chunk is one checkpoint when its units chain, else each unit is its own."""
-    size = len(units) // segments
-    groups = [units[start:start + size] for start in range(0, size * (segments - 1), size)]
-    return groups if chain else [[unit] for group in groups for unit in group]
+    size = units // segments
+    groups = [tuple(range(start, start + size)) for start in range(0, size * (segments - 1), size)]
+    return tuple(groups) if chain else tuple((unit,) for group in groups for unit in group)
+
+
+def sqrt_segments(units: int) -> int:
+    """Chen et al. (2016): about sqrt(N) segments of about sqrt(N) units each, so that the segment inputs kept and
+    the one segment recomputed at a time both grow like sqrt(N)."""
+    return max(1, min(units, round(math.sqrt(units))))
+
+
+def format_plan(plan: Plan) -> str:
+    """`0-4 5-9` (each checkpoint's first-last unit), `0 1 2` for single units, `none` for no checkpoint."""
+    if not plan:
+        return "none"
+    return " ".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else f"{g[0]}" for g in plan)
+
+
+def recomputed_units(plan: Plan) -> list[int]:
+    return [unit for group in plan for unit in group]
+
+
+# Plans the budget search considers: every checkpoint_sequential plan with up to this many segments beyond
+# sqrt(N) (past it, more segments keep more segment inputs and recompute more), and for models of up to
+# PREFIX_MAX_UNITS units also the first j checkpoints of each (the early, high-resolution units of a CNN hold
+# the largest activations: checkpointing only them can fit a budget at less recompute).
+PREFIX_MAX_UNITS = 16
+
+
+def candidate_plans(units: int, chain: bool) -> list[Plan]:
+    """The plans the budget search considers, without duplicates (see PREFIX_MAX_UNITS)."""
+    most = units if units <= PREFIX_MAX_UNITS else min(units, 4 * math.ceil(math.sqrt(units)))
+    plans: dict[Plan, None] = {(): None}
+    for segments in range(2, most + 1):
+        full = segment_plan(units, segments, chain)
+        if units <= PREFIX_MAX_UNITS:
+            for j in range(1, len(full)):
+                plans.setdefault(full[:j])
+        plans.setdefault(full)
+    return list(plans)
+
+
+def parse_budget(text: str) -> tuple[float | None, int | None]:
+    """`0.6` -> (0.6, None), a fraction of the baseline's peak; `300MiB` -> (None, bytes). UsageError otherwise."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is not None and 0 < value <= 1:
+        return value, None
+    try:
+        nbytes = parse_size(text)
+    except ValueError as error:
+        raise UsageError(f"checkpoint:budget={text}: {error}; or a fraction of the baseline's peak in (0, 1]") from None
+    if nbytes <= 0:
+        raise UsageError(f"checkpoint:budget={text} must be a positive size (300MiB) or a fraction in (0, 1]")
+    return None, nbytes
 
 
 @register_strategy
@@ -121,7 +195,8 @@ class Checkpoint(Strategy):
 
     Options:
     - `segments` (default `auto`): how many chunks the workload's N checkpoint units are cut into, of `N // segments`
-      units each; all but the last are checkpointed (the rest runs plainly). A number, or `auto` = min(6, N); the
+      units each; all but the last are checkpointed (the rest runs plainly). A number, `sqrt` (round(sqrt(N)),
+      Chen et al. 2016: activation memory grows like sqrt(N) instead of N), or `auto` = min(6, N); the
       row's settings give the number used. More segments than units is an `unsupported` row. 6 was chosen on the
       captcha ResNet's 10 units (stem, 8 blocks, head). Evidence: train peak
       of live tensor bytes at batch 8 on the CPU (exact tracker, synthetic data; baseline 221,420,444, of which
@@ -132,6 +207,14 @@ class Checkpoint(Strategy):
         segments 7..10: 201,534,524 (6..9 stages recomputed)
       6 gives the lowest peak seen with the fewest recomputed stages (the first, high-resolution stages hold most
       of the activations; checkpointing the later, small ones saves nothing more and costs recompute).
+    - `budget` (default none): a peak to fit, as a size (`300MiB`) or a fraction of the baseline's measured peak
+      (`0.6`). Before the case runs, `plan()` tries the candidate plans (`candidate_plans`) in order of recompute
+      cost (the forward FLOPs of the units they recompute, from one step on the meta device), predicts each one's
+      peak with the exact tracker on the meta device (seconds, at any batch), takes the first that fits and
+      confirms it with a measured step on the case's device (a miss goes on to the next plan). The row records the
+      plan (`checkpoint.plan`: the units of each checkpoint), the recomputed FLOPs, the predicted peak
+      (`predicted_peak_bytes`) beside the measured one. No plan fitting is an `unsupported` row that gives the
+      smallest peak reachable. `budget` replaces `segments`.
     - `reentrant` (default False) and `bn_fix` (default True) exist to demonstrate two traps, not for use:
       `reentrant=true` checkpoints with the reentrant autograd.Function, which, fed the batch (an input that does
       not require grad), returns an output that does not require grad, so the checkpointed segments' parameters
@@ -142,39 +225,105 @@ class Checkpoint(Strategy):
 
     name = "checkpoint"
     description = "activation checkpointing of the workload's checkpoint units (non-reentrant, BatchNorm statistics kept once)"
-    options = {"segments": "auto", "reentrant": False, "bn_fix": True}
+    options = {"segments": "auto", "budget": "", "reentrant": False, "bn_fix": True}
     auto_segments = 6
     priority = 30  # wraps the model after in-place ReLU changed it
 
     def __init__(self, **options):
         super().__init__(**options)
         segments = str(self.settings["segments"])
-        if segments != "auto" and not (segments.isdigit() and int(segments) >= 1):
-            raise UsageError(f"checkpoint:segments={segments} must be a positive integer or auto")
+        if segments not in ("auto", "sqrt") and not (segments.isdigit() and int(segments) >= 1):
+            raise UsageError(f"checkpoint:segments={segments} must be a positive integer, sqrt or auto")
+        self.budget_fraction, self.budget_bytes = (None, None)
+        if self.settings["budget"]:
+            if segments != "auto":
+                raise UsageError("checkpoint: give segments or budget, not both (a budget chooses the plan)")
+            self.budget_fraction, self.budget_bytes = parse_budget(self.settings["budget"])
+        self.plan_used: Plan | None = None  # fixed by plan() under a budget; otherwise set by prepare_model
         self.segments_used: int | None = None
+        self.predicted_peak_bytes: int | None = None
+        self.recompute_flops: int | None = None
+        self.planning_s: float | None = None
 
     def segments_for(self, units: int) -> int:
         """The number of segments over `units` checkpoint units."""
         segments = str(self.settings["segments"])
-        return min(self.auto_segments, units) if segments == "auto" else int(segments)
+        if segments == "auto":
+            return min(self.auto_segments, units)
+        return sqrt_segments(units) if segments == "sqrt" else int(segments)
+
+    def _owner(self) -> str:
+        workload = self.context.workload
+        return f"workload {workload.spec()!r}" if workload is not None else "the model"
+
+    def _chain(self) -> bool:
+        workload = self.context.workload
+        return workload.units_chain if workload is not None else True
+
+    def with_plan(self, plan: Plan) -> "Checkpoint":
+        """This strategy with `plan` fixed (a candidate of the budget search)."""
+        candidate = Checkpoint(**{k: v for k, v in self.settings.items() if k != "budget"})
+        candidate.bind(self.context)
+        candidate.plan_used = plan
+        return candidate
+
+    def plan(self, meter: PlanMeter) -> None:
+        if self.budget_fraction is None and self.budget_bytes is None:
+            return
+        started = time.perf_counter()
+        units = len(self.context.workload.checkpoint_units(self.context.workload.build_model()))
+        if units < 2:
+            raise Unsupported(f"checkpoint needs at least 2 checkpoint units; {self._owner()} names {units}")
+        if self.budget_bytes is None:
+            self.budget_bytes = int(self.budget_fraction * meter.baseline_peak())
+        flops = meter.unit_flops()
+        plans = sorted(candidate_plans(units, self._chain()),
+                       key=lambda p: (sum(flops[u] for u in recomputed_units(p)), len(recomputed_units(p)), len(p)))
+        smallest: tuple[int, Plan] | None = None
+        for plan in plans:
+            candidate = self.with_plan(plan)
+            predicted = meter.predicted_peak(candidate)
+            if smallest is None or predicted < smallest[0]:
+                smallest = (predicted, plan)
+            if predicted <= self.budget_bytes and meter.measured_peak(candidate) <= self.budget_bytes:
+                self.plan_used, self.predicted_peak_bytes = plan, predicted
+                self.recompute_flops = sum(flops[u] for u in recomputed_units(plan))
+                self.planning_s = time.perf_counter() - started
+                return
+        raise Unsupported(f"checkpoint:budget={self.settings['budget']} ({format_size(self.budget_bytes)}): no "
+                          f"plan of {len(plans)} fits; the smallest peak reachable is {format_size(smallest[0])} "
+                          f"(plan {format_plan(smallest[1])}, predicted on meta)")
 
     def prepare_model(self, model, units):
-        workload = self.context.workload
-        owner = f"workload {workload.spec()!r}" if workload is not None else "the model"
-        segments = self.segments_for(len(units))
         if len(units) < 2:
-            raise Unsupported(f"checkpoint needs at least 2 checkpoint units; {owner} names {len(units)}")
-        if segments > len(units):
-            raise Unsupported(f"checkpoint:segments={segments} exceeds the {len(units)} checkpoint units of {owner}")
-        chain = workload.units_chain if workload is not None else True
+            raise Unsupported(f"checkpoint needs at least 2 checkpoint units; {self._owner()} names {len(units)}")
+        if self.plan_used is None:
+            if self.settings["budget"]:
+                raise Unsupported("checkpoint:budget chooses its plan per case before the case runs "
+                                  "(`compare`, `run`, `explain`); this command does not plan")
+            segments = self.segments_for(len(units))
+            if segments > len(units):
+                raise Unsupported(f"checkpoint:segments={segments} exceeds the {len(units)} checkpoint units of "
+                                  f"{self._owner()}")
+            self.plan_used = segment_plan(len(units), segments, self._chain())
+            self.segments_used = segments
         checkpointer = UnitCheckpointer(model, reentrant=self.settings["reentrant"], bn_fix=self.settings["bn_fix"])
-        for group in segment_groups(list(units), segments, chain):
-            checkpointer.install(group)
-        self.segments_used = segments
+        for group in self.plan_used:
+            checkpointer.install([units[i] for i in group])
         return model
 
     def describe(self):
         described = super().describe()
         if self.segments_used is not None:
             described["checkpoint.segments"] = self.segments_used
+        if self.plan_used is not None:
+            described["checkpoint.plan"] = format_plan(self.plan_used)
+        if self.settings["budget"]:
+            described["checkpoint.segments"] = "budget"
+            described["checkpoint.budget_bytes"] = self.budget_bytes
+            described["checkpoint.recompute_flops"] = self.recompute_flops
+            described["checkpoint.planning_s"] = None if self.planning_s is None else round(self.planning_s, 2)
         return described
+
+    def columns(self):
+        return {"predicted_peak_bytes": self.predicted_peak_bytes} if self.predicted_peak_bytes is not None else {}

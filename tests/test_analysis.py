@@ -268,3 +268,14 @@ def test_oom_releases_cuda_memory(temporary_strategy=None):
         assert torch.cuda.memory_allocated() == before
     finally:
         STRATEGIES.unregister("test_cuda_hog")
+
+
+def test_explain_lists_the_units_a_plan_recomputes(capsys):
+    assert main(["explain", "--workload", "deep_mlp:layers=6:width=8", "--strategy", "checkpoint:segments=3",
+                 "--batch-size", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "checkpointing plan (checkpoint)" in out and "4 of 6 units recomputed in backward" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[-8:] if line.strip()[:1].isdigit()}
+    # each Linear(8, 8) keeps its 64 x 8 float32 output: 2.0 KiB, which checkpointing units 0-3 saves
+    assert rows["0"][2] == "0-1" and rows["3"][2] == "2-3" and rows["5"][2] == "-"
+    assert " ".join(rows["0"][-4:]) == "2.0 KiB 2.0 KiB" and rows["5"][-1] == "-"

@@ -171,3 +171,35 @@ def test_newest_csv_skips_timelines_and_hidden_files(tmp_path: Path):
     assert newest_csv(tmp_path) == newer
     with pytest.raises(FileNotFoundError):
         newest_csv(tmp_path / "nothing-here")
+
+
+def test_checkpointing_plans_get_a_tradeoff_chart_and_table(tmp_path):
+    """Baseline, three checkpoint plans and a selective policy: one point each, the front marked, the floor."""
+    from bench.results import write_rows
+
+    def row(strategy, settings, peak, ms, **extra):
+        return {"run_id": "20250301T120000Z-plan", "workload": "w", "strategy": strategy, "phase": "train",
+                "device": "cpu", "batch_size": 100, "data": "synthetic", "status": "ok", "matches_baseline": True,
+                "strategy_settings": settings, "peak_mem_bytes": peak * 2**20, "step_time_ms_median": ms,
+                "peak_params_bytes": 40 * 2**20, "peak_optimizer_bytes": 80 * 2**20, **extra}
+
+    path = tmp_path / "20250301T120000Z-plan.csv"
+    write_rows([
+        row("baseline", "", 700, 100),
+        row("checkpoint:segments=2", "checkpoint.segments=2;checkpoint.plan=0-4", 600, 110),
+        row("checkpoint:segments=3", "checkpoint.segments=3;checkpoint.plan=0-2 3-5", 650, 120),  # dominated
+        row("checkpoint:budget=0.6", "checkpoint.segments=budget;checkpoint.plan=0-1 2-3 4-5 6-7", 420, 130,
+            predicted_peak_bytes=410 * 2**20),
+        row("selective_checkpoint", "selective_checkpoint.policy=compute", 650, 104),
+        row("amp", "amp.dtype=bfloat16", 500, 50),  # not a checkpointing plan: not on this chart
+    ], path)
+    report = build_report([path], tmp_path).read_text(encoding="utf-8")
+    assert (tmp_path / "20250301T120000Z-plan.tradeoff.png").is_file()
+    table = report[report.index("### Checkpointing plans"):report.index("### Charts")]
+    assert "`amp`" not in table
+    lines = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| `")}
+    assert lines["`checkpoint:budget=0.6`"].rstrip(" |").endswith("yes") and "410.0" in lines["`checkpoint:budget=0.6`"]
+    assert "0-1 2-3 4-5 6-7" in lines["`checkpoint:budget=0.6`"]
+    assert not lines["`checkpoint:segments=3`"].rstrip(" |").endswith("yes")  # beaten by segments=2 on both
+    assert "each unit, saving compute" in lines["`selective_checkpoint`"]
+    assert "weights + gradients + optimizer state): 160.0 MiB" in table  # 2 x 40 MiB + 80 MiB

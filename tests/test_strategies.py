@@ -43,6 +43,10 @@ EXPECTATIONS = {
     # Eval 143,910,368 -> 56,157,664 (0.390): weights plus one layer's transients.
     "no_grad_eval": {"phases": ("eval",), "matches": True, "memory": {"eval": (0.3, 0.5)}},
     "cudnn_benchmark": {"phases": (), "matches": True, "memory": {}},  # CUDA only: unsupported on the CPU
+    # Train only; its memory effect is pinned in tests/test_activation_memory.py on gpt_mini.
+    "selective_checkpoint": {"phases": ("train",), "matches": True, "memory": {"train": None}},
+    "offload": {"phases": (), "matches": True, "memory": {}},  # CUDA only (save_on_cpu is a no-op on the CPU)
+    "compile": {"phases": (), "matches": True, "memory": {}},  # CUDA only: the CPU tracker cannot see compiled steps
 }
 
 def _case(spec: str, phase: str, batch: int = BATCH, **kw) -> Case:

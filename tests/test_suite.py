@@ -1,5 +1,7 @@
 """Suite files are rejected before anything runs, with the file, the key and the reason in one message."""
 
+from pathlib import Path
+
 import pytest
 
 from bench.cli import main
@@ -69,3 +71,13 @@ def test_good_suites_load(tmp_path):
     suite = load_suite(path, "cpu")
     assert suite.steps == 1 and suite.batch_sizes == [2]
     assert load_suite(path, "cuda").steps == 30
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parent.parent / "bench" / "suites").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_shipped_suites_load_and_name_registered_strategies(path):
+    from strategies import parse_strategy
+
+    for device in ("cpu", "cuda"):
+        for case in load_suite(path, device).cases(device):
+            parse_strategy(case.strategy)

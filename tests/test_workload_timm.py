@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from bench.errors import UsageError
-from strategies.checkpoint import UnitCheckpointer, segment_groups
+from strategies.checkpoint import UnitCheckpointer, segment_plan
 from workloads import timm_models
 from workloads.loader import resolve_workload
 
@@ -133,8 +133,8 @@ def test_checkpointing_the_units_leaves_loss_and_gradients_unchanged(model_name)
     plain, checkpointed = workload.build_model(), workload.build_model()
     units = workload.checkpoint_units(checkpointed)
     checkpointer = UnitCheckpointer(checkpointed)
-    for group in segment_groups(units, 3, workload.units_chain):
-        checkpointer.install(group)
+    for group in segment_plan(len(units), 3, workload.units_chain):
+        checkpointer.install([units[i] for i in group])
     torch.manual_seed(1)
     expected = train_step(workload, plain)
     torch.manual_seed(1)

@@ -40,7 +40,7 @@ UNSUPPORTED = {
 # strategy -> phases it runs in on the CPU on any workload (cudnn_benchmark is CUDA only)
 PHASES = {"baseline": ("train", "eval"), "inplace_relu": ("train", "eval"), "checkpoint": ("train", "eval"),
           "amp": ("train", "eval"), "del_intermediates": ("train", "eval"), "no_grad_eval": ("eval",),
-          "cudnn_benchmark": ()}
+          "cudnn_benchmark": (), "selective_checkpoint": ("train",), "offload": (), "compile": ()}
 
 
 def _case(workload: str, strategy: str, phase: str, batch: int | None = None) -> Case:

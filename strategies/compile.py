@@ -1,0 +1,89 @@
+"""`torch.compile` with AOTAutograd's activation memory budget: the compiler chooses what to recompute.
+
+`torch._functorch.config.activation_memory_budget` (0 to 1) tells the min-cut partitioner how much of the
+activations the compiled forward may save for backward, relative to saving everything the default partition
+saves: at 1.0 it saves what it must for speed, lower it recomputes the cheapest ops (by its runtime estimate) until
+the saved bytes fit. Unlike eager checkpointing, the plan is per operator and fused into the compiled kernels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from bench.errors import Unsupported, UsageError, choices_error
+from strategies.base import Strategy, register_strategy
+
+# Backends whose graphs go through the min-cut partitioner (where the budget applies): inductor, and
+# aot_eager_decomp_partition (the same partition run by eager kernels: no C++ compiler, cheap to test with).
+BACKENDS = ("inductor", "aot_eager_decomp_partition")
+
+
+@register_strategy
+class Compile(Strategy):
+    """The model under `torch.compile(backend=...)`, compiled with `activation_memory_budget=budget`.
+
+    Options: `budget` (a fraction in (0, 1], default 1.0: the partitioner's usual plan) and `backend` (`inductor`,
+    the default, or `aot_eager_decomp_partition`). Compilation happens in the first forward and backward of each
+    pass (dynamo's caches are reset first, so a previous case's compiled code, built under another budget, is never
+    reused); those calls fall in the warm-up steps, so the step time is the compiled step's. The row's
+    `compile_time_ms` is how much longer that first forward and backward took than the last ones of the timing pass.
+
+    Not on the CPU: the exact CPU memory count is a TorchDispatchMode, and under a dispatch mode dynamo runs the
+    model eagerly (measured: the same operators, unfused, the same peak at every budget), so a compiled step's
+    memory cannot be measured there; on CUDA `max_memory_allocated` measures the compiled step. Tolerance: fused
+    kernels reorder float arithmetic (loss within 1e-4, gradients within 1e-3 relative norm).
+    """
+
+    name = "compile"
+    description = "torch.compile with AOTAutograd's activation_memory_budget (the partitioner recomputes to fit)"
+    options = {"budget": 1.0, "backend": "inductor"}
+    phases = ("train",)
+    devices = ("cuda",)
+    priority = 70  # compiles the model as the other strategies left it
+    tolerance = Strategy.tolerance.loosest(type(Strategy.tolerance)(loss_rtol=1e-4, grad_rtol=1e-3))
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        if not 0 < self.settings["budget"] <= 1:
+            raise UsageError(f"compile:budget={self.settings['budget']} must be a fraction in (0, 1]")
+        if self.settings["backend"] not in BACKENDS:
+            raise choices_error("compile backend", self.settings["backend"], BACKENDS)
+        self._call_ms: list[float] = []  # forward + backward of each step of the current session, in order
+        self.compile_time_ms: float | None = None
+
+    def check(self, context):
+        if context.device == "cpu":
+            raise Unsupported("compile needs device cuda, not cpu: the exact CPU memory count is a TorchDispatchMode,"
+                              " under which dynamo runs the model eagerly, so a compiled step's memory cannot be "
+                              "measured on the CPU")
+        super().check(context)
+
+    @contextlib.contextmanager
+    def session(self):
+        torch._dynamo.reset()
+        self._call_ms = []
+        with torch._functorch.config.patch(activation_memory_budget=float(self.settings["budget"])):
+            yield
+        if len(self._call_ms) >= 4:  # at least two steps: the compiling one and a compiled one
+            first, last = self._call_ms[0] + self._call_ms[1], self._call_ms[-2] + self._call_ms[-1]
+            self.compile_time_ms = first - last
+
+    def prepare_model(self, model, units):
+        return torch.compile(model, backend=self.settings["backend"])
+
+    @contextlib.contextmanager
+    def forward(self):
+        started = time.perf_counter()
+        yield
+        self._call_ms.append((time.perf_counter() - started) * 1e3)
+
+    def backward(self, loss):
+        started = time.perf_counter()
+        loss.backward()
+        self._call_ms.append((time.perf_counter() - started) * 1e3)
+
+    def columns(self):
+        return {"compile_time_ms": self.compile_time_ms}

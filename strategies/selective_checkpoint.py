@@ -1,0 +1,88 @@
+"""Selective activation checkpointing: per operator, save the outputs of expensive ops and recompute the cheap ones.
+
+Each of the workload's checkpoint units runs under `torch.utils.checkpoint.checkpoint` with the contexts of
+`create_selective_checkpoint_contexts(policy)`: the policy sees every operator of the unit's forward and says
+whether its output is kept (MUST_SAVE) or recomputed in backward (PREFER_RECOMPUTE). Plain checkpointing keeps
+only each unit's input and recomputes everything; saving the matmuls' and convolutions' outputs makes the
+recompute nearly free (normalisation, activations, element-wise ops) and saves less memory.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from bench.errors import Unsupported, choices_error
+from strategies.base import Strategy, register_strategy
+from strategies.checkpoint import UnitCheckpointer
+
+aten = torch.ops.aten
+
+MATMUL_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.matmul.default,
+              aten.linear.default}
+ATTENTION_OPS = {getattr(aten, name).default for name in (
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_attention_math") if hasattr(aten, name)}
+CONVOLUTION_OPS = {aten.convolution.default, aten.cudnn_convolution.default, aten.mkldnn_convolution.default}
+CONVOLUTION_OPS = {op for op in CONVOLUTION_OPS if op is not None}
+
+# policy name -> the operators whose outputs are saved (everything else is recomputed in backward)
+POLICIES = {
+    "compute": MATMUL_OPS | ATTENTION_OPS | CONVOLUTION_OPS,  # save the expensive ops, recompute the cheap ones
+    "matmul": MATMUL_OPS | ATTENTION_OPS,  # save matmuls and attention only: convolutions are recomputed too
+    "none": set(),  # save nothing: plain checkpointing of each unit, through the selective machinery
+}
+
+
+def policy_fn(saved_ops: set):
+    """The policy function of `create_selective_checkpoint_contexts` that saves the outputs of `saved_ops`."""
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in saved_ops else CheckpointPolicy.PREFER_RECOMPUTE
+    return policy
+
+
+@register_strategy
+class SelectiveCheckpoint(Strategy):
+    """Every checkpoint unit checkpointed on its own, with a selective policy (option `policy`):
+
+    - `compute` (default): save the outputs of matmul, convolution and attention; recompute normalisation,
+      activations and element-wise ops. The backward's recompute then costs almost nothing, and what is saved is
+      what those cheap ops would otherwise keep (BatchNorm's and ReLU's own saved tensors, GELU's input, ...);
+    - `matmul`: save only matmul and attention outputs; convolutions are recomputed (on a CNN close to plain
+      checkpointing, on a transformer the same as `compute`);
+    - `none`: save nothing, recompute each unit whole (plain checkpointing with every unit its own segment).
+
+    The trap: the captcha ResNet's residual add is in place (`tmp += self.identity(x)`) on the output of its
+    second BatchNorm. PyTorch raises "Tensor cached during selective activation checkpoint has been mutated" when
+    an op mutates a saved output; the outputs saved here are the convolutions', never mutated in place, and the
+    BatchNorm output the add mutates is recomputed, so it runs (a test pins it). A policy that saved that
+    BatchNorm's output would fail that way; such a failure in a sweep is an `error` row, and the sweep goes on.
+    BatchNorm statistics are restored after each recompute, as in `checkpoint`. Exact: the same fp32 arithmetic.
+    """
+
+    name = "selective_checkpoint"
+    description = "selective activation checkpointing of each checkpoint unit: save matmul/conv/attention outputs, recompute the rest"
+    options = {"policy": "compute"}
+    phases = ("train",)
+    priority = 30
+    conflicts = ("checkpoint",)
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        if self.settings["policy"] not in POLICIES:
+            raise choices_error("selective_checkpoint policy", self.settings["policy"], list(POLICIES))
+        self._policy = policy_fn(POLICIES[self.settings["policy"]])
+
+    def _contexts(self):
+        return create_selective_checkpoint_contexts(self._policy)
+
+    def prepare_model(self, model, units):
+        if not units:
+            workload = self.context.workload
+            owner = f"workload {workload.spec()!r}" if workload is not None else "the model"
+            raise Unsupported(f"selective_checkpoint needs checkpoint units; {owner} names none")
+        checkpointer = UnitCheckpointer(model, context_fn=self._contexts)
+        for unit in units:
+            checkpointer.install([unit])
+        return model
