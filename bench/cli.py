@@ -75,16 +75,42 @@ def _add_sweep_options(p: argparse.ArgumentParser) -> None:
                         "usually the physical cores); recorded in cpu_threads")
     p.add_argument("--deterministic", action="store_true",
                    help="cudnn.deterministic and torch.use_deterministic_algorithms(True) for each case")
+    p.add_argument("--executor", default=None,
+                   help="where the cases run: local (default: this machine, in order) or ray (each case and repeat a "
+                        "task in a fresh Ray worker process; see --ray-address)")
+    p.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                   help="the Ray cluster for --executor ray (auto, ray://head:10001, head:6379); default: start a "
+                        "local Ray bound to 127.0.0.1 for the sweep")
     p.add_argument("--resume", default=None, metavar="CSV",
                    help="continue the run in this results CSV: skip its finished cases, run the rest into it")
 
 
-def _run_options(args, device: str):
+EXECUTORS = ("local", "ray")
+
+
+def _run_options(args, device: str, suite=None):
+    """The run's options; `--executor` and `--ray-address` fall back to the suite file's `executor`/`ray_address`."""
     from bench.isolation import RunOptions
 
+    executor = _check_choice("executor", args.executor or getattr(suite, "executor", None) or "local", EXECUTORS)
     isolate = args.isolate if getattr(args, "isolate", None) is not None else device == "cuda"
-    return RunOptions(isolate=isolate, repeats=getattr(args, "repeats", 1), threads=getattr(args, "threads", None),
-                      deterministic=getattr(args, "deterministic", False))
+    return RunOptions(isolate=isolate or executor == "ray", repeats=getattr(args, "repeats", 1),
+                      threads=getattr(args, "threads", None), deterministic=getattr(args, "deterministic", False),
+                      executor=executor)
+
+
+def _executor(args, options, suite=None):
+    """The runner's executor for `options.executor` (bench.runner.local_executor, or a RayExecutor)."""
+    from bench.runner import local_executor
+
+    if options.executor != "ray":
+        if args.ray_address:
+            raise UsageError("--ray-address needs --executor ray")
+        return local_executor
+    from bench.ray_executor import RayExecutor, import_ray
+
+    import_ray()  # a missing package is an error before any case
+    return RayExecutor(args.ray_address or getattr(suite, "ray_address", None))
 
 
 def _suite_from_args(args, device: str, strategies: list[str] | None):
@@ -136,27 +162,31 @@ def _progress(index: int, total: int, case, row) -> None:
           file=sys.stderr, flush=True)
 
 
-def _run_suite(suite, device: str, out: str, options=None, resume: str | None = None):
-    """Runs the suite's cases into a new CSV under `out`, or, with `resume`, the unfinished ones into that CSV."""
+def _run_suite(args, suite, device: str) -> int:
+    """Runs the suite's cases into a new CSV under --out, or, with --resume, the unfinished ones into that CSV;
+    prints the table."""
     from bench.results import new_run_id, to_frame
     from bench.runner import run_cases
 
+    options = _run_options(args, device, suite)
+    executor = _executor(args, options, suite)
     cases = suite.cases(device)
     previous, run_id = None, None
-    if resume:
+    if args.resume:
         from bench.resume import load_resume
 
-        from bench.isolation import RunOptions
-
-        resumed = load_resume(resume, cases, options or RunOptions())
+        resumed = load_resume(args.resume, cases, options)
         out_path, previous, run_id = resumed.path, resumed.rows, resumed.run_id
         print(f"resuming {out_path}: {len(previous)} finished, {len(resumed.remaining)} to run",
               file=sys.stderr, flush=True)
         cases = resumed.remaining
     else:
-        out_path = Path(out) / f"{new_run_id(device)}.csv"
-    rows = run_cases(cases, out_path, progress=_progress, options=options, previous_rows=previous, run_id=run_id)
-    return to_frame(rows), out_path
+        out_path = Path(args.out) / f"{new_run_id(device)}.csv"
+    rows = run_cases(cases, out_path, progress=_progress, options=options, previous_rows=previous, run_id=run_id,
+                     executor=executor)
+    print(format_table(to_frame(rows)))
+    print(f"\nwrote {out_path}")
+    return 0
 
 
 def format_table(frame) -> str:
@@ -260,11 +290,7 @@ def cmd_run(args) -> int:
     device = resolve_device(args.device)
     apply_memory_limit(getattr(args, "memory_limit", None), device)
     strategies = _csv_list(args.strategies) if args.strategies else None
-    suite = _suite_from_args(args, device, strategies)
-    frame, path = _run_suite(suite, device, args.out, _run_options(args, device), args.resume)
-    print(format_table(frame))
-    print(f"\nwrote {path}")
-    return 0
+    return _run_suite(args, _suite_from_args(args, device, strategies), device)
 
 
 def cmd_compare(args) -> int:
@@ -273,11 +299,7 @@ def cmd_compare(args) -> int:
 
     device = resolve_device(args.device)
     apply_memory_limit(getattr(args, "memory_limit", None), device)
-    suite = _suite_from_args(args, device, _csv_list(args.strategies))
-    frame, path = _run_suite(suite, device, args.out, _run_options(args, device), args.resume)
-    print(format_table(frame))
-    print(f"\nwrote {path}")
-    return 0
+    return _run_suite(args, _suite_from_args(args, device, _csv_list(args.strategies)), device)
 
 
 def cmd_report(args) -> int:

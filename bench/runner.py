@@ -11,7 +11,7 @@ import gc
 import random
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pandas as pd
 import torch
@@ -331,6 +331,7 @@ def base_row(case: Case, env: dict | None = None, options: RunOptions | None = N
         "status": "ok", "message": "",
         **(env or environment(case.device)),
         "isolated": bool(options.isolate), "repeats": options.repeats, "deterministic": bool(options.deterministic),
+        "executor": options.executor,
     }
 
 
@@ -406,16 +407,42 @@ def run_case_isolated(case: Case, env: dict | None, options: RunOptions) -> dict
     repeats = []
     for index in range(options.repeats):
         row = {**base_row(case, env, options), **run_in_worker(case, env, options, verify=index == 0)}
-        row.update(isolated=True, repeats=options.repeats)
         if row["status"] != "ok":
-            return row
+            return pool_repeats(case, [row], options)
         repeats.append(row)
-    row = repeats[0]
+    return pool_repeats(case, repeats, options)
+
+
+def pool_repeats(case: Case, repeats: list[dict[str, Any]], options: RunOptions) -> dict[str, Any]:
+    """The row of a case whose repeats ran in separate processes: the first repeat's row (it verified), with
+    the timing and peaks of all repeats pooled; a repeat that did not end `ok` is the case's row."""
+    failed = [r for r in repeats if r["status"] != "ok"]
+    row = dict(failed[0] if failed else repeats[0])
+    row.update(isolated=True, repeats=options.repeats)
+    if failed:
+        return row
     times = [t for r in repeats for t in r["_step_times_ms"]]
     peaks = [p for r in repeats for p in r["_peaks"]]
     row.update(summarize_timing(case.batch_size, times), **peak_columns(peaks))
-    row["repeats"] = options.repeats
     return row
+
+
+# An executor runs cases and yields (index in `cases`, case, row) as each case finishes, in any order; it calls
+# `started(index, case)` when a case begins, if it knows. bench.ray_executor is another.
+Executor = Callable[[list[Case], RunOptions, Callable[[int, Case], None]], Iterator[tuple[int, Case, dict]]]
+
+
+def local_executor(cases: list[Case], options: RunOptions,
+                   started: Callable[[int, Case], None]) -> Iterator[tuple[int, Case, dict]]:
+    """Cases one after the other on this machine: in this process, or each in fresh worker processes."""
+    envs: dict[str, dict] = {}
+    for index, case in enumerate(cases):
+        started(index, case)
+        env = envs.setdefault(case.device, environment(case.device))
+        if options.isolate:
+            yield index, case, run_case_isolated(case, env, options)
+        else:
+            yield index, case, run_case(case, env, options)
 
 
 class StepTimeline:
@@ -451,34 +478,33 @@ class StepTimeline:
 def run_cases(cases: list[Case], out_path: Path | None = None,
               progress: Callable[[int, int, Case, dict | None], None] | None = None,
               options: RunOptions | None = None, previous_rows: list[dict] | None = None,
-              run_id: str | None = None) -> list[dict]:
-    """Runs every case in order; after each one the CSV at `out_path` is rewritten atomically with all rows so far.
+              run_id: str | None = None, executor: Executor = local_executor) -> list[dict]:
+    """Runs every case; after each one finishes the CSV at `out_path` is rewritten atomically with all rows so far.
 
     `options`: isolation, repeats, threads, determinism (bench.isolation.RunOptions; default: in-process, once).
-    `previous_rows` (a resumed run's finished rows) are written first and returned with the new ones;
-    `run_id` defaults to the file's stem. A reader (or a run killed at any moment) never sees a half-written
-    file: each write goes to a temporary file renamed over the CSV.
+    `executor` runs the cases (default: here, in order; `bench.ray_executor.RayExecutor` on a Ray cluster); rows
+    are written in the cases' order whatever order they finish in. `previous_rows` (a resumed run's finished
+    rows) are written first and returned with the new ones; `run_id` defaults to the file's stem. A reader (or a
+    run killed at any moment) never sees a half-written file: each write goes to a temporary file renamed over
+    the CSV.
     """
     options = (options or RunOptions()).resolved()
     run_id = run_id or (new_run_id() if out_path is None else Path(out_path).stem)
-    envs: dict[str, dict] = {}
-    rows: list[dict] = list(previous_rows or [])
+    finished: dict[int, dict] = {}
     timeline = StepTimeline(out_path)
-    for index, case in enumerate(cases):
+
+    def started(index: int, case: Case) -> None:
         if progress:
             progress(index, len(cases), case, None)
-        env = envs.setdefault(case.device, environment(case.device))
-        if options.isolate:
-            row = run_case_isolated(case, env, options)
-        else:
-            row = run_case(case, env, options)
+
+    for index, case, row in executor(cases, options, started):
         timeline.add(replace(case, strategy=row["strategy"]), row.get("_timeline"))
         row = {k: v for k, v in row.items() if not k.startswith("_")}
         row["run_id"] = run_id
-        rows.append(row)
+        finished[index] = row
         if out_path is not None:
-            write_rows(rows, out_path)
+            write_rows(list(previous_rows or []) + [finished[i] for i in sorted(finished)], out_path)
             timeline.write()
         if progress:
             progress(index, len(cases), case, row)
-    return rows
+    return list(previous_rows or []) + [finished[i] for i in sorted(finished)]
