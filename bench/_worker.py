@@ -27,6 +27,10 @@ def run_job(job: dict) -> dict:
 
     for path, source in (job.get("workload_files") or {}).items():
         ship_file(path, source)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # one rank of a sharded case (bench.ranks)
+        from bench.ranks import join_process_group
+
+        join_process_group(job["case"]["device"])
     options = RunOptions(**{**job["options"], "isolate": False, "repeats": 1})
     row = run_case(Case(**job["case"]), job["env"], options, verify_result=job["verify"])
     row["isolated"] = True

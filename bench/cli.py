@@ -75,6 +75,9 @@ def _add_sweep_options(p: argparse.ArgumentParser) -> None:
                         "usually the physical cores); recorded in cpu_threads")
     p.add_argument("--deterministic", action="store_true",
                    help="cudnn.deterministic and torch.use_deterministic_algorithms(True) for each case")
+    p.add_argument("--ranks", type=_positive_int, default=1,
+                   help="processes of torch.distributed for the sharded strategies ddp, zero1, fsdp (gloo on the CPU, "
+                        "NCCL and one GPU each on CUDA); each gets 1/N of the batch (default 1)")
     p.add_argument("--executor", default=None,
                    help="where the cases run: local (default: this machine, in order) or ray (each case and repeat a "
                         "task in a fresh Ray worker process; see --ray-address)")
@@ -96,7 +99,7 @@ def _run_options(args, device: str, suite=None):
     isolate = args.isolate if getattr(args, "isolate", None) is not None else device == "cuda"
     return RunOptions(isolate=isolate or executor == "ray", repeats=getattr(args, "repeats", 1),
                       threads=getattr(args, "threads", None), deterministic=getattr(args, "deterministic", False),
-                      executor=executor)
+                      executor=executor, ranks=getattr(args, "ranks", 1))
 
 
 def _executor(args, options, suite=None):
@@ -205,12 +208,31 @@ def format_table(frame) -> str:
             any_noisy |= noisy
     if any_noisy:
         lines.append(f"~ noisy: the 95% CI of the step time is wider than {_noise_threshold():.0%} of the median")
+    lines += _rank_lines(frame)
     if {"peak_mem_spread_bytes", "repeats"} <= set(frame.columns) and (pd_num(frame["repeats"]) > 1).any():
         spread = pd_num(frame["peak_mem_spread_bytes"]).where(frame["status"] == "ok")
         differ = frame.loc[spread > 0, "strategy"].tolist()
         lines.append("peak bytes across repeats: " + (f"DIFFER for {', '.join(map(str, differ))}" if differ
                                                      else "identical in every ok row (spread 0 B)"))
     return "\n".join(lines)
+
+
+RANK_BREAKDOWN = ("params", "grads", "optimizer", "activations", "temp")
+
+
+def _rank_lines(frame) -> list[str]:
+    """For sharded cases: the ranks' peaks and what the largest rank's peak is made of (MiB)."""
+    if "ranks" not in frame or not (pd_num(frame["ranks"]) > 1).any():
+        return []
+    header = (f"{'sharded case':<32} {'phase':<5} {'ranks':>5} {'max rank':>9} {'min rank':>9}  "
+              + " ".join(f"{name:>11}" for name in RANK_BREAKDOWN))
+    lines = ["", "per rank (MiB; the breakdown is the largest rank's):", header, "-" * len(header)]
+    for _, r in frame[(pd_num(frame["ranks"]) > 1) & (frame["status"] == "ok")].iterrows():
+        parts = [r.get(f"peak_{name}_bytes") for name in RANK_BREAKDOWN]
+        lines.append(f"{r['strategy']:<32} {r['phase']:<5} {int(r['ranks']):>5} "
+                     f"{r['rank_peak_max_bytes'] / 2**20:>9.1f} {r['rank_peak_min_bytes'] / 2**20:>9.1f}  "
+                     + " ".join(f"{(v or 0) / 2**20:>11.1f}" for v in parts))
+    return lines
 
 
 def _table_line(r) -> tuple[str, bool]:
@@ -435,7 +457,8 @@ def cmd_predict(args) -> int:
     for spec in specs:
         for phase in phases:
             for batch in _batch_sizes(args.batch_size):
-                rows.append(predict.predict_case(Case(workload, spec, phase, batch, device, data=data), engine))
+                rows.append(predict.predict_case(Case(workload, spec, phase, batch, device, data=data), engine,
+                                                 args.ranks))
     print(f"predicted peak memory on {device}" + (" (torch.cuda.max_memory_allocated)" if device == "cuda" else
                                                   " (exact live tensor bytes)"))
     print(predict.format_predictions(rows))
@@ -503,6 +526,9 @@ def _add_analysis_parsers(sub) -> None:
     p.add_argument("--device", default="cuda", help="cuda (default: predict CUDA on any machine) or cpu")
     p.add_argument("--batch-size", default="100", help="one size or a comma list (default 100)")
     p.add_argument("--phases", default="train,eval", help="default train,eval")
+    p.add_argument("--ranks", type=_positive_int, default=1,
+                   help="for the sharded strategies (ddp, zero1, fsdp): the peak of one rank of N, without starting "
+                        "N processes (PyTorch's fake process group)")
     p.add_argument("--engine", default="auto", help="auto (CPU up to batch 16, else meta with the CPU as fallback), meta or cpu")
     _add_table_options(p)
     p.set_defaults(func=cmd_predict)

@@ -43,6 +43,7 @@ class RunOptions:
     threads: int | None = None
     deterministic: bool = False
     executor: str = "local"  # where the cases ran: `local` (here) or `ray` (bench.ray_executor)
+    ranks: int = 1  # processes of torch.distributed for a sharded strategy's case (bench.ranks)
 
     def resolved(self) -> "RunOptions":
         return replace(self, threads=self.threads or torch.get_num_threads())

@@ -10,7 +10,7 @@ import secrets
 
 import pandas as pd
 
-SCHEMA_VERSION = 3  # 2: workload_settings, output_rel_diff; `workload` holds the workload spec. 3: host_name, executor
+SCHEMA_VERSION = 3  # 2: workload_settings, output_rel_diff; `workload` holds the workload spec. 3: host_name, executor, ranks, rank_peak_max_bytes, rank_peak_min_bytes
 STATUSES = ("ok", "oom", "unsupported", "error")
 
 # Every results file has these columns, in this order; a test checks it.
@@ -40,7 +40,7 @@ COLUMNS = [
 # Sweep columns (bench.isolation, bench.stats), appended after the core ones: how the case was run and how
 # far its figures can be trusted. `cpu_threads` above is the thread count the case ran with (--threads).
 SWEEP_COLUMNS = [
-    "isolated", "executor", "deterministic", "repeats", "step_time_ms_ci95_low", "step_time_ms_ci95_high", "noisy",
+    "isolated", "executor", "ranks", "rank_peak_max_bytes", "rank_peak_min_bytes", "deterministic", "repeats", "step_time_ms_ci95_low", "step_time_ms_ci95_high", "noisy",
     "peak_mem_spread_bytes",
 ]
 COLUMNS += SWEEP_COLUMNS

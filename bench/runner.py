@@ -20,6 +20,7 @@ from bench import breakdown, measure
 from bench.env import environment
 from bench.errors import Unsupported, UsageError
 from bench.isolation import RunOptions, process_state, run_in_worker
+from bench.ranks import in_rank_process, run_on_ranks
 from bench.rule_of_thumb import rule_of_thumb
 from bench.results import SCHEMA_VERSION, new_run_id, now_iso, write_csv_atomic, write_rows
 from bench.stats import summarize_timing
@@ -66,9 +67,10 @@ def seed_everything(seed: int) -> None:
         torch.cuda.manual_seed_all(seed)
 
 
-def bind_case(case: Case) -> tuple[Strategy, StepContext]:
-    """The case's strategy parsed and bound to its phase, device and (resolved) workload; not yet checked."""
-    return bind_strategy(case.strategy, case.phase, case.device, get_workload(case.workload))
+def bind_case(case: Case, ranks: int = 1) -> tuple[Strategy, StepContext]:
+    """The case's strategy parsed and bound to its phase, device, (resolved) workload and the run's ranks; not yet
+    checked."""
+    return bind_strategy(case.strategy, case.phase, case.device, get_workload(case.workload), ranks)
 
 
 def _no_mark(stage: str) -> None:
@@ -89,8 +91,8 @@ class Session:
         self.strategy = strategy
         self.base_model = workload.build_model().to(case.device)
         self.model = strategy.prepare_model(self.base_model, workload.checkpoint_units(self.base_model))
-        self.optimizer = workload.make_optimizer(self.base_model)
-        inputs, target = _cpu_batch(case.workload, case.batch_size, case.data)
+        self.optimizer = strategy.wrap_optimizer(workload.make_optimizer(self.base_model), self.base_model)
+        inputs, target = strategy.shard_batch(_cpu_batch(case.workload, case.batch_size, case.data))
         self.x, self.y = to_device(inputs, case.device), to_device(target, case.device)
         self.model.train(case.phase == "train")
         self.kept: dict[str, Any] = {}  # what the article's loop keeps alive until the next step
@@ -140,7 +142,8 @@ class Session:
         return tensors_of((self.x, self.y))
 
     def optimizer_state(self) -> list[torch.Tensor]:
-        return [v for state in self.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+        optimizer = getattr(self.optimizer, "optim", self.optimizer)  # ZeroRedundancyOptimizer keeps its shard's here
+        return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
 
 
 # --- verification --------------------------------------------------------------------------------------
@@ -165,11 +168,16 @@ def snapshot(case: Case, strategy: Strategy) -> Snapshot:
         if case.phase == "train":
             strategy.backward(loss)
             strategy.unscale_grads(session.optimizer)
-            grads = {name: None if p.grad is None else p.grad.detach().float().cpu().clone()
+            grads = {name: None if p.grad is None else whole(p.grad).detach().float().cpu().clone()
                      for name, p in session.base_model.named_parameters()}
     buffers = {name: b.detach().cpu().clone() for name, b in session.base_model.named_buffers()}
     outputs = [t.detach().float().cpu() for t in tensors_of(output) if t.is_floating_point()]
-    return Snapshot(float(loss.detach()), outputs, grads, buffers)
+    return Snapshot(strategy.reduce_loss(loss), outputs, grads, buffers)
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """The full tensor of a sharded one (a DTensor gathered from every rank: every rank must call this)."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 @functools.lru_cache(maxsize=16)
@@ -331,7 +339,7 @@ def base_row(case: Case, env: dict | None = None, options: RunOptions | None = N
         "status": "ok", "message": "",
         **(env or environment(case.device)),
         "isolated": bool(options.isolate), "repeats": options.repeats, "deterministic": bool(options.deterministic),
-        "executor": options.executor,
+        "executor": options.executor, "ranks": 1,
     }
 
 
@@ -361,11 +369,14 @@ def run_case(case: Case, env: dict | None = None, options: RunOptions | None = N
     with process_state(options.threads, options.deterministic):
         row["cpu_threads"] = torch.get_num_threads()
         try:
-            strategy, context = bind_case(case)
+            strategy, context = bind_case(case, options.ranks)
             row.update(workload_columns(context.workload))
             row["strategy"] = strategy.spec()
             strategy.check(context)
             row["strategy_settings"] = settings_text(strategy)
+            if strategy.distributed and not in_rank_process():
+                row.update(run_on_ranks(case, env, options, verify_result))
+                return row
             if verify_result:
                 row.update(verify(case, strategy))
             row.update(timing_pass(case, strategy, options.repeats))

@@ -8,5 +8,5 @@ from strategies.base import (  # noqa: F401
 # Importing a strategy module registers it; one module per strategy.
 from strategies import baseline  # noqa: E402,F401
 from strategies import (  # noqa: E402,F401
-    inplace_relu, checkpoint, amp, del_intermediates, no_grad_eval, cudnn_benchmark,
+    inplace_relu, checkpoint, amp, del_intermediates, no_grad_eval, cudnn_benchmark, ddp, zero1, fsdp,
 )

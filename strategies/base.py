@@ -4,6 +4,7 @@ A strategy is applied only to the stage it concerns (the pyperf hook pattern):
 - `session()`      process-wide settings for the whole case, restored on exit (cudnn flags);
 - `prepare_model()` transform the model once, before the optimizer sees it (in-place ReLU, checkpointing of the
                    workload's checkpoint units); raises Unsupported when the model gives it nothing to do;
+- `shard_batch()`, `wrap_optimizer()`  what one process trains on and with (sharded training);
 - `forward()`      a context around the forward pass only (autocast, no_grad); the loss runs outside it;
 - `backward()`, `optimizer_step()`, `unscale_grads()`  the backward pass and the step (GradScaler);
 - `end_step()`     what the training loop keeps or frees between steps;
@@ -54,6 +55,7 @@ class StepContext:
     phase: str
     device: str
     workload: Any = None  # the case's workloads.Workload (its checkpoint units, whether they chain, its spec)
+    ranks: int = 1  # processes of torch.distributed the run asks for (--ranks); sharding strategies need 2 or more
 
 
 class Strategy:
@@ -67,6 +69,7 @@ class Strategy:
     options: dict[str, Any] = {}  # option name -> default; the default's type is the option's type
     priority = 50  # composition order: lower runs its prepare_model first and sits outside in contexts
     conflicts: tuple[str, ...] = ()
+    distributed = False  # runs as `ranks` processes of torch.distributed (bench.ranks launches them)
 
     def __init__(self, **options):
         check_option_names("strategy", self.name, options, self.options)
@@ -92,9 +95,21 @@ class Strategy:
         """Returns the model to train (may be `model` changed in place, or a wrapper sharing its parameters)."""
         return model
 
+    def shard_batch(self, batch: tuple[Any, torch.Tensor]) -> tuple[Any, torch.Tensor]:
+        """The part of the step's `(inputs, target)` this process trains on (all of it, unless sharded)."""
+        return batch
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer:
+        """The optimizer to train with, given the workload's (a sharded optimizer may replace it)."""
+        return optimizer
+
     def forward(self) -> ContextManager:
         """A context around the forward pass only."""
         return contextlib.nullcontext()
+
+    def reduce_loss(self, loss: torch.Tensor) -> float:
+        """The loss of the whole step's batch, for the comparison with the baseline (an average across ranks)."""
+        return float(loss.detach())
 
     def backward(self, loss: torch.Tensor) -> None:
         """Computes gradients from `loss`."""
@@ -139,11 +154,12 @@ class Composite(Strategy):
             for other in m.conflicts:
                 if other in names:
                     raise UsageError(f"strategies {m.name!r} and {other!r} cannot be combined")
-        for hook in ("backward", "unscale_grads", "optimizer_step", "zero_grad"):
+        for hook in ("backward", "unscale_grads", "optimizer_step", "zero_grad", "shard_batch", "reduce_loss"):
             owners = [m.name for m in self.members if _overrides(m, hook)]
             if len(owners) > 1:
                 raise UsageError(f"strategies {owners[0]!r} and {owners[1]!r} cannot be combined: both replace {hook}")
         self.name = "+".join(names)
+        self.distributed = any(m.distributed for m in self.members)
         self.description = "; ".join(m.description for m in self.members)
         self.settings = {}
         self.tolerance = EXACT
@@ -181,6 +197,17 @@ class Composite(Strategy):
             model = m.prepare_model(model, units)
         return model
 
+    def shard_batch(self, batch):
+        return self._owner("shard_batch").shard_batch(batch)
+
+    def wrap_optimizer(self, optimizer, model):
+        for m in self.members:
+            optimizer = m.wrap_optimizer(optimizer, model)
+        return optimizer
+
+    def reduce_loss(self, loss):
+        return self._owner("reduce_loss").reduce_loss(loss)
+
     def backward(self, loss):
         self._owner("backward").backward(loss)
 
@@ -214,10 +241,11 @@ def parse_one(text: str) -> Strategy:
     return cls(**parse_option_parts("strategy", name, parts, cls.options, text))
 
 
-def bind_strategy(spec: str, phase: str, device: str, workload: Any = None) -> tuple[Strategy, StepContext]:
-    """`parse_strategy(spec)` bound to the case's phase, device and workload (not yet checked)."""
+def bind_strategy(spec: str, phase: str, device: str, workload: Any = None,
+                  ranks: int = 1) -> tuple[Strategy, StepContext]:
+    """`parse_strategy(spec)` bound to the case's phase, device, workload and ranks (not yet checked)."""
     strategy = parse_strategy(spec)
-    context = StepContext(phase, device, workload)
+    context = StepContext(phase, device, workload, ranks)
     strategy.bind(context)
     return strategy, context
 
