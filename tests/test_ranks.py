@@ -27,7 +27,7 @@ def _row(strategy: str, workload: str = WORKLOAD) -> dict:
     return run_case(_case(strategy, workload), env={}, options=RANKS)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero1", "fsdp", "fsdp+checkpoint"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "fsdp", "fsdp+checkpoint", "fsdp+amp"])
 def test_sharded_step_matches_one_process_on_the_global_batch(strategy):
     row = _row(strategy)
     assert row["status"] == "ok", row["message"]
