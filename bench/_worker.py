@@ -13,17 +13,34 @@ import os
 import sys
 
 
-def main() -> int:
-    job = json.loads(sys.stdin.read())
+def run_job(job: dict) -> dict:
+    """One repeat of one case, as described by `job` (see the module docstring); returns its row.
+
+    Also the body of a Ray task (bench.ray_executor). `job["workload_files"]` maps the path of a user's workload
+    file, as the spec names it, to its source, for a process that does not have the file (another machine)."""
     for module in filter(None, (m.strip() for m in os.environ.get("MEMBENCH_PLUGINS", "").split(","))):
         importlib.import_module(module)
 
-    from bench.isolation import ROW_MARKER, RunOptions
+    from bench.isolation import RunOptions
     from bench.runner import Case, run_case
+    from workloads.loader import ship_file
 
+    for path, source in (job.get("workload_files") or {}).items():
+        ship_file(path, source)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # one rank of a sharded case (bench.ranks)
+        from bench.ranks import join_process_group
+
+        join_process_group(job["case"]["device"])
     options = RunOptions(**{**job["options"], "isolate": False, "repeats": 1})
     row = run_case(Case(**job["case"]), job["env"], options, verify_result=job["verify"])
     row["isolated"] = True
+    return row
+
+
+def main() -> int:
+    from bench.isolation import ROW_MARKER
+
+    row = run_job(json.loads(sys.stdin.read()))
     sys.stdout.write(ROW_MARKER + json.dumps(row, default=str) + "\n")
     sys.stdout.flush()
     return 0

@@ -104,17 +104,46 @@ def _add_sweep_options(p: argparse.ArgumentParser) -> None:
                         "usually the physical cores); recorded in cpu_threads")
     p.add_argument("--deterministic", action="store_true",
                    help="cudnn.deterministic and torch.use_deterministic_algorithms(True) for each case (default off)")
+    p.add_argument("--ranks", type=_positive_int, default=1,
+                   help="processes of torch.distributed for the sharded strategies ddp, zero1, fsdp (gloo on the CPU, "
+                        "NCCL and one GPU each on CUDA); each gets 1/N of the batch (default 1)")
+    p.add_argument("--executor", default=None,
+                   help="where the cases run: local (default: this machine, in order) or ray (each case and repeat a "
+                        "task in a fresh Ray worker process; see --ray-address)")
+    p.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                   help="the Ray cluster for --executor ray (auto, ray://head:10001, head:6379); default: start a "
+                        "local Ray bound to 127.0.0.1 for the sweep")
     p.add_argument("--resume", default=None, metavar="CSV",
                    help="continue the run in this results CSV: skip its finished cases, run the rest into it "
                         "(default: a new CSV in --out)")
 
 
-def _run_options(args, device: str):
+EXECUTORS = ("local", "ray")
+
+
+def _run_options(args, device: str, suite=None):
+    """The run's options; `--executor` and `--ray-address` fall back to the suite file's `executor`/`ray_address`."""
     from bench.isolation import RunOptions
 
+    executor = _check_choice("executor", args.executor or getattr(suite, "executor", None) or "local", EXECUTORS)
     isolate = args.isolate if getattr(args, "isolate", None) is not None else device == "cuda"
-    return RunOptions(isolate=isolate, repeats=getattr(args, "repeats", 1), threads=getattr(args, "threads", None),
-                      deterministic=getattr(args, "deterministic", False))
+    return RunOptions(isolate=isolate or executor == "ray", repeats=getattr(args, "repeats", 1),
+                      threads=getattr(args, "threads", None), deterministic=getattr(args, "deterministic", False),
+                      executor=executor, ranks=getattr(args, "ranks", 1))
+
+
+def _executor(args, options, suite=None):
+    """The runner's executor for `options.executor` (bench.runner.local_executor, or a RayExecutor)."""
+    from bench.runner import local_executor
+
+    if options.executor != "ray":
+        if args.ray_address:
+            raise UsageError("--ray-address needs --executor ray")
+        return local_executor
+    from bench.ray_executor import RayExecutor, import_ray
+
+    import_ray()  # a missing package is an error before any case
+    return RayExecutor(args.ray_address or getattr(suite, "ray_address", None))
 
 
 def _suite_from_args(args, device: str, strategies: list[str] | None):
@@ -345,12 +374,13 @@ def _run_suite(suite, device: str, out: str, options=None, resume: str | None = 
 
     options = options or RunOptions()
     preflight.check_threads(options.threads)
+    executor = _executor(args, options, suite) if args is not None else None  # None: run_cases' own default
     cases = suite.cases(device)
     if args is not None:
         _check_steps(cases, args)
     preflight.check_cases(cases, bind_case)
     previous, run_id = None, None
-    if resume:
+    if args.resume:
         from bench.resume import load_resume
 
         if not Path(resume).is_file():
@@ -383,7 +413,7 @@ def _run_suite(suite, device: str, out: str, options=None, resume: str | None = 
 
         with progress.listening(bar.step):
             rows = run_cases(cases, out_path, progress=on_case, options=options, previous_rows=previous,
-                             run_id=run_id)
+                             run_id=run_id, **({"executor": executor} if executor else {}))
     return to_frame(rows), out_path
 
 
@@ -430,12 +460,31 @@ def format_table(frame) -> str:
                 any_noisy |= noisy
     if any_noisy:
         lines.append(f"~ noisy: the 95% CI of the step time is wider than {_noise_threshold():.0%} of the median")
+    lines += _rank_lines(frame)
     if {"peak_mem_spread_bytes", "repeats"} <= set(frame.columns) and (pd_num(frame["repeats"]) > 1).any():
         spread = pd_num(frame["peak_mem_spread_bytes"]).where(frame["status"] == "ok")
         differ = frame.loc[spread > 0, "strategy"].tolist()
         lines.append("peak bytes across repeats: " + (f"DIFFER for {', '.join(map(str, differ))}" if differ
                                                      else "identical in every ok row (spread 0 B)"))
     return "\n".join(lines)
+
+
+RANK_BREAKDOWN = ("params", "grads", "optimizer", "activations", "temp")
+
+
+def _rank_lines(frame) -> list[str]:
+    """For sharded cases: the ranks' peaks and what the largest rank's peak is made of (MiB)."""
+    if "ranks" not in frame or not (pd_num(frame["ranks"]) > 1).any():
+        return []
+    header = (f"{'sharded case':<32} {'phase':<5} {'ranks':>5} {'max rank':>9} {'min rank':>9}  "
+              + " ".join(f"{name:>11}" for name in RANK_BREAKDOWN))
+    lines = ["", "per rank (MiB; the breakdown is the largest rank's):", header, "-" * len(header)]
+    for _, r in frame[(pd_num(frame["ranks"]) > 1) & (frame["status"] == "ok")].iterrows():
+        parts = [r.get(f"peak_{name}_bytes") for name in RANK_BREAKDOWN]
+        lines.append(f"{r['strategy']:<32} {r['phase']:<5} {int(r['ranks']):>5} "
+                     f"{r['rank_peak_max_bytes'] / 2**20:>9.1f} {r['rank_peak_min_bytes'] / 2**20:>9.1f}  "
+                     + " ".join(f"{(v or 0) / 2**20:>11.1f}" for v in parts))
+    return lines
 
 
 def _table_line(r) -> tuple[str, bool]:
@@ -532,7 +581,7 @@ def cmd_run(args) -> int:
     apply_memory_limit(getattr(args, "memory_limit", None), device)
     strategies = _csv_list(args.strategies) if args.strategies else None
     suite = _suite_from_args(args, device, strategies)
-    frame, path = _run_suite(suite, device, args.out, _run_options(args, device), args.resume, args)
+    frame, path = _run_suite(suite, device, args.out, _run_options(args, device, suite), args.resume, args)
     return _finish_run(frame, path)
 
 
@@ -543,7 +592,7 @@ def cmd_compare(args) -> int:
     device = resolve_device(args.device)
     apply_memory_limit(getattr(args, "memory_limit", None), device)
     suite = _suite_from_args(args, device, _csv_list(args.strategies))
-    frame, path = _run_suite(suite, device, args.out, _run_options(args, device), args.resume, args)
+    frame, path = _run_suite(suite, device, args.out, _run_options(args, device, suite), args.resume, args)
     return _finish_run(frame, path)
 
 
@@ -715,7 +764,7 @@ def cmd_predict(args) -> int:
     rows = []
     for index, case in enumerate(cases):
         _status(f"[{index + 1}/{len(cases)}] predicting {case.strategy} {case.phase} bs={case.batch_size} ...")
-        rows.append(predict.predict_case(case, engine))
+        rows.append(predict.predict_case(case, engine, args.ranks))
     print(f"predicted peak memory on {device}" + (" (torch.cuda.max_memory_allocated)" if device == "cuda" else
                                                   " (exact live tensor bytes)"))
     print(predict.format_predictions(rows))
@@ -812,6 +861,9 @@ def _add_analysis_parsers(sub) -> None:
     p.add_argument("--device", default="cuda", help="cuda (predict CUDA on any machine) or cpu (default cuda)")
     p.add_argument("--batch-size", default="100", help="one size or a comma list (default 100)")
     p.add_argument("--phases", default="train,eval", help="train,eval, train or eval (default train,eval)")
+    p.add_argument("--ranks", type=_positive_int, default=1,
+                   help="for the sharded strategies (ddp, zero1, fsdp): the peak of the largest of N ranks, without "
+                        "starting N processes (PyTorch's fake process group; default 1)")
     p.add_argument("--engine", default="auto", help="auto (CPU up to batch 16, else meta with the CPU as fallback), "
                                                     "meta or cpu (default auto)")
     _add_table_options(p)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import platform
+import socket
 import subprocess
 from pathlib import Path
 
@@ -58,10 +59,11 @@ def device_name(device: str) -> str:
 
 
 def environment(device: str) -> dict:
-    """torch, CUDA and cuDNN versions, device name, CPU threads, git commit, Python and OS."""
+    """torch, CUDA and cuDNN versions, device and host name, CPU threads, git commit, Python and OS."""
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     return {
         "device_name": device_name(device),
+        "host_name": socket.gethostname(),
         "torch_version": torch.__version__,
         "cuda_version": torch.version.cuda or "none",
         "cudnn_version": str(cudnn) if cudnn else "none",

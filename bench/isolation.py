@@ -19,7 +19,7 @@ import os
 import signal
 import subprocess
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -42,9 +42,11 @@ class RunOptions:
     repeats: int = 1
     threads: int | None = None
     deterministic: bool = False
+    executor: str = "local"  # where the cases ran: `local` (here) or `ray` (bench.ray_executor)
+    ranks: int = 1  # processes of torch.distributed for a sharded strategy's case (bench.ranks)
 
     def resolved(self) -> "RunOptions":
-        return RunOptions(self.isolate, self.repeats, self.threads or torch.get_num_threads(), self.deterministic)
+        return replace(self, threads=self.threads or torch.get_num_threads())
 
 
 def _flags() -> dict[str, Any]:

@@ -137,6 +137,7 @@ class LiveTensorTracker(TorchDispatchMode):
         self._update_peak("")
 
     def _register(self, t: torch.Tensor, category: str) -> None:
+        t = getattr(t, "_local_tensor", t)  # a DTensor (FSDP's sharded parameters): this rank's shard is what lives here
         if t.device.type != self.device or (t.is_meta and self.device != "meta"):
             return
         try:
@@ -173,6 +174,7 @@ class LiveTensorTracker(TorchDispatchMode):
         for t in tensors:
             if not isinstance(t, torch.Tensor) or t.device.type != self.device:
                 continue
+            t = getattr(t, "_local_tensor", t)  # a DTensor: its shard on this rank
             info = self._storages.get(t.untyped_storage())
             if info is None:
                 self._register(t, category)

@@ -15,6 +15,7 @@ import torch
 
 from bench import measure
 from bench.errors import Unsupported
+from bench.ranks import fake_process_group, in_rank_process
 from bench.runner import bind_case, memory_pass
 
 CUDA_BLOCK_BYTES = 512
@@ -57,9 +58,17 @@ def _cuda_like_forward(strategy, engine: str):
 
 
 def tracked_peak(case, spec: str, engine: str = "meta", block_bytes: int = CUDA_BLOCK_BYTES,
-                 cuda_autocast: bool = True) -> int:
-    """The tracked peak of one steady-state step of `case` (its device is ignored) on `engine` (meta or cpu)."""
-    strategy, _ = bind_case(replace(case, strategy=spec, device="cpu"))
+                 cuda_autocast: bool = True, ranks: int = 1) -> int:
+    """The tracked peak of one steady-state step of `case` (its device is ignored) on `engine` (meta or cpu); for
+    a sharded strategy, the largest of its `ranks` ranks' peaks, each run in turn in this process as that rank of
+    PyTorch's fake process group, on the CPU (shards of the batch and of parameters differ in size by rank)."""
+    strategy, _ = bind_case(replace(case, strategy=spec, device="cpu"), ranks)
+    if strategy.distributed and not in_rank_process():
+        peaks = []
+        for rank in range(ranks):
+            with fake_process_group(ranks, rank):
+                peaks.append(tracked_peak(case, spec, "cpu", block_bytes, cuda_autocast, ranks))
+        return max(peaks)
     if cuda_autocast:
         strategy.forward = _cuda_like_forward(strategy, engine)
     tracker = measure.LiveTensorTracker(engine, block_bytes=block_bytes)
@@ -67,16 +76,17 @@ def tracked_peak(case, spec: str, engine: str = "meta", block_bytes: int = CUDA_
     return int(memory["peak_mem_bytes"])
 
 
-def predict_case(case, engine: str = "auto") -> dict:
-    """One prediction row: strategy, phase, batch, predicted bytes, the engine used, status and message."""
+def predict_case(case, engine: str = "auto", ranks: int = 1) -> dict:
+    """One prediction row: strategy, phase, batch, predicted bytes, the engine used, status and message; for a
+    sharded strategy the peak of the largest of `ranks` ranks."""
     row = {"workload": case.workload, "strategy": case.strategy, "phase": case.phase,
            "batch_size": case.batch_size, "device": case.device, "predicted_bytes": None,
-           "predicted_mib": None, "engine": None, "status": "ok", "message": ""}
+           "predicted_mib": None, "engine": None, "status": "ok", "message": "", "ranks": 1}
     with warnings.catch_warnings():
         # binding a strategy to `cuda` on a machine without CUDA: predict only reads its spec and checks it, and
         # runs it on the CPU; a GradScaler's "CUDA is not available. Disabling." is about a scaler never used
         warnings.filterwarnings("ignore", message=".*GradScaler is enabled, but CUDA is not available.*")
-        strategy, context = bind_case(case)
+        strategy, context = bind_case(case, ranks)
     row["strategy"] = strategy.spec()
     try:
         strategy.check(context)
@@ -84,13 +94,16 @@ def predict_case(case, engine: str = "auto") -> dict:
         row.update(status="unsupported", message=str(error))
         return row
     block = CUDA_BLOCK_BYTES if case.device == "cuda" else 1
-    if engine == "auto":  # the CPU is exact and cheap at small batches; meta is fast at any batch
+    if strategy.distributed:
+        row.update(ranks=ranks, message=f"largest rank of {ranks}, fake process group")
+        engines = ["cpu"]
+    elif engine == "auto":  # the CPU is exact and cheap at small batches; meta is fast at any batch
         engines = ["cpu"] if case.batch_size <= AUTO_CPU_MAX_BATCH else ["meta", "cpu"]
     else:
         engines = [engine]
     for name in engines:
         try:
-            peak = tracked_peak(case, row["strategy"], name, block, cuda_autocast=case.device == "cuda")
+            peak = tracked_peak(case, row["strategy"], name, block, cuda_autocast=case.device == "cuda", ranks=ranks)
         except _UsesAutocast:
             row["message"] = "autocast: ran on the CPU"
             continue

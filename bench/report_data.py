@@ -163,8 +163,10 @@ def _safe(text: str) -> str:
 def make_groups(frame: pd.DataFrame) -> list[Group]:
     groups = []
     for run_id, run in frame.groupby("run_id", sort=True):
-        dims = ("device", "workload", "data")
+        dims = ("device", "device_name", "workload", "data")  # a run over several kinds of GPU: one group each
         varying = [d for d in dims if run[d].nunique() > 1]
+        if "device_name" in varying and run.groupby("device")["device_name"].nunique().max() == 1:
+            varying.remove("device_name")  # one name per device: the device already tells the groups apart
         for key, rows in run.groupby(list(dims), sort=True):
             values = dict(zip(dims, key))
             suffix = "".join(f".{_safe(values[d])}" for d in varying)

@@ -12,7 +12,8 @@ import pandas as pd
 
 # 2: workload_settings, output_rel_diff; `workload` holds the workload spec (name and options)
 # 3: max_param_rel_diff (the weights after one optimizer step), mem_growth_bytes_per_step; STRATEGY_COLUMNS
-#    (predicted_peak_bytes of a budget plan, compile_time_ms, offload_host_peak_bytes)
+#    (predicted_peak_bytes of a budget plan, compile_time_ms, offload_host_peak_bytes); host_name, executor, ranks,
+#    rank_peak_max_bytes, rank_peak_min_bytes
 SCHEMA_VERSION = 3
 STATUSES = ("ok", "oom", "unsupported", "error")
 
@@ -20,7 +21,8 @@ STATUSES = ("ok", "oom", "unsupported", "error")
 COLUMNS = [
     "schema_version", "run_id", "timestamp",
     # the case
-    "workload", "workload_settings", "strategy", "strategy_settings", "phase", "device", "device_name", "batch_size", "data",
+    "workload", "workload_settings", "strategy", "strategy_settings", "phase", "device", "device_name", "host_name",
+    "batch_size", "data",
     "warmup_steps", "measured_steps",
     # timing pass
     "step_time_ms_median", "step_time_ms_iqr", "step_time_ms_min", "samples_per_s",
@@ -42,7 +44,7 @@ COLUMNS = [
 # Sweep columns (bench.isolation, bench.stats), appended after the core ones: how the case was run and how
 # far its figures can be trusted. `cpu_threads` above is the thread count the case ran with (--threads).
 SWEEP_COLUMNS = [
-    "isolated", "deterministic", "repeats", "step_time_ms_ci95_low", "step_time_ms_ci95_high", "noisy",
+    "isolated", "executor", "ranks", "rank_peak_max_bytes", "rank_peak_min_bytes", "deterministic", "repeats", "step_time_ms_ci95_low", "step_time_ms_ci95_high", "noisy",
     "peak_mem_spread_bytes",
 ]
 COLUMNS += SWEEP_COLUMNS
@@ -123,7 +125,7 @@ def write_rows(rows: list[dict], path: Path) -> pd.DataFrame:
 
 
 # columns whose values look like numbers but are text: a commit such as `50685e286372` would be read as infinity
-TEXT_COLUMNS = ["run_id", "git_commit", "workload", "workload_settings", "strategy", "strategy_settings",
+TEXT_COLUMNS = ["run_id", "git_commit", "host_name", "workload", "workload_settings", "strategy", "strategy_settings",
                 "torch_version", "cuda_version", "cudnn_version", "python_version"]
 
 

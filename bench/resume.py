@@ -82,7 +82,7 @@ def load_resume(path: Path | str, cases: list, options: RunOptions) -> Resumed:
         for column, value in wanted.items():
             if not _same(_stored(frame, column), value):
                 differences.append(f"{column}: file has {_stored(frame, column)}, requested {value}")
-    for column, value in {"repeats": options.repeats, "cpu_threads": options.threads,
+    for column, value in {"repeats": options.repeats, "cpu_threads": options.threads, "ranks": options.ranks,
                           "deterministic": options.deterministic}.items():
         if not _same(_stored(frame, column), value):
             differences.append(f"{column}: file has {_stored(frame, column)}, requested {value}")

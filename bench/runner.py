@@ -12,7 +12,7 @@ import random
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pandas as pd
 import torch
@@ -23,6 +23,7 @@ from bench import breakdown, measure, progress
 from bench.env import environment
 from bench.errors import Unsupported, UsageError
 from bench.isolation import RunOptions, process_state, run_in_worker
+from bench.ranks import in_rank_process, run_on_ranks
 from bench.rule_of_thumb import rule_of_thumb
 from bench.results import SCHEMA_VERSION, new_run_id, now_iso, write_csv_atomic, write_rows
 from bench.stats import summarize_timing
@@ -70,9 +71,10 @@ def seed_everything(seed: int) -> None:
         torch.cuda.manual_seed_all(seed)
 
 
-def bind_case(case: Case) -> tuple[Strategy, StepContext]:
-    """The case's strategy parsed and bound to its phase, device and (resolved) workload; not yet checked."""
-    return bind_strategy(case.strategy, case.phase, case.device, get_workload(case.workload), case.batch_size)
+def bind_case(case: Case, ranks: int = 1) -> tuple[Strategy, StepContext]:
+    """The case's strategy parsed and bound to its phase, device, (resolved) workload, batch size and the run's
+    ranks; not yet checked."""
+    return bind_strategy(case.strategy, case.phase, case.device, get_workload(case.workload), case.batch_size, ranks)
 
 
 def _no_mark(stage: str) -> None:
@@ -102,7 +104,7 @@ class Session:
                     param.register_post_accumulate_grad_hook(self._grad_ready)
         self.model = strategy.prepare_model(self.base_model, workload.checkpoint_units(self.base_model))
         self.optimizer = strategy.wrap_optimizer(workload.make_optimizer(self.base_model), self.base_model)
-        self.host_batch = _cpu_batch(case.workload, case.batch_size, case.data)
+        self.host_batch = strategy.shard_batch(_cpu_batch(case.workload, case.batch_size, case.data))
         inputs, target = self.host_batch
         self.x, self.y = to_device(inputs, case.device), to_device(target, case.device)
         self.model.train(case.phase == "train")
@@ -186,7 +188,8 @@ class Session:
         return tensors_of((self.x, self.y))
 
     def optimizer_state(self) -> list[torch.Tensor]:
-        return [v for state in self.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+        optimizer = getattr(self.optimizer, "optim", self.optimizer)  # ZeroRedundancyOptimizer keeps its shard's here
+        return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
 
 
 # --- verification --------------------------------------------------------------------------------------
@@ -228,10 +231,11 @@ def snapshot(case: Case, strategy: Strategy) -> Snapshot:
             outputs = [torch.cat(pieces) if len(pieces) > 1 else pieces[0] for pieces in zip(*output_parts)]
             strategy.unscale_grads(session.optimizer)
             for name, p in session.base_model.named_parameters():
-                grad = p.grad.detach().float().cpu().clone() if p.grad is not None else accumulated.get(p)
+                grad = whole(p.grad).detach().float().cpu().clone() if p.grad is not None else accumulated.get(p)
                 grads[name] = grad
             strategy.optimizer_step(session.optimizer)
-            stepped = {name: p.detach().float().cpu().clone() for name, p in session.base_model.named_parameters()}
+            stepped = {name: whole(p).detach().float().cpu().clone()
+                       for name, p in session.base_model.named_parameters()}
         else:
             inputs, _ = session.batch()
             output = session.forward(inputs)
@@ -239,11 +243,16 @@ def snapshot(case: Case, strategy: Strategy) -> Snapshot:
             outputs = tensors_of(_detached(output))
     buffers = {name: b.detach().cpu().clone() for name, b in session.base_model.named_buffers()}
     outputs = [t.float() for t in outputs if t.is_floating_point()]
-    return Snapshot(loss, outputs, grads, buffers, stepped)
+    return Snapshot(strategy.reduce_loss(loss), outputs, grads, buffers, stepped)
 
 
 def _detached(output: Any) -> Any:
     return tree_map(lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t, output)
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """The full tensor of a sharded one (a DTensor gathered from every rank: every rank must call this)."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 @functools.lru_cache(maxsize=16)
@@ -506,6 +515,7 @@ def base_row(case: Case, env: dict | None = None, options: RunOptions | None = N
         "status": "ok", "message": "",
         **(env or environment(case.device)),
         "isolated": bool(options.isolate), "repeats": options.repeats, "deterministic": bool(options.deterministic),
+        "executor": options.executor, "ranks": 1,
     }
 
 
@@ -535,11 +545,14 @@ def run_case(case: Case, env: dict | None = None, options: RunOptions | None = N
     with process_state(options.threads, options.deterministic):
         row["cpu_threads"] = torch.get_num_threads()
         try:
-            strategy, context = bind_case(case)
+            strategy, context = bind_case(case, options.ranks)
             row.update(workload_columns(context.workload))
             row["strategy"] = strategy.spec()
             strategy.check(context)
             row["strategy_settings"] = settings_text(strategy)
+            if strategy.distributed and not in_rank_process():
+                row.update(run_on_ranks(case, env, options, verify_result))
+                return row
             strategy.plan(CaseMeter(case))
             if verify_result:
                 row.update(verify(case, strategy))
@@ -583,16 +596,42 @@ def run_case_isolated(case: Case, env: dict | None, options: RunOptions) -> dict
     repeats = []
     for index in range(options.repeats):
         row = {**base_row(case, env, options), **run_in_worker(case, env, options, verify=index == 0)}
-        row.update(isolated=True, repeats=options.repeats)
         if row["status"] != "ok":
-            return row
+            return pool_repeats(case, [row], options)
         repeats.append(row)
-    row = repeats[0]
+    return pool_repeats(case, repeats, options)
+
+
+def pool_repeats(case: Case, repeats: list[dict[str, Any]], options: RunOptions) -> dict[str, Any]:
+    """The row of a case whose repeats ran in separate processes: the first repeat's row (it verified), with
+    the timing and peaks of all repeats pooled; a repeat that did not end `ok` is the case's row."""
+    failed = [r for r in repeats if r["status"] != "ok"]
+    row = dict(failed[0] if failed else repeats[0])
+    row.update(isolated=True, repeats=options.repeats)
+    if failed:
+        return row
     times = [t for r in repeats for t in r["_step_times_ms"]]
     peaks = [p for r in repeats for p in r["_peaks"]]
     row.update(summarize_timing(case.batch_size, times), **peak_columns(peaks))
-    row["repeats"] = options.repeats
     return row
+
+
+# An executor runs cases and yields (index in `cases`, case, row) as each case finishes, in any order; it calls
+# `started(index, case)` when a case begins, if it knows. bench.ray_executor is another.
+Executor = Callable[[list[Case], RunOptions, Callable[[int, Case], None]], Iterator[tuple[int, Case, dict]]]
+
+
+def local_executor(cases: list[Case], options: RunOptions,
+                   started: Callable[[int, Case], None]) -> Iterator[tuple[int, Case, dict]]:
+    """Cases one after the other on this machine: in this process, or each in fresh worker processes."""
+    envs: dict[str, dict] = {}
+    for index, case in enumerate(cases):
+        started(index, case)
+        env = envs.setdefault(case.device, environment(case.device))
+        if options.isolate:
+            yield index, case, run_case_isolated(case, env, options)
+        else:
+            yield index, case, run_case(case, env, options)
 
 
 class StepTimeline:
@@ -628,35 +667,34 @@ class StepTimeline:
 def run_cases(cases: list[Case], out_path: Path | None = None,
               progress: Callable[[int, int, Case, dict | None], None] | None = None,
               options: RunOptions | None = None, previous_rows: list[dict] | None = None,
-              run_id: str | None = None) -> list[dict]:
-    """Runs every case in order; after each one the CSV at `out_path` is rewritten atomically with all rows so far.
+              run_id: str | None = None, executor: Executor = local_executor) -> list[dict]:
+    """Runs every case; after each one finishes the CSV at `out_path` is rewritten atomically with all rows so far.
 
     `options`: isolation, repeats, threads, determinism (bench.isolation.RunOptions; default: in-process, once).
-    `previous_rows` (a resumed run's finished rows) are written first and returned with the new ones;
-    `run_id` defaults to the file's stem. A reader (or a run killed at any moment) never sees a half-written
-    file: each write goes to a temporary file renamed over the CSV.
+    `executor` runs the cases (default: here, in order; `bench.ray_executor.RayExecutor` on a Ray cluster); rows
+    are written in the cases' order whatever order they finish in. `previous_rows` (a resumed run's finished
+    rows) are written first and returned with the new ones; `run_id` defaults to the file's stem. A reader (or a
+    run killed at any moment) never sees a half-written file: each write goes to a temporary file renamed over
+    the CSV.
     """
     options = (options or RunOptions()).resolved()
     run_id = run_id or (new_run_id() if out_path is None else Path(out_path).stem)
-    envs: dict[str, dict] = {}
-    rows: list[dict] = list(previous_rows or [])
+    finished: dict[int, dict] = {}
     timeline = StepTimeline(out_path)
-    for index, case in enumerate(cases):
+
+    def started(index: int, case: Case) -> None:
         if progress:
             progress(index, len(cases), case, None)
-        env = envs.setdefault(case.device, environment(case.device))
-        if options.isolate:
-            row = run_case_isolated(case, env, options)
-        else:
-            row = run_case(case, env, options)
+
+    for index, case, row in executor(cases, options, started):
         timeline.add(replace(case, strategy=row["strategy"]), row.get("_timeline"))
         row = {k: v for k, v in row.items() if not k.startswith("_")}
         row["run_id"] = run_id
         row["timestamp"] = now_iso()  # when the case finished, as results/README.md says
-        rows.append(row)
+        finished[index] = row
         if out_path is not None:
-            write_rows(rows, out_path)
+            write_rows(list(previous_rows or []) + [finished[i] for i in sorted(finished)], out_path)
             timeline.write()
         if progress:
             progress(index, len(cases), case, row)
-    return rows
+    return list(previous_rows or []) + [finished[i] for i in sorted(finished)]

@@ -27,6 +27,8 @@ _FIELDS: dict[str, tuple[type, str]] = {
     "batch_sizes": (list, "a list of positive integers"),
     "warmup": (int, "a non-negative integer"),
     "steps": (int, "a positive integer"),
+    "executor": (str, "local or ray"),
+    "ray_address": (str, "a Ray cluster address (auto, ray://head:10001)"),
 }
 _DEVICE_KEYS = ("cpu", "cuda")
 _PER_WORKLOAD = ("data", "strategies", "phases", "batch_sizes", "warmup", "steps")
@@ -47,6 +49,8 @@ class Suite:
     batch_sizes: list[int] | None = None
     warmup: int = DEFAULT_WARMUP_STEPS
     steps: int = DEFAULT_MEASURED_STEPS
+    executor: str | None = None  # where the cases run (the command line's --executor wins)
+    ray_address: str | None = None
 
     def set_workloads(self, specs: list[str]) -> None:
         """Replaces the suite's workloads by `specs`, keeping no per-workload override."""
@@ -121,6 +125,8 @@ def validate(values: dict[str, Any], where: str) -> dict[str, Any]:
     for phase in values.get("phases", []):
         if phase not in PHASES:
             raise UsageError(f"{where}: key 'phases': unknown phase {phase!r}; valid choices: {', '.join(PHASES)}")
+    if values.get("executor", "local") not in ("local", "ray"):
+        raise UsageError(f"{where}: key 'executor': unknown executor {values['executor']!r}; valid choices: local, ray")
     if values.get("warmup", 0) < 0:
         raise UsageError(f"{where}: key 'warmup' must be a non-negative integer, got {values['warmup']!r}")
     if "steps" in values and values["steps"] <= 0:

@@ -12,4 +12,5 @@ from strategies import (  # noqa: E402,F401
     offload, compile,
     grad_accumulation, optimizer_in_backward, optimizer, keep_grads, empty_cache, pinned_loader,
     pitfall_loss_sum, pitfall_retain_graph,
+    ddp, zero1, fsdp,
 )

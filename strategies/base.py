@@ -8,6 +8,7 @@ A strategy is applied only to the stage it concerns (the pyperf hook pattern):
                    implementation, per-parameter steps run in backward);
 - `load_batch()`   where each step's batch comes from (a pinned host-memory DataLoader);
 - `micro_batches()` the pieces one training step runs forward and backward on (gradient accumulation);
+- `shard_batch()`  the part of the batch this process trains on (sharded training, one rank of several);
 - `forward()`      a context around the forward pass only (autocast, no_grad); the loss runs outside it;
 - `backward()`, `optimizer_step()`, `unscale_grads()`, `zero_grad()`  the backward pass and the step (GradScaler);
 - `accumulate_loss()` what the loop does with each step's loss for its running total;
@@ -69,6 +70,7 @@ class StepContext:
     device: str
     workload: Any = None  # the case's workloads.Workload (its checkpoint units, whether they chain, its spec)
     batch_size: int | None = None
+    ranks: int = 1  # processes of torch.distributed the run asks for (--ranks); sharding strategies need 2 or more
 
 
 # One micro-batch of a step: (inputs, target, the factor its loss is multiplied by before backward)
@@ -107,6 +109,7 @@ class Strategy:
     options: dict[str, Any] = {}  # option name -> default; the default's type is the option's type
     priority = 50  # composition order: lower runs its prepare_model first and sits outside in contexts
     conflicts: tuple[str, ...] = ()
+    distributed = False  # runs as `ranks` processes of torch.distributed (bench.ranks launches them)
 
     def __init__(self, **options):
         check_option_names("strategy", self.name, options, self.options)
@@ -151,9 +154,18 @@ class Strategy:
         """The pieces a training step runs forward and backward on before its one optimizer step."""
         return [(inputs, target, 1.0)]
 
+    def shard_batch(self, batch: tuple[Any, torch.Tensor]) -> tuple[Any, torch.Tensor]:
+        """The part of the step's `(inputs, target)` this process trains on (all of it, unless sharded)."""
+        return batch
+
     def forward(self) -> ContextManager:
         """A context around the forward pass only."""
         return contextlib.nullcontext()
+
+    def reduce_loss(self, loss: float) -> float:
+        """The loss of the whole step's batch from this process's, for the comparison with the baseline (an
+        average across ranks when each trained on a shard)."""
+        return loss
 
     def backward(self, loss: torch.Tensor) -> None:
         """Computes gradients from `loss`."""
@@ -212,11 +224,13 @@ class Composite(Strategy):
             for other in m.conflicts:
                 if other in names:
                     raise UsageError(f"strategies {m.name!r} and {other!r} cannot be combined")
-        for hook in ("load_batch", "micro_batches", "backward", "unscale_grads", "optimizer_step", "zero_grad"):
+        for hook in ("load_batch", "micro_batches", "backward", "unscale_grads", "optimizer_step", "zero_grad",
+                     "shard_batch", "reduce_loss"):
             owners = [m.name for m in self.members if _overrides(m, hook)]
             if len(owners) > 1:
                 raise UsageError(f"strategies {owners[0]!r} and {owners[1]!r} cannot be combined: both replace {hook}")
         self.name = "+".join(names)
+        self.distributed = any(m.distributed for m in self.members)
         self.description = "; ".join(m.description for m in self.members)
         self.settings = {}
         self.tolerance = EXACT
@@ -254,6 +268,9 @@ class Composite(Strategy):
             model = m.prepare_model(model, units)
         return model
 
+    def shard_batch(self, batch):
+        return self._owner("shard_batch").shard_batch(batch)
+
     def wrap_optimizer(self, optimizer, model):
         for m in self.members:
             optimizer = m.wrap_optimizer(optimizer, model)
@@ -264,6 +281,8 @@ class Composite(Strategy):
 
     def micro_batches(self, inputs, target):
         return self._owner("micro_batches").micro_batches(inputs, target)
+    def reduce_loss(self, loss):
+        return self._owner("reduce_loss").reduce_loss(loss)
 
     def backward(self, loss):
         self._owner("backward").backward(loss)
@@ -340,10 +359,11 @@ def parse_one(text: str) -> Strategy:
 
 
 def bind_strategy(spec: str, phase: str, device: str, workload: Any = None,
-                  batch_size: int | None = None) -> tuple[Strategy, StepContext]:
-    """`parse_strategy(spec)` bound to the case's phase, device, workload and batch size (not yet checked)."""
+                  batch_size: int | None = None, ranks: int = 1) -> tuple[Strategy, StepContext]:
+    """`parse_strategy(spec)` bound to the case's phase, device, workload, batch size and the run's ranks (not yet
+    checked)."""
     strategy = parse_strategy(spec)
-    context = StepContext(phase, device, workload, batch_size)
+    context = StepContext(phase, device, workload, batch_size, ranks)
     strategy.bind(context)
     return strategy, context
 

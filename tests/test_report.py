@@ -142,6 +142,19 @@ def test_two_devices_without_optional_columns_and_with_ci(tmp_path: Path):
     assert "6,600.0 [6,468.0–6,798.0]" in text  # CI shown instead of the IQR
 
 
+def test_a_run_over_two_kinds_of_gpu_is_grouped_by_device_name(tmp_path: Path):
+    """A Ray sweep over a cluster with two GPU models: one chart set and one section per GPU model."""
+    frame = pd.read_csv(SINGLE)
+    frame = frame[frame["strategy"].isin(["baseline", "checkpoint"])].assign(device="cuda")
+    frame = pd.concat([frame.assign(device_name="NVIDIA H100"), frame.assign(device_name="NVIDIA GeForce GTX 1650")])
+    path = tmp_path / f"{RUN_ID}.csv"
+    frame.to_csv(path, index=False)
+    text = build_report([path], tmp_path / "out").read_text(encoding="utf-8")
+    for name in ("NVIDIA_H100", "NVIDIA_GeForce_GTX_1650"):
+        assert (tmp_path / "out" / f"{RUN_ID}.{name}.memory.png").is_file(), name
+    assert "H100" in text and "GTX 1650" in text
+
+
 @pytest.mark.parametrize("text, expected", [
     ("4GiB", 4 * 2**30), ("4 GiB", 4 * 2**30), ("1.5gib", 3 * 2**29), ("512MiB", 512 * 2**20),
     ("64KiB", 65536), ("4GB", 4_000_000_000), ("250MB", 250_000_000), ("3KB", 3000), ("123", 123),

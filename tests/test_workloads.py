@@ -40,7 +40,8 @@ UNSUPPORTED = {
 # strategy -> phases it runs in on the CPU on any workload (cudnn_benchmark is CUDA only)
 PHASES = {"baseline": ("train", "eval"), "inplace_relu": ("train", "eval"), "checkpoint": ("train", "eval"),
           "amp": ("train", "eval"), "del_intermediates": ("train", "eval"), "no_grad_eval": ("eval",),
-          "cudnn_benchmark": (), "selective_checkpoint": ("train",), "offload": (), "compile": ()}
+          "cudnn_benchmark": (), "selective_checkpoint": ("train",), "offload": (), "compile": (),
+          "ddp": (), "zero1": (), "fsdp": ()}  # sharded: need --ranks (tests/test_ranks.py)
 
 
 def _case(workload: str, strategy: str, phase: str, batch: int | None = None) -> Case:
@@ -76,7 +77,7 @@ def test_strategy_on_workload_matches_or_says_why(workload, strategy, phase):
         assert row["status"] == "unsupported" and reason in row["message"], row
     elif phase not in PHASES[strategy]:
         assert row["status"] == "unsupported", row
-        assert (phase in row["message"]) or ("cuda" in row["message"]), row
+        assert any(word in row["message"] for word in (phase, "cuda", "--ranks")), row
     else:
         assert row["status"] == "ok", row["message"]
         assert row["matches_baseline"] is True, row

@@ -18,6 +18,7 @@ import importlib.metadata
 import importlib.util
 import inspect
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -55,9 +56,29 @@ def _is_reference(head: str) -> bool:
     return head.endswith(".py") or "/" in head or "\\" in head or "." in head
 
 
+_shipped: dict[str, Path] = {}  # a workload file's path as specs name it -> where its shipped source was written
+
+
+def ship_file(path: str, source: str) -> None:
+    """Makes the workload file `path` resolve to `source` in this process, which does not have the file (a
+    worker on another machine of a Ray cluster)."""
+    if path in _shipped:
+        return
+    folder = Path(tempfile.mkdtemp(prefix="membench-workload-"))
+    copy = folder / Path(path).name
+    copy.write_text(source, encoding="utf-8")
+    _shipped[path] = copy
+
+
+def file_reference(spec: str) -> str | None:
+    """The file path of a `path/file.py:NAME` workload spec, else None."""
+    head = str(spec).strip().split(":")[0]
+    return head if head.lower().endswith(".py") else None
+
+
 @functools.lru_cache(maxsize=None)
 def _import_file(path: str):
-    file = Path(path)
+    file = _shipped.get(path, Path(path))
     if not file.is_file():
         raise UsageError(f"workload file {path!r} does not exist")
     module_name = f"membench_user_{file.stem}_{hashlib.sha1(str(file.resolve()).encode()).hexdigest()[:8]}"

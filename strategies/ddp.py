@@ -1,0 +1,18 @@
+"""DistributedDataParallel: every rank holds the whole model and optimizer; gradients are averaged across ranks."""
+
+from strategies.base import register_strategy
+from strategies.sharding import Sharded, data_parallel
+
+
+@register_strategy
+class DDP(Sharded):
+    """The replicated reference of sharded training: each rank keeps full weights, gradients and optimizer state,
+    and DDP's all-reduce averages the gradients (in buckets, overlapping the backward). Exact up to the order of
+    float sums in the all-reduce; a BatchNorm model does not match (per-rank statistics)."""
+
+    name = "ddp"
+    description = "DistributedDataParallel over --ranks processes: replicated weights, gradients, optimizer state"
+    priority = 70  # wraps the model after the single-process transforms (checkpoint, in-place ReLU)
+
+    def prepare_model(self, model, units):
+        return data_parallel(model)

@@ -1,0 +1,68 @@
+"""What the sharded-training strategies (ddp, zero1, fsdp) share: the rank's slice of the batch, the loss across ranks.
+
+A sharded case runs as `--ranks N` processes of torch.distributed (gloo on the CPU, NCCL on CUDA), launched by
+bench.ranks as torchrun would; each process trains on its 1/N of the step's global batch, so a sharded step
+computes what one process computes on the whole batch (the mean of equal shards' mean losses is the global mean),
+which is what its row is verified against. BatchNorm is the exception: each rank normalises its own shard, so a
+BatchNorm model's statistics and gradients differ from the single process's (its row says so).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils._pytree import tree_map
+
+from bench.errors import Unsupported
+from strategies.base import Strategy
+
+
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank and the number of ranks (0 and 1 outside torch.distributed)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class Sharded(Strategy):
+    """Base of the strategies that run as several ranks (not registered itself)."""
+
+    phases = ("train",)
+    distributed = True
+
+    def check(self, context):
+        super().check(context)
+        if context.ranks < 2:
+            raise Unsupported(f"{self.name} is sharded training: it needs --ranks 2 or more, not {context.ranks}")
+
+    def shard_batch(self, batch):
+        """This rank's slice of the global batch; an uneven split gives the first ranks one sample more (as
+        `torch.tensor_split` does), and then the gradients weigh samples unequally: the row will not match."""
+        rank, world = rank_and_world()
+        if len(batch[1]) < world:
+            raise Unsupported(f"batch {len(batch[1])} is smaller than the {world} ranks")
+        return tree_map(lambda t: torch.tensor_split(t, world)[rank] if isinstance(t, torch.Tensor) else t, batch)
+
+    def reduce_loss(self, loss):
+        _, world = rank_and_world()
+        if world == 1:
+            return loss
+        total = torch.tensor([loss], dtype=torch.float64)
+        dist.all_reduce(total)
+        return float(total) / world
+
+
+def data_parallel(model):
+    """`DistributedDataParallel(model)`; under PyTorch's fake process group (bench.predict: collectives move no
+    data) a comm hook that returns the gradient bucket as it is stands in for the all-reduce, which would write
+    into that same bucket (the fake group's own all-reduce returns nothing DDP can use)."""
+    wrapped = DistributedDataParallel(model)
+    if dist.get_backend() == "fake":
+        def reduced_in_place(state, bucket):
+            future = torch.futures.Future()
+            future.set_result(bucket.buffer())
+            return future
+
+        wrapped.register_comm_hook(None, reduced_in_place)
+    return wrapped

@@ -1,0 +1,89 @@
+"""Sweeps on Ray: a local Ray on the CPU gives the same rows as the in-process runner, and a dead worker is a row."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.cli import main
+from bench.isolation import RunOptions
+from bench.runner import Case, local_executor, run_cases
+
+ray = pytest.importorskip("ray")
+
+from bench.ray_executor import RayExecutor, runtime_env  # noqa: E402 - only with ray installed
+
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """One local Ray for this module's tests (the executor leaves a Ray it did not start running)."""
+    ray.init(num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False,
+             runtime_env=runtime_env(remote=False))
+    yield
+    ray.shutdown()
+
+
+def _cases(*specs: str) -> list[Case]:
+    return [Case(workload, strategy, phase, 4, "cpu", data="synthetic", warmup=0, steps=1)
+            for workload in specs for phase in ("train", "eval") for strategy in ("baseline", "checkpoint")]
+
+
+def test_a_ray_sweep_finds_the_same_rows_as_the_in_process_runner(local_ray, tmp_path):
+    cases = _cases("deep_mlp:layers=24:width=8", "unet:depth=2:base_channels=4:image_size=32x16")
+    options = RunOptions(threads=1)
+    here = run_cases(cases, tmp_path / "here.csv", options=options, executor=local_executor)
+    on_ray = run_cases(cases, tmp_path / "ray.csv", options=RunOptions(threads=1, isolate=True, executor="ray"),
+                       executor=RayExecutor())
+    key = ("workload", "strategy", "phase", "batch_size", "status", "matches_baseline", "peak_mem_bytes",
+           "peak_activations_bytes", "strategy_settings")
+    assert [tuple(r[k] for k in key) for r in on_ray] == [tuple(r[k] for k in key) for r in here]
+    assert {r["executor"] for r in on_ray} == {"ray"} and all(r["isolated"] for r in on_ray)
+    assert all(r["host_name"] for r in on_ray)
+
+
+KILLER = '''
+import os
+import signal
+
+import torch
+from torch import nn
+from workloads import Workload
+
+
+class Killer(Workload):
+    """Dies with SIGKILL while building its model when `die` is set: a worker lost to the OOM killer."""
+    options = {"die": False}
+
+    def build_model(self):
+        if self.settings["die"]:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return nn.Linear(4, 2)
+
+    def make_batch(self, batch_size, data="synthetic"):
+        return torch.ones(batch_size, 4), torch.zeros(batch_size, 2)
+
+    def loss(self, output, target):
+        return nn.functional.mse_loss(output, target)
+'''
+
+
+def test_a_killed_worker_is_an_error_row_and_the_sweep_goes_on(local_ray, tmp_path, monkeypatch):
+    (tmp_path / "killer.py").write_text(KILLER)
+    monkeypatch.chdir(tmp_path)  # the spec is relative to here; the Ray workers get the file's source
+    cases = [Case("killer.py:Killer:die=true", "baseline", "train", 2, "cpu", warmup=0, steps=1),
+             Case("killer.py:Killer", "baseline", "train", 2, "cpu", warmup=0, steps=1),
+             Case("deep_mlp:layers=4:width=4", "baseline", "train", 2, "cpu", data="synthetic", warmup=0, steps=1)]
+    rows = run_cases(cases, tmp_path / "run.csv", options=RunOptions(threads=1, executor="ray"),
+                     executor=RayExecutor())
+    assert [r["status"] for r in rows] == ["error", "ok", "ok"], rows
+    assert "Ray task failed" in rows[0]["message"] and rows[0]["workload"] == "killer.py:Killer:die=true"
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--executor", "spark"], ["'spark'", "local, ray"]),
+    (["--ray-address", "auto"], ["--ray-address needs --executor ray"]),
+])
+def test_bad_executor_options_are_one_line_errors(args, words, capsys):
+    assert main(["compare", "--strategies", "baseline", "--device", "cpu", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and all(w in err for w in words), err
