@@ -99,9 +99,17 @@ class Session:
         self.observe_grads = observe_grads
         self._grad_watchers: OrderedDict[int, Callable[[torch.Tensor], None]] = OrderedDict()  # RemovableHandle's
         if observe_grads:
+            watchers = self._grad_watchers
+
+            # A hook that held the session would make a cycle (parameter -> hook -> session -> model ->
+            # parameter) that only the cyclic collector frees: every pass's model and state would linger.
+            def grad_ready(param: torch.Tensor) -> None:
+                for watcher in list(watchers.values()):
+                    watcher(param)
+
             for param in self.base_model.parameters():
                 if param.requires_grad:
-                    param.register_post_accumulate_grad_hook(self._grad_ready)
+                    param.register_post_accumulate_grad_hook(grad_ready)
         self.model = strategy.prepare_model(self.base_model, workload.checkpoint_units(self.base_model))
         self.optimizer = strategy.wrap_optimizer(workload.make_optimizer(self.base_model), self.base_model)
         self.host_batch = strategy.shard_batch(_cpu_batch(case.workload, case.batch_size, case.data))
@@ -169,10 +177,6 @@ class Session:
         self.strategy.accumulate_loss(lambda: self.loss(predicted, target))
         self.strategy.end_step(self.kept)
 
-    def _grad_ready(self, param: torch.Tensor) -> None:
-        for watcher in list(self._grad_watchers.values()):
-            watcher(param)
-
     def watch_grads(self, callback: Callable[[torch.Tensor], None]) -> RemovableHandle:
         """`callback(param)` runs as each parameter's gradient is accumulated, until the handle is removed."""
         if not self.observe_grads:
@@ -211,10 +215,10 @@ def snapshot(case: Case, strategy: Strategy) -> Snapshot:
     Gradients are brought to true scale; a gradient that a strategy frees as soon as it exists (a step taken in
     backward) is the one seen when it was accumulated. Outputs of micro-batches are joined along the batch.
     """
-    accumulated: dict[torch.Tensor, torch.Tensor] = {}
+    accumulated: dict[int, torch.Tensor] = {}  # by id: a parameter as a key would make a cycle through its hook
 
     def keep_grad(param: torch.Tensor) -> None:
-        accumulated[param] = param.grad.detach().float().cpu().clone()
+        accumulated[id(param)] = param.grad.detach().float().cpu().clone()
 
     session = Session(case, strategy, observe_grads=True)
     session.watch_grads(keep_grad)
@@ -222,17 +226,19 @@ def snapshot(case: Case, strategy: Strategy) -> Snapshot:
     stepped: dict[str, torch.Tensor] = {}
     with strategy.session():
         if case.phase == "train":
-            parts: list[Any] = []
+            parts: list[list[torch.Tensor]] = []
             losses: list[float] = []
-            session.forward_backward(seen=lambda out, loss: (parts.append(_detached(out)),
-                                                             losses.append(float(loss.detach()))))
+
+            def seen(output: Any, micro_loss: torch.Tensor) -> None:
+                parts.append(tensors_of(_detached(output)))
+                losses.append(float(micro_loss.detach()))
+
+            session.forward_backward(seen=seen)
             loss = sum(losses)
-            output_parts = [tensors_of(part) for part in parts]
-            outputs = [torch.cat(pieces) if len(pieces) > 1 else pieces[0] for pieces in zip(*output_parts)]
+            outputs = [torch.cat(pieces) if len(pieces) > 1 else pieces[0] for pieces in zip(*parts)]
             strategy.unscale_grads(session.optimizer)
-            for name, p in session.base_model.named_parameters():
-                grad = whole(p.grad).detach().float().cpu().clone() if p.grad is not None else accumulated.get(p)
-                grads[name] = grad
+            grads = {name: accumulated.get(id(p)) if p.grad is None else whole(p.grad).detach().float().cpu().clone()
+                     for name, p in session.base_model.named_parameters()}
             strategy.optimizer_step(session.optimizer)
             stepped = {name: whole(p).detach().float().cpu().clone()
                        for name, p in session.base_model.named_parameters()}

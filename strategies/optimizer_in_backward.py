@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from strategies.base import Strategy, register_strategy
@@ -19,7 +21,16 @@ class StepsInBackward:
         cls = type(optimizer)
         self.optimizers = {param: cls([{**group, "params": [param]}])
                            for group in optimizer.param_groups for param in group["params"]}
-        self.handles = [param.register_post_accumulate_grad_hook(self.step_parameter)
+        # The hooks reach this object through a weak reference: a strong one would make a cycle (parameter ->
+        # hook -> optimizer -> parameter) that only the cyclic collector frees, keeping every pass's state alive.
+        owner = weakref.ref(self)
+
+        def step_parameter(param: torch.Tensor) -> None:
+            steps = owner()
+            if steps is not None:
+                steps.step_parameter(param)
+
+        self.handles = [param.register_post_accumulate_grad_hook(step_parameter)
                         for param in self.optimizers if param.requires_grad]
 
     def step_parameter(self, param: torch.Tensor) -> None:

@@ -16,6 +16,7 @@ from bench import runner
 from bench.errors import UsageError
 from bench.runner import Case, memory_pass, run_case, verify
 from strategies import STRATEGIES, Composite, Strategy, parse_strategy
+from workloads import get_workload
 
 WORKLOAD = "captcha_resnet18"
 BATCH = 8      # memory comparisons: the train peak falls in backward, where activations count
@@ -51,6 +52,22 @@ EXPECTATIONS = {
     "ddp": {"phases": (), "matches": True, "memory": {}},
     "zero1": {"phases": (), "matches": True, "memory": {}},
     "fsdp": {"phases": (), "matches": True, "memory": {}},
+    # BatchNorm sees each micro-batch apart: a different result by design (tests/test_training_loop.py).
+    "grad_accumulation": {"phases": ("train",), "matches": False, "memory": {"train": None}},
+    # Train 221,420,444 -> 212,650,332 (0.960): the peak is in backward; at most one gradient is alive there
+    # (test_optimizer_in_backward_frees_the_gradients_at_the_peak).
+    "optimizer_in_backward": {"phases": ("train",), "matches": True, "memory": {"train": (0.95, 0.97)}},
+    # The workload's Adam, PyTorch's choice of implementation (for_loop on the CPU): the baseline itself.
+    "optimizer": {"phases": ("train",), "matches": True, "memory": {"train": None}},
+    # Train 221,420,444 -> 239,090,844 (1.080): early in backward the zeroed buffers of every gradient are there.
+    # Pinned on deep_mlp in tests/test_training_loop.py (each captcha pass at batch 8 costs ~30 s here).
+    "keep_grads": {"phases": ("train",), "matches": True, "memory": {"train": None}},
+    "empty_cache": {"phases": (), "matches": True, "memory": {}},  # CUDA only
+    "pinned_loader": {"phases": (), "matches": True, "memory": {}},  # CUDA only
+    # Train 221,420,448 (+4 bytes: the running total); eval grows by one forward per step: test_training_loop.py.
+    "pitfall_loss_sum": {"phases": ("train", "eval"), "matches": True, "memory": {"train": None}},
+    # Train 221,420,444 -> RETAIN_PEAK: the previous step's saved activations live through the next step.
+    "pitfall_retain_graph": {"phases": ("train",), "matches": True, "memory": {"train": None}},
 }
 
 def _case(spec: str, phase: str, batch: int = BATCH, **kw) -> Case:
@@ -69,8 +86,12 @@ def _verify(spec: str, phase: str, batch: int | None = None) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
+def _memory(spec: str, phase: str, batch: int = BATCH) -> dict:
+    return memory_pass(_case(spec, phase, batch), _bound(spec, phase))
+
+
 def _peak(spec: str, phase: str, batch: int = BATCH) -> int:
-    return memory_pass(_case(spec, phase, batch), _bound(spec, phase))["peak_mem_bytes"]
+    return _memory(spec, phase, batch)["peak_mem_bytes"]
 
 
 # --- the registry is covered ------------------------------------------------------------------------------
@@ -96,8 +117,11 @@ def _cases(kind: str):
 def test_matches_baseline(name, phase):
     result = _verify(name, phase)
     assert result["params_without_grad"] == 0
-    assert result["bn_stats_match"] is True
     assert result["matches_baseline"] is EXPECTATIONS[name]["matches"], result
+    if EXPECTATIONS[name]["matches"]:
+        assert result["bn_stats_match"] is True and "message" not in result, result
+    else:
+        assert "does not match the baseline by design" in result["message"], result
 
 
 @pytest.mark.parametrize("name,phase", list(_cases("unsupported")))
@@ -233,6 +257,16 @@ def test_checkpoint_plus_amp_lowest_train_peak():
     both = _peak("checkpoint+amp", "train")
     assert amp < baseline
     assert both < min(amp, ckpt)
+
+
+def test_optimizer_in_backward_frees_the_gradients_at_the_peak():
+    # Batch 8, peak in backward: gradients at the peak 41,089,600 bytes -> at most one parameter's (each is applied
+    # and freed as soon as it is accumulated); what the peak still holds is activations and temporaries.
+    base, early = _memory("baseline", "train"), _memory("optimizer_in_backward", "train")
+    largest = max(p.numel() * p.element_size() for p in get_workload(WORKLOAD).build_model().parameters())
+    assert base["peak_stage"] == "backward" and base["peak_grads_bytes"] > 2 * largest
+    assert early["peak_grads_bytes"] <= largest and early["peak_mem_bytes"] < base["peak_mem_bytes"]
+    assert early["peak_optimizer_bytes"] == base["peak_optimizer_bytes"]  # the same Adam state, per parameter
 
 
 def test_no_grad_eval_halves_eval_peak():
