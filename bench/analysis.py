@@ -398,7 +398,12 @@ def fit(specs: list[str], budget: int, phase: str = "train", device: str = "cpu"
                                      f"unsupported: {error}", 0))
             continue
         finder = fit_cuda if device == "cuda" else fit_cpu
-        result = finder(strategy.spec(), budget, phase, workload, data, max_batch)
+        try:
+            result = finder(strategy.spec(), budget, phase, workload, data, max_batch)
+        except Unsupported as error:  # e.g. checkpoint:budget, whose plan is chosen per case, not per batch search
+            results.append(FitResult(strategy.spec(), phase, device, budget, 0, None, False, None, "", None,
+                                     f"unsupported: {error}", 0))
+            continue
         if result.batch_size >= 1:
             if time_steps > 0:
                 result.time_per_sample_ms = time_per_sample(result.strategy, phase, device, workload, data,

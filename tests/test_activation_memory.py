@@ -198,3 +198,11 @@ def test_on_cuda_offload_and_compile():
 def test_a_budget_in_eval_is_unsupported_without_planning():
     row = run_case(_case(MLP, "checkpoint:budget=0.6", 8, phase="eval"), env={})
     assert row["status"] == "unsupported" and "no backward" in row["message"], row
+
+
+def test_fit_says_a_budget_plan_is_chosen_per_case(capsys, tmp_path):
+    from bench.cli import main
+
+    assert main(["fit", "--budget", "100KiB", "--workload", "deep_mlp:layers=4:width=8", "--strategies",
+                 "checkpoint:budget=0.5", "--max-batch", "8", "--time-steps", "0", "--out", str(tmp_path)]) == 0
+    assert "unsupported: checkpoint:budget chooses its plan per case" in capsys.readouterr().out
