@@ -37,6 +37,10 @@ COLUMNS = [
     "peak_batch_bytes", "rule_of_thumb_bytes",
 ]
 
+# Figures a strategy measures itself (`Strategy.columns()`), empty for the others.
+STRATEGY_COLUMNS = ["predicted_peak_bytes", "compile_time_ms", "offload_host_peak_bytes"]
+COLUMNS += STRATEGY_COLUMNS
+
 # Sweep columns (bench.isolation, bench.stats), appended after the core ones: how the case was run and how
 # far its figures can be trusted. `cpu_threads` above is the thread count the case ran with (--threads).
 SWEEP_COLUMNS = [
@@ -44,10 +48,6 @@ SWEEP_COLUMNS = [
     "peak_mem_spread_bytes",
 ]
 COLUMNS += SWEEP_COLUMNS
-
-# Figures a strategy measures itself (`Strategy.columns()`), empty for the others.
-STRATEGY_COLUMNS = ["predicted_peak_bytes", "compile_time_ms", "offload_host_peak_bytes"]
-COLUMNS += STRATEGY_COLUMNS
 
 CASE_KEY = ["workload", "strategy", "phase", "device", "batch_size", "data"]
 BASELINE_KEY = ["workload", "phase", "device", "batch_size", "data"]
