@@ -419,7 +419,12 @@ def fit(specs: list[str], budget: int, phase: str = "train", device: str = "cpu"
             continue
         finder = fit_cuda if device == "cuda" else fit_cpu
         progress(f"fit {strategy.spec()}: searching for the largest batch under {mib(budget)} MiB ...")
-        result = finder(strategy.spec(), budget, phase, workload, data, max_batch, progress=progress)
+        try:
+            result = finder(strategy.spec(), budget, phase, workload, data, max_batch, progress=progress)
+        except Unsupported as error:  # e.g. checkpoint:budget, whose plan is chosen per case, not per batch search
+            results.append(FitResult(strategy.spec(), phase, device, budget, 0, None, False, None, "", None,
+                                     f"unsupported: {error}", 0))
+            continue
         if result.batch_size >= 1:
             if time_steps > 0:
                 progress(f"fit {strategy.spec()}: timing {time_steps} step(s) at batch {result.batch_size} ...")

@@ -41,11 +41,15 @@ COLUMNS = [
     "peak_batch_bytes", "rule_of_thumb_bytes",
 ]
 
+# Figures a strategy measures itself (`Strategy.columns()`), empty for the others.
+STRATEGY_COLUMNS = ["predicted_peak_bytes", "compile_time_ms", "offload_host_peak_bytes"]
+COLUMNS += STRATEGY_COLUMNS
+
 # Sweep columns (bench.isolation, bench.stats), appended after the core ones: how the case was run and how
 # far its figures can be trusted. `cpu_threads` above is the thread count the case ran with (--threads).
 SWEEP_COLUMNS = [
-    "isolated", "executor", "ranks", "rank_peak_max_bytes", "rank_peak_min_bytes", "deterministic", "repeats", "step_time_ms_ci95_low", "step_time_ms_ci95_high", "noisy",
-    "peak_mem_spread_bytes",
+    "isolated", "executor", "ranks", "rank_peak_max_bytes", "rank_peak_min_bytes", "deterministic", "repeats",
+    "step_time_ms_ci95_low", "step_time_ms_ci95_high", "noisy", "peak_mem_spread_bytes",
 ]
 COLUMNS += SWEEP_COLUMNS
 
@@ -58,9 +62,6 @@ def is_pitfall(strategy: str) -> bool:
     """Whether a strategy spec (`pitfall_loss_sum`, `checkpoint+pitfall_retain_graph:...`) includes a pitfall."""
     return any(part.strip().startswith(PITFALL_PREFIX) for part in str(strategy).split("+"))
 
-# Figures a strategy measures itself (`Strategy.columns()`), empty for the others.
-STRATEGY_COLUMNS = ["predicted_peak_bytes", "compile_time_ms", "offload_host_peak_bytes"]
-COLUMNS += STRATEGY_COLUMNS
 
 CASE_KEY = ["workload", "strategy", "phase", "device", "batch_size", "data"]
 BASELINE_KEY = ["workload", "phase", "device", "batch_size", "data"]

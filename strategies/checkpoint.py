@@ -270,6 +270,9 @@ class Checkpoint(Strategy):
     def plan(self, meter: PlanMeter) -> None:
         if self.budget_fraction is None and self.budget_bytes is None:
             return
+        if self.context.phase != "train":
+            raise Unsupported(f"checkpoint:budget plans what backward recomputes; in {self.context.phase} there is "
+                              "no backward, so no plan changes the peak")
         started = time.perf_counter()
         units = len(self.context.workload.checkpoint_units(self.context.workload.build_model()))
         if units < 2:

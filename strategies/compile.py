@@ -14,7 +14,7 @@ import time
 import torch
 
 from bench.errors import Unsupported, UsageError, choices_error
-from strategies.base import Strategy, register_strategy
+from strategies.base import Strategy, Tolerance, register_strategy
 
 # Backends whose graphs go through the min-cut partitioner (where the budget applies): inductor, and
 # aot_eager_decomp_partition (the same partition run by eager kernels: no C++ compiler, cheap to test with).
@@ -43,7 +43,7 @@ class Compile(Strategy):
     phases = ("train",)
     devices = ("cuda",)
     priority = 70  # compiles the model as the other strategies left it
-    tolerance = Strategy.tolerance.loosest(type(Strategy.tolerance)(loss_rtol=1e-4, grad_rtol=1e-3))
+    tolerance = Tolerance(loss_rtol=1e-4, grad_rtol=1e-3)
 
     def __init__(self, **options):
         super().__init__(**options)
@@ -67,7 +67,7 @@ class Compile(Strategy):
         self._call_ms = []
         with torch._functorch.config.patch(activation_memory_budget=float(self.settings["budget"])):
             yield
-        if len(self._call_ms) >= 4:  # at least two steps: the compiling one and a compiled one
+        if self.compile_time_ms is None and len(self._call_ms) >= 4:  # the timing pass: a compiling step and more
             first, last = self._call_ms[0] + self._call_ms[1], self._call_ms[-2] + self._call_ms[-1]
             self.compile_time_ms = first - last
 

@@ -13,6 +13,7 @@ import contextlib
 
 import torch
 
+from bench.errors import Unsupported
 from strategies.base import Strategy, register_strategy
 
 
@@ -69,6 +70,12 @@ class Offload(Strategy):
     def __init__(self, **options):
         super().__init__(**options)
         self.host = HostBytes()
+
+    def check(self, context):
+        if context.device not in self.devices:  # the device first: on the CPU no phase would help
+            raise Unsupported(f"offload needs device cuda, not {context.device}: on the CPU the host is the device, "
+                              "so the copies save nothing")
+        super().check(context)
 
     @contextlib.contextmanager
     def forward(self):

@@ -30,9 +30,10 @@ def _activation_bytes(strategy: str, layers: int) -> int:
 # --- checkpoint:segments=sqrt -------------------------------------------------------------------------------
 
 def test_sqrt_segments_activation_memory_grows_like_sqrt_n():
-    # Measured at batch 256, width 8 (one layer's activation = 8,192 B): the baseline keeps N + 2 activations
-    # (147,456 / 540,672 / 2,113,536 B at N = 16 / 64 / 256), segments=sqrt 2*sqrt(N) + 4 (98,304 / 163,840 /
-    # 294,912 B): the increments from N = 16 to 64 to 256 grow 4x for the baseline, 2x (= sqrt 4) for sqrt.
+    # Measured at batch 256, width 8 (one layer's activation = 8,192 B), peak less weights, gradients, Adam state
+    # and batch: baseline 172,324 / 565,540 / 2,138,404 B at N = 16 / 64 / 256 (+8,192 B per layer),
+    # segments=sqrt 98,596 / 164,132 / 295,204 B (+16,384 B per unit of sqrt(N)): the increments from N = 16 to
+    # 64 to 256 grow 4x for the baseline (like N) and 2x for sqrt (like sqrt(N)).
     layers = (16, 64, 256)
     for strategy, expected_growth in (("baseline", 4.0), ("checkpoint:segments=sqrt", 2.0)):
         small, middle, large = (_activation_bytes(strategy, n) for n in layers)
@@ -192,3 +193,16 @@ def test_on_cuda_offload_and_compile():
     assert rows["offload"]["peak_mem_bytes"] < rows["baseline"]["peak_mem_bytes"]
     assert rows["compile:budget=1.0"]["compile_time_ms"] > 0
     assert rows["compile:budget=0.1"]["peak_mem_bytes"] <= rows["compile:budget=1.0"]["peak_mem_bytes"]
+
+
+def test_a_budget_in_eval_is_unsupported_without_planning():
+    row = run_case(_case(MLP, "checkpoint:budget=0.6", 8, phase="eval"), env={})
+    assert row["status"] == "unsupported" and "no backward" in row["message"], row
+
+
+def test_fit_says_a_budget_plan_is_chosen_per_case(capsys, tmp_path):
+    from bench.cli import main
+
+    assert main(["fit", "--budget", "100KiB", "--workload", "deep_mlp:layers=4:width=8", "--strategies",
+                 "checkpoint:budget=0.5", "--max-batch", "8", "--time-steps", "0", "--out", str(tmp_path)]) == 0
+    assert "unsupported: checkpoint:budget chooses its plan per case" in capsys.readouterr().out
