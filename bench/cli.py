@@ -679,16 +679,10 @@ def apply_memory_limit(limit: str | None, device: str) -> float | None:
     if limit is None:
         return None
 
-    try:
-        value = float(limit)
-    except ValueError:
-        value = None
-    if value is not None and 0 < value <= 1:
-        fraction = value
-        nbytes = None
-    else:
-        nbytes = _size_option(limit, "--memory-limit")
-        fraction = None
+    from bench.units import fraction_or_size
+
+    fraction = fraction_or_size(limit)
+    nbytes = _size_option(limit, "--memory-limit") if fraction is None else None
     if device != "cuda":
         print(f"warning: --memory-limit {limit} has no effect on device {device} (it caps CUDA memory only)",
               file=sys.stderr)

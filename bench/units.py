@@ -32,6 +32,15 @@ def parse_size(text: str | int | float) -> int:
     return int(round(value))
 
 
+def fraction_or_size(text: str | int | float) -> float | None:
+    """The fraction a budget such as `0.6` names (a number in (0, 1]); None when it must be read as a size."""
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        return None
+    return value if 0 < value <= 1 else None
+
+
 def format_size(n_bytes: float) -> str:
     """4294967296 -> '4.0 GiB'."""
     for unit, factor in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):

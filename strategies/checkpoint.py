@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from bench.errors import UsageError, Unsupported
-from bench.units import format_size, parse_size
+from bench.units import format_size, fraction_or_size, parse_size
 from strategies.base import PlanMeter, Strategy, register_strategy
 
 
@@ -174,12 +174,9 @@ def candidate_plans(units: int, chain: bool) -> list[Plan]:
 
 def parse_budget(text: str) -> tuple[float | None, int | None]:
     """`0.6` -> (0.6, None), a fraction of the baseline's peak; `300MiB` -> (None, bytes). UsageError otherwise."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = None
-    if value is not None and 0 < value <= 1:
-        return value, None
+    fraction = fraction_or_size(text)
+    if fraction is not None:
+        return fraction, None
     try:
         nbytes = parse_size(text)
     except ValueError as error:
