@@ -15,6 +15,7 @@ The driver receives rows as tasks finish and the runner writes them as always: a
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import asdict
 from pathlib import Path
@@ -81,7 +82,7 @@ class RayExecutor:
         if ray.is_initialized():
             return False
         common = dict(runtime_env=runtime_env(remote=self.address is not None), include_dashboard=False,
-                      log_to_driver=False)
+                      log_to_driver=False, logging_level=logging.WARNING)  # the progress lines are ours
         if self.address:
             ray.init(address=self.address, **common)
         else:
