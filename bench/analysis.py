@@ -18,17 +18,14 @@ from bench.breakdown import BREAKDOWN_COLUMNS
 from bench.errors import Unsupported, UsageError
 from bench.rule_of_thumb import RULE_OF_THUMB_CAVEATS
 from bench.runner import Case, CaseMeter, bind_case, forget_traceback, is_oom, memory_pass, timing_pass
-from bench.units import format_size, parse_size
+from bench.units import format_size, parse_positive_size
 
 def parse_bytes(text: str | int | float) -> int:
     """A positive size (`4GiB`, `512MiB`, `1.5GB`, `1e9`, `300000`) in bytes; a UsageError otherwise."""
     try:
-        value = parse_size(text)
+        return parse_positive_size(text)
     except ValueError as error:
         raise UsageError(f"bad size {text!r}: {error}") from None
-    if value <= 0:
-        raise UsageError(f"bad size {text!r}; a size must be a positive number of bytes")
-    return value
 
 
 def mib(n: float) -> str:

@@ -88,7 +88,8 @@ def process_state(threads: int | None = None, deterministic: bool = False) -> It
         _restore(saved)
 
 
-def _worker_env() -> dict[str, str]:
+def worker_env() -> dict[str, str]:
+    """The environment of a worker process (isolated case, Ray-less rank): this one's, with the checkout importable."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     if "CUBLAS_WORKSPACE_CONFIG" not in env:
@@ -96,7 +97,8 @@ def _worker_env() -> dict[str, str]:
     return env
 
 
-def _crash_message(returncode: int, stderr: str) -> str:
+def crash_message(returncode: int, stderr: str) -> str:
+    """What a worker that died says in its row: how it ended, and the last line of its stderr."""
     if returncode < 0:
         try:
             how = f"killed by signal {signal.Signals(-returncode).name}"
@@ -119,7 +121,7 @@ def run_in_worker(case, env: dict | None, options: RunOptions, verify: bool = Tr
     job = {"case": asdict(case), "env": env, "options": asdict(options), "verify": verify}
     try:
         done = subprocess.run([sys.executable, "-m", "bench._worker"], input=json.dumps(job), text=True,
-                              capture_output=True, env=_worker_env(), timeout=timeout)
+                              capture_output=True, env=worker_env(), timeout=timeout)
     except subprocess.TimeoutExpired as error:
         return {"status": "error", "message": f"worker timed out after {error.timeout:.0f} s",
                 "worker_exit_code": None}
@@ -130,6 +132,6 @@ def run_in_worker(case, env: dict | None, options: RunOptions, verify: bool = Tr
         if line.startswith(ROW_MARKER):
             row = json.loads(line[len(ROW_MARKER):])
     if done.returncode != 0 or row is None:
-        return {"status": "error", "message": _crash_message(done.returncode, done.stderr),
+        return {"status": "error", "message": crash_message(done.returncode, done.stderr),
                 "worker_exit_code": done.returncode}
     return row

@@ -22,7 +22,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Iterator
 
-from bench.isolation import ROW_MARKER, RunOptions, _crash_message, _worker_env
+from bench.isolation import ROW_MARKER, RunOptions, crash_message, worker_env
 
 RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 BREAKDOWN_PREFIX = "peak_"
@@ -74,7 +74,7 @@ def run_on_ranks(case, env: dict | None, options: RunOptions, verify: bool = Tru
     with tempfile.TemporaryDirectory(prefix="membench-ranks-") as folder:
         processes = []
         for rank in range(ranks):
-            rank_env = {**_worker_env(), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks),
+            rank_env = {**worker_env(), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks),
                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
             out, err = (open(Path(folder) / f"{rank}.{kind}", "w") for kind in ("out", "err"))
             process = subprocess.Popen([sys.executable, "-m", "bench._worker"], stdin=subprocess.PIPE, stdout=out,
@@ -98,7 +98,7 @@ def run_on_ranks(case, env: dict | None, options: RunOptions, verify: bool = Tru
             if code != 0 or row is None:
                 for other, _, _ in processes:
                     other.kill()
-                message = _crash_message(code, (Path(folder) / f"{rank}.err").read_text())
+                message = crash_message(code, (Path(folder) / f"{rank}.err").read_text())
                 return {"status": "error", "message": f"rank {rank}: {message}"[:500], "ranks": ranks}
             rows.append(row)
     return merge_rank_rows(rows)

@@ -32,6 +32,14 @@ def parse_size(text: str | int | float) -> int:
     return int(round(value))
 
 
+def parse_positive_size(text: str | int | float) -> int:
+    """`parse_size`, and more than 0 bytes; a ValueError naming the text otherwise."""
+    value = parse_size(text)
+    if value <= 0:
+        raise ValueError(f"{text!r} is not a positive number of bytes")
+    return value
+
+
 def fraction_or_size(text: str | int | float) -> float | None:
     """The fraction a budget such as `0.6` names (a number in (0, 1]); None when it must be read as a size."""
     try:

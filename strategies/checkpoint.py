@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from bench.errors import UsageError, Unsupported
-from bench.units import format_size, fraction_or_size, parse_size
+from bench.units import format_size, fraction_or_size, parse_positive_size
 from strategies.base import PlanMeter, Strategy, register_strategy
 
 
@@ -178,12 +178,10 @@ def parse_budget(text: str) -> tuple[float | None, int | None]:
     if fraction is not None:
         return fraction, None
     try:
-        nbytes = parse_size(text)
+        return None, parse_positive_size(text)
     except ValueError as error:
-        raise UsageError(f"checkpoint:budget={text}: {error}; or a fraction of the baseline's peak in (0, 1]") from None
-    if nbytes <= 0:
-        raise UsageError(f"checkpoint:budget={text} must be a positive size (300MiB) or a fraction in (0, 1]")
-    return None, nbytes
+        raise UsageError(f"checkpoint:budget={text}: {error}; give a size (300MiB) or a fraction of the baseline's "
+                         "peak in (0, 1]") from None
 
 
 @register_strategy
