@@ -181,7 +181,8 @@ def plan_table(group: Group) -> list[str]:
 HOW_TO_READ = """## How to read this report
 
 - **Peak memory** is the highest memory in use during one step (`memory_method` says how it was measured: on
-  CPU, live tensor bytes counted op by op; on CUDA, `torch.cuda.max_memory_allocated`). Lower is better. The
+  CPU, live tensor bytes counted op by op, or for compiled steps the bytes held at PyTorch's CPU allocator; on
+  CUDA, `torch.cuda.max_memory_allocated`). Lower is better. The
   percentages compare each strategy with the baseline of the same phase, batch size and device.
 - **Step time** is the median over the timed steps; the error bars / `±` show the spread of the timing pass
   (the interquartile range, or the 95% confidence interval when the results hold one). Lower is better.

@@ -374,6 +374,8 @@ def memory_pass(case: Case, strategy: Strategy, record_timeline: bool = False,
         return {"peak_mem_bytes": peak.allocated_bytes, "peak_reserved_bytes": peak.reserved_bytes,
                 "memory_method": "cuda_max_memory_allocated", "peak_stage": None,
                 "mem_growth_bytes_per_step": growth_per_step(ends)}
+    if case.device == "cpu" and strategy.cpu_memory_count == "allocator_events" and tracker is None:
+        return allocator_memory_pass(case, strategy)
     tracker = tracker or measure.LiveTensorTracker(case.device, record_timeline=record_timeline)
     session = Session(case, strategy, observe_grads=True)
     with strategy.session(), tracker:
@@ -405,6 +407,36 @@ def memory_pass(case: Case, strategy: Strategy, record_timeline: bool = False,
         ends += _growth_steps(lambda: session.step(mark), lambda: tracker.live_bytes)
     tracker.timeline = timeline
     return {**result, "mem_growth_bytes_per_step": growth_per_step(ends), "_tracker": tracker}
+
+
+def allocator_memory_pass(case: Case, strategy: Strategy) -> dict[str, Any]:
+    """The peak of one steady-state CPU step counted at the allocator (`measure.AllocatorEventCounter`), for a
+    strategy whose step the exact tracker would change (`cpu_memory_count`); no breakdown by category."""
+    session = Session(case, strategy)
+    with strategy.session():
+        for _ in range(MEMORY_WARMUP_STEPS.get(case.device, 1)):
+            session.step()
+        progress.report("memory", 0, 1)
+        peak = measure.AllocatorEventCounter().peak(session.step, lambda: live_tensor_bytes(session))
+        ends = [live_tensor_bytes(session)]
+        for _ in range(MEMORY_GROWTH_STEPS + 1):
+            session.step()
+            ends.append(live_tensor_bytes(session))
+    return {"peak_mem_bytes": peak.peak_bytes, "peak_reserved_bytes": None,
+            "memory_method": "cpu_allocator_events", "peak_stage": peak.peak_stage,
+            "mem_growth_bytes_per_step": growth_per_step(ends)}
+
+
+def live_tensor_bytes(session: Session) -> int:
+    """Bytes of the storages a session holds between steps: parameters and their gradients, buffers, the batch,
+    the optimizer's state and what the loop keeps (the last output and loss)."""
+    counter = measure.LiveTensorTracker(session.case.device)
+    grads = [p.grad for p in session.parameters()]
+    for category, tensors in (("params", session.parameters()), ("grads", grads),
+                              ("buffers", session.base_model.buffers()), ("batch", session.batch_tensors()),
+                              ("optimizer", session.optimizer_state()), ("kept", tensors_of(session.kept))):
+        counter.track(tensors, category)
+    return counter.live_bytes
 
 
 # Steps run after the measured one, so that growth is seen over several steps (not only across the measured one).

@@ -110,6 +110,9 @@ class Strategy:
     priority = 50  # composition order: lower runs its prepare_model first and sits outside in contexts
     conflicts: tuple[str, ...] = ()
     distributed = False  # runs as `ranks` processes of torch.distributed (bench.ranks launches them)
+    # How its CPU memory pass counts: "live_tensors" (the exact tracker, a TorchDispatchMode), or
+    # "allocator_events" (torch.profiler's allocator events) for steps a dispatch mode would change (torch.compile)
+    cpu_memory_count = "live_tensors"
 
     def __init__(self, **options):
         check_option_names("strategy", self.name, options, self.options)
@@ -231,6 +234,8 @@ class Composite(Strategy):
                 raise UsageError(f"strategies {owners[0]!r} and {owners[1]!r} cannot be combined: both replace {hook}")
         self.name = "+".join(names)
         self.distributed = any(m.distributed for m in self.members)
+        counts = {m.cpu_memory_count for m in self.members} - {"live_tensors"}
+        self.cpu_memory_count = counts.pop() if counts else "live_tensors"
         self.description = "; ".join(m.description for m in self.members)
         self.settings = {}
         self.tolerance = EXACT
