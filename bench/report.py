@@ -15,7 +15,7 @@ import pandas as pd
 from bench import charts
 from bench.report_data import (  # noqa: F401 - newest_csv and parse_size are part of this module's API
     Group, MISMATCH_LABEL, STATUS_LABEL, find_timeline, format_size, load_results, make_groups, newest_csv, parse_size, row_flag, strategy_order,
-    plan_label, plan_rows, settings_of, state_floor_bytes,
+    is_checkpoint_plan, plan_label, plan_rows, settings_of, state_floor_bytes,
 )
 from bench.results import is_pitfall
 
@@ -171,10 +171,13 @@ def plan_table(group: Group) -> list[str]:
     if floor is not None:
         lines += ["", f"Floor that no activation technique can go below (weights + gradients + optimizer state): "
                       f"{_mib(floor)} MiB."]
-    settings = [settings_of(r) for _, r in group.at_batch().iterrows()]
-    if any("checkpoint.planning_s" in s for s in settings):
+    if any(settings_of(r).get("checkpoint.planning_s", "None") != "None" for _, r in rows.iterrows()):
         lines += ["Budget plans were searched on the meta device and confirmed by a measured step "
                   "(`checkpoint.planning_s` in the CSV's `strategy_settings`)."]
+    at_batch = group.at_batch()
+    refused = at_batch[at_batch["strategy"].map(is_checkpoint_plan) & (at_batch["phase"] == "train")
+                       & (at_batch["status"] == "unsupported")]
+    lines += [f"`{row['strategy']}`: unsupported, {row['message']}" for _, row in refused.iterrows()]
     return lines + [""]
 
 

@@ -193,7 +193,7 @@ def test_checkpointing_plans_get_a_tradeoff_chart_and_table(tmp_path):
     def row(strategy, settings, peak, ms, **extra):
         return {"run_id": "20250301T120000Z-plan", "workload": "w", "strategy": strategy, "phase": "train",
                 "device": "cpu", "batch_size": 100, "data": "synthetic", "status": "ok", "matches_baseline": True,
-                "strategy_settings": settings, "peak_mem_bytes": peak * 2**20, "step_time_ms_median": ms,
+                "strategy_settings": settings, "peak_mem_bytes": peak and peak * 2**20, "step_time_ms_median": ms,
                 "peak_params_bytes": 40 * 2**20, "peak_optimizer_bytes": 80 * 2**20, **extra}
 
     path = tmp_path / "20250301T120000Z-plan.csv"
@@ -205,6 +205,8 @@ def test_checkpointing_plans_get_a_tradeoff_chart_and_table(tmp_path):
             predicted_peak_bytes=410 * 2**20),
         row("selective_checkpoint", "selective_checkpoint.policy=compute", 650, 104),
         row("amp", "amp.dtype=bfloat16", 500, 50),  # not a checkpointing plan: not on this chart
+        row("checkpoint:budget=0.3", "checkpoint.segments=budget;checkpoint.planning_s=None", None, None,
+            status="unsupported", message="no plan of 17 fits; the smallest peak reachable is 415.0 MiB"),
     ], path)
     report = build_report([path], tmp_path).read_text(encoding="utf-8")
     assert (tmp_path / "20250301T120000Z-plan.tradeoff.png").is_file()
@@ -216,3 +218,5 @@ def test_checkpointing_plans_get_a_tradeoff_chart_and_table(tmp_path):
     assert not lines["`checkpoint:segments=3`"].rstrip(" |").endswith("yes")  # beaten by segments=2 on both
     assert "each unit, saving compute" in lines["`selective_checkpoint`"]
     assert "weights + gradients + optimizer state): 160.0 MiB" in table  # 2 x 40 MiB + 80 MiB
+    assert "`checkpoint:budget=0.3`: unsupported, no plan of 17 fits; the smallest peak reachable" in table
+    assert "Budget plans were searched" not in table  # the budget=0.6 row's settings hold no planning time
