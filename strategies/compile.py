@@ -40,20 +40,27 @@ class Compile(Strategy):
     the default, or `aot_eager_decomp_partition`). Compilation happens in the first forward and backward of each
     pass (dynamo's caches are reset first, so a previous case's compiled code, built under another budget, is never
     reused); those calls fall in the warm-up steps, so the step time is the compiled step's. The row's
-    `compile_time_ms` is how much longer that first forward and backward took than the last ones of the timing pass.
+    `compile_time_ms` is how much longer that first forward and backward took than the last ones of the timing pass
+    (inductor keeps compiled kernels in an on-disk cache: the verification pass compiles first, so the timing pass
+    may find them there, as a user's second run would).
 
     Memory: on CUDA `max_memory_allocated` measures the compiled step. On the CPU the exact live-tensor tracker
     cannot: it is a TorchDispatchMode, and under a dispatch mode dynamo runs the model eagerly (measured: the same
     operators, unfused, the same peak at every budget). The CPU memory pass counts at the allocator instead
     (`cpu_memory_count`: torch.profiler's memory events, `memory_method` `cpu_allocator_events`), which sees the
     compiled kernels' buffers as they are. `inductor` on the CPU compiles C++: without a C++ compiler the row is
-    `unsupported` and says so. Tolerance: fused kernels reorder float arithmetic (loss within 1e-4, gradients
-    within 1e-3 relative norm). The weights after one optimizer step are not compared: the step is the baseline's
-    own optimizer, untouched by the compiler, and Adam's first step moves a weight by about the learning rate
-    whatever the size of its gradient, so a gradient at rounding level whose sign the reordering flips moves its
-    weight by twice that (measured: 0.3 relative norm on timm's zero-initialised BatchNorm weights, 2.6e-3 on the
-    captcha ResNet at batch 2). A model with dropout cannot match: compiled dropout draws its masks from another
-    random stream than eager dropout (the row says so).
+    `unsupported` and says so.
+
+    Tolerance: fused kernels reorder float arithmetic. Loss within 1e-4; gradients within 1e-2 relative norm per
+    parameter, since the baseline's own float32 gradients are off from the true ones by the same order where
+    BatchNorm leaves a gradient small (captcha ResNet, batch 32: eager float32 is up to 1.9e-3 from a float64 step;
+    inductor's CPU kernels up to 6.4e-3, on BatchNorm biases, and 3.4e-3 to 6.3e-3 from the baseline over two
+    runs: less accurate than eager, within float32 reordering). The weights after one optimizer step
+    are not compared: the step is the baseline's own optimizer, which the compiler does not touch, and Adam's first
+    step moves a weight by about the learning rate whatever the size of its gradient, so a gradient at rounding
+    level whose sign the reordering flips moves its weight by twice that (0.3 relative norm on timm's
+    zero-initialised BatchNorm weights, 2.6e-3 on the captcha ResNet at batch 2). A model with dropout cannot
+    match: compiled dropout draws its masks from another random stream than eager dropout (the row says so).
     """
 
     name = "compile"
@@ -62,7 +69,7 @@ class Compile(Strategy):
     phases = ("train",)
     cpu_memory_count = "allocator_events"
     priority = 70  # compiles the model as the other strategies left it
-    tolerance = Tolerance(loss_rtol=1e-4, grad_rtol=1e-3, step_rtol=float("inf"))
+    tolerance = Tolerance(loss_rtol=1e-4, grad_rtol=1e-2, step_rtol=float("inf"))
 
     def __init__(self, **options):
         super().__init__(**options)
