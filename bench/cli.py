@@ -551,6 +551,11 @@ def format_table(frame) -> str:
                 any_noisy |= noisy
     if any_noisy:
         lines.append(f"~ noisy: the 95% CI of the step time is wider than {_noise_threshold():.0%} of the median")
+    if "emulated_16bit" in frame and (frame["emulated_16bit"].astype(str).str.lower() == "true").any():
+        emulated = frame.loc[frame["emulated_16bit"].astype(str).str.lower() == "true", "strategy"]
+        lines.append(f"{', '.join(dict.fromkeys(map(str, emulated)))}: 16-bit autocast that this CPU emulates in float32 "
+                     "(no native instructions; `python -m bench env`): their times are this CPU's emulation, not "
+                     "what 16-bit arithmetic costs")
     lines += _rank_lines(frame)
     if {"peak_mem_spread_bytes", "repeats"} <= set(frame.columns) and (pd_num(frame["repeats"]) > 1).any():
         spread = pd_num(frame["peak_mem_spread_bytes"]).where(frame["status"] == "ok")

@@ -102,3 +102,15 @@ def test_the_estimate_of_the_time_left_scales_alike_cases():
     estimate.finished(2, 40.0, {"status": "ok", "step_time_ms_median": 4000.0})
     low, high = eta.emulated_case_seconds(cases[4], 4000.0)
     assert estimate.seconds_left(running=3, running_for=8.0) == pytest.approx(40 + (low + high) / 2)
+
+
+def test_the_table_says_which_times_are_emulated(monkeypatch):
+    from bench import results
+    from bench.cli import format_table
+
+    monkeypatch.setattr(env, "cpu_16bit_support", lambda flags=None: {"bfloat16": False, "float16": True})
+    rows = [run_case(Case(TINY, spec, "eval", 2, "cpu", data="synthetic", warmup=0, steps=1), env={})
+            for spec in ("baseline", "amp", "amp:dtype=float16")]
+    assert [row["emulated_16bit"] for row in rows] == [False, True, False]
+    table = format_table(results.to_frame(rows))
+    assert table.splitlines()[-1].startswith("amp: 16-bit autocast that this CPU emulates in float32")
