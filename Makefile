@@ -1,5 +1,6 @@
 # membench: `make bench` runs the default suite into runs/, `make test` runs the tests.
-# `make perf` times each strategy's train step with pytest-benchmark (benchmarks/, not run by `make test`).
+# `make perf` prints membench's overhead over the bare training loop and the tracker's slowdown, then times each
+# strategy's train step with pytest-benchmark (benchmarks/, not run by `make test`).
 # All create .venv and install what they need on first use.
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
@@ -42,8 +43,11 @@ test: $(STAMP)
 
 # --benchmark-enable overrides the --benchmark-disable in pyproject's addopts; --benchmark-autosave keeps each run
 # under .benchmarks/ for --benchmark-compare; the JSON of the latest run goes to runs/perf/ (git-ignored).
+# First the harness's own overhead (benchmarks/overhead.py): membench's timed step against the article's bare loop,
+# and a step under the exact tracker against one without; both ratios are printed.
 perf: $(STAMP)
 	mkdir -p $(OUT)/perf
+	$(PY) -m benchmarks.overhead --out $(OUT)/perf
 	$(PY) -m pytest benchmarks -q --benchmark-enable --benchmark-autosave --benchmark-json=$(OUT)/perf/benchmark.json
 
 # removes what README.md's "Two commands" says: the virtual environment, Python's and pytest's caches, the

@@ -52,7 +52,7 @@ def _csv_list(text: str) -> list[str]:
 
 
 def _add_case_options(p: argparse.ArgumentParser) -> None:
-    from bench.preflight import DEFAULT_MEASURED_STEPS, DEFAULT_WARMUP_STEPS
+    from bench.preflight import DEFAULT_MAX_TIME_PER_CASE_S, DEFAULT_MIN_STEPS, DEFAULT_TARGET_CI, DEFAULT_WARMUP_STEPS
 
     p.add_argument("--workload", default=None, help=WORKLOAD_HELP)
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto: cuda if there is a GPU)")
@@ -60,9 +60,19 @@ def _add_case_options(p: argparse.ArgumentParser) -> None:
                                                        "workload's own, 100 for captcha_resnet18; see `list`)")
     p.add_argument("--phases", default=None, help="train,eval, train or eval (default train,eval)")
     p.add_argument("--steps", type=_positive_int, default=None,
-                   help=f"measured steps per case (default {DEFAULT_MEASURED_STEPS}, or the suite's)")
+                   help="exactly N timed steps per case (default: adaptive timing, see --min-steps; or the suite's)")
     p.add_argument("--warmup", type=_non_negative_int, default=None,
                    help=f"warm-up steps before timing (default {DEFAULT_WARMUP_STEPS}, or the suite's)")
+    p.add_argument("--min-steps", type=_positive_int, default=None,
+                   help=f"adaptive timing: time at least N steps, then stop once the median's 95%% confidence "
+                        f"interval is within --target-ci or --max-time-per-case is spent (default "
+                        f"{DEFAULT_MIN_STEPS}, or the suite's)")
+    p.add_argument("--max-time-per-case", type=_positive_float, default=None, metavar="SECONDS",
+                   help=f"adaptive timing: stop after this many seconds of timed steps, per case and repeat (the "
+                        f"step that crosses it finishes; default {DEFAULT_MAX_TIME_PER_CASE_S:g}, or the suite's)")
+    p.add_argument("--target-ci", type=_fraction, default=None, metavar="FRACTION",
+                   help=f"adaptive timing: stop once the 95%% interval of the median is narrower than this "
+                        f"fraction of it (default {DEFAULT_TARGET_CI:g}, i.e. about +-2.5%%; or the suite's)")
     p.add_argument("--data", default=None, help="a data source of the workload (see `list`), e.g. captcha (real "
                                                  "images) or synthetic (random tensors); default the workload's first")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"folder for the results CSV (default {DEFAULT_OUT}/)")
@@ -79,6 +89,28 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"bad value {text!r}; expected a positive integer") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"bad value {value}; expected a positive integer")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    """argparse's type for a positive number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad value {text!r}; expected a positive number of seconds") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"bad value {text!r}; expected a positive number of seconds")
+    return value
+
+
+def _fraction(text: str) -> float:
+    """argparse's type for a fraction strictly between 0 and 1 (--target-ci)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"bad value {text!r}; expected a fraction between 0 and 1 (e.g. 0.05)")
     return value
 
 
@@ -174,15 +206,26 @@ def _suite_from_args(args, device: str, strategies: list[str] | None):
         overrides["phases"] = [_check_choice("phase", p, PHASES, "--phases") for p in _csv_list(args.phases)]
     if args.batch_size:
         overrides["batch_sizes"] = _batch_sizes(args.batch_size)
+    adaptive = {key: value for key, value in (("min_steps", args.min_steps), ("max_time_per_case",
+                                                                           args.max_time_per_case),
+                                               ("target_ci", args.target_ci)) if value is not None}
+    if args.steps is not None and adaptive:
+        raise UsageError(f"--steps {args.steps} fixes the number of timed steps; --{next(iter(adaptive)).replace('_', '-')}"
+                         " is for adaptive timing: give one or the other")
     if args.quick:
-        overrides.update(warmup=1, steps=3)
+        overrides.update(warmup=1, **({} if adaptive else {"steps": 3}))
     if args.steps is not None:
         overrides["steps"] = args.steps
     if args.warmup is not None:
         overrides["warmup"] = args.warmup
+    overrides.update(adaptive)
     validate(overrides, "command line")
     for key, value in overrides.items():
         setattr(suite, key, value)
+    if adaptive:
+        suite.steps = None
+        for entry in suite.workloads:
+            entry.pop("steps", None)
     if args.data:
         for entry in suite.workloads:
             try:
@@ -196,9 +239,10 @@ def _check_steps(cases, args) -> None:
     """Step counts within bench.preflight's limits, named by the option (or suite key) that set them."""
     from bench.preflight import check_steps
 
-    for case in {(c.warmup, c.steps): c for c in cases}.values():
+    for case in {(c.warmup, c.steps, c.min_steps): c for c in cases}.values():
         check_steps(case.steps, "--steps" if args.steps is not None else "the suite's steps", 1)
         check_steps(case.warmup, "--warmup" if args.warmup is not None else "the suite's warmup", 0)
+        check_steps(case.min_steps, "--min-steps" if args.min_steps is not None else "the suite's min_steps", 1)
 
 
 # A run holds more than one step's live tensors: the verification keeps the baseline's result (outputs, gradients)
@@ -256,27 +300,28 @@ def _check_memory(cases) -> None:
 
 
 def _duration(seconds: float) -> str:
-    seconds = int(round(seconds))
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    from bench.eta import duration
+
+    return duration(seconds)
 
 
 class _Progress:
     """The progress lines of a run on stderr: each case as it starts and ends, with the time elapsed and an
-    estimate of the time left, and, within a case, the pass and step being run (bench.progress).
+    estimate of the time left (bench.eta), a note before a case whose 16-bit arithmetic the CPU emulates, and,
+    within a case, the pass and step being run (bench.progress).
 
     On a terminal the step line is rewritten in place; in a log, a step line at most every `LOG_INTERVAL_S`."""
 
     LOG_INTERVAL_S = 15.0
 
-    def __init__(self, stream=None):
+    def __init__(self, stream=None, estimate=None, cpu: str = "this CPU"):
         self.stream = stream if stream is not None else sys.stderr
         self.tty = self.stream.isatty()
+        self.estimate = estimate  # a bench.eta.SweepEstimate, or None: the mean finished case stands for the rest
+        self.cpu = cpu
         self.started = time.monotonic()
         self.case_started = self.started
+        self.running: int | None = None
         self.prefix = ""
         self.partial = False
         self.last_step_line = 0.0
@@ -287,11 +332,19 @@ class _Progress:
             self.partial = False
         print(text, file=self.stream, flush=True)
 
+    def _left(self, now: float, index: int, total: int) -> float | None:
+        """Seconds left in the sweep: bench.eta's estimate, else the mean finished case times the cases left."""
+        if self.estimate is not None:
+            return self.estimate.seconds_left(self.running, now - self.case_started)
+        return (now - self.started) / (index + 1) * (total - index - 1)
+
     def step(self, what: str, done: int, total: int) -> None:
-        """A bench.progress listener."""
+        """A bench.progress listener; `total` 0: a count not known in advance (adaptive timing)."""
         now = time.monotonic()
-        text = f"{self.prefix}: {what}" + (f" step {done}/{total}" if total > 1 else "") + \
-            f" ({_duration(now - self.case_started)} into the case)"
+        left = self.estimate.seconds_left(self.running, now - self.case_started) if self.estimate else None
+        text = f"{self.prefix}: {what}" + (f" step {done}/{total}" if total > 1 else f" step {done}" if total == 0
+                                           else "") + f" ({_duration(now - self.case_started)} into the case" + \
+            (f"; sweep about {_duration(left)} left)" if left is not None else ")")
         if self.tty:
             self.stream.write("\r\033[K" + text)
             self.stream.flush()
@@ -305,18 +358,30 @@ class _Progress:
         self.prefix = f"[{index + 1:>{len(str(total))}}/{total}] {case.label()}"
         if row is None:
             self.case_started = self.last_step_line = time.monotonic()
+            self.running = index
             self._print(f"{self.prefix} ...")
+            if self.estimate is not None and index in self.estimate.emulated:
+                from bench.eta import emulation_warning
+
+                self._print("  " + emulation_warning(case, self.estimate.emulated[index], self.cpu,
+                                                     self.estimate.baseline_step_ms(case)))
             return
-        elapsed = time.monotonic() - self.started
-        left = total - index - 1
-        timing = f"  ({_duration(elapsed)} elapsed" + (f", about {_duration(elapsed / (index + 1) * left)} left)"
-                                                       if left else ")")
+        now = time.monotonic()
+        if self.estimate is not None:
+            self.estimate.finished(index, now - self.case_started, row)
+        self.running = None
+        elapsed = now - self.started
+        left = self._left(now, index, total) if total - index - 1 else None
+        timing = f"  ({_duration(elapsed)} elapsed" + (f", about {_duration(left)} left)" if left else ")")
         if row["status"] != "ok":
             self._print(f"{self.prefix}: {row['status']} {row['message']}{timing}")
             return
         mib = row["peak_mem_bytes"] / 2**20
         match = "" if row.get("matches_baseline") else "  DOES NOT MATCH BASELINE"
-        self._print(f"{self.prefix}: {row['step_time_ms_median']:.1f} ms/step, peak {mib:.1f} MiB{match}{timing}")
+        steps = f" ({row['measured_steps']} steps, {row['timing_stop_reason']})" if row.get("timing_stop_reason") \
+            else ""
+        self._print(f"{self.prefix}: {row['step_time_ms_median']:.1f} ms/step{steps}, peak {mib:.1f} MiB{match}"
+                    f"{timing}")
 
 
 # What an interrupt (Ctrl-C) should tell the user: set by a command once it knows what it writes.
@@ -350,15 +415,39 @@ def _announce(cases, out_path: Path, resumed: bool) -> None:
         print(f"nothing left to run in {out_path}", file=sys.stderr, flush=True)
         return
     workloads = list(dict.fromkeys(c.workload for c in cases))
-    steps = sorted({(c.warmup, c.steps) for c in cases})
-    per_case = ", ".join(f"{w} warm-up + {m} measured" for w, m in steps)
+    per_case = "; ".join(dict.fromkeys(_timing_text(c) for c in cases))
     print(f"{'resuming' if resumed else 'running'} {len(cases)} case(s) of {', '.join(workloads)} on "
-          f"{cases[0].device}, {per_case} steps each (plus a verification and a memory pass), into "
+          f"{cases[0].device}, {per_case} (plus a verification and a memory pass), into "
           f"{out_path}", file=sys.stderr, flush=True)
-    if cases[0].device == "cpu" and any(c.steps > 3 or c.warmup > 1 for c in cases):
+    if cases[0].device == "cpu" and any((c.steps or c.min_steps) > 3 or c.warmup > 1 for c in cases):
         print("  a CPU step at a full batch can take seconds: --quick (1 warm-up + 3 measured steps) or a "
               "smaller --batch-size gives a first look in minutes; the time left is shown after each case",
               file=sys.stderr, flush=True)
+
+
+def _timing_text(case) -> str:
+    """How a case is timed, in words: a fixed count, or adaptive timing with its options."""
+    if case.steps is not None:
+        return f"{case.warmup} warm-up + {case.steps} measured steps each"
+    return (f"{case.warmup} warm-up + at least {case.min_steps} measured step(s) each, until the median's 95% "
+            f"interval is within {case.target_ci_rel:.0%} of it or after {case.max_time_s:g} s of timed steps")
+
+
+def _sweep_estimate(cases):
+    """A bench.eta.SweepEstimate of the cases, knowing which autocast to a 16-bit type this CPU emulates."""
+    from bench.env import emulated_on_cpu
+    from bench.eta import SweepEstimate
+    from bench.runner import autocast_dtype, bind_case
+
+    emulated = {}
+    for index, case in enumerate(cases):
+        try:
+            dtype = autocast_dtype(bind_case(case)[0])
+        except Exception:  # noqa: BLE001 - a case that cannot bind fails as a row of its own; no estimate for it
+            continue
+        if emulated_on_cpu(dtype, case.device):
+            emulated[index] = dtype
+    return SweepEstimate(list(cases), emulated)
 
 
 def _run_suite(suite, device: str, out: str, options=None, resume: str | None = None, args=None):
@@ -403,7 +492,9 @@ def _run_suite(suite, device: str, out: str, options=None, resume: str | None = 
             f"{_resume_command(out_path)}" if resume else
             f"interrupted before the first case finished: nothing was written (the results would have gone to "
             f"{out_path})")
-        bar = _Progress()
+        from bench.env import cpu_name
+
+        bar = _Progress(estimate=_sweep_estimate(cases), cpu=cpu_name())
 
         def on_case(index, total, case, row):
             bar.case(index, total, case, row)
@@ -460,6 +551,11 @@ def format_table(frame) -> str:
                 any_noisy |= noisy
     if any_noisy:
         lines.append(f"~ noisy: the 95% CI of the step time is wider than {_noise_threshold():.0%} of the median")
+    if "emulated_16bit" in frame and (frame["emulated_16bit"].astype(str).str.lower() == "true").any():
+        emulated = frame.loc[frame["emulated_16bit"].astype(str).str.lower() == "true", "strategy"]
+        lines.append(f"{', '.join(dict.fromkeys(map(str, emulated)))}: 16-bit autocast that this CPU emulates in float32 "
+                     "(no native instructions; `python -m bench env`): their times are this CPU's emulation, not "
+                     "what 16-bit arithmetic costs")
     lines += _rank_lines(frame)
     if {"peak_mem_spread_bytes", "repeats"} <= set(frame.columns) and (pd_num(frame["repeats"]) > 1).any():
         spread = pd_num(frame["peak_mem_spread_bytes"]).where(frame["status"] == "ok")
@@ -568,7 +664,26 @@ def cmd_env(args) -> int:
     print(f"{'device':<16} {device}")
     for key, value in environment(device).items():
         print(f"{key:<16} {value}")
+    for line in cpu_16bit_lines():
+        print(line)
     return 0
+
+
+def cpu_16bit_lines(flags=None) -> list[str]:
+    """What `env` says of the CPU's 16-bit arithmetic: native (and the flags that say so) or emulated, per type."""
+    from bench.env import NATIVE_16BIT_FLAGS, cpu_16bit_support, cpu_flags
+    from bench.eta import EMULATED_SLOWDOWN
+
+    flags = cpu_flags() if flags is None else frozenset(flags)
+    lines = []
+    for dtype, native in cpu_16bit_support(flags).items():
+        seen = [flag for flag in NATIVE_16BIT_FLAGS[dtype] if flags and flag in flags]
+        text = (f"native ({', '.join(seen)})" if native and seen else "native" if native else
+                f"EMULATED in float32 (no {'/'.join(NATIVE_16BIT_FLAGS[dtype])}): autocast to {dtype} runs far "
+                f"slower than float32 here ({EMULATED_SLOWDOWN[0]:g}-{EMULATED_SLOWDOWN[1]:g}x for bfloat16 on the "
+                "reference AMD EPYC)")
+        lines.append(f"{'cpu ' + dtype:<16} {text}")
+    return lines
 
 
 def cmd_run(args) -> int:

@@ -18,7 +18,13 @@ from bench.errors import Unsupported, UsageError
 
 # The steps of a case unless the suite or the command line says otherwise.
 DEFAULT_WARMUP_STEPS = 3
-DEFAULT_MEASURED_STEPS = 10
+DEFAULT_MEASURED_STEPS = 10  # what --quick and a suite's `steps` replace; not a default of `run` any more
+# Adaptive timing (bench.measure.TimingPolicy) unless a step count is given: at least DEFAULT_MIN_STEPS timed steps,
+# then until the median's 95% interval is within DEFAULT_TARGET_CI (of the median) or DEFAULT_MAX_TIME_PER_CASE_S
+# seconds of timed steps have run. 5%: the smallest time effect the strategies are compared on (bench.stats).
+DEFAULT_MIN_STEPS = 5
+DEFAULT_MAX_TIME_PER_CASE_S = 30.0
+DEFAULT_TARGET_CI = 0.05
 # More measured (or warm-up) steps than this per case is a typo, not a benchmark: at a tenth of a second a step,
 # the limit alone is 17 minutes of one case.
 MAX_STEPS = 10_000

@@ -14,7 +14,9 @@ import pandas as pd
 # 3: max_param_rel_diff (the weights after one optimizer step), mem_growth_bytes_per_step; STRATEGY_COLUMNS
 #    (predicted_peak_bytes of a budget plan, compile_time_ms, offload_host_peak_bytes); host_name, executor, ranks,
 #    rank_peak_max_bytes, rank_peak_min_bytes
-SCHEMA_VERSION = 3
+# 4: adaptive timing: measured_steps is the count actually timed; TIMING_COLUMNS (the options and why timing stopped);
+#    cpu_capability, cpu_bf16_native, cpu_fp16_native, emulated_16bit
+SCHEMA_VERSION = 4
 STATUSES = ("ok", "oom", "unsupported", "error")
 
 # Every results file has these columns, in this order; a test checks it.
@@ -36,6 +38,9 @@ COLUMNS = [
     "status", "message",
     # environment
     "torch_version", "cuda_version", "cudnn_version", "cpu_threads", "git_commit", "python_version", "platform",
+    # what the host CPU computes natively in 16 bits (bench.env.cpu_16bit_support), and whether this case ran
+    # 16-bit autocast emulated on a CPU without it
+    "cpu_capability", "cpu_bf16_native", "cpu_fp16_native", "emulated_16bit",
     # breakdown of the peak (CPU tracker only; they add up to peak_mem_bytes) and the article's rule of thumb
     "peak_params_bytes", "peak_grads_bytes", "peak_optimizer_bytes", "peak_activations_bytes", "peak_temp_bytes",
     "peak_batch_bytes", "rule_of_thumb_bytes",
@@ -44,6 +49,14 @@ COLUMNS = [
 # Figures a strategy measures itself (`Strategy.columns()`), empty for the others.
 STRATEGY_COLUMNS = ["predicted_peak_bytes", "compile_time_ms", "offload_host_peak_bytes"]
 COLUMNS += STRATEGY_COLUMNS
+
+# How the timing pass chose its number of steps (bench.measure.TimingPolicy): the options (empty where
+# `timing_fixed_steps` fixed the count), why it stopped, the interval the rule looked at, and the pass's seconds.
+TIMING_COLUMNS = [
+    "timing_fixed_steps", "timing_min_steps", "timing_max_time_s", "timing_target_ci_rel", "timing_stop_reason",
+    "timing_ci_rel", "timing_pass_s",
+]
+COLUMNS += TIMING_COLUMNS
 
 # Sweep columns (bench.isolation, bench.stats), appended after the core ones: how the case was run and how
 # far its figures can be trusted. `cpu_threads` above is the thread count the case ran with (--threads).

@@ -5,7 +5,8 @@ status ok, oom or unsupported are finished and kept; `error` rows (a crashed wor
 are dropped and their cases run again, so the file ends with each case exactly once.
 
 Consistency: a resumed run must measure the remaining cases the way the finished ones were measured, or its
-rows would not be comparable. So the options that change the figures -- warm-up and measured steps, repeats,
+rows would not be comparable. So the options that change the figures -- warm-up steps, the timing
+options (a fixed count, or adaptive timing's minimum, budget and target; schema 4), repeats,
 threads, determinism -- must equal those stored in the CSV; otherwise resuming is refused with a UsageError
 that names each difference (start a new run instead). Isolation changes only how process-wide state is
 contained, so a difference there is allowed, with a warning on stderr.
@@ -58,7 +59,13 @@ def _stored(frame: pd.DataFrame, column: str):
     return values[0] if len(values) else None
 
 
+def _shown(value) -> str:
+    return "adaptive timing" if value is None else str(value)
+
+
 def _same(stored, wanted) -> bool:
+    if wanted is None:
+        return stored is None  # an option that does not apply must not have been set either
     if stored is None:
         return True  # an older file without the column: nothing to compare
     if isinstance(wanted, bool):
@@ -78,10 +85,18 @@ def load_resume(path: Path | str, cases: list, options: RunOptions) -> Resumed:
     options = options.resolved()
     differences = []
     if cases:
-        wanted = {"warmup_steps": cases[0].warmup, "measured_steps": cases[0].steps}
+        case = cases[0]
+        wanted = {"warmup_steps": case.warmup}
+        if _stored(frame, "timing_fixed_steps") is not None or _stored(frame, "timing_min_steps") is not None:
+            # schema 4: the timing options are recorded (empty where they did not apply)
+            wanted.update(timing_fixed_steps=case.steps, timing_min_steps=None if case.steps else case.min_steps,
+                          timing_max_time_s=None if case.steps else case.max_time_s,
+                          timing_target_ci_rel=None if case.steps else case.target_ci_rel)
+        else:  # an older file: every case timed `measured_steps` steps
+            wanted["measured_steps"] = case.steps
         for column, value in wanted.items():
             if not _same(_stored(frame, column), value):
-                differences.append(f"{column}: file has {_stored(frame, column)}, requested {value}")
+                differences.append(f"{column}: file has {_stored(frame, column)}, requested {_shown(value)}")
     for column, value in {"repeats": options.repeats, "cpu_threads": options.threads, "ranks": options.ranks,
                           "deterministic": options.deterministic}.items():
         if not _same(_stored(frame, column), value):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import gc
 import random
+import time
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -20,7 +21,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.hooks import RemovableHandle
 
 from bench import breakdown, measure, progress
-from bench.env import environment
+from bench.env import emulated_on_cpu, environment
 from bench.errors import Unsupported, UsageError
 from bench.isolation import RunOptions, process_state, run_in_worker
 from bench.ranks import in_rank_process, run_on_ranks
@@ -48,7 +49,10 @@ class Case:
     device: str
     data: str | None = None  # None: the workload's default data source (its first)
     warmup: int = 3
-    steps: int = 10
+    steps: int | None = 10  # exactly this many timed steps; None: adaptive, as the three below say
+    min_steps: int = 5
+    max_time_s: float = 60.0  # seconds of timed steps per repeat, at most (plus the step that crosses it)
+    target_ci_rel: float = 0.05
 
     def __post_init__(self):
         if self.data is None:
@@ -56,6 +60,10 @@ class Case:
 
     def label(self) -> str:
         return f"{self.workload} {self.strategy} {self.phase} bs={self.batch_size} {self.device}"
+
+    def timing_policy(self) -> measure.TimingPolicy:
+        """How the timing pass of this case decides how many steps to time (bench.measure.TimingPolicy)."""
+        return measure.TimingPolicy(self.warmup, self.steps, self.min_steps, self.max_time_s, self.target_ci_rel)
 
 
 @functools.lru_cache(maxsize=8)
@@ -332,22 +340,41 @@ def verify(case: Case, strategy: Strategy) -> dict[str, Any]:
 
 # --- timing and memory ---------------------------------------------------------------------------------
 
-def step_times(case: Case, strategy: Strategy) -> list[float]:
-    """One repeat: a fresh session, warm-up steps, then `case.steps` steps timed one by one (ms)."""
+def step_times(case: Case, strategy: Strategy) -> measure.TimingStats:
+    """One repeat: a fresh session, warm-up steps, then steps timed one by one as `case.timing_policy()` says."""
     session = Session(case, strategy)
     with strategy.session():
-        stats = measure.time_steps(session.step, case.warmup, case.steps, case.device)
-    return stats.times_ms
+        return measure.time_steps(session.step, case.timing_policy(), case.device)
 
 
 def timing_pass(case: Case, strategy: Strategy, repeats: int = 1) -> dict[str, Any]:
     """`repeats` repeats of warm-up + timed steps, with nothing tracking memory; all steps pooled.
 
-    Besides the timing columns (see bench.stats for the confidence interval and the noise flag) the result
-    holds `_step_times_ms`, the raw times of each repeat, so that repeats run elsewhere can be pooled.
-    """
+    Besides the timing columns (see bench.stats for the confidence interval and the noise flag) and those that say
+    how the steps were counted (`timing_columns`), the result holds `_step_times_ms`, the raw times of each repeat,
+    so that repeats run elsewhere can be pooled."""
+    started = time.perf_counter()
     per_repeat = [step_times(case, strategy) for _ in range(repeats)]
-    return {**summarize_timing(case.batch_size, per_repeat), "_step_times_ms": per_repeat}
+    times = [stats.times_ms for stats in per_repeat]
+    return {**summarize_timing(case.batch_size, times),
+            **timing_columns(case, per_repeat, time.perf_counter() - started), "_step_times_ms": times}
+
+
+def timing_columns(case: Case, per_repeat: list[measure.TimingStats], seconds: float) -> dict[str, Any]:
+    """The row's record of the timing options and of what they led to: steps measured (all repeats), why each
+    repeat stopped (distinct reasons joined by `,`), the median's distribution-free interval width at the stop
+    (the figure compared with the target; pooled steps) and the pass's wall time, warm-up included."""
+    pooled = [t for stats in per_repeat for t in stats.times_ms]
+    return {
+        "measured_steps": len(pooled),
+        "timing_fixed_steps": case.steps,
+        "timing_min_steps": None if case.steps else case.min_steps,
+        "timing_max_time_s": None if case.steps else case.max_time_s,
+        "timing_target_ci_rel": None if case.steps else case.target_ci_rel,
+        "timing_stop_reason": ",".join(dict.fromkeys(stats.stop_reason for stats in per_repeat)),
+        "timing_ci_rel": measure.median_ci_rel_width(pooled),
+        "timing_pass_s": seconds,
+    }
 
 
 def memory_pass(case: Case, strategy: Strategy, record_timeline: bool = False,
@@ -550,6 +577,9 @@ def base_row(case: Case, env: dict | None = None, options: RunOptions | None = N
         "schema_version": SCHEMA_VERSION, "timestamp": now_iso(), "workload": case.workload,
         "strategy": case.strategy, "phase": case.phase, "device": case.device, "batch_size": case.batch_size,
         "data": case.data, "warmup_steps": case.warmup, "measured_steps": case.steps,
+        "timing_fixed_steps": case.steps, "timing_min_steps": None if case.steps else case.min_steps,
+        "timing_max_time_s": None if case.steps else case.max_time_s,
+        "timing_target_ci_rel": None if case.steps else case.target_ci_rel,
         "status": "ok", "message": "",
         **(env or environment(case.device)),
         "isolated": bool(options.isolate), "repeats": options.repeats, "deterministic": bool(options.deterministic),
@@ -560,6 +590,14 @@ def base_row(case: Case, env: dict | None = None, options: RunOptions | None = N
 def settings_text(strategy: Strategy) -> str:
     """The row's `strategy_settings`: `name.option=value;...`."""
     return ";".join(f"{k}={v}" for k, v in strategy.describe().items())
+
+
+def autocast_dtype(strategy: Strategy) -> str | None:
+    """The 16-bit float type the strategy autocasts to (its `*.dtype` setting, e.g. `amp.dtype=bfloat16`), or None."""
+    for key, value in strategy.describe().items():
+        if key.endswith(".dtype") and value in ("bfloat16", "float16"):
+            return str(value)
+    return None
 
 
 def workload_columns(workload) -> dict[str, str]:
@@ -588,6 +626,7 @@ def run_case(case: Case, env: dict | None = None, options: RunOptions | None = N
             row["strategy"] = strategy.spec()
             strategy.check(context)
             row["strategy_settings"] = settings_text(strategy)
+            row["emulated_16bit"] = emulated_on_cpu(autocast_dtype(strategy), case.device)
             if strategy.distributed and not in_rank_process():
                 row.update(run_on_ranks(case, env, options, verify_result))
                 return row
@@ -651,6 +690,10 @@ def pool_repeats(case: Case, repeats: list[dict[str, Any]], options: RunOptions)
     times = [t for r in repeats for t in r["_step_times_ms"]]
     peaks = [p for r in repeats for p in r["_peaks"]]
     row.update(summarize_timing(case.batch_size, times), **peak_columns(peaks))
+    reasons = ",".join(r["timing_stop_reason"] for r in repeats).split(",")
+    row.update(measured_steps=sum(len(t) for t in times), timing_stop_reason=",".join(dict.fromkeys(reasons)),
+               timing_ci_rel=measure.median_ci_rel_width([t for repeat in times for t in repeat]),
+               timing_pass_s=sum(r["timing_pass_s"] for r in repeats))
     return row
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 
 from bench.errors import UsageError
-from bench.preflight import DEFAULT_MEASURED_STEPS, DEFAULT_WARMUP_STEPS
+from bench.preflight import DEFAULT_MAX_TIME_PER_CASE_S, DEFAULT_MIN_STEPS, DEFAULT_TARGET_CI, DEFAULT_WARMUP_STEPS
 from bench.runner import Case
 from strategies import PHASES, parse_strategy
 from workloads import get_workload
@@ -27,11 +27,16 @@ _FIELDS: dict[str, tuple[type, str]] = {
     "batch_sizes": (list, "a list of positive integers"),
     "warmup": (int, "a non-negative integer"),
     "steps": (int, "a positive integer"),
+    "min_steps": (int, "a positive integer"),
+    "max_time_per_case": ((int, float), "a positive number of seconds"),
+    "target_ci": ((int, float), "a fraction between 0 and 1 (e.g. 0.05)"),
     "executor": (str, "local or ray"),
     "ray_address": (str, "a Ray cluster address (auto, ray://head:10001)"),
 }
 _DEVICE_KEYS = ("cpu", "cuda")
-_PER_WORKLOAD = ("data", "strategies", "phases", "batch_sizes", "warmup", "steps")
+# The keys of adaptive timing; `steps` (a fixed count) excludes them in the same mapping.
+ADAPTIVE_KEYS = ("min_steps", "max_time_per_case", "target_ci")
+_PER_WORKLOAD = ("data", "strategies", "phases", "batch_sizes", "warmup", "steps", *ADAPTIVE_KEYS)
 
 
 @dataclass
@@ -48,7 +53,10 @@ class Suite:
     phases: list[str] = field(default_factory=lambda: list(PHASES))
     batch_sizes: list[int] | None = None
     warmup: int = DEFAULT_WARMUP_STEPS
-    steps: int = DEFAULT_MEASURED_STEPS
+    steps: int | None = None  # a fixed count of timed steps; None: adaptive timing, as the three below say
+    min_steps: int = DEFAULT_MIN_STEPS
+    max_time_per_case: float = DEFAULT_MAX_TIME_PER_CASE_S
+    target_ci: float = DEFAULT_TARGET_CI
     executor: str | None = None  # where the cases run (the command line's --executor wins)
     ray_address: str | None = None
 
@@ -61,12 +69,15 @@ class Suite:
         cases = []
         for entry in self.workloads:
             values = {key: entry.get(key, getattr(self, key)) for key in _PER_WORKLOAD}
+            if any(key in entry for key in ADAPTIVE_KEYS) and "steps" not in entry:
+                values["steps"] = None
             workload = get_workload(entry["workload"])
             if values["data"] is not None:
                 workload.check_data(values["data"])
             specs = ["baseline"] + [s for s in values["strategies"] if s != "baseline"]
             sizes = values["batch_sizes"] or [workload.default_batch_size]
-            cases += [Case(workload.spec(), spec, phase, bs, device, values["data"], values["warmup"], values["steps"])
+            cases += [Case(workload.spec(), spec, phase, bs, device, values["data"], values["warmup"], values["steps"],
+                           values["min_steps"], float(values["max_time_per_case"]), float(values["target_ci"]))
                       for bs in sizes for phase in values["phases"] for spec in specs]
         return cases
 
@@ -131,6 +142,15 @@ def validate(values: dict[str, Any], where: str) -> dict[str, Any]:
         raise UsageError(f"{where}: key 'warmup' must be a non-negative integer, got {values['warmup']!r}")
     if "steps" in values and values["steps"] <= 0:
         raise UsageError(f"{where}: key 'steps' must be a positive integer, got {values['steps']!r}")
+    for key in ("min_steps", "max_time_per_case"):
+        if key in values and values[key] <= 0:
+            raise UsageError(f"{where}: key {key!r} must be {_FIELDS[key][1]}, got {values[key]!r}")
+    if "target_ci" in values and not 0 < values["target_ci"] < 1:
+        raise UsageError(f"{where}: key 'target_ci' must be {_FIELDS['target_ci'][1]}, got {values['target_ci']!r}")
+    adaptive = [key for key in ADAPTIVE_KEYS if key in values]
+    if "steps" in values and values["steps"] is not None and adaptive:
+        raise UsageError(f"{where}: key 'steps' fixes the number of timed steps; key {adaptive[0]!r} is for adaptive "
+                         "timing: give one or the other")
     if "workload" in values:
         values["workloads"] = [{"workload": values.pop("workload")}]
     entries = []
@@ -189,7 +209,10 @@ def load_suite(path: Path | str, device: str) -> Suite:
         if not isinstance(extra, dict):
             raise UsageError(f"{path}: key 'devices.{dev}' must be a mapping, got {extra!r}")
         validate(extra, f"{path} (devices.{dev})")
-    values.update(overrides.get(device, {}))
+    override = overrides.get(device, {})
+    if any(key in override for key in ADAPTIVE_KEYS) and "steps" not in override:
+        values["steps"] = None  # the device's adaptive keys replace a fixed count given for every device
+    values.update(override)
     return check_data(replace(Suite(), **values), str(path))
 
 

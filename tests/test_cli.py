@@ -35,6 +35,12 @@ def _cli(*args, cwd=ROOT):
     (["explain", "--strategy", "baseline", "--workload", "nope.py:x"], ["'nope.py'"]),
     (["predict", "--workload", "deep_mlp:width=0"], ["deep_mlp:width=0"]),
     (["fit", "--budget", "1GiB", "--workload", "unet:depth=x"], ["'x'", "unet:depth"]),
+    (["compare", "--strategies", "baseline", "--min-steps", "0"], ["--min-steps", "0", "positive integer"]),
+    (["compare", "--strategies", "baseline", "--max-time-per-case", "-1"], ["--max-time-per-case", "'-1'"]),
+    (["compare", "--strategies", "baseline", "--max-time-per-case", "soon"], ["--max-time-per-case", "'soon'"]),
+    (["compare", "--strategies", "baseline", "--target-ci", "1.5"], ["--target-ci", "'1.5'", "between 0 and 1"]),
+    (["compare", "--strategies", "baseline", "--target-ci", "0"], ["--target-ci", "'0'", "between 0 and 1"]),
+    (["compare", "--strategies", "baseline", "--steps", "3", "--min-steps", "2"], ["--steps 3", "--min-steps"]),
 ])
 def test_bad_input_is_one_line_exit_2(args, names, capsys):
     assert main(args) == 2

@@ -65,10 +65,67 @@ def test_timing_statistics():
     assert stats.min_ms == 1.0
 
 
-def test_time_steps_runs_warmup_then_measured_steps():
-    calls = []
-    stats = measure.time_steps(lambda: calls.append(1), warmup=2, steps=5, device="cpu")
-    assert len(calls) == 7 and len(stats.times_ms) == 5
+class FakeSteps:
+    """A step function on a fake clock: each step advances it by the next of `durations_s` (repeated as needed)."""
+
+    def __init__(self, durations_s):
+        self.durations_s = list(durations_s)
+        self.now = 0.0
+        self.calls = 0
+
+    def clock(self) -> float:
+        return self.now
+
+    def step(self) -> None:
+        self.now += self.durations_s[self.calls % len(self.durations_s)]
+        self.calls += 1
+
+
+def test_fixed_steps_are_exact_whatever_the_noise_and_budget():
+    fake = FakeSteps([0.1, 5.0, 0.2])  # noisy, and far beyond any budget: a fixed count ignores both
+    policy = measure.TimingPolicy(warmup=2, steps=5, min_steps=1, max_time_s=0.001, target_ci_rel=0.5)
+    stats = measure.time_steps(fake.step, policy, "cpu", clock=fake.clock)
+    assert fake.calls == 7 and len(stats.times_ms) == 5 and stats.stop_reason == "fixed_steps"
+    assert stats.times_ms[:3] == pytest.approx([200.0, 100.0, 5000.0])  # after the 2 warm-up steps
+
+
+def test_adaptive_timing_stops_at_the_minimum_when_steady():
+    fake = FakeSteps([1.0])  # identical steps: the interval has zero width as soon as it exists (6 steps at 95%)
+    policy = measure.TimingPolicy(warmup=1, steps=None, min_steps=8, max_time_s=1000.0, target_ci_rel=0.05)
+    stats = measure.time_steps(fake.step, policy, "cpu", clock=fake.clock)
+    assert len(stats.times_ms) == 8 and stats.stop_reason == "ci_target" and fake.calls == 9
+
+
+def test_adaptive_timing_needs_six_steps_for_an_interval():
+    fake = FakeSteps([1.0])
+    policy = measure.TimingPolicy(warmup=0, steps=None, min_steps=1, max_time_s=1000.0, target_ci_rel=0.05)
+    stats = measure.time_steps(fake.step, policy, "cpu", clock=fake.clock)
+    assert len(stats.times_ms) == 6 and stats.stop_reason == "ci_target"
+
+
+def test_adaptive_timing_runs_to_the_budget_when_noisy():
+    fake = FakeSteps([1.0, 2.0])  # alternating: the median's interval stays [1, 2], 67% of the median
+    policy = measure.TimingPolicy(warmup=1, steps=None, min_steps=3, max_time_s=30.0, target_ci_rel=0.05)
+    stats = measure.time_steps(fake.step, policy, "cpu", clock=fake.clock)
+    assert stats.stop_reason == "time_budget"
+    assert sum(stats.times_ms) / 1e3 == pytest.approx(30.0)  # 20 steps: the one that reaches 30 s is the last
+    assert len(stats.times_ms) == 20
+
+
+def test_the_budget_never_cuts_below_the_minimum():
+    fake = FakeSteps([83.0])  # one emulated bfloat16 step at batch 100 is longer than the whole budget
+    policy = measure.TimingPolicy(warmup=1, steps=None, min_steps=2, max_time_s=15.0, target_ci_rel=0.05)
+    stats = measure.time_steps(fake.step, policy, "cpu", clock=fake.clock)
+    assert len(stats.times_ms) == 2 and stats.stop_reason == "time_budget"
+
+
+def test_median_interval_from_order_statistics():
+    assert measure.median_ci_ranks(5) is None  # 1 - 2/32 < 95%: no interval yet
+    assert measure.median_ci_ranks(6) == (1, 6)  # 1 - 2/64 = 96.9%
+    assert measure.median_ci_ranks(20) == (6, 15)  # P(B(20, 1/2) <= 5) = 2.07% -> 95.9%
+    assert measure.median_ci_ranks(1000) == (469, 532)  # the normal approximation
+    assert measure.median_ci(list(range(20, 0, -1))) == (6, 15)
+    assert measure.median_ci_rel_width([10.0] * 5 + [11.0]) == pytest.approx(0.1)
 
 
 def test_train_step_peak_agrees_with_pytorch_memtracker():

@@ -17,10 +17,13 @@ def test_run_case_fills_every_column():
     frame = results.to_frame([row])
     own = set(results.STRATEGY_COLUMNS)  # filled only by the strategies that measure them
     own |= {"rank_peak_max_bytes", "rank_peak_min_bytes"}  # sharded cases only
+    # a fixed count of 2 steps: adaptive timing's options do not apply, and no 95% interval exists below 6 steps
+    own |= {"timing_min_steps", "timing_max_time_s", "timing_target_ci_rel", "timing_ci_rel"}
     core = [c for c in results.COLUMNS if c not in ("peak_reserved_bytes", "message", "strategy_settings") and c not in own]
     missing = [c for c in core if frame[c].isna().any()]
     assert missing == []
     assert row["status"] == "ok" and row["matches_baseline"] and row["loss_rel_diff"] == 0.0
+    assert frame[sorted(own - set(results.STRATEGY_COLUMNS))].isna().all().all()
 
 
 def test_a_failing_case_becomes_a_row_and_the_run_goes_on(tmp_path, temporary_strategy):

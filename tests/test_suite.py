@@ -28,6 +28,11 @@ GOOD = "strategies: [baseline]\nphases: [eval]\nbatch_sizes: [2]\ndata: syntheti
     ("steps: \"ten\"", "steps", "must be a positive integer"),
     ("steps: 0", "steps", "must be a positive integer"),
     ("warmup: -1", "warmup", "non-negative"),
+    ("min_steps: 0", "min_steps", "must be a positive integer"),
+    ("max_time_per_case: -5", "max_time_per_case", "positive number of seconds"),
+    ("max_time_per_case: soon", "max_time_per_case", "positive number of seconds"),
+    ("target_ci: 1.5", "target_ci", "between 0 and 1"),
+    ("steps: 3\nmin_steps: 2", "steps", "give one or the other"),
     ("warmup: true", "warmup", "non-negative"),
     ("data: mnist", "data", "unknown data source 'mnist'"),
     ("workload: resnet50", "workload", "unknown workload 'resnet50'"),
@@ -71,6 +76,25 @@ def test_good_suites_load(tmp_path):
     suite = load_suite(path, "cpu")
     assert suite.steps == 1 and suite.batch_sizes == [2]
     assert load_suite(path, "cuda").steps == 30
+
+
+def test_a_device_with_adaptive_keys_replaces_a_fixed_count(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text(GOOD + "devices: {cuda: {min_steps: 20, max_time_per_case: 30, target_ci: 0.02}}\n")
+    [case] = load_suite(path, "cuda").cases("cuda")
+    assert case.steps is None and (case.min_steps, case.max_time_s, case.target_ci_rel) == (20, 30.0, 0.02)
+    [case] = load_suite(path, "cpu").cases("cpu")
+    assert case.steps == 1
+
+
+def test_the_default_cpu_suite_is_adaptive_with_a_budget_that_caps_slow_cases():
+    """A bfloat16 step that the CPU emulates (83 s at batch 100 on the reference AMD EPYC) must time one step."""
+    from bench.suite import DEFAULT_SUITE
+
+    cases = load_suite(DEFAULT_SUITE, "cpu").cases("cpu")
+    assert {c.batch_size for c in cases} >= {100} and {c.phase for c in cases} == {"train", "eval"}
+    for case in cases:
+        assert case.steps is None and case.min_steps == 1 and case.max_time_s < 83
 
 
 @pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parent.parent / "bench" / "suites").glob("*.yaml")),

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -97,6 +98,19 @@ def test_resume_refuses_different_measurement_options(tmp_path, change, named):
     path = _stored_run(tmp_path / "r1.csv", [(1, "ok")], **change)
     with pytest.raises(UsageError, match=named):
         load_resume(path, [_case()], ONE_THREAD)
+
+
+@pytest.mark.parametrize("stored, requested, named", [
+    (dict(timing_fixed_steps=3), dict(steps=None), "timing_fixed_steps: file has 3, requested adaptive timing"),
+    (dict(timing_min_steps=5, timing_max_time_s=30.0, timing_target_ci_rel=0.05),
+     dict(steps=None, max_time_s=10.0), "timing_max_time_s: file has 30.0, requested 10.0"),
+])
+def test_resume_refuses_other_timing_options(tmp_path, stored, requested, named):
+    path = tmp_path / "r1.csv"
+    results.write_rows([{**results.read_results(_stored_run(path, [(1, "ok")])).iloc[0].to_dict(), **stored}], path)
+    case = _case()
+    with pytest.raises(UsageError, match=named):
+        load_resume(path, [replace(case, **requested)], ONE_THREAD)
 
 
 def test_resume_of_a_missing_file_is_a_usage_error(tmp_path, capsys):
