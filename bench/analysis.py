@@ -220,10 +220,11 @@ def measured_peak(case, strategy) -> int:
 
 
 def _probe_peak(case, spec: str) -> int | None:
-    """A cheap estimate of the CPU peak: the same tracked step on the meta device (no arithmetic), or None."""
+    """A cheap estimate of the CPU peak: the same tracked step on fake tensors (no arithmetic), or None."""
     try:
-        return predict.tracked_peak(case, spec, engine="meta", block_bytes=1)
-    except Exception:  # noqa: BLE001 - a strategy that cannot run on meta falls back to the linear model
+        return predict.tracked_peak(case, spec, engine="fake", block_bytes=1, cuda_autocast=False)
+    except Exception as error:  # noqa: BLE001 - a strategy that fake tensors cannot run: the per-stage model
+        forget_traceback(error)
         return None
 
 
