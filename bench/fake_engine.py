@@ -51,11 +51,11 @@ class FakeSession(Session):
 
 
 def fake_memory_pass(case: Case, strategy: Strategy, tracker: measure.LiveTensorTracker | None = None,
-                     warmup_steps: int | None = None) -> dict[str, Any]:
+                     **options: Any) -> dict[str, Any]:
     """`bench.runner.memory_pass` on fake tensors (the case's device is the fake tensors' device): the tracked
-    peak, breakdown and growth of one steady-state step, and the tracker under `_tracker`."""
+    peak, breakdown and growth of one steady-state step, and the tracker under `_tracker`; `options` are
+    memory_pass's (warmup_steps, growth_steps, record_timeline, prepare)."""
     tracker = tracker or measure.LiveTensorTracker(case.device)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         return memory_pass(case, strategy, tracker=tracker,
-                           session_class=functools.partial(FakeSession, fake_mode=mode),
-                           **({} if warmup_steps is None else {"warmup_steps": warmup_steps}))
+                           session_class=functools.partial(FakeSession, fake_mode=mode), **options)

@@ -100,10 +100,12 @@ def tracked_step(case, spec: str, engine: str = "fake", block_bytes: int = 1, cu
         strategy.forward = _cuda_like_forward(strategy, engine)
     device = "cpu" if engine == "fake" else engine
     tracker = measure.LiveTensorTracker(device, block_bytes=block_bytes, record_events=record_events)
+    # the peak only: no step after the measured one (mem_growth_bytes_per_step is not predicted)
+    options = {"warmup_steps": warmup_steps, "growth_steps": 0}
     if engine == "fake":
-        memory = fake_memory_pass(replace(case, device="cpu"), strategy, tracker=tracker, warmup_steps=warmup_steps)
+        memory = fake_memory_pass(replace(case, device="cpu"), strategy, tracker=tracker, **options)
     else:
-        memory = memory_pass(replace(case, device=engine), strategy, tracker=tracker, warmup_steps=warmup_steps)
+        memory = memory_pass(replace(case, device=engine), strategy, tracker=tracker, **options)
     return TrackedStep(int(memory["peak_mem_bytes"]), tracker.events if record_events else None, engine)
 
 

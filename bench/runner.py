@@ -364,16 +364,19 @@ def timing_pass(case: Case, strategy: Strategy, repeats: int = 1) -> dict[str, A
 def memory_pass(case: Case, strategy: Strategy, record_timeline: bool = False,
                 tracker: measure.LiveTensorTracker | None = None,
                 prepare: Callable[[Session, measure.LiveTensorTracker], None] | None = None,
-                session_class: Callable[..., Session] = Session, warmup_steps: int | None = None) -> dict[str, Any]:
+                session_class: Callable[..., Session] = Session, warmup_steps: int | None = None,
+                growth_steps: int | None = None) -> dict[str, Any]:
     """The peak of one steady-state step: CUDA's allocator statistics, or the exact live-tensor count on the CPU.
 
     On the CPU (or meta) the row also gets the breakdown of the peak (`bench.breakdown.BREAKDOWN_COLUMNS`);
     `tracker` replaces the default exact tracker, `prepare(session, tracker)` runs just before the measured step;
     `session_class` builds the session (the fake-tensor engine's `FakeSession`; CPU and meta only);
-    `warmup_steps` replaces the device's `MEMORY_WARMUP_STEPS` (a prediction of CUDA runs CUDA's count elsewhere).
+    `warmup_steps` replaces the device's `MEMORY_WARMUP_STEPS` (a prediction of CUDA runs CUDA's count elsewhere),
+    `growth_steps` replaces `MEMORY_GROWTH_STEPS` (0: a caller that only wants the peak saves a step).
     After the measured step `MEMORY_GROWTH_STEPS` more run, outside the peak, for `mem_growth_bytes_per_step`.
     """
     warmup = MEMORY_WARMUP_STEPS.get(case.device, 1) if warmup_steps is None else warmup_steps
+    growth = MEMORY_GROWTH_STEPS if growth_steps is None else growth_steps
     if case.device == "cuda":
         release_cuda_memory()
         session = Session(case, strategy)
@@ -384,7 +387,7 @@ def memory_pass(case: Case, strategy: Strategy, record_timeline: bool = False,
                 ends.append(torch.cuda.memory_allocated())
             peak = measure.cuda_peak(session.step)
             ends.append(torch.cuda.memory_allocated())
-            ends += _growth_steps(session.step, torch.cuda.memory_allocated)
+            ends += _growth_steps(session.step, torch.cuda.memory_allocated, growth)
         return {"peak_mem_bytes": peak.allocated_bytes, "peak_reserved_bytes": peak.reserved_bytes,
                 "memory_method": "cuda_max_memory_allocated", "peak_stage": None,
                 "mem_growth_bytes_per_step": growth_per_step(ends)}
@@ -416,7 +419,7 @@ def memory_pass(case: Case, strategy: Strategy, record_timeline: bool = False,
                   "memory_method": "cpu_live_tensor_bytes", "peak_stage": tracker.peak_stage,
                   **breakdown.breakdown_columns(tracker)}
         timeline, tracker.record_timeline = tracker.timeline, False
-        ends += _growth_steps(lambda: session.step(mark), lambda: tracker.live_bytes)
+        ends += _growth_steps(lambda: session.step(mark), lambda: tracker.live_bytes, growth)
     tracker.timeline = timeline
     return {**result, "mem_growth_bytes_per_step": growth_per_step(ends), "_tracker": tracker}
 
@@ -425,9 +428,10 @@ def memory_pass(case: Case, strategy: Strategy, record_timeline: bool = False,
 MEMORY_GROWTH_STEPS = 1
 
 
-def _growth_steps(step: Callable[[], None], live_bytes: Callable[[], int]) -> list[int]:
+def _growth_steps(step: Callable[[], None], live_bytes: Callable[[], int],
+                  count: int = MEMORY_GROWTH_STEPS) -> list[int]:
     ends = []
-    for _ in range(MEMORY_GROWTH_STEPS):
+    for _ in range(count):
         step()
         ends.append(live_bytes())
     return ends
