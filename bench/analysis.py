@@ -312,8 +312,9 @@ def fit_cpu(spec: str, budget: int, phase: str, workload: str, data: str, max_ba
                                                    f"peak {mib(actual[b])} MiB, budget {mib(budget)} MiB"))
         return actual[b]
 
-    if _probe_peak(case_at(1), spec) is not None:
-        probes: dict[int, int] = {}
+    first_probe = _probe_peak(case_at(low), spec)
+    if first_probe is not None:
+        probes: dict[int, int] = {low: first_probe}
 
         def estimate(b: int) -> int:
             if b not in probes:

@@ -166,6 +166,9 @@ def predict_case(case, engine: str = "auto", ranks: int = 1, capability: tuple[i
         try:
             step = tracked_step(case, row["strategy"], name, 1, cuda_autocast=cuda, ranks=ranks, record_events=cuda,
                                 warmup_steps=MEMORY_WARMUP_STEPS["cuda"] if cuda else None)
+        except Unsupported as error:  # found when the strategy meets the model (no ReLU to switch): no engine can
+            row.update(status="unsupported", message=str(error))
+            return row
         except Exception as error:  # noqa: BLE001 - an engine may not run a strategy; the next one is the fallback
             forget_traceback(error)
             why = "autocast" if isinstance(error, _UsesAutocast) else type(error).__name__

@@ -243,3 +243,9 @@ def test_largest_under_finds_the_boundary_in_few_probes():
     assert len(set(calls)) <= 5
     assert analysis.largest_under(peak, 999_999, 16, 32, 4096) == 0
     assert analysis.largest_under(peak, 10**12, 16, 32, 300) == 300
+
+
+def test_predict_marks_a_strategy_the_model_refuses_unsupported():
+    # inplace_relu passes its check, then finds no ReLU in the MLP when it meets the model: no engine can run it
+    row = predict.predict_case(Case(MLP, "inplace_relu", "train", 2, "cuda", data="synthetic"))
+    assert row["status"] == "unsupported" and "ReLU" in row["message"] and row["predicted_bytes"] is None
