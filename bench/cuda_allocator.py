@@ -150,6 +150,7 @@ class CachingAllocatorModel:
 
     # internals ------------------------------------------------------------------------------------------
     def _best_fit(self, size: int, small: bool) -> Block | None:
+        """Takes the smallest free block of the pool with at least `size` bytes (lowest address on a tie)."""
         pool = self._free[small]
         index = bisect.bisect_left(pool, (size, -1))
         if index == len(pool):
@@ -157,6 +158,7 @@ class CachingAllocatorModel:
         return pool.pop(index)[2]
 
     def _new_segment(self, segment_bytes: int, small: bool) -> Block:
+        """cudaMalloc: a new segment, at an address above every earlier one, as one free-to-hand-out block."""
         block = Block(self._next_address, segment_bytes, small)
         self._next_address += segment_bytes
         self.stats.reserved_bytes += segment_bytes
@@ -165,9 +167,11 @@ class CachingAllocatorModel:
         return block
 
     def _insert_free(self, block: Block) -> None:
+        """Files a free block in its pool, ordered by (size, address)."""
         bisect.insort(self._free[block.small], (block.size, block.address, block))
 
     def _remove_free(self, block: Block) -> None:
+        """Takes a free block out of its pool (it is being merged into a neighbour)."""
         pool = self._free[block.small]
         index = bisect.bisect_left(pool, (block.size, block.address))
         assert pool[index][2] is block, "free list out of order"

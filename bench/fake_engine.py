@@ -45,6 +45,7 @@ class FakeSession(Session):
         return tree_map(self._fake, batch)
 
     def _fake(self, value: Any) -> Any:
+        """A real tensor's fake copy (the same one each time: the fake mode memoizes it); anything else as is."""
         if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
             return self.fake_mode.from_tensor(value)
         return value

@@ -11,6 +11,7 @@ CUDA the tracker's log of allocations and frees is replayed through a model of t
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from dataclasses import dataclass, replace
 
@@ -130,6 +131,17 @@ def cublas_workspace(capability: tuple[int, int] | None) -> int:
     return cuda_allocator.workspace_from_environment(capability)
 
 
+# aten operators that run cuDNN's convolutions on CUDA (with their algorithm's workspace for the call's duration)
+CONVOLUTION_OPS = ("convolution", "convolution_backward", "cudnn_convolution")
+
+
+def cudnn_workspace_cap() -> int | None:
+    """The cap on each cuDNN convolution workspace that CUDNN_CONV_WSCAP_DBG (MiB, PyTorch's documented debug
+    variable) sets, in bytes; None when it is not set or not a number."""
+    text = os.environ.get("CUDNN_CONV_WSCAP_DBG", "")
+    return int(text) * 2**20 if text.isdigit() else None
+
+
 def _engines(engine: str) -> list[str]:
     """The engines to try in turn for `--engine`: auto is the fake engine, a real CPU step where it fails."""
     return ["fake", "cpu"] if engine == "auto" else [engine]
@@ -143,7 +155,8 @@ def predict_case(case, engine: str = "auto", ranks: int = 1, capability: tuple[i
     row = {"workload": case.workload, "strategy": case.strategy, "phase": case.phase,
            "batch_size": case.batch_size, "device": case.device, "predicted_bytes": None,
            "predicted_mib": None, "predicted_reserved_bytes": None, "predicted_reserved_mib": None,
-           "cublas_workspace_bytes": None, "engine": None, "status": "ok", "message": "", "ranks": 1}
+           "cublas_workspace_bytes": None, "cudnn_workspace_bound_bytes": None, "engine": None, "status": "ok",
+           "message": "", "ranks": 1}
     with warnings.catch_warnings():
         # binding a strategy to `cuda` on a machine without CUDA: predict only reads its spec and checks it, and
         # runs it on the CPU; a GradScaler's "CUDA is not available. Disabling." is about a scaler never used
@@ -185,6 +198,11 @@ def predict_case(case, engine: str = "auto", ranks: int = 1, capability: tuple[i
                        predicted_reserved_bytes=replayed.max_reserved_bytes,
                        predicted_reserved_mib=round(replayed.max_reserved_bytes / 2**20, 1),
                        cublas_workspace_bytes=replayed.cublas_workspaces * workspace)
+            if any(e.kind == "op" and e.op.startswith(CONVOLUTION_OPS) for e in step.events):
+                row["cudnn_workspace_bound_bytes"] = cudnn_workspace_cap()
+                cap = row["cudnn_workspace_bound_bytes"]
+                notes.append("cuDNN conv workspace not modelled" + (f" (<= {cap / 2**20:,.0f} MiB more)" if cap else ""))
+                row["message"] = "; ".join(notes)
         else:
             row["predicted_bytes"] = step.peak_bytes
         row["predicted_mib"] = round(row["predicted_bytes"] / 2**20, 1)

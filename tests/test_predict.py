@@ -249,3 +249,15 @@ def test_predict_marks_a_strategy_the_model_refuses_unsupported():
     # inplace_relu passes its check, then finds no ReLU in the MLP when it meets the model: no engine can run it
     row = predict.predict_case(Case(MLP, "inplace_relu", "train", 2, "cuda", data="synthetic"))
     assert row["status"] == "unsupported" and "ReLU" in row["message"] and row["predicted_bytes"] is None
+
+
+def test_predict_says_cudnn_workspaces_are_not_modelled_and_reads_their_cap(monkeypatch):
+    captcha = Case("captcha_resnet18", "baseline", "eval", 1, "cuda", data="synthetic")
+    monkeypatch.delenv("CUDNN_CONV_WSCAP_DBG", raising=False)
+    row = predict.predict_case(captcha)
+    assert row["cudnn_workspace_bound_bytes"] is None and "cuDNN conv workspace not modelled" in row["message"]
+    monkeypatch.setenv("CUDNN_CONV_WSCAP_DBG", "64")
+    row = predict.predict_case(captcha)
+    assert row["cudnn_workspace_bound_bytes"] == 64 * MIB and "<= 64 MiB more" in row["message"]
+    mlp = predict.predict_case(Case(MLP, "baseline", "eval", 2, "cuda", data="synthetic"))
+    assert mlp["cudnn_workspace_bound_bytes"] is None and "cuDNN" not in mlp["message"]  # no convolution
