@@ -213,17 +213,19 @@ class FitResult:
 
 
 def measured_peak(case, strategy) -> int:
-    """An actual run: the exact tracked peak on the CPU, max_memory_allocated on CUDA."""
-    memory = memory_pass(case, strategy)
+    """An actual run: the exact tracked peak on the CPU, max_memory_allocated on CUDA (its warm-up steps and the
+    measured one, no step after it)."""
+    memory = memory_pass(case, strategy, growth_steps=0)
     memory.pop("_tracker", None)
     return int(memory["peak_mem_bytes"])
 
 
 def _probe_peak(case, spec: str) -> int | None:
-    """A cheap estimate of the CPU peak: the same tracked step on the meta device (no arithmetic), or None."""
+    """A cheap estimate of the CPU peak: the same tracked step on fake tensors (no arithmetic), or None."""
     try:
-        return predict.tracked_peak(case, spec, engine="meta", block_bytes=1)
-    except Exception:  # noqa: BLE001 - a strategy that cannot run on meta falls back to the linear model
+        return predict.tracked_peak(case, spec, engine="fake", block_bytes=1, cuda_autocast=False)
+    except Exception as error:  # noqa: BLE001 - a strategy that fake tensors cannot run: the per-stage model
+        forget_traceback(error)
         return None
 
 
@@ -241,16 +243,50 @@ def _quiet(text: str) -> None:
     pass
 
 
+def largest_under(peak_at: Callable[[int], int], budget: int, low: int, high: int, max_batch: int) -> int:
+    """The largest batch b <= max_batch with peak_at(b) <= budget (0 if none), for a peak that grows with the batch.
+
+    Secant steps from `low` and `high` (the peak is linear in the batch within a regime, so they land on the answer
+    or next to it in two or three probes), then bisection between the largest batch seen to fit and the smallest
+    seen not to, probing upward by doubling when none was seen over the budget."""
+    fits = lambda b: b == 0 or peak_at(b) <= budget  # noqa: E731
+    a, b = low, high
+    for _ in range(6):
+        slope = max((peak_at(b) - peak_at(a)) / (b - a), 1.0)
+        guess = int(min(max_batch, max(0, b + math.floor((budget - peak_at(b)) / slope))))
+        if guess in (a, b):
+            break
+        a, b = b, guess
+    seen = [0, a, b, b + 1 if b < max_batch else b]
+    fit_seen = [x for x in seen if fits(x)]
+    lo = max(fit_seen)
+    over = [x for x in seen if not fits(x)]
+    hi = min(over) if over else None
+    while hi is None:
+        candidate = min(max_batch, max(1, 2 * lo))
+        if candidate == lo:
+            return lo
+        if fits(candidate):
+            lo = candidate
+        else:
+            hi = candidate
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
 def fit_cpu(spec: str, budget: int, phase: str, workload: str, data: str, max_batch: int,
             low: int = 16, high: int = 32, progress: Callable[[str], None] = _quiet) -> FitResult:
     """Largest batch with peak <= budget on the CPU, confirmed by actual tracked runs.
 
-    With the meta device (fast at any batch): a linear guess from two meta probes, bracketed and bisected on meta
-    probes. Where meta cannot run the strategy (autocast): the peak within each stage of the step (forward,
-    backward, optimizer) is linear in the batch size, so two tracked runs give one line per stage and the step's
-    peak is the largest of them at any batch -- which a single slope from small batches is not (there the peak is
-    Adam's step; at large ones it is the backward). Then actual tracked runs at the answer, stepping down while
-    over the budget (meta differs from the CPU by a few KB).
+    With fake tensors (`bench.fake_engine`: the exact tracker without arithmetic, a second or so per probe at any
+    batch): `largest_under` on fake probes. Where fake tensors cannot run the strategy: the peak within each stage
+    of the step (forward, backward, optimizer) is linear in the batch size, so two tracked runs give one line per
+    stage and the step's peak is the largest of them at any batch -- which a single slope from small batches is not
+    (there the peak is Adam's step; at large ones it is the backward). Then one actual tracked run at the answer (a
+    warm-up step and the measured one), stepping down while over the budget: fake tensors differ from the CPU by
+    its loss kernels' buffers, a few hundred bytes per sample, which a step down corrects with the offset measured.
     """
     def case_at(b: int, device: str = "cpu"):
         return Case(workload, spec, phase, b, device, data=data, warmup=0, steps=1)
@@ -276,32 +312,18 @@ def fit_cpu(spec: str, budget: int, phase: str, workload: str, data: str, max_ba
                                                    f"peak {mib(actual[b])} MiB, budget {mib(budget)} MiB"))
         return actual[b]
 
-    if _probe_peak(case_at(1), spec) is not None:
-        probes: dict[int, int] = {}
+    first_probe = _probe_peak(case_at(low), spec)
+    if first_probe is not None:
+        probes: dict[int, int] = {low: first_probe}
 
         def estimate(b: int) -> int:
             if b not in probes:
                 probes[b] = _probe_peak(case_at(b), spec)
+                progress(f"fit {spec}: fake-tensor probe at batch {b}: {mib(probes[b])} MiB")
             return probes[b]
 
+        batch, method = largest_under(estimate, budget, low, high, max_batch), "fake probe"
         slope = max((estimate(high) - estimate(low)) / (high - low), 1.0)
-        base = estimate(low) - slope * low
-        guess = int(min(max_batch, max(0, math.floor((budget - base) / slope))))
-        # bracket the answer around the linear guess on the probe, then bisect: lo fits, hi does not
-        fits = lambda b: b == 0 or estimate(b) <= budget  # noqa: E731
-        step = max(1, guess // 8)
-        if fits(guess):
-            lo, hi = guess, min(max_batch + 1, guess + step)
-            while hi <= max_batch and fits(hi):
-                lo, hi, step = hi, min(max_batch + 1, hi + 2 * step), 2 * step
-        else:
-            lo, hi = max(0, guess - step), guess
-            while not fits(lo):
-                lo, hi, step = max(0, lo - 2 * step), lo, 2 * step
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-        batch, method = lo, "meta probe"
     else:
         lines = {}
         (peaks_low, actual[low]), (peaks_high, actual[high]) = (
@@ -326,7 +348,11 @@ def fit_cpu(spec: str, budget: int, phase: str, workload: str, data: str, max_ba
     note = ""
     while batch >= 1 and real(batch) > budget:
         over = real(batch) - budget
-        batch -= max(1, batch // 2) if over == math.inf else max(1, math.ceil(over / slope))
+        if over != math.inf and method == "fake probe":
+            offset = real(batch) - estimate(batch)  # what the CPU holds that fake tensors do not
+            batch = min(batch - 1, largest_under(lambda b: estimate(b) + offset, budget, low, high, batch))
+        else:
+            batch -= max(1, batch // 2) if over == math.inf else max(1, math.ceil(over / slope))
     if batch < 1:
         return FitResult(spec, phase, "cpu", budget, 0, None, False, None, "", None,
                          "even batch 1 exceeds the budget", runs)

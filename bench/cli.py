@@ -847,6 +847,16 @@ def cmd_explain(args) -> int:
     return 0
 
 
+def _capability(text: str | None) -> tuple[int, int] | None:
+    """`--capability 9.0` as (9, 0); None when not given; a UsageError for anything but MAJOR.MINOR."""
+    if text is None:
+        return None
+    major, dot, minor = text.partition(".")
+    if not (dot and major.isdigit() and minor.isdigit()):
+        raise UsageError(f"--capability: bad compute capability {text!r}; give MAJOR.MINOR, e.g. 8.6 or 9.0")
+    return int(major), int(minor)
+
+
 def cmd_predict(args) -> int:
     """Predicted torch.cuda.max_memory_allocated per case, without a GPU (assumptions printed); writes a CSV."""
     import pandas as pd
@@ -861,6 +871,7 @@ def cmd_predict(args) -> int:
     workload, data = _workload_and_data(args)
     device = _analysis_device(args.device)
     engine = _check_choice("engine", args.engine, predict.ENGINES)
+    capability = _capability(args.capability)
     phases = [_check_choice("phase", p, ("train", "eval")) for p in _csv_list(args.phases)]
     specs = ["baseline"] + [s for s in _csv_list(args.strategies or "") if s != "baseline"]
     for spec in specs:
@@ -873,9 +884,9 @@ def cmd_predict(args) -> int:
     rows = []
     for index, case in enumerate(cases):
         _status(f"[{index + 1}/{len(cases)}] predicting {case.strategy} {case.phase} bs={case.batch_size} ...")
-        rows.append(predict.predict_case(case, engine, args.ranks))
-    print(f"predicted peak memory on {device}" + (" (torch.cuda.max_memory_allocated)" if device == "cuda" else
-                                                  " (exact live tensor bytes)"))
+        rows.append(predict.predict_case(case, engine, args.ranks, capability))
+    print(f"predicted peak memory on {device}" + (" (torch.cuda.max_memory_allocated and max_memory_reserved)"
+                                                  if device == "cuda" else " (exact live tensor bytes)"))
     print(predict.format_predictions(rows))
     if device == "cuda":
         print("\nassumptions:")
@@ -973,8 +984,11 @@ def _add_analysis_parsers(sub) -> None:
     p.add_argument("--ranks", type=_positive_int, default=1,
                    help="for the sharded strategies (ddp, zero1, fsdp): the peak of the largest of N ranks, without "
                         "starting N processes (PyTorch's fake process group; default 1)")
-    p.add_argument("--engine", default="auto", help="auto (CPU up to batch 16, else meta with the CPU as fallback), "
-                                                    "meta or cpu (default auto)")
+    p.add_argument("--engine", default="auto", help="auto (fake tensors, a real CPU step where they cannot run a "
+                                                    "strategy), fake, meta or cpu (default auto)")
+    p.add_argument("--capability", default=None,
+                   help="compute capability of the CUDA device predicted, e.g. 9.0 (sizes cuBLAS's workspace; "
+                        "default: this machine's GPU, else a non-Hopper one)")
     _add_table_options(p)
 
     p = _add_command(sub, "fit", cmd_fit)

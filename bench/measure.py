@@ -182,6 +182,22 @@ def cuda_peak(step: Callable[[], None]) -> CudaPeak:
 class _StorageInfo:
     nbytes: int
     category: str
+    key: int = 0  # the storage's number in `events`
+
+
+@dataclass(frozen=True)
+class MemoryEvent:
+    """One entry of the tracker's event log: a storage allocated or freed, an operator run, or the peak reset.
+
+    `kind` is "alloc" (`nbytes` the storage's exact bytes), "free", "op" (`op` its name) or "reset"; `key` numbers
+    the storage (an alloc and its free share it); `stage` is the tracker's stage when it happened.
+    """
+
+    kind: str
+    key: int = 0
+    nbytes: int = 0
+    stage: str = ""
+    op: str = ""
 
 
 @dataclass
@@ -192,6 +208,10 @@ class TimelinePoint:
     stage: str
     op: str
     live_bytes: int
+
+
+# Operators that read a tensor's metadata and make no tensor.
+_METADATA_OPS = frozenset({torch.ops.prim.device.default})
 
 
 class LiveTensorTracker(TorchDispatchMode):
@@ -205,9 +225,14 @@ class LiveTensorTracker(TorchDispatchMode):
 
     `stage` is set by the caller (forward/backward/optimizer); each storage is filed under a category: the one
     given to `track()`, else the stage it was created in.
+
+    With `record_events`, `events` logs every allocation and free in the order they happened (exact bytes, not
+    rounded), every operator and the peak resets, from the tracker's start: `bench.cuda_allocator` replays it
+    through a model of CUDA's caching allocator.
     """
 
-    def __init__(self, device: str = "cpu", record_timeline: bool = False, block_bytes: int = 1):
+    def __init__(self, device: str = "cpu", record_timeline: bool = False, block_bytes: int = 1,
+                 record_events: bool = False):
         super().__init__()
         self.device = torch.device(device).type
         # each storage counts as its bytes rounded up to a multiple of block_bytes (512 models CUDA's allocator)
@@ -223,6 +248,9 @@ class LiveTensorTracker(TorchDispatchMode):
         self.peak_by_category: dict[str, int] = {}
         self.timeline: list[TimelinePoint] = []
         self._ops = 0
+        self.record_events = record_events
+        self.events: list[MemoryEvent] = []
+        self._keys = 0
 
     # registration -------------------------------------------------------------------------------------
     def track(self, tensors: Iterable[torch.Tensor | None], category: str) -> None:
@@ -242,7 +270,10 @@ class LiveTensorTracker(TorchDispatchMode):
             return
         if st in self._storages:
             return
-        info = _StorageInfo(self.storage_bytes(st.nbytes()), category)
+        self._keys += 1
+        info = _StorageInfo(self.storage_bytes(st.nbytes()), category, self._keys)
+        if self.record_events:
+            self.events.append(MemoryEvent("alloc", info.key, st.nbytes(), self.stage))
         self._storages[st] = info
         self.live_bytes += info.nbytes
         self.live_by_category[category] = self.live_by_category.get(category, 0) + info.nbytes
@@ -262,6 +293,8 @@ class LiveTensorTracker(TorchDispatchMode):
                 info.category = category
 
     def _freed(self, info: _StorageInfo) -> None:
+        if self.record_events:
+            self.events.append(MemoryEvent("free", info.key, stage=self.stage))
         self.live_bytes -= info.nbytes
         self.live_by_category[info.category] -= info.nbytes
 
@@ -287,6 +320,8 @@ class LiveTensorTracker(TorchDispatchMode):
         self.peak_by_category = dict(self.live_by_category)
         self.timeline = []
         self._ops = 0
+        if self.record_events:
+            self.events.append(MemoryEvent("reset", stage=self.stage))
 
     def _update_peak(self, op: str) -> None:
         if self.live_bytes > self.peak_bytes:
@@ -299,10 +334,16 @@ class LiveTensorTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _METADATA_OPS:
+            # a fake tensor answers `.device` through the dispatcher: asking it is no use of the tensor, and
+            # registering it here would file a tensor that `track()` is about to register under "untracked"
+            return func(*args, **kwargs)
         inputs, _ = tree_flatten((args, kwargs))
         for t in inputs:
             if isinstance(t, torch.Tensor):
                 self._register(t, "untracked")
+        if self.record_events:
+            self.events.append(MemoryEvent("op", stage=self.stage, op=func.__name__))
         out = func(*args, **kwargs)
         outputs, _ = tree_flatten(out)
         for t in outputs:

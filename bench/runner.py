@@ -103,7 +103,7 @@ class Session:
         seed_everything(workload.seed)
         self.case = case
         self.strategy = strategy
-        self.base_model = workload.build_model().to(case.device)
+        self.base_model = self.place(workload.build_model())
         self.observe_grads = observe_grads
         self._grad_watchers: OrderedDict[int, Callable[[torch.Tensor], None]] = OrderedDict()  # RemovableHandle's
         if observe_grads:
@@ -120,13 +120,24 @@ class Session:
                     param.register_post_accumulate_grad_hook(grad_ready)
         self.model = strategy.prepare_model(self.base_model, workload.checkpoint_units(self.base_model))
         self.optimizer = strategy.wrap_optimizer(workload.make_optimizer(self.base_model), self.base_model)
-        self.host_batch = strategy.shard_batch(_cpu_batch(case.workload, case.batch_size, case.data))
+        self.host_batch = strategy.shard_batch(self.load_host_batch())
         inputs, target = self.host_batch
-        self.x, self.y = to_device(inputs, case.device), to_device(target, case.device)
+        self.x, self.y = self.place(inputs), self.place(target)
         self.model.train(case.phase == "train")
         self.kept: dict[str, Any] = {}  # what the article's loop keeps alive until the next step
         # dropout draws from the global generator: every pass starts its steps from the same random state
         seed_everything(workload.seed + 1)
+
+    def place(self, value: Any) -> Any:
+        """The freshly built model, or a (nested) batch, on the case's device (a hook point: the fake-tensor
+        engine, `bench.fake_engine.FakeSession`, keeps what it built as fake tensors instead)."""
+        if isinstance(value, torch.nn.Module):
+            return value.to(self.case.device)
+        return to_device(value, self.case.device)
+
+    def load_host_batch(self) -> Any:
+        """The whole batch of the case in host memory, before the strategy shards it (a hook point)."""
+        return _cpu_batch(self.case.workload, self.case.batch_size, self.case.data)
 
     def forward(self, inputs: Any = None) -> Any:
         """The model's output on `inputs` (default: the session's batch), inside the strategy's forward context."""
@@ -379,14 +390,20 @@ def timing_columns(case: Case, per_repeat: list[measure.TimingStats], seconds: f
 
 def memory_pass(case: Case, strategy: Strategy, record_timeline: bool = False,
                 tracker: measure.LiveTensorTracker | None = None,
-                prepare: Callable[[Session, measure.LiveTensorTracker], None] | None = None) -> dict[str, Any]:
+                prepare: Callable[[Session, measure.LiveTensorTracker], None] | None = None,
+                session_class: Callable[..., Session] = Session, warmup_steps: int | None = None,
+                growth_steps: int | None = None) -> dict[str, Any]:
     """The peak of one steady-state step: CUDA's allocator statistics, or the exact live-tensor count on the CPU.
 
     On the CPU (or meta) the row also gets the breakdown of the peak (`bench.breakdown.BREAKDOWN_COLUMNS`);
-    `tracker` replaces the default exact tracker, `prepare(session, tracker)` runs just before the measured step.
+    `tracker` replaces the default exact tracker, `prepare(session, tracker)` runs just before the measured step;
+    `session_class` builds the session (the fake-tensor engine's `FakeSession`; CPU and meta only);
+    `warmup_steps` replaces the device's `MEMORY_WARMUP_STEPS` (a prediction of CUDA runs CUDA's count elsewhere),
+    `growth_steps` replaces `MEMORY_GROWTH_STEPS` (0: a caller that only wants the peak saves a step).
     After the measured step `MEMORY_GROWTH_STEPS` more run, outside the peak, for `mem_growth_bytes_per_step`.
     """
-    warmup = MEMORY_WARMUP_STEPS.get(case.device, 1)
+    warmup = MEMORY_WARMUP_STEPS.get(case.device, 1) if warmup_steps is None else warmup_steps
+    growth = MEMORY_GROWTH_STEPS if growth_steps is None else growth_steps
     if case.device == "cuda":
         release_cuda_memory()
         session = Session(case, strategy)
@@ -397,14 +414,14 @@ def memory_pass(case: Case, strategy: Strategy, record_timeline: bool = False,
                 ends.append(torch.cuda.memory_allocated())
             peak = measure.cuda_peak(session.step)
             ends.append(torch.cuda.memory_allocated())
-            ends += _growth_steps(session.step, torch.cuda.memory_allocated)
+            ends += _growth_steps(session.step, torch.cuda.memory_allocated, growth)
         return {"peak_mem_bytes": peak.allocated_bytes, "peak_reserved_bytes": peak.reserved_bytes,
                 "memory_method": "cuda_max_memory_allocated", "peak_stage": None,
                 "mem_growth_bytes_per_step": growth_per_step(ends)}
     if case.device == "cpu" and strategy.cpu_memory_count == "allocator_events" and tracker is None:
         return allocator_memory_pass(case, strategy)
     tracker = tracker or measure.LiveTensorTracker(case.device, record_timeline=record_timeline)
-    session = Session(case, strategy, observe_grads=True)
+    session = session_class(case, strategy, observe_grads=True)
     with strategy.session(), tracker:
         tracker.track(session.parameters(), "params")
         tracker.track(session.base_model.buffers(), "buffers")
@@ -431,7 +448,7 @@ def memory_pass(case: Case, strategy: Strategy, record_timeline: bool = False,
                   "memory_method": "cpu_live_tensor_bytes", "peak_stage": tracker.peak_stage,
                   **breakdown.breakdown_columns(tracker)}
         timeline, tracker.record_timeline = tracker.timeline, False
-        ends += _growth_steps(lambda: session.step(mark), lambda: tracker.live_bytes)
+        ends += _growth_steps(lambda: session.step(mark), lambda: tracker.live_bytes, growth)
     tracker.timeline = timeline
     return {**result, "mem_growth_bytes_per_step": growth_per_step(ends), "_tracker": tracker}
 
@@ -470,9 +487,10 @@ def live_tensor_bytes(session: Session) -> int:
 MEMORY_GROWTH_STEPS = 1
 
 
-def _growth_steps(step: Callable[[], None], live_bytes: Callable[[], int]) -> list[int]:
+def _growth_steps(step: Callable[[], None], live_bytes: Callable[[], int],
+                  count: int = MEMORY_GROWTH_STEPS) -> list[int]:
     ends = []
-    for _ in range(MEMORY_GROWTH_STEPS):
+    for _ in range(count):
         step()
         ends.append(live_bytes())
     return ends

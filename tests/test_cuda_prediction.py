@@ -1,0 +1,105 @@
+"""`predict` against the GPU: for every strategy, train and eval, at two batch sizes, the predicted
+`max_memory_allocated` is within 10% of the measured one (the `cuda` tests, skipped without a GPU); the session
+writes the comparison into results/cuda_prediction/ (a CSV and a markdown table).
+
+The table writing and the comparison itself run on the CPU in the tests at the end (no GPU needed).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from bench import prediction_check
+from bench.errors import Unsupported
+from strategies import STRATEGIES
+
+WORKLOAD = "captcha_resnet18"
+BATCH_SIZES = (8, 32)
+RESULTS = Path(__file__).resolve().parent.parent / "results" / "cuda_prediction"
+
+
+@pytest.fixture(scope="module")
+def comparison_rows():
+    """The rows of every compared case; written to results/cuda_prediction/ when the module's tests end."""
+    rows: list[dict] = []
+    yield rows
+    prediction_check.write_comparison(rows, RESULTS)
+
+
+@functools.lru_cache(maxsize=1)
+def _cuda_environment() -> dict:
+    from bench.env import environment
+
+    return environment("cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("batch_size", BATCH_SIZES)
+@pytest.mark.parametrize("phase", ["train", "eval"])
+@pytest.mark.parametrize("strategy", [name for name in STRATEGIES.names()
+                                      if not STRATEGIES.get(name).distributed])
+def test_predicted_allocated_within_10_percent_of_measured(strategy, phase, batch_size, comparison_rows):
+    from bench import predict
+    from bench.runner import Case, bind_case, memory_pass, release_cuda_memory
+
+    case = Case(WORKLOAD, strategy, phase, batch_size, "cuda", data="synthetic")
+    bound, context = bind_case(case)
+    try:
+        bound.check(context)
+    except Unsupported as reason:
+        pytest.skip(str(reason))
+    try:
+        measured = memory_pass(case, bound)
+    finally:
+        release_cuda_memory()
+    prediction = predict.predict_case(case, capability=torch.cuda.get_device_capability(0))
+    row = prediction_check.comparison_row(prediction, measured, _cuda_environment())
+    comparison_rows.append(row)
+    assert prediction["status"] == "ok", prediction["message"]
+    assert row["within_tolerance"], (f"{strategy} {phase} bs={batch_size}: predicted {prediction['predicted_bytes']:,}"
+                                     f" B, measured {measured['peak_mem_bytes']:,} B ({row['error_pct']:+.1f}%)")
+
+
+# --- the comparison and its tables, on the CPU ---------------------------------------------------------------
+
+ENV = {"device_name": "NVIDIA Test GPU", "torch_version": "2.13.0", "cuda_version": "12.8", "cudnn_version": "91000"}
+
+
+def _prediction(strategy="baseline", predicted=110 * 2**20, reserved=128 * 2**20):
+    return {"workload": WORKLOAD, "strategy": strategy, "phase": "train", "batch_size": 8,
+            "predicted_bytes": predicted, "predicted_reserved_bytes": reserved,
+            "cublas_workspace_bytes": 2 * 8_519_680, "engine": "fake", "message": ""}
+
+
+def test_comparison_row_measures_the_error_against_the_measured_figure():
+    row = prediction_check.comparison_row(_prediction(predicted=110 * 2**20),
+                                          {"peak_mem_bytes": 100 * 2**20, "peak_reserved_bytes": 120 * 2**20}, ENV)
+    assert row["error_pct"] == 10.0 and row["within_tolerance"]  # 10% is the limit, inclusive
+    assert row["reserved_error_pct"] == pytest.approx(100 * 8 / 120, abs=0.01)
+    over = prediction_check.comparison_row(_prediction(predicted=89 * 2**20), {"peak_mem_bytes": 100 * 2**20}, ENV)
+    assert over["error_pct"] == -11.0 and not over["within_tolerance"]
+    failed = prediction_check.comparison_row(_prediction(predicted=None), {"peak_mem_bytes": 100 * 2**20}, ENV)
+    assert failed["error_pct"] is None and not failed["within_tolerance"]
+
+
+def test_write_comparison_leaves_a_csv_and_a_markdown_table(tmp_path):
+    rows = [prediction_check.comparison_row(_prediction("baseline", 110 * 2**20),
+                                            {"peak_mem_bytes": 100 * 2**20, "peak_reserved_bytes": 120 * 2**20}, ENV),
+            prediction_check.comparison_row(_prediction("checkpoint", 50 * 2**20),
+                                            {"peak_mem_bytes": 80 * 2**20, "peak_reserved_bytes": None}, ENV)]
+    csv_path, md_path = prediction_check.write_comparison(rows, tmp_path / "cuda_prediction", run_id="run1")
+    frame = pd.read_csv(csv_path)
+    assert list(frame.columns) == prediction_check.COMPARISON_COLUMNS
+    assert list(frame["strategy"]) == ["baseline", "checkpoint"]
+    assert list(frame["within_tolerance"]) == [True, False]
+    table = md_path.read_text(encoding="utf-8")
+    assert "NVIDIA Test GPU" in table and "torch 2.13.0" in table
+    assert "| captcha_resnet18 | `baseline` | train | 8 | 100.0 | 110.0 | +10.0% | 120.0 | 128.0 | +6.7% |" in table
+    assert "| `checkpoint` | train | 8 | 80.0 | 50.0 | -37.5% | - | 128.0 | - | fake | **no** |" in table
+    assert prediction_check.write_comparison([], tmp_path / "none") is None
+    assert not (tmp_path / "none").exists()

@@ -1,0 +1,263 @@
+"""predict and fit without the device: the fake-tensor engine against the real CPU count, the model of CUDA's
+caching allocator on sequences worked out by hand, cuBLAS's workspace, and the batch search of fit.
+
+Small: batch sizes 1-2, a 4-layer MLP where a workload's size does not matter.
+"""
+
+import functools
+
+import pytest
+import torch
+
+from bench import analysis, cuda_allocator, predict
+from bench.cli import main
+from bench.cuda_allocator import CachingAllocatorModel, replay
+from bench.fake_engine import fake_memory_pass
+from bench.measure import LiveTensorTracker, MemoryEvent
+from bench.runner import Case, bind_case, memory_pass
+
+MIB = 2**20
+MLP = "deep_mlp:layers=4:width=8"
+
+
+def case(workload="captcha_resnet18", strategy="baseline", phase="train", batch=2):
+    return Case(workload, strategy, phase, batch, "cpu", data="synthetic", warmup=0, steps=1)
+
+
+@functools.lru_cache(maxsize=None)
+def peaks(workload: str, strategy: str, phase: str, batch: int) -> tuple[int, int]:
+    """(real CPU tracked peak, fake-tensor tracked peak) of one case (cached: the tests share them)."""
+    c = case(workload, strategy, phase, batch)
+    real = memory_pass(c, bind_case(c)[0])["peak_mem_bytes"]
+    fake = fake_memory_pass(c, bind_case(c)[0])["peak_mem_bytes"]
+    return real, fake
+
+
+# --- the fake-tensor engine against the real CPU count -------------------------------------------------------
+
+@pytest.mark.parametrize("strategy", ["baseline", "checkpoint", "amp", "no_grad_eval"])
+def test_fake_engine_counts_what_the_cpu_counts_in_eval(strategy):
+    # no loss in the eval step's peak: fake tensors and the CPU hold the same storages, to the byte
+    real, fake = peaks("captcha_resnet18", strategy, "eval", 2)
+    assert fake == real
+
+
+@pytest.mark.parametrize("strategy", ["baseline", "amp", "checkpoint", "optimizer_in_backward"])
+def test_fake_engine_in_training_differs_only_by_the_cpu_loss_buffer(strategy):
+    # The CPU's mse_loss returns its mean in the buffer of its elementwise losses (batch x width floats), a fake
+    # tensor (as CUDA) in a 4-byte one; at the peak two losses are alive (the step's, and the previous step's that
+    # the article's loop keeps): 2 x (2*8*4 - 4) = 120 bytes, and nothing else differs.
+    real, fake = peaks(MLP, strategy, "train", 2)
+    assert real - fake == 2 * (2 * 8 * 4 - 4)
+
+
+def test_fake_engine_runs_checkpointing_with_batchnorm_exactly():
+    # checkpoint's BatchNorm fix compares buffers by value, which fake tensors have not: it restores them all
+    # (in place, nothing allocated); the captcha model's BCE loss buffer is 2 x 144 floats
+    real, fake = peaks("captcha_resnet18", "checkpoint", "train", 1)
+    assert real - fake == 2 * (1 * 144 * 4 - 4)
+
+
+def test_fake_engine_applies_autocast():
+    # meta tensors ignore autocast; fake ones do not: the step has the casts autocast inserts
+    c = case(MLP, "amp", "eval", 2)
+    tracker = LiveTensorTracker("cpu", record_timeline=True)
+    fake_memory_pass(c, bind_case(c)[0], tracker=tracker)
+    assert any(p.op == "_to_copy.default" for p in tracker.timeline)  # the casts autocast inserts
+    with pytest.raises(predict._UsesAutocast):
+        predict.tracked_peak(case(MLP, "amp", "eval", 2), "amp", engine="meta")
+
+
+def test_fake_engine_leaves_the_batch_cache_real():
+    from bench.runner import _cpu_batch
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    c = case(MLP, "baseline", "eval", 3)
+    fake_memory_pass(c, bind_case(c)[0])
+    inputs, target = _cpu_batch(c.workload, 3, c.data)
+    assert not isinstance(inputs, FakeTensor) and not isinstance(target, FakeTensor)
+
+
+# --- the tracker's event log ---------------------------------------------------------------------------------
+
+def test_event_log_replays_to_the_live_count():
+    with LiveTensorTracker(record_events=True) as tracker:
+        a = torch.ones(100)
+        b = a * 2
+        del a
+        tracker.reset_peak()
+        c = b + 1
+        live = tracker.live_bytes
+    kinds = [e.kind for e in tracker.events]
+    assert kinds.count("alloc") == 3 and kinds.count("free") == 1 and kinds.count("reset") == 1
+    alive = {}
+    for event in tracker.events:
+        if event.kind == "alloc":
+            alive[event.key] = event.nbytes
+        elif event.kind == "free":
+            del alive[event.key]
+    assert sum(alive.values()) == live == 800
+    assert [e.op for e in tracker.events if e.kind == "op"] == ["ones.default", "mul.Tensor", "add.Tensor"]
+    del b, c
+
+
+# --- the caching allocator model, on sequences worked out by hand ----------------------------------------------
+
+def test_small_requests_share_a_2mib_segment_and_round_to_512():
+    model = CachingAllocatorModel()
+    a = model.malloc(100)  # 512 bytes from a new 2 MiB small segment, split
+    b = model.malloc(1 * MIB)  # 1 MiB is still small: the rest of the same segment
+    assert (model.stats.allocated_bytes, model.stats.reserved_bytes, model.stats.segments) == (512 + MIB, 2 * MIB, 1)
+    c = model.malloc(MIB - 511)  # rounds to 1 MiB: 2 MiB - 512 - 1 MiB = 1 MiB - 512 left, too small: new segment
+    assert (c.size, model.stats.reserved_bytes, model.stats.segments) == (MIB, 4 * MIB, 2)
+    assert model.malloc(0) is None and model.stats.allocated_bytes == 512 + 2 * MIB
+
+
+def test_large_requests_use_20mib_segments_below_10mib_and_2mib_rounding_above():
+    model = CachingAllocatorModel()
+    a = model.malloc(MIB + 1)  # large: 1 MiB + 512, from a 20 MiB segment, split (19 MiB - 512 > 1 MiB left)
+    assert (a.size, model.stats.reserved_bytes) == (MIB + 512, 20 * MIB)
+    b = model.malloc(10 * MIB + 1)  # best fit: the 19 MiB - 512 rest of that segment; 9 MiB - 1024 left, split
+    assert model.stats.reserved_bytes == 20 * MIB
+    c = model.malloc(9 * MIB)  # 9 MiB - 1024 free is too small: a new 20 MiB segment
+    assert model.stats.reserved_bytes == 40 * MIB
+    d = model.malloc(12 * MIB + 1)  # >= 10 MiB, nothing free fits (11 MiB left): a segment of 14 MiB (2 MiB multiple)
+    assert model.stats.reserved_bytes == 54 * MIB and model.stats.segments == 3
+    assert model.stats.allocated_bytes == (MIB + 512) + (10 * MIB + 512) + 9 * MIB + (12 * MIB + 512)
+    assert model.stats.peak_allocated_bytes == model.stats.allocated_bytes
+
+
+def test_an_unsplit_block_is_counted_whole_and_freed_blocks_merge():
+    model = CachingAllocatorModel()
+    a = model.malloc(5 * MIB)  # from a new 20 MiB segment: [a 5][15 free]
+    b = model.malloc(14 * MIB + 512)  # the rest would be 1 MiB - 512, not more than 1 MiB: not split, counted whole
+    assert b.size == 15 * MIB and model.stats.allocated_bytes == 20 * MIB
+    model.free(a)
+    model.free(b)  # [5 free][15 free] merge into one 20 MiB block
+    assert model.stats.allocated_bytes == 0
+    model.reset_peak()
+    c = model.malloc(18 * MIB)  # fits the merged block (no new segment); the 2 MiB rest is split off
+    assert c.size == 18 * MIB and model.stats.reserved_bytes == 20 * MIB and model.stats.segments == 1
+    assert model.stats.peak_allocated_bytes == 18 * MIB and model.stats.peak_reserved_bytes == 20 * MIB
+
+
+def test_best_fit_takes_the_smallest_free_block_that_fits():
+    model = CachingAllocatorModel()
+    four, six, five = model.malloc(4 * MIB), model.malloc(6 * MIB), model.malloc(5 * MIB)  # [4][6][5][5 free]
+    model.free(four)  # a 4 MiB hole between the segment's start and `six`
+    model.free(five)  # merges with the free rest: a 10 MiB hole
+    d = model.malloc(3 * MIB + 512)  # best fit is the 4 MiB hole; its rest (1 MiB - 512) stays in the block
+    assert d.address == four.address and d.size == 4 * MIB
+    assert model.stats.reserved_bytes == 20 * MIB and model.stats.allocated_bytes == 10 * MIB
+
+
+def test_replay_counts_one_cublas_workspace_per_thread_like_pytorch_issue_95668():
+    # issue 95668: after one nn.Linear, 8,519,680 bytes stay allocated in a 20 MiB segment (12,451,840 inactive)
+    events = [MemoryEvent("op", stage="forward", op="addmm.default"), MemoryEvent("alloc", 1, 40, "forward"),
+              MemoryEvent("op", stage="forward", op="mm.default"), MemoryEvent("reset", stage="backward"),
+              MemoryEvent("op", stage="backward", op="mm.default"), MemoryEvent("free", 1, stage="backward")]
+    result = replay(events, cuda_allocator.CUBLAS_DEFAULT_WORKSPACE_BYTES)
+    assert result.cublas_workspaces == 2  # the forward's thread and autograd's backward thread
+    assert result.max_allocated_bytes == 2 * 8_519_680 + 512
+    assert result.max_reserved_bytes == 20 * MIB + 2 * MIB  # both workspaces fit one 20 MiB segment; 512 B: 2 MiB
+    assert replay(events, 0).max_allocated_bytes == 512
+
+
+@pytest.mark.parametrize("capability, config, expected", [
+    (None, None, 8_519_680), ((8, 6), None, 8_519_680), ((9, 0), None, 32 * MIB), ((10, 0), None, 8_519_680),
+    (None, ":4096:8", 32 * MIB), ((9, 0), ":16:8", 131_072), (None, ":4096:2:16:8", 8_519_680),
+    ((9, 0), "nonsense", 32 * MIB),
+])
+def test_cublas_workspace_size(capability, config, expected):
+    assert cuda_allocator.cublas_workspace_bytes(capability, config) == expected
+
+
+# --- predict -------------------------------------------------------------------------------------------------
+
+def test_predict_cuda_gives_allocated_and_reserved_with_the_workspaces():
+    row = predict.predict_case(Case("captcha_resnet18", "baseline", "train", 2, "cuda", data="synthetic"))
+    assert row["status"] == "ok" and row["engine"] == "fake", row
+    _, fake = peaks("captcha_resnet18", "baseline", "train", 2)
+    workspaces = row["cublas_workspace_bytes"]
+    assert workspaces == 2 * 8_519_680  # fc layers: addmm in the forward, mm in the backward
+    # allocated: the tensors and the workspaces, each in its block: 512 B multiples, and a large block whose rest
+    # would be 1 MiB or less handed out whole (measured here: 1.9% more than the tensors' bytes)
+    assert fake + workspaces <= row["predicted_bytes"] <= (fake + workspaces) * 1.03
+    assert row["predicted_reserved_bytes"] >= row["predicted_bytes"]
+    assert row["predicted_reserved_bytes"] % (2 * MIB) == 0
+
+
+def test_predict_cuda_on_hopper_counts_its_32mib_workspace():
+    row = predict.predict_case(Case(MLP, "baseline", "eval", 2, "cuda", data="synthetic"), capability=(9, 0))
+    assert row["cublas_workspace_bytes"] == 32 * MIB  # eval: the forward's thread only
+
+
+def test_assumptions_count_the_cublas_workspace_and_name_what_is_not_modelled():
+    text = " ".join(predict.ASSUMPTIONS)
+    counted = next(a for a in predict.ASSUMPTIONS if a.startswith("counted"))
+    assert "cuBLAS" in counted and "8,519,680" in counted
+    not_modelled = next(a for a in predict.ASSUMPTIONS if a.startswith("not modelled"))
+    assert "cuDNN" in not_modelled and "cudnn.benchmark" in not_modelled
+    assert "reserved" in text and "2 MiB" in text and "20 MiB" in text
+
+
+def test_predict_cli_prints_both_figures_and_the_engine(capsys, tmp_path):
+    import pandas as pd
+
+    assert main(["predict", "--device", "cuda", "--workload", MLP, "--batch-size", "2", "--strategies", "amp",
+                 "--phases", "train", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "reserved MiB" in out and "cuBLAS MiB" in out and "fake" in out
+    frame = pd.read_csv(next(tmp_path.glob("predict-*.csv")))
+    assert set(frame["engine"]) == {"fake"}
+    assert (frame["predicted_reserved_bytes"] >= frame["predicted_bytes"]).all()
+
+
+def test_predict_cli_rejects_a_bad_capability(capsys):
+    assert main(["predict", "--capability", "hopper"]) == 2
+    err = capsys.readouterr().err
+    assert "--capability" in err and "MAJOR.MINOR" in err and err.count("\n") == 1
+
+
+def test_predict_falls_back_to_a_real_cpu_step_and_says_so(monkeypatch):
+    def no_fake(*args, **kwargs):
+        raise RuntimeError("fake tensors cannot run this")
+
+    monkeypatch.setattr(predict, "fake_memory_pass", no_fake)
+    row = predict.predict_case(Case(MLP, "baseline", "eval", 2, "cuda", data="synthetic"))
+    assert row["status"] == "ok" and row["engine"] == "cpu"
+    assert "fake engine failed (RuntimeError): ran on the cpu" in row["message"]
+
+
+# --- fit's batch search ----------------------------------------------------------------------------------------
+
+def test_largest_under_finds_the_boundary_in_few_probes():
+    calls = []
+
+    def peak(b):  # Adam's step dominates small batches, the backward large ones: two regimes
+        calls.append(b)
+        return max(1_000_000, 200_000 + 37_003 * b)
+
+    budget = 200_000 + 37_003 * 149 + 1000
+    assert analysis.largest_under(peak, budget, 16, 32, 4096) == 149
+    assert len(set(calls)) <= 5
+    assert analysis.largest_under(peak, 999_999, 16, 32, 4096) == 0
+    assert analysis.largest_under(peak, 10**12, 16, 32, 300) == 300
+
+
+def test_predict_marks_a_strategy_the_model_refuses_unsupported():
+    # inplace_relu passes its check, then finds no ReLU in the MLP when it meets the model: no engine can run it
+    row = predict.predict_case(Case(MLP, "inplace_relu", "train", 2, "cuda", data="synthetic"))
+    assert row["status"] == "unsupported" and "ReLU" in row["message"] and row["predicted_bytes"] is None
+
+
+def test_predict_says_cudnn_workspaces_are_not_modelled_and_reads_their_cap(monkeypatch):
+    captcha = Case("captcha_resnet18", "baseline", "eval", 1, "cuda", data="synthetic")
+    monkeypatch.delenv("CUDNN_CONV_WSCAP_DBG", raising=False)
+    row = predict.predict_case(captcha)
+    assert row["cudnn_workspace_bound_bytes"] is None and "cuDNN conv workspace not modelled" in row["message"]
+    monkeypatch.setenv("CUDNN_CONV_WSCAP_DBG", "64")
+    row = predict.predict_case(captcha)
+    assert row["cudnn_workspace_bound_bytes"] == 64 * MIB and "<= 64 MiB more" in row["message"]
+    mlp = predict.predict_case(Case(MLP, "baseline", "eval", 2, "cuda", data="synthetic"))
+    assert mlp["cudnn_workspace_bound_bytes"] is None and "cuDNN" not in mlp["message"]  # no convolution
