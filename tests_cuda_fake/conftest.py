@@ -1,24 +1,19 @@
 """The fake-CUDA tests run only in the environment `make cuda-fake-env` builds; anywhere else they skip, saying why."""
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-UNAVAILABLE_FILE = "fake-cuda-unavailable.txt"  # make_stubs.py writes why it could not build the stubs here
+from bench import fake_cuda
 
 
 def unavailable_reason() -> str | None:
     """Why this Python cannot run the fake-CUDA tests (None: it can)."""
     if torch.version.cuda is None:
-        written = Path(sys.prefix) / UNAVAILABLE_FILE
-        for candidate in (written, Path(__file__).resolve().parent.parent / ".venv-cuda-fake" / UNAVAILABLE_FILE):
-            if candidate.exists():
-                return f"the fake-CUDA environment could not be built: {candidate.read_text().strip()}"
-        return (f"torch {torch.__version__} here is a build without CUDA: run `make test-cuda-fake`, which builds "
-                "the fake-CUDA environment (.venv-cuda-fake) and runs these tests in it")
+        return fake_cuda.unavailable_reason() or (
+            f"torch {torch.__version__} here is a build without CUDA: `make test-cuda-fake` runs these tests in the "
+            f"fake-CUDA environment ({fake_cuda.VENV.name})")
     if not torch.cuda.is_available():
         return f"torch {torch.__version__} sees no CUDA device: the stub CUDA libraries are missing (make cuda-fake-env)"
     if "fake" not in torch.cuda.get_device_name(0):

@@ -13,7 +13,7 @@ kernel runs and nothing is allocated. What it changes in torch, and why, all und
 - An allocator: the stubs' cudaMalloc is never called (fake tensors have no storage), so `FakeAllocator` counts the
   live bytes of fake CUDA tensors and raises CUDA's out-of-memory error past the process's memory fraction
   (`torch.cuda.set_per_process_memory_fraction`, which `--memory-limit` sets) or a given number of bytes.
-`MEMBENCH_PLUGINS=tests_cuda_fake.fake_cuda` makes an isolated worker (`python -m bench._worker`) run its case
+`MEMBENCH_PLUGINS=tests_cuda_fake.fake_mode` makes an isolated worker (`python -m bench._worker`) run its case
 under the same mode: importing this module in a process with MEMBENCH_FAKE_CUDA_WORKER=1 enters it for the
 process's life.
 """
@@ -52,7 +52,7 @@ class FakeCudaMode(FakeTensorMode):
 
 @dataclass
 class ScalerCalls:
-    """What GradScaler did while patched: losses scaled, optimizers unscaled, steps taken."""
+    """What GradScaler did: losses scaled, optimizers unscaled, steps taken."""
 
     scaled: int = 0
     unscaled: int = 0
@@ -60,8 +60,9 @@ class ScalerCalls:
 
 
 @contextlib.contextmanager
-def fake_grad_scaler() -> Iterator[ScalerCalls]:
-    """GradScaler with its data-dependent skip of the step replaced by "no inf found: step", its calls counted."""
+def counted_grad_scaler() -> Iterator[ScalerCalls]:
+    """GradScaler's scale, unscale_ and step counted, and every step taken: whether it skips one (an infinite
+    gradient found, `found_inf.item()`) is data, which fake tensors do not have."""
     scaler = torch.amp.GradScaler
     saved = scaler.scale, scaler.unscale_, scaler._maybe_opt_step
     calls = ScalerCalls()
@@ -134,7 +135,8 @@ class OpRecord:
     of its outputs."""
 
     devices: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
-    output_dtypes: dict[str, set[torch.dtype]] = field(default_factory=lambda: defaultdict(set))
+    # the dtype of each operator's (first) output in the forward passes, where autocast applies
+    forward_dtypes: dict[str, set[torch.dtype]] = field(default_factory=lambda: defaultdict(set))
     cudnn_benchmark: set[bool] = field(default_factory=set)  # the flag's values while convolutions ran
     calls: Counter = field(default_factory=Counter)
 
@@ -147,6 +149,7 @@ class OpRecorder(TorchDispatchMode):
         super().__init__()
         self.record = OpRecord()
         self.active = active
+        self.in_forward = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -159,12 +162,27 @@ class OpRecorder(TorchDispatchMode):
         for t in inputs + outputs:
             if isinstance(t, torch.Tensor) and t.dim() > 0 and name != "device":  # prim::device reads no data
                 self.record.devices[name].add(t.device.type)
-        for t in outputs:
-            if isinstance(t, torch.Tensor):
-                self.record.output_dtypes[name].add(t.dtype)
+        if self.in_forward and outputs and isinstance(outputs[0], torch.Tensor):
+            self.record.forward_dtypes[name].add(outputs[0].dtype)
         if name.startswith(("convolution", "cudnn_convolution")):
             self.record.cudnn_benchmark.add(torch.backends.cudnn.benchmark)
         return out
+
+
+class PlaceholderScalars(TorchDispatchMode):
+    """Answers what a fake tensor cannot: a number read from a tensor (`.item()`, `float(t)`) is 1, a truth value
+    (`bool(t)`) False, and `torch.equal`/`allclose` say True, so that the code that reads values (the verification
+    against the baseline, a DataLoader's seed, Adam's step count, which divides by `1 - beta ** step`) runs its
+    usual path; what it computes from them means nothing. GradScaler's "an infinite gradient was found" would read
+    1 here: `counted_grad_scaler` takes the step regardless."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            tensor = args[0]
+            return False if tensor.dtype == torch.bool else 1.0 if tensor.is_floating_point() else 1
+        if func in (torch.ops.aten.equal.default, torch.ops.aten.allclose.default):
+            return True
+        return func(*args, **(kwargs or {}))
 
 
 class FakePinnedMemory(TorchDispatchMode):
@@ -187,10 +205,18 @@ class FakePinnedMemory(TorchDispatchMode):
 
 @contextlib.contextmanager
 def recording_steps(recorder: OpRecorder) -> Iterator[None]:
-    """The recorder active only inside `bench.runner.Session.step` (the steps the runner times and measures)."""
+    """The recorder active only inside `bench.runner.Session.step` (the steps the runner times and measures), and
+    told when the model's forward runs (`Session.forward`, inside the strategy's forward context)."""
     from bench.runner import Session
 
-    step = Session.step
+    step, forward = Session.step, Session.forward
+
+    def recorded_forward(self, *args, **kwargs):
+        recorder.in_forward = True
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            recorder.in_forward = False
 
     def recorded_step(self, *args, **kwargs):
         recorder.active = True
@@ -199,32 +225,11 @@ def recording_steps(recorder: OpRecorder) -> Iterator[None]:
         finally:
             recorder.active = False
 
-    Session.step = recorded_step
+    Session.step, Session.forward = recorded_step, recorded_forward
     try:
         yield
     finally:
-        Session.step = step
-
-
-@contextlib.contextmanager
-def unfaked_loader_seed() -> Iterator[None]:
-    """A DataLoader's iterator draws its base seed with `torch.empty((), dtype=torch.int64).random_().item()` when it
-    is made: on a fake tensor that value does not exist, so the iterator is made with real tensors (host memory;
-    it touches no sample)."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.utils.data.dataloader import _BaseDataLoaderIter
-
-    init = _BaseDataLoaderIter.__init__
-
-    def init_with_real_seed(self, loader):
-        with unset_fake_temporarily():
-            init(self, loader)
-
-    _BaseDataLoaderIter.__init__ = init_with_real_seed
-    try:
-        yield
-    finally:
-        _BaseDataLoaderIter.__init__ = init
+        Session.step, Session.forward = step, forward
 
 
 @contextlib.contextmanager
@@ -259,11 +264,11 @@ def fake_cuda(record: bool = False, allocator: FakeAllocator | None = None
     recorder = OpRecorder(active=False) if record else None
     try:
         with contextlib.ExitStack() as stack:
-            calls = stack.enter_context(fake_grad_scaler())
-            stack.enter_context(unfaked_loader_seed())
+            calls = stack.enter_context(counted_grad_scaler())
             stack.enter_context(foreach_on_fake_tensors())
             stack.enter_context(FakeCudaMode())
             stack.enter_context(FakePinnedMemory())
+            stack.enter_context(PlaceholderScalars())
             stack.enter_context(allocator)
             stack.enter_context(allocator.answering_memory_queries())
             if recorder is not None:
