@@ -61,7 +61,8 @@ cuda-fake-env: $(FAKE_CUDA_STAMP)
 $(FAKE_CUDA_STAMP): Makefile tests_cuda_fake/make_stubs.py
 	test -x $(FAKE_CUDA_PY) || $(PYTHON) -m venv $(FAKE_CUDA_VENV)
 	$(FAKE_CUDA_PY) -m pip install --quiet --disable-pip-version-check $(FAKE_CUDA_DEPS) \
-		|| { echo "pip could not install $(FAKE_CUDA_DEPS) (no network?)" > $(FAKE_CUDA_UNAVAILABLE); exit 1; }
+		|| { echo "pip could not install torch's and the project's dependencies (no network?)" \
+			> $(FAKE_CUDA_UNAVAILABLE); exit 1; }
 	$(FAKE_CUDA_PY) -m pip install --quiet --disable-pip-version-check --no-deps "torch===$(TORCH_VERSION)" \
 		|| { echo "pip could not install torch===$(TORCH_VERSION), PyPI's CUDA build (no network?)" \
 			> $(FAKE_CUDA_UNAVAILABLE); exit 1; }

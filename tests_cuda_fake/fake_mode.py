@@ -1,6 +1,6 @@
 """The test side of the fake-CUDA run: a FakeTensorMode set up for membench's CUDA path, and what the stubs cannot do.
 
-The stub libraries (make_stubs.py) make torch see one CUDA device; this module makes the tensors fake, so that no
+The stub libraries (make_stubs.py) make torch see one CUDA device; `fake_cuda()` makes the tensors fake, so that no
 kernel runs and nothing is allocated. What it changes in torch, and why, all undone on exit:
 - `FakeCudaMode.avoid_device_init` is forced on: torch derives it from `torch.cuda.is_available()` (True here),
   and without it `torch.tensor(0.0, device="cuda")` (BatchNorm's counter, GradScaler's scale) would be made real,
@@ -8,14 +8,15 @@ kernel runs and nothing is allocated. What it changes in torch, and why, all und
 - fake tensors made from an operator's meta result are not memoised: the memo holds a weak reference to each, and
   `nn.Module.to()` must swap a fake parameter for its moved copy, which `torch.utils.swap_tensors` refuses for a
   tensor with a weak reference. The dispatch cache (which also keeps weak references) is off for the same reason.
-- GradScaler's `found_inf.item()` (whether to skip the step) is data-dependent: a fake tensor has no data, so the
-  step is taken (`ScalerCalls` counts the calls to check that scaling and unscaling happened).
-- An allocator: the stubs' cudaMalloc is never called (fake tensors have no storage), so `FakeAllocator` counts the
-  live bytes of fake CUDA tensors and raises CUDA's out-of-memory error past the process's memory fraction
-  (`torch.cuda.set_per_process_memory_fraction`, which `--memory-limit` sets) or a given number of bytes.
-`MEMBENCH_PLUGINS=tests_cuda_fake.fake_mode` makes an isolated worker (`python -m bench._worker`) run its case
-under the same mode: importing this module in a process with MEMBENCH_FAKE_CUDA_WORKER=1 enters it for the
-process's life.
+- values: a number read from a fake tensor is a placeholder (`PlaceholderScalars`), and GradScaler takes every
+  step (`counted_grad_scaler`, which also counts its calls).
+- `FakeAllocator` counts the live bytes of fake CUDA tensors, answers torch.cuda's allocator statistics from that
+  count, and raises CUDA's out-of-memory error past the process's memory fraction (which `--memory-limit` sets).
+- page-locked host memory (`FakePinnedMemory`) and the optimizers' `foreach` implementations
+  (`foreach_on_fake_tensors`) for fake tensors.
+`MEMBENCH_PLUGINS=tests_cuda_fake.fake_mode` with MEMBENCH_FAKE_CUDA_WORKER=1 (`bench.fake_cuda.worker_environment`)
+makes an isolated worker (`python -m bench._worker`) run its case under the same mode: importing this module there
+enters it for the process's life.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class FakeCudaMode(FakeTensorMode):
     avoid_device_init = True  # a property of FakeTensorMode: False wherever torch.cuda.is_available()
 
     def __init__(self):
+        """A FakeTensorMode without the dispatch cache, whose fake tensors carry no weak reference."""
         super().__init__(allow_non_fake_inputs=True)
         self.cache_enabled = False
 
@@ -95,12 +97,14 @@ class FakeAllocator(LiveTensorTracker):
         self.limit_bytes = limit_bytes
 
     def capacity(self) -> int:
+        """The bytes past which an allocation fails: the limit given, else the memory fraction of the device."""
         if self.limit_bytes is not None:
             return self.limit_bytes
         total = torch.cuda.get_device_properties(0).total_memory
         return int(torch.cuda.get_per_process_memory_fraction(0) * total)
 
     def _update_peak(self, op: str) -> None:
+        """The tracker's peak update after each operator, then CUDA's out-of-memory error if over capacity."""
         super()._update_peak(op)
         if self.live_bytes > self.capacity():
             raise torch.OutOfMemoryError(f"CUDA out of memory (fake allocator): {op} brought the live bytes to "

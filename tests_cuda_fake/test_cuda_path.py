@@ -160,8 +160,7 @@ def test_the_isolated_worker_runs_a_case_on_fake_cuda(monkeypatch):
     row = run_in_worker(case, None, RunOptions(threads=1, isolate=True), verify=False)
     assert row["status"] == "ok", row["message"]
     assert row["isolated"] and row["device_name"] == torch.cuda.get_device_name(0)
-    assert row["strategy_settings"] == "checkpoint.segments=auto;amp.dtype=float16" or "amp.dtype=float16" in \
-        row["strategy_settings"]
+    assert "amp.dtype=float16" in row["strategy_settings"]
 
 
 def run_cli(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
