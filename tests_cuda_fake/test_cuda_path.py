@@ -12,7 +12,6 @@ numerics (no verification against the baseline: fake tensors have no values), ti
 from __future__ import annotations
 
 import importlib.util
-import json
 import re
 import subprocess
 import sys
@@ -27,7 +26,7 @@ from bench import isolation
 from bench.fake_cuda import worker_environment
 from bench.isolation import RunOptions, run_in_worker
 from bench.runner import Case, run_case, run_cases
-from strategies import STRATEGIES, parse_strategy
+from strategies import STRATEGIES
 from tests_cuda_fake.fake_mode import FakeAllocator, fake_cuda
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,11 +79,13 @@ CONVOLUTIONS = ("convolution", "cudnn_convolution")
 
 
 def components(spec: str) -> set[str]:
+    """The strategy names a spec composes (`checkpoint:segments=2+amp` -> {checkpoint, amp})."""
     return {part.split(":")[0] for part in spec.split("+")}
 
 
 @pytest.fixture(autouse=True)
 def _one_thread():
+    """torch on one thread (two test processes share two cores), restored afterwards."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -170,6 +171,7 @@ def run_cli(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
 
 
 def rows_of(tmp_path: Path) -> list[dict]:
+    """The rows of the one results CSV in `tmp_path`."""
     import pandas as pd
 
     (path,) = [p for p in tmp_path.glob("*.csv") if not p.name.endswith(".timeline.csv")]
