@@ -19,7 +19,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install bench test perf clean
+.PHONY: install bench test perf clean cuda-fake-env test-cuda-fake
 
 install: $(STAMP)
 
@@ -41,6 +41,42 @@ bench: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# The fake-CUDA run (tests_cuda_fake/, README "The CUDA path without a GPU"): membench's CUDA code path on a machine
+# without a GPU, in its own environment. PyPI's CUDA build of exactly $(TORCH)'s version (`===` is an exact string
+# match: `==` would take the local `+cpu` build), installed without its dependencies so that pip fetches none of
+# the 2.5 GB of nvidia libraries: torch's pure-Python dependencies and the project's are listed here instead, and
+# the checkout is imported from its folder (pytest's pythonpath, the worker's PYTHONPATH), not installed. The CUDA
+# libraries torch loads are replaced by stubs compiled here from the symbols torch imports (make_stubs.py).
+FAKE_CUDA_VENV := .venv-cuda-fake
+FAKE_CUDA_PY := $(FAKE_CUDA_VENV)/bin/python
+FAKE_CUDA_STAMP := $(FAKE_CUDA_VENV)/.installed
+FAKE_CUDA_UNAVAILABLE := $(FAKE_CUDA_VENV)/fake-cuda-unavailable.txt
+TORCH_VERSION = $(lastword $(subst =, ,$(TORCH)))
+FAKE_CUDA_DEPS = filelock "typing-extensions>=4.10.0" "sympy>=1.13.3" mpmath "networkx>=2.5.1" jinja2 markupsafe \
+	"fsspec>=0.8.5" numpy pandas matplotlib pyyaml captcha pillow pytest pytest-xdist
+# the fake-CUDA tests' processes (pytest-xdist): a fake step is seconds of Python on one core
+FAKE_CUDA_JOBS ?= 2
+
+cuda-fake-env: $(FAKE_CUDA_STAMP)
+
+$(FAKE_CUDA_STAMP): Makefile tests_cuda_fake/make_stubs.py
+	test -x $(FAKE_CUDA_PY) || $(PYTHON) -m venv $(FAKE_CUDA_VENV)
+	$(FAKE_CUDA_PY) -m pip install --quiet --disable-pip-version-check $(FAKE_CUDA_DEPS) \
+		|| { echo "pip could not install torch's and the project's dependencies (no network?)" \
+			> $(FAKE_CUDA_UNAVAILABLE); exit 1; }
+	$(FAKE_CUDA_PY) -m pip install --quiet --disable-pip-version-check --no-deps "torch===$(TORCH_VERSION)" \
+		|| { echo "pip could not install torch===$(TORCH_VERSION), PyPI's CUDA build (no network?)" \
+			> $(FAKE_CUDA_UNAVAILABLE); exit 1; }
+	$(FAKE_CUDA_PY) tests_cuda_fake/make_stubs.py --torch-version $(TORCH_VERSION)
+	touch $(FAKE_CUDA_STAMP)
+
+# the fake-CUDA tests (`make test` does not collect tests_cuda_fake/). Where the environment cannot be built (no
+# network, no C compiler, another torch) they still run, in .venv, where each is skipped with the reason.
+test-cuda-fake: $(STAMP)
+	$(MAKE) --no-print-directory cuda-fake-env || echo "the fake-CUDA environment could not be built: its tests skip"
+	if test -f $(FAKE_CUDA_STAMP); then $(FAKE_CUDA_PY) -m pytest tests_cuda_fake -q -o addopts=-ra -n $(FAKE_CUDA_JOBS); \
+	else $(PY) -m pytest tests_cuda_fake -q -o addopts=-ra; fi
+
 # --benchmark-enable overrides the --benchmark-disable in pyproject's addopts; --benchmark-autosave keeps each run
 # under .benchmarks/ for --benchmark-compare; the JSON of the latest run goes to runs/perf/ (git-ignored).
 # First the harness's own overhead (benchmarks/overhead.py): membench's timed step against the article's bare loop,
@@ -54,7 +90,7 @@ perf: $(STAMP)
 # pytest-benchmark history and JSON, and the generated data sets; keeps your runs and the reference results.
 # The data cache loses only its *.pt files: $(MEMBENCH_CACHE) may name a folder that holds other things.
 clean:
-	rm -rf $(VENV) .pytest_cache .benchmarks build *.egg-info $(OUT)/perf
+	rm -rf $(VENV) $(FAKE_CUDA_VENV) .pytest_cache .benchmarks build *.egg-info $(OUT)/perf
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
 	rm -f "$(DATA_CACHE)"/*.pt "$(DATA_CACHE_FALLBACK)"/*.pt
 	-rmdir "$(DATA_CACHE)" "$(DATA_CACHE_FALLBACK)" 2>/dev/null

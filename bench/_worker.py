@@ -32,6 +32,10 @@ def run_job(job: dict) -> dict:
 
         join_process_group(job["case"]["device"])
     options = RunOptions(**{**job["options"], "isolate": False, "repeats": 1})
+    if options.memory_fraction is not None and job["case"]["device"] == "cuda":
+        import torch
+
+        torch.cuda.set_per_process_memory_fraction(options.memory_fraction)
     row = run_case(Case(**job["case"]), job["env"], options, verify_result=job["verify"])
     row["isolated"] = True
     return row

@@ -153,15 +153,16 @@ def _add_sweep_options(p: argparse.ArgumentParser) -> None:
 EXECUTORS = ("local", "ray")
 
 
-def _run_options(args, device: str, suite=None):
-    """The run's options; `--executor` and `--ray-address` fall back to the suite file's `executor`/`ray_address`."""
+def _run_options(args, device: str, suite=None, memory_fraction: float | None = None):
+    """The run's options; `--executor` and `--ray-address` fall back to the suite file's `executor`/`ray_address`.
+    `memory_fraction`: the cap `--memory-limit` set here (`apply_memory_limit`), for the worker processes."""
     from bench.isolation import RunOptions
 
     executor = _check_choice("executor", args.executor or getattr(suite, "executor", None) or "local", EXECUTORS)
     isolate = args.isolate if getattr(args, "isolate", None) is not None else device == "cuda"
     return RunOptions(isolate=isolate or executor == "ray", repeats=getattr(args, "repeats", 1),
                       threads=getattr(args, "threads", None), deterministic=getattr(args, "deterministic", False),
-                      executor=executor, ranks=getattr(args, "ranks", 1))
+                      executor=executor, ranks=getattr(args, "ranks", 1), memory_fraction=memory_fraction)
 
 
 def _executor(args, options, suite=None):
@@ -693,10 +694,11 @@ def cmd_run(args) -> int:
     if not args.suite and not args.strategies:
         raise UsageError("run needs --suite FILE or --strategies a,b (see `python -m bench list`)")
     device = resolve_device(args.device)
-    apply_memory_limit(getattr(args, "memory_limit", None), device)
+    fraction = apply_memory_limit(getattr(args, "memory_limit", None), device)
     strategies = _csv_list(args.strategies) if args.strategies else None
     suite = _suite_from_args(args, device, strategies)
-    frame, path = _run_suite(suite, device, args.out, _run_options(args, device, suite), args.resume, args)
+    options = _run_options(args, device, suite, fraction)
+    frame, path = _run_suite(suite, device, args.out, options, args.resume, args)
     return _finish_run(frame, path)
 
 
@@ -705,9 +707,10 @@ def cmd_compare(args) -> int:
     from bench.env import resolve_device
 
     device = resolve_device(args.device)
-    apply_memory_limit(getattr(args, "memory_limit", None), device)
+    fraction = apply_memory_limit(getattr(args, "memory_limit", None), device)
     suite = _suite_from_args(args, device, _csv_list(args.strategies))
-    frame, path = _run_suite(suite, device, args.out, _run_options(args, device, suite), args.resume, args)
+    options = _run_options(args, device, suite, fraction)
+    frame, path = _run_suite(suite, device, args.out, options, args.resume, args)
     return _finish_run(frame, path)
 
 

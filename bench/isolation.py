@@ -44,6 +44,9 @@ class RunOptions:
     deterministic: bool = False
     executor: str = "local"  # where the cases ran: `local` (here) or `ray` (bench.ray_executor)
     ranks: int = 1  # processes of torch.distributed for a sharded strategy's case (bench.ranks)
+    # `--memory-limit` as a fraction of the GPU's memory (torch.cuda.set_per_process_memory_fraction): a limit
+    # of the process that set it, so each worker process sets it again (bench._worker)
+    memory_fraction: float | None = None
 
     def resolved(self) -> "RunOptions":
         return replace(self, threads=self.threads or torch.get_num_threads())

@@ -9,7 +9,6 @@ import weakref
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.checkpoint import checkpoint
 
 from bench.errors import UsageError, Unsupported
@@ -24,10 +23,12 @@ def batchnorm_buffers(model: nn.Module) -> list[torch.Tensor]:
 
 @contextlib.contextmanager
 def preserved(buffers: list[torch.Tensor]):
-    """Restores those of `buffers` that changed inside the block, on exit (also on an exception, e.g. checkpoint's
-    early stop of a recompute). Only the changed ones: writing a buffer that a BatchNorm outside the recomputed
-    segment saved for its backward would bump its version and make that backward fail. (Changes are found by
-    value: the batch-norm kernel updates running statistics without bumping their version counter.)"""
+    """Restores `buffers` on exit to what they were on entry (also on an exception, e.g. checkpoint's early stop of
+    a recompute). Written through `.data`, whose writes do not bump the buffer's version counter: a BatchNorm
+    outside the recomputed segment may have saved the buffer for its backward, which would fail on a bumped
+    version (the batch-norm kernel itself updates running statistics without bumping it). Every buffer is copied
+    back, changed or not: finding the changed ones by value (`torch.equal`) would make the host wait for the GPU
+    once per buffer in every recompute, inside the timed backward."""
     if any(b.is_meta for b in buffers):  # shapes only (a plan's memory on meta): no values to change or restore
         yield
         return
@@ -37,10 +38,7 @@ def preserved(buffers: list[torch.Tensor]):
     finally:
         with torch.no_grad():
             for b, s in zip(buffers, saved):
-                # a fake tensor (the fake-tensor engine's prediction) has no values to compare: restore it, which
-                # allocates nothing, as the real recompute's BatchNorm always changes num_batches_tracked
-                if isinstance(b, FakeTensor) or not torch.equal(b, s):
-                    b.copy_(s)
+                b.data.copy_(s)
 
 
 @contextlib.contextmanager

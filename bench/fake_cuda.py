@@ -1,0 +1,52 @@
+"""Where the fake-CUDA environment is: a Python whose torch runs CUDA's code path on fake tensors, without a GPU.
+
+`make cuda-fake-env` builds it in `.venv-cuda-fake/` (PyPI's CUDA build of the pinned torch, with stub CUDA
+libraries compiled from the symbols torch imports; see tests_cuda_fake/make_stubs.py). Code that wants CUDA's own
+operators on a machine without a GPU (CUDA's autocast lists, cuDNN's batch norm) runs its step in that Python under
+`tests_cuda_fake.fake_mode.FakeCudaMode`: the allocator sees nothing there, so no memory figure is measured, only
+what the operators do. This module only says where that Python is, or why there is none; it imports no torch.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV = ROOT / ".venv-cuda-fake"
+INSTALLED_STAMP = ".installed"  # written by the Makefile when the environment and its stubs are complete
+UNAVAILABLE_FILE = "fake-cuda-unavailable.txt"  # why the stubs could not be built (tests_cuda_fake/make_stubs.py)
+# what makes an isolated worker (`python -m bench._worker`) of that Python run its case on fake CUDA tensors
+WORKER_PLUGIN = "tests_cuda_fake.fake_mode"
+WORKER_FLAG = "MEMBENCH_FAKE_CUDA_WORKER"
+
+
+def environment_python(venv: Path = VENV) -> Path | None:
+    """The fake-CUDA environment's python, or None when it is not built (`unavailable_reason()` says why)."""
+    python = venv / "bin" / "python"
+    if (venv / INSTALLED_STAMP).exists() and python.exists() and not (venv / UNAVAILABLE_FILE).exists():
+        return python
+    return None
+
+
+def unavailable_reason(venv: Path = VENV) -> str | None:
+    """Why there is no fake-CUDA environment (None when there is one)."""
+    if environment_python(venv) is not None:
+        return None
+    written = venv / UNAVAILABLE_FILE
+    if written.exists():
+        return f"the fake-CUDA environment could not be built: {written.read_text().strip()}"
+    if venv.exists():
+        return f"the fake-CUDA environment in {venv} is incomplete: run `make cuda-fake-env` to see why"
+    return f"no fake-CUDA environment: `make cuda-fake-env` builds it in {venv}"
+
+
+def worker_environment(base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment variables under which `python -m bench ...` in that Python runs each isolated case on fake
+    CUDA tensors (its workers import the test shim as a plugin): `base` (default: this process's) plus those."""
+    env = dict(os.environ if base is None else base)
+    plugins = [p for p in env.get("MEMBENCH_PLUGINS", "").split(",") if p.strip()]
+    env["MEMBENCH_PLUGINS"] = ",".join(plugins + [WORKER_PLUGIN] if WORKER_PLUGIN not in plugins else plugins)
+    env[WORKER_FLAG] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    return env

@@ -1,0 +1,40 @@
+"""The fake-CUDA tests run only in the environment `make cuda-fake-env` builds; anywhere else they skip, saying why."""
+
+import os
+
+import pytest
+import torch
+
+from bench import fake_cuda
+
+
+def unavailable_reason() -> str | None:
+    """Why this Python cannot run the fake-CUDA tests (None: it can)."""
+    if torch.version.cuda is None:
+        return fake_cuda.unavailable_reason() or (
+            f"torch {torch.__version__} here is a build without CUDA: `make test-cuda-fake` runs these tests in the "
+            f"fake-CUDA environment ({fake_cuda.VENV.name})")
+    if not torch.cuda.is_available():
+        return f"torch {torch.__version__} sees no CUDA device: the stub CUDA libraries are missing (make cuda-fake-env)"
+    if "fake" not in torch.cuda.get_device_name(0):
+        return f"a real GPU ({torch.cuda.get_device_name(0)}): the fake-CUDA tests are for machines without one"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = unavailable_reason()
+    if reason:
+        for item in items:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_data_cache(tmp_path_factory):
+    """Generated data goes to a temporary cache, as in tests/conftest.py."""
+    old = os.environ.get("MEMBENCH_CACHE")
+    os.environ["MEMBENCH_CACHE"] = str(tmp_path_factory.mktemp("membench-cache"))
+    yield
+    if old is None:
+        os.environ.pop("MEMBENCH_CACHE", None)
+    else:
+        os.environ["MEMBENCH_CACHE"] = old
