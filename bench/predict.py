@@ -21,7 +21,8 @@ from bench import cuda_allocator, measure
 from bench.errors import Unsupported
 from bench.fake_engine import fake_memory_pass
 from bench.ranks import fake_process_group, in_rank_process
-from bench.runner import MEMORY_WARMUP_STEPS, bind_case, forget_traceback, memory_pass
+from bench.runner import MEMORY_WARMUP_STEPS, CaseMeter, bind_case, forget_traceback, memory_pass
+from strategies.base import Strategy
 
 CUDA_BLOCK_BYTES = 512
 ENGINES = ("auto", "fake", "meta", "cpu")
@@ -85,11 +86,13 @@ def _cuda_like_forward(strategy, engine: str):
 
 
 def tracked_step(case, spec: str, engine: str = "fake", block_bytes: int = 1, cuda_autocast: bool = True,
-                 ranks: int = 1, record_events: bool = False, warmup_steps: int | None = None) -> TrackedStep:
+                 ranks: int = 1, record_events: bool = False, warmup_steps: int | None = None,
+                 planned=None) -> TrackedStep:
     """One steady-state step of `case` (its device is ignored) tracked on `engine` (fake, meta or cpu); for a
     sharded strategy, the rank with the largest peak of its `ranks` ranks, each run in turn in this process as that
-    rank of PyTorch's fake process group, on the CPU (shards of the batch and of parameters differ by rank)."""
-    strategy, _ = bind_case(replace(case, strategy=spec, device="cpu"), ranks)
+    rank of PyTorch's fake process group, on the CPU (shards of the batch and of parameters differ by rank).
+    `planned`: the strategy bound to the CPU whose `plan()` has run (a checkpoint budget's plan), used as it is."""
+    strategy = planned if planned is not None else bind_case(replace(case, strategy=spec, device="cpu"), ranks)[0]
     if strategy.distributed and not in_rank_process():
         steps = []
         for rank in range(ranks):
@@ -147,6 +150,17 @@ def _engines(engine: str) -> list[str]:
     return ["fake", "cpu"] if engine == "auto" else [engine]
 
 
+class PredictionMeter(CaseMeter):
+    """What a strategy's `plan()` measures, for predict: nothing runs on the case's device, so the peaks it would
+    measure (the baseline's, a candidate plan's) are predicted as well."""
+
+    def __init__(self, case):
+        super().__init__(replace(case, device="cpu"))
+
+    def measured_peak(self, strategy) -> int:
+        return self.predicted_peak(strategy)
+
+
 def predict_case(case, engine: str = "auto", ranks: int = 1, capability: tuple[int, int] | None = None) -> dict:
     """One prediction row: strategy, phase, batch, the predicted peak (`predicted_bytes`: max_memory_allocated on
     CUDA, exact live bytes on the CPU), on CUDA `predicted_reserved_bytes` (max_memory_reserved) and the cuBLAS
@@ -168,6 +182,21 @@ def predict_case(case, engine: str = "auto", ranks: int = 1, capability: tuple[i
     except Unsupported as error:
         row.update(status="unsupported", message=str(error))
         return row
+    planned = None
+    if type(strategy).plan is not Strategy.plan or hasattr(strategy, "members"):
+        planned = bind_case(replace(case, device="cpu"), ranks)[0]
+        try:
+            planned.plan(PredictionMeter(case))  # a checkpoint:budget chooses its plan, on predictions alone
+        except Unsupported as error:
+            row.update(status="unsupported", message=str(error))
+            return row
+        if "checkpoint.planning_s" in planned.describe():
+            row["message"] = "plan chosen on predicted peaks, not confirmed by a run"
+    if strategy.cpu_memory_count != "live_tensors":
+        row.update(status="unsupported", message=f"{row['strategy']}: predict runs the step under the exact tracker, a "
+                   "dispatch mode under which dynamo runs the model eagerly, so the compiled step's memory cannot be "
+                   "predicted; measure it (`compare --device cpu` counts it at the CPU allocator)")
+        return row
     cuda = case.device == "cuda"
     if strategy.distributed:
         row.update(ranks=ranks, message=f"largest rank of {ranks}, fake process group")
@@ -178,7 +207,7 @@ def predict_case(case, engine: str = "auto", ranks: int = 1, capability: tuple[i
     for name in engines:
         try:
             step = tracked_step(case, row["strategy"], name, 1, cuda_autocast=cuda, ranks=ranks, record_events=cuda,
-                                warmup_steps=MEMORY_WARMUP_STEPS["cuda"] if cuda else None)
+                                warmup_steps=MEMORY_WARMUP_STEPS["cuda"] if cuda else None, planned=planned)
         except Unsupported as error:  # found when the strategy meets the model (no ReLU to switch): no engine can
             row.update(status="unsupported", message=str(error))
             return row

@@ -261,3 +261,15 @@ def test_predict_says_cudnn_workspaces_are_not_modelled_and_reads_their_cap(monk
     assert row["cudnn_workspace_bound_bytes"] == 64 * MIB and "<= 64 MiB more" in row["message"]
     mlp = predict.predict_case(Case(MLP, "baseline", "eval", 2, "cuda", data="synthetic"))
     assert mlp["cudnn_workspace_bound_bytes"] is None and "cuDNN" not in mlp["message"]  # no convolution
+
+
+def test_predict_plans_a_checkpoint_budget_on_predictions_and_refuses_compile():
+    planned = predict.predict_case(Case(MLP, "checkpoint:budget=1.0", "train", 8, "cuda", data="synthetic"))
+    assert planned["status"] == "ok" and "plan chosen on predicted peaks" in planned["message"], planned
+    baseline = predict.predict_case(Case(MLP, "baseline", "train", 8, "cuda", data="synthetic"))
+    assert planned["predicted_bytes"] <= baseline["predicted_bytes"]
+    refused = predict.predict_case(Case(MLP, "checkpoint:budget=0.01", "train", 8, "cuda", data="synthetic"))
+    assert refused["status"] == "unsupported" and "smallest peak reachable" in refused["message"], refused
+    compiled = predict.predict_case(Case(MLP, "compile:backend=aot_eager_decomp_partition", "train", 8, "cuda",
+                                         data="synthetic"))
+    assert compiled["status"] == "unsupported" and "runs the model eagerly" in compiled["message"], compiled
