@@ -68,7 +68,9 @@ def test_parse_bytes_rejects(text):
 @pytest.mark.parametrize("phase", ["train", "eval"])
 @pytest.mark.parametrize("strategy", STRATEGIES.names())
 def test_breakdown_adds_up_to_the_peak(strategy, phase):
-    applicable_or_skip(strategy, phase, "cpu")  # no_grad_eval in training, cudnn_benchmark on the CPU
+    bound = applicable_or_skip(strategy, phase, "cpu")  # no_grad_eval in training, cudnn_benchmark on the CPU
+    if bound.cpu_memory_count != "live_tensors":
+        pytest.skip(f"{strategy}: counted at the CPU allocator, which files bytes under no category")
     memory = tracked(strategy, phase, 2)
     assert sum(memory[c] for c in BREAKDOWN_COLUMNS) == memory["peak_mem_bytes"]
     assert all(memory[c] >= 0 for c in BREAKDOWN_COLUMNS)
