@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=32, help="samples per step (default 32)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
                         help=f"torch.set_num_threads for both (default {torch.get_num_threads()}, torch's here)")
-    parser.add_argument("--pairs", type=int, default=20, help="interleaved pairs of timed steps (default 20)")
+    # 60: on a quiet 2-core CPU, 20 pairs left the 95% interval (1.006-1.033) spanning the 2% goal; 60 decided it
+    parser.add_argument("--pairs", type=int, default=60, help="interleaved pairs of timed steps (default 60)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed pairs first (default 2)")
     parser.add_argument("--out", default=None, help="folder for overhead.json (default: none written)")
     args = parser.parse_args(argv)
