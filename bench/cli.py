@@ -10,7 +10,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from bench.errors import UsageError, choices_error
 
@@ -81,47 +81,24 @@ def _add_case_options(p: argparse.ArgumentParser) -> None:
     _add_sweep_options(p)
 
 
-def _positive_int(text: str) -> int:
-    """argparse's type for counts: the error (an ArgumentTypeError) is reported with the option's name."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"bad value {text!r}; expected a positive integer") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"bad value {value}; expected a positive integer")
-    return value
+def _number_type(convert: Callable[[str], Any], valid: Callable[[Any], bool], expected: str) -> Callable[[str], Any]:
+    """An argparse type: `convert(text)`, refused unless `valid`; argparse reports the error (an
+    ArgumentTypeError) in one line with the option's name."""
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            value = None
+        if value is None or not valid(value):
+            raise argparse.ArgumentTypeError(f"bad value {text!r}; expected {expected}")
+        return value
+    return parse
 
 
-def _positive_float(text: str) -> float:
-    """argparse's type for a positive number of seconds."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"bad value {text!r}; expected a positive number of seconds") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"bad value {text!r}; expected a positive number of seconds")
-    return value
-
-
-def _fraction(text: str) -> float:
-    """argparse's type for a fraction strictly between 0 and 1 (--target-ci)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0 < value < 1:
-        raise argparse.ArgumentTypeError(f"bad value {text!r}; expected a fraction between 0 and 1 (e.g. 0.05)")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"bad value {text!r}; expected 0 or a positive integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"bad value {value}; expected 0 or a positive integer")
-    return value
+_positive_int = _number_type(int, lambda v: v > 0, "a positive integer")
+_positive_float = _number_type(float, lambda v: 0 < v < float("inf"), "a positive number of seconds")
+_fraction = _number_type(float, lambda v: 0 < v < 1, "a fraction between 0 and 1 (e.g. 0.05)")  # --target-ci
+_non_negative_int = _number_type(int, lambda v: v >= 0, "0 or a positive integer")
 
 
 def _add_sweep_options(p: argparse.ArgumentParser) -> None:

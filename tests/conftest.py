@@ -1,4 +1,4 @@
-"""Shared test set-up: a private data cache; `cuda` tests skipped without a GPU; `slow` ones only on request."""
+"""Shared test set-up: `cuda` tests skipped without a GPU; `slow` ones only on request (the private data cache: ../conftest.py)."""
 
 import os
 
@@ -6,18 +6,6 @@ import pytest
 import torch
 
 from strategies import STRATEGIES
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _private_data_cache(tmp_path_factory):
-    """Generated captchas go to a temporary cache, so tests never depend on (or fill) the user's."""
-    old = os.environ.get("MEMBENCH_CACHE")
-    os.environ["MEMBENCH_CACHE"] = str(tmp_path_factory.mktemp("membench-cache"))
-    yield
-    if old is None:
-        os.environ.pop("MEMBENCH_CACHE", None)
-    else:
-        os.environ["MEMBENCH_CACHE"] = old
 
 
 @pytest.fixture

@@ -1,7 +1,5 @@
 """The fake-CUDA tests run only in the environment `make cuda-fake-env` builds; anywhere else they skip, saying why."""
 
-import os
-
 import pytest
 import torch
 
@@ -28,13 +26,3 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=reason))
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _private_data_cache(tmp_path_factory):
-    """Generated data goes to a temporary cache, as in tests/conftest.py."""
-    old = os.environ.get("MEMBENCH_CACHE")
-    os.environ["MEMBENCH_CACHE"] = str(tmp_path_factory.mktemp("membench-cache"))
-    yield
-    if old is None:
-        os.environ.pop("MEMBENCH_CACHE", None)
-    else:
-        os.environ["MEMBENCH_CACHE"] = old
