@@ -276,6 +276,17 @@ def largest_under(peak_at: Callable[[int], int], budget: int, low: int, high: in
     return lo
 
 
+def peak_or_none_on_oom(case) -> int | None:
+    """The measured peak of `case`, or None when it runs out of memory (any other error propagates)."""
+    try:
+        return measured_peak(case, bind_case(case)[0])
+    except Exception as error:  # noqa: BLE001 - only an out-of-memory error is an answer here
+        if not is_oom(error):
+            raise
+        forget_traceback(error)
+        return None
+
+
 def fit_cpu(spec: str, budget: int, phase: str, workload: str, data: str, max_batch: int,
             low: int = 16, high: int = 32, progress: Callable[[str], None] = _quiet) -> FitResult:
     """Largest batch with peak <= budget on the CPU, confirmed by actual tracked runs.
@@ -300,12 +311,8 @@ def fit_cpu(spec: str, budget: int, phase: str, workload: str, data: str, max_ba
         if b not in actual:
             case = case_at(b)
             progress(f"fit {spec}: tracked run at batch {b} ...")
-            try:
-                actual[b] = measured_peak(case, bind_case(case)[0])
-            except Exception as error:  # noqa: BLE001
-                if not is_oom(error):
-                    raise
-                forget_traceback(error)
+            actual[b] = peak_or_none_on_oom(case)
+            if actual[b] is None:
                 actual[b] = math.inf
             runs += 1
             progress(f"fit {spec}: batch {b}: " + ("out of memory" if actual[b] == math.inf else
@@ -381,13 +388,7 @@ def fit_cuda(spec: str, budget: int, phase: str, workload: str, data: str, max_b
         case = Case(workload, spec, phase, b, "cuda", data=data)
         runs += 1
         progress(f"fit {spec}: run at batch {b} ...")
-        try:
-            results[b] = measured_peak(case, bind_case(case)[0])
-        except Exception as error:  # noqa: BLE001
-            if not is_oom(error):
-                raise
-            forget_traceback(error)
-            results[b] = None
+        results[b] = peak_or_none_on_oom(case)
         return results[b]
 
     def fits(b: int) -> bool:

@@ -22,7 +22,6 @@ from bench.errors import Unsupported
 from bench.fake_engine import fake_memory_pass
 from bench.ranks import fake_process_group, in_rank_process
 from bench.runner import MEMORY_WARMUP_STEPS, CaseMeter, bind_case, forget_traceback, memory_pass
-from strategies.base import Strategy
 
 CUDA_BLOCK_BYTES = 512
 ENGINES = ("auto", "fake", "meta", "cpu")
@@ -182,16 +181,14 @@ def predict_case(case, engine: str = "auto", ranks: int = 1, capability: tuple[i
     except Unsupported as error:
         row.update(status="unsupported", message=str(error))
         return row
-    planned = None
-    if type(strategy).plan is not Strategy.plan or hasattr(strategy, "members"):
-        planned = bind_case(replace(case, device="cpu"), ranks)[0]
-        try:
-            planned.plan(PredictionMeter(case))  # a checkpoint:budget chooses its plan, on predictions alone
-        except Unsupported as error:
-            row.update(status="unsupported", message=str(error))
-            return row
-        if "checkpoint.planning_s" in planned.describe():
-            row["message"] = "plan chosen on predicted peaks, not confirmed by a run"
+    planned = bind_case(replace(case, device="cpu"), ranks)[0]  # the strategy the step runs, bound to the CPU
+    try:
+        planned.plan(PredictionMeter(case))  # a checkpoint:budget chooses its plan, on predictions alone
+    except Unsupported as error:
+        row.update(status="unsupported", message=str(error))
+        return row
+    if "checkpoint.planning_s" in planned.describe():
+        row["message"] = "plan chosen on predicted peaks, not confirmed by a run"
     if strategy.cpu_memory_count != "live_tensors":
         row.update(status="unsupported", message=f"{row['strategy']}: predict runs the step under the exact tracker, a "
                    "dispatch mode under which dynamo runs the model eagerly, so the compiled step's memory cannot be "
