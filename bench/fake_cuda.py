@@ -3,7 +3,7 @@
 `make cuda-fake-env` builds it in `.venv-cuda-fake/` (PyPI's CUDA build of the pinned torch, with stub CUDA
 libraries compiled from the symbols torch imports; see tests_cuda_fake/make_stubs.py). Code that wants CUDA's own
 operators on a machine without a GPU (CUDA's autocast lists, cuDNN's batch norm) runs its step in that Python under
-`tests_cuda_fake.fake_mode.FakeCudaMode`: the allocator sees nothing there, so no memory figure is measured, only
+`bench.fake_cuda_mode.fake_cuda()`: the allocator sees nothing there, so no memory figure is measured, only
 what the operators do. This module only says where that Python is, or why there is none; it imports no torch.
 """
 
@@ -17,7 +17,7 @@ VENV = ROOT / ".venv-cuda-fake"
 INSTALLED_STAMP = ".installed"  # written by the Makefile when the environment and its stubs are complete
 UNAVAILABLE_FILE = "fake-cuda-unavailable.txt"  # why the stubs could not be built (tests_cuda_fake/make_stubs.py)
 # what makes an isolated worker (`python -m bench._worker`) of that Python run its case on fake CUDA tensors
-WORKER_PLUGIN = "tests_cuda_fake.fake_mode"
+WORKER_PLUGIN = "bench.fake_cuda_mode"
 WORKER_FLAG = "MEMBENCH_FAKE_CUDA_WORKER"
 
 

@@ -1,135 +1,19 @@
-"""The test side of the fake-CUDA run: a FakeTensorMode set up for membench's CUDA path, and what the stubs cannot do.
-
-The stub libraries (make_stubs.py) make torch see one CUDA device; `fake_cuda()` makes the tensors fake, so that no
-kernel runs and nothing is allocated. What it changes in torch, and why, all undone on exit:
-- `FakeCudaMode.avoid_device_init` is forced on: torch derives it from `torch.cuda.is_available()` (True here),
-  and without it `torch.tensor(0.0, device="cuda")` (BatchNorm's counter, GradScaler's scale) would be made real,
-  calling the stubs' cudaMalloc.
-- fake tensors made from an operator's meta result are not memoised: the memo holds a weak reference to each, and
-  `nn.Module.to()` must swap a fake parameter for its moved copy, which `torch.utils.swap_tensors` refuses for a
-  tensor with a weak reference. The dispatch cache (which also keeps weak references) is off for the same reason.
-- values: a number read from a fake tensor is a placeholder (`PlaceholderScalars`), and GradScaler takes every
-  step (`counted_grad_scaler`, which also counts its calls).
-- `FakeAllocator` counts the live bytes of fake CUDA tensors, answers torch.cuda's allocator statistics from that
-  count, and raises CUDA's out-of-memory error past the process's memory fraction (which `--memory-limit` sets).
-- page-locked host memory (`FakePinnedMemory`) and the optimizers' `foreach` implementations
-  (`foreach_on_fake_tensors`) for fake tensors.
-`MEMBENCH_PLUGINS=tests_cuda_fake.fake_mode` with MEMBENCH_FAKE_CUDA_WORKER=1 (`bench.fake_cuda.worker_environment`)
-makes an isolated worker (`python -m bench._worker`) run its case under the same mode: importing this module there
-enters it for the process's life.
-"""
+"""The test side of the fake-CUDA run: what the operators of membench's CUDA steps did, recorded under
+`bench.fake_cuda_mode.fake_cuda` (the mode itself, and what it changes in torch, is described there)."""
 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from bench.measure import LiveTensorTracker
-
-
-class FakeCudaMode(FakeTensorMode):
-    """FakeTensorMode for CUDA tensors on a machine whose CUDA libraries are stubs (see the module docstring)."""
-
-    avoid_device_init = True  # a property of FakeTensorMode: False wherever torch.cuda.is_available()
-
-    def __init__(self):
-        """A FakeTensorMode without the dispatch cache, whose fake tensors carry no weak reference."""
-        super().__init__(allow_non_fake_inputs=True)
-        self.cache_enabled = False
-
-        def from_meta_and_device(fake_mode, meta, device, pytype=None, dispatch_keys=None):
-            """FakeTensorConverter.from_meta_and_device without the weak memo (the meta tensor is fresh anyway)."""
-            return FakeTensor(fake_mode, meta, device, pytype=pytype, dispatch_keys=dispatch_keys)
-
-        self.fake_tensor_converter.from_meta_and_device = from_meta_and_device
-
-
-@dataclass
-class ScalerCalls:
-    """What GradScaler did: losses scaled, optimizers unscaled, steps taken."""
-
-    scaled: int = 0
-    unscaled: int = 0
-    steps: int = 0
-
-
-@contextlib.contextmanager
-def counted_grad_scaler() -> Iterator[ScalerCalls]:
-    """GradScaler's scale, unscale_ and step counted, and every step taken: whether it skips one (an infinite
-    gradient found, `found_inf.item()`) is data, which fake tensors do not have."""
-    scaler = torch.amp.GradScaler
-    saved = scaler.scale, scaler.unscale_, scaler._maybe_opt_step
-    calls = ScalerCalls()
-
-    def scale(self, outputs):
-        calls.scaled += 1
-        return saved[0](self, outputs)
-
-    def unscale_(self, optimizer):
-        calls.unscaled += 1
-        return saved[1](self, optimizer)
-
-    def maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
-        calls.steps += 1
-        return optimizer.step(*args, **kwargs)
-
-    scaler.scale, scaler.unscale_, scaler._maybe_opt_step = scale, unscale_, maybe_opt_step
-    try:
-        yield calls
-    finally:
-        scaler.scale, scaler.unscale_, scaler._maybe_opt_step = saved
-
-
-class FakeAllocator(LiveTensorTracker):
-    """Live bytes of fake CUDA tensors (512-byte blocks, as CUDA's allocator rounds), with an out-of-memory error past
-    `limit_bytes`, or past the memory fraction of the device's memory when no limit is given."""
-
-    def __init__(self, limit_bytes: int | None = None):
-        super().__init__("cuda", block_bytes=512)
-        self.limit_bytes = limit_bytes
-
-    def capacity(self) -> int:
-        """The bytes past which an allocation fails: the limit given, else the memory fraction of the device."""
-        if self.limit_bytes is not None:
-            return self.limit_bytes
-        total = torch.cuda.get_device_properties(0).total_memory
-        return int(torch.cuda.get_per_process_memory_fraction(0) * total)
-
-    def _update_peak(self, op: str) -> None:
-        """The tracker's peak update after each operator, then CUDA's out-of-memory error if over capacity."""
-        super()._update_peak(op)
-        if self.live_bytes > self.capacity():
-            raise torch.OutOfMemoryError(f"CUDA out of memory (fake allocator): {op} brought the live bytes to "
-                                         f"{self.live_bytes}, over {self.capacity()}")
-
-    @contextlib.contextmanager
-    def answering_memory_queries(self) -> Iterator[None]:
-        """torch.cuda's allocator statistics (what the runner reads) answered from this count while inside: the real
-        allocator never sees a fake tensor, so it would say 0 for every figure."""
-        cuda = torch.cuda
-        names = ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved",
-                 "reset_peak_memory_stats")
-        saved = {name: getattr(cuda, name) for name in names}
-        answers = {"memory_allocated": lambda device=None: self.live_bytes,
-                   "max_memory_allocated": lambda device=None: self.peak_bytes,
-                   "memory_reserved": lambda device=None: self.live_bytes,
-                   "max_memory_reserved": lambda device=None: self.peak_bytes,
-                   "reset_peak_memory_stats": lambda device=None: self.reset_peak()}
-        for name in names:
-            setattr(cuda, name, answers[name])
-        try:
-            yield
-        finally:
-            for name in names:
-                setattr(cuda, name, saved[name])
+from bench import fake_cuda_mode
+from bench.fake_cuda_mode import FakeAllocator, ScalerCalls
 
 
 @dataclass
@@ -173,40 +57,6 @@ class OpRecorder(TorchDispatchMode):
         return out
 
 
-class PlaceholderScalars(TorchDispatchMode):
-    """Answers what a fake tensor cannot: a number read from a tensor (`.item()`, `float(t)`) is 1, a truth value
-    (`bool(t)`) False, and `torch.equal`/`allclose` say True, so that the code that reads values (the verification
-    against the baseline, a DataLoader's seed, Adam's step count, which divides by `1 - beta ** step`) runs its
-    usual path; what it computes from them means nothing. GradScaler's "an infinite gradient was found" would read
-    1 here: `counted_grad_scaler` takes the step regardless."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            tensor = args[0]
-            return False if tensor.dtype == torch.bool else 1.0 if tensor.is_floating_point() else 1
-        if func in (torch.ops.aten.equal.default, torch.ops.aten.allclose.default):
-            return True
-        return func(*args, **(kwargs or {}))
-
-
-class FakePinnedMemory(TorchDispatchMode):
-    """Page-locked host memory for fake tensors, which FakeTensorMode does not implement (`aten._pin_memory`): a
-    pinned copy is a fake host tensor like the original, and a tensor it returned is pinned."""
-
-    def __init__(self):
-        super().__init__()
-        self.pinned: set[int] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._pin_memory.default:
-            copy = args[0].clone()
-            self.pinned.add(id(copy))
-            return copy
-        if func is torch.ops.aten.is_pinned.default:
-            return id(args[0]) in self.pinned
-        return func(*args, **(kwargs or {}))
-
-
 @contextlib.contextmanager
 def recording_steps(recorder: OpRecorder) -> Iterator[None]:
     """The recorder active only inside `bench.runner.Session.step` (the steps the runner times and measures), and
@@ -237,52 +87,10 @@ def recording_steps(recorder: OpRecorder) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def foreach_on_fake_tensors() -> Iterator[None]:
-    """Optimizers and gradient utilities take their `foreach` implementation only for tensors whose type is exactly
-    Tensor or Parameter: a FakeTensor is added to those lists, so that a fake step uses the implementation a real
-    GPU step uses (Adam's default on CUDA is foreach; it would fall back to the per-parameter loop)."""
-    from torch.optim import optimizer
-    from torch.utils import _foreach_utils
-
-    lists = (optimizer._foreach_supported_types, _foreach_utils._foreach_supported_types)
-    for types in lists:
-        types.append(FakeTensor)
-    try:
-        yield
-    finally:
-        for types in lists:
-            types.remove(FakeTensor)
-
-
-@contextlib.contextmanager
 def fake_cuda(record: bool = False, allocator: FakeAllocator | None = None
               ) -> Iterator[tuple[ScalerCalls, OpRecord | None]]:
-    """Everything inside runs on fake CUDA tensors: (GradScaler's calls, the operators the runner's steps ran if
-    `record`). `allocator` (default: one with no limit but the memory fraction) counts the fake CUDA bytes and
-    answers torch.cuda's memory statistics."""
-    from bench import runner
-
-    runner._cpu_batch.cache_clear()  # batches are fake tensors of one mode: none may outlive it
-    runner.baseline_snapshot.cache_clear()
-    allocator = allocator or FakeAllocator()
+    """`bench.fake_cuda_mode.fake_cuda`: (GradScaler's calls, the operators the runner's steps ran if `record`)."""
     recorder = OpRecorder(active=False) if record else None
-    try:
-        with contextlib.ExitStack() as stack:
-            calls = stack.enter_context(counted_grad_scaler())
-            stack.enter_context(foreach_on_fake_tensors())
-            stack.enter_context(FakeCudaMode())
-            stack.enter_context(FakePinnedMemory())
-            stack.enter_context(PlaceholderScalars())
-            stack.enter_context(allocator)
-            stack.enter_context(allocator.answering_memory_queries())
-            if recorder is not None:
-                stack.enter_context(recorder)
-                stack.enter_context(recording_steps(recorder))
-            yield calls, recorder.record if recorder else None
-    finally:
-        runner._cpu_batch.cache_clear()
-
-
-if os.environ.get("MEMBENCH_FAKE_CUDA_WORKER") == "1":  # an isolated worker, which imports this as a plugin
-    _worker_context = fake_cuda()
-    _worker_context.__enter__()
+    inner = [recorder, recording_steps(recorder)] if recorder is not None else []
+    with fake_cuda_mode.fake_cuda(allocator, inner) as calls:
+        yield calls, recorder.record if recorder is not None else None

@@ -27,7 +27,8 @@ from bench.fake_cuda import worker_environment
 from bench.isolation import RunOptions, run_in_worker
 from bench.runner import Case, run_case, run_cases
 from strategies import STRATEGIES
-from tests_cuda_fake.fake_mode import FakeAllocator, fake_cuda
+from bench.fake_cuda_mode import FakeAllocator
+from tests_cuda_fake.fake_mode import fake_cuda
 
 ROOT = Path(__file__).resolve().parent.parent
 BATCH = 2
