@@ -13,13 +13,18 @@ import os
 import sys
 
 
+def import_plugins() -> None:
+    """Imports the modules $MEMBENCH_PLUGINS names (a comma list), as the process that started this one did."""
+    for module in filter(None, (m.strip() for m in os.environ.get("MEMBENCH_PLUGINS", "").split(","))):
+        importlib.import_module(module)
+
+
 def run_job(job: dict) -> dict:
     """One repeat of one case, as described by `job` (see the module docstring); returns its row.
 
     Also the body of a Ray task (bench.ray_executor). `job["workload_files"]` maps the path of a user's workload
     file, as the spec names it, to its source, for a process that does not have the file (another machine)."""
-    for module in filter(None, (m.strip() for m in os.environ.get("MEMBENCH_PLUGINS", "").split(","))):
-        importlib.import_module(module)
+    import_plugins()
 
     from bench.isolation import RunOptions
     from bench.runner import Case, run_case

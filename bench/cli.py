@@ -861,16 +861,17 @@ def cmd_predict(args) -> int:
     _interrupt_note["text"] = "interrupted: nothing was written (predict writes its table at the end)"
     cases = [Case(workload, spec, phase, batch, device, data=data) for spec in specs for phase in phases
              for batch in batches]
-    rows = []
-    for index, case in enumerate(cases):
+
+    def progress(index: int, case: Case) -> None:
         _status(f"[{index + 1}/{len(cases)}] predicting {case.strategy} {case.phase} bs={case.batch_size} ...")
-        rows.append(predict.predict_case(case, engine, args.ranks, capability))
+
+    rows = predict.predict_cases(cases, engine, args.ranks, capability, on_case=progress)
     print(f"predicted peak memory on {device}" + (" (torch.cuda.max_memory_allocated and max_memory_reserved)"
                                                   if device == "cuda" else " (exact live tensor bytes)"))
     print(predict.format_predictions(rows))
     if device == "cuda":
         print("\nassumptions:")
-        for line in predict.ASSUMPTIONS:
+        for line in predict.assumptions(row["engine"] for row in rows):
             print(f"  - {line}")
     path = out / f"predict-{new_run_id(device)}.csv"
     write_csv_atomic(pd.DataFrame(rows), path)
@@ -964,8 +965,10 @@ def _add_analysis_parsers(sub) -> None:
     p.add_argument("--ranks", type=_positive_int, default=1,
                    help="for the sharded strategies (ddp, zero1, fsdp): the peak of the largest of N ranks, without "
                         "starting N processes (PyTorch's fake process group; default 1)")
-    p.add_argument("--engine", default="auto", help="auto (fake tensors, a real CPU step where they cannot run a "
-                                                    "strategy), fake, meta or cpu (default auto)")
+    p.add_argument("--engine", default="auto",
+                   help="auto (fake tensors: for CUDA on CUDA's own operators where the fake-CUDA environment exists, "
+                        "`make cuda-fake-env`, else on the CPU's; a real CPU step where they cannot run a strategy), "
+                        "fake-cuda, fake, meta or cpu (default auto)")
     p.add_argument("--capability", default=None,
                    help="compute capability of the CUDA device predicted, e.g. 9.0 (sizes cuBLAS's workspace; "
                         "default: this machine's GPU, else a non-Hopper one)")

@@ -21,16 +21,19 @@ WORKER_PLUGIN = "bench.fake_cuda_mode"
 WORKER_FLAG = "MEMBENCH_FAKE_CUDA_WORKER"
 
 
-def environment_python(venv: Path = VENV) -> Path | None:
-    """The fake-CUDA environment's python, or None when it is not built (`unavailable_reason()` says why)."""
+def environment_python(venv: Path | None = None) -> Path | None:
+    """The fake-CUDA environment's python (`venv`, default `VENV`), or None when it is not built
+    (`unavailable_reason()` says why)."""
+    venv = venv or VENV
     python = venv / "bin" / "python"
     if (venv / INSTALLED_STAMP).exists() and python.exists() and not (venv / UNAVAILABLE_FILE).exists():
         return python
     return None
 
 
-def unavailable_reason(venv: Path = VENV) -> str | None:
-    """Why there is no fake-CUDA environment (None when there is one)."""
+def unavailable_reason(venv: Path | None = None) -> str | None:
+    """Why there is no fake-CUDA environment in `venv` (default `VENV`; None when there is one)."""
+    venv = venv or VENV
     if environment_python(venv) is not None:
         return None
     written = venv / UNAVAILABLE_FILE
@@ -41,12 +44,19 @@ def unavailable_reason(venv: Path = VENV) -> str | None:
     return f"no fake-CUDA environment: `make cuda-fake-env` builds it in {venv}"
 
 
+def python_environment(base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment variables under which that Python imports this checkout (which it does not install):
+    `base` (default: this process's) with the checkout first on PYTHONPATH."""
+    env = dict(os.environ if base is None else base)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
 def worker_environment(base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment variables under which `python -m bench ...` in that Python runs each isolated case on fake
-    CUDA tensors (its workers import the test shim as a plugin): `base` (default: this process's) plus those."""
-    env = dict(os.environ if base is None else base)
+    CUDA tensors (its workers import the fake-CUDA mode as a plugin): `python_environment(base)` plus those."""
+    env = python_environment(base)
     plugins = [p for p in env.get("MEMBENCH_PLUGINS", "").split(",") if p.strip()]
     env["MEMBENCH_PLUGINS"] = ",".join(plugins + [WORKER_PLUGIN] if WORKER_PLUGIN not in plugins else plugins)
     env[WORKER_FLAG] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     return env

@@ -1,39 +1,74 @@
 """Predicting a case's peak memory on a device this machine may not have: `torch.cuda.max_memory_allocated` and
 `max_memory_reserved` on CUDA, or the exact live tensor bytes on the CPU.
 
-The step runs under the exact live-tensor tracker on an engine: `fake` (PyTorch's fake tensors: shapes, dtypes and
-autocast, no arithmetic; seconds at any batch size), `meta` (shapes only; no autocast) or `cpu` (a real step). For
-CUDA the tracker's log of allocations and frees is replayed through a model of the caching allocator
-(`bench.cuda_allocator`), with cuBLAS's workspaces. What the prediction assumes is `ASSUMPTIONS`, printed by
-`python -m bench predict --device cuda`.
+The step runs under the exact live-tensor tracker on an engine: `fake-cuda` (CUDA's own operators on fake tensors,
+in the fake-CUDA environment's Python, `bench.fake_cuda`: a subprocess when this Python is another), `fake`
+(PyTorch's fake tensors with the CPU's operators: shapes, dtypes and autocast, no arithmetic; seconds at any batch
+size), `meta` (shapes only; no autocast) or `cpu` (a real step). For CUDA the tracker's log of allocations and frees
+is replayed through a model of the caching allocator (`bench.cuda_allocator`), with cuBLAS's workspaces. What the
+prediction assumes, per engine used, is `assumptions()`, printed by `python -m bench predict --device cuda`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import subprocess
+import tempfile
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Callable, Iterable
 
 import torch
 
-from bench import cuda_allocator, measure
-from bench.errors import Unsupported
+from bench import cuda_allocator, fake_cuda, measure
+from bench.errors import Unsupported, UsageError
+from bench.fake_cuda_mode import fake_cuda as fake_cuda_tensors, is_fake_device
 from bench.fake_engine import fake_memory_pass
 from bench.ranks import fake_process_group, in_rank_process
 from bench.runner import MEMORY_WARMUP_STEPS, CaseMeter, bind_case, forget_traceback, memory_pass
 
 CUDA_BLOCK_BYTES = 512
-ENGINES = ("auto", "fake", "meta", "cpu")
+ENGINES = ("auto", "fake-cuda", "fake", "meta", "cpu")
+CUDA_ONLY_ENGINES = ("fake-cuda",)
+
+# What each engine assumes (printed for the engines a table used), then what every CUDA prediction assumes.
+ENGINE_ASSUMPTIONS = {
+    "fake-cuda": [
+        "engine fake-cuda: the step (after CUDA's 2 warm-up steps) runs CUDA's own operators on PyTorch's fake"
+        " tensors, under the exact live-tensor tracker, in a CUDA build of torch (on a machine without a GPU the"
+        " fake-CUDA environment's, .venv-cuda-fake, whose CUDA libraries are stubs): CUDA's autocast op lists in"
+        " float16, cuDNN's batch norm, GradScaler's unscaling, the optimizers' multi-tensor (foreach)"
+        " implementations and their temporaries; no kernel runs, so choices a kernel or library makes at run time"
+        " are not seen, and choices that depend on the GPU model (the attention backend of"
+        " scaled_dot_product_attention) are made for the device that torch sees (the stubs' is an H100-like"
+        " compute capability 9.0), whatever --capability says",
+    ],
+    "fake": [
+        "engine fake: the step (after CUDA's 2 warm-up steps) runs under the exact live-tensor tracker on PyTorch's"
+        " fake tensors with the CPU's operators (no arithmetic); the CPU and CUDA kernels are assumed to return"
+        " tensors of the same sizes (on the CPU a loss returns its scalar in a buffer of the loss's elements, on"
+        " CUDA in a 512-byte block: fake tensors follow CUDA); the optimizers run their CPU implementation (Adam's"
+        " per-parameter loop, where CUDA's foreach implementation holds a temporary of every parameter at once:"
+        " when the optimizer step is the peak, as at small batches, CUDA's is higher)",
+        "engine fake: autocast runs in float16 (CUDA's default) instead of the CPU's bfloat16, but with the CPU's op"
+        " lists: ops that CUDA's autocast keeps in float32 and the CPU's does not (or the reverse) are off by their"
+        " output size",
+    ],
+    "cpu": [
+        "engine cpu: the step (after CUDA's 2 warm-up steps) runs for real on the CPU under the exact live-tensor"
+        " tracker (where fake tensors cannot run the strategy, or for a sharded strategy's ranks), with autocast in"
+        " float16 and the CPU's op lists; the CPU's kernels are assumed to return tensors of CUDA's sizes",
+    ],
+    "meta": [
+        "engine meta: the step runs on meta tensors (shapes only) under the exact live-tensor tracker; autocast"
+        " cannot run there (such a strategy is an error row)",
+    ],
+}
 
 ASSUMPTIONS = [
-    "the step (after CUDA's 2 warm-up steps) runs under the exact live-tensor tracker on PyTorch's fake tensors"
-    " (engine fake: the CPU's operators, no arithmetic), or as a real CPU step where fake tensors cannot run the"
-    " strategy (the row says so); the CPU and CUDA kernels are assumed to return tensors of the same sizes (on the"
-    " CPU a loss returns its scalar in a buffer of the loss's elements, on CUDA in a 512-byte block: fake tensors"
-    " follow CUDA)",
-    "autocast runs in float16 (CUDA's default) instead of the CPU's bfloat16, but with the CPU's op lists: ops that"
-    " CUDA's autocast keeps in float32 and the CPU's does not (or the reverse) are off by their output size",
     "allocated and reserved replay the tracker's exact sequence of allocations and frees through a model of CUDA's"
     " caching allocator with default settings (no PYTORCH_CUDA_ALLOC_CONF): 512-byte rounding, requests up to 1 MiB"
     " from 2 MiB segments, larger ones from 20 MiB segments (under 10 MiB) or rounded to 2 MiB, best fit, blocks"
@@ -50,6 +85,13 @@ ASSUMPTIONS = [
     "not counted, as max_memory_allocated does not count them: the CUDA context and kernels' own buffers outside"
     " the caching allocator",
 ]
+
+
+def assumptions(engines: Iterable[str | None]) -> list[str]:
+    """What a CUDA prediction made on `engines` (the rows' engine column) assumes: each engine's own lines, then
+    those of every CUDA prediction (`ASSUMPTIONS`)."""
+    used = [name for name in ENGINE_ASSUMPTIONS if name in set(engines)]
+    return [line for name in used for line in ENGINE_ASSUMPTIONS[name]] + ASSUMPTIONS
 
 
 @dataclass
@@ -87,11 +129,13 @@ def _cuda_like_forward(strategy, engine: str):
 def tracked_step(case, spec: str, engine: str = "fake", block_bytes: int = 1, cuda_autocast: bool = True,
                  ranks: int = 1, record_events: bool = False, warmup_steps: int | None = None,
                  planned=None) -> TrackedStep:
-    """One steady-state step of `case` (its device is ignored) tracked on `engine` (fake, meta or cpu); for a
-    sharded strategy, the rank with the largest peak of its `ranks` ranks, each run in turn in this process as that
-    rank of PyTorch's fake process group, on the CPU (shards of the batch and of parameters differ by rank).
-    `planned`: the strategy bound to the CPU whose `plan()` has run (a checkpoint budget's plan), used as it is."""
-    strategy = planned if planned is not None else bind_case(replace(case, strategy=spec, device="cpu"), ranks)[0]
+    """One steady-state step of `case` tracked on `engine` (fake-cuda, fake, meta or cpu: the case's device is
+    ignored but by fake-cuda, which needs a fake CUDA device in this process); for a sharded strategy, the rank with
+    the largest peak of its `ranks` ranks, each run in turn in this process as that rank of PyTorch's fake process
+    group, on the CPU (shards of the batch and of parameters differ by rank). `planned`: the strategy bound to the
+    engine's device whose `plan()` has run (a checkpoint budget's plan), used as it is."""
+    device = "cuda" if engine == "fake-cuda" else "cpu"
+    strategy = planned if planned is not None else bind_case(replace(case, strategy=spec, device=device), ranks)[0]
     if strategy.distributed and not in_rank_process():
         steps = []
         for rank in range(ranks):
@@ -99,13 +143,19 @@ def tracked_step(case, spec: str, engine: str = "fake", block_bytes: int = 1, cu
                 steps.append(tracked_step(case, spec, "cpu", block_bytes, cuda_autocast, ranks, record_events,
                                           warmup_steps))
         return max(steps, key=lambda step: step.peak_bytes)
-    if cuda_autocast:
+    if cuda_autocast and engine != "fake-cuda":
         strategy.forward = _cuda_like_forward(strategy, engine)
-    device = "cpu" if engine == "fake" else engine
+    device = {"fake-cuda": "cuda", "fake": "cpu"}.get(engine, engine)
     tracker = measure.LiveTensorTracker(device, block_bytes=block_bytes, record_events=record_events)
     # the peak only: no step after the measured one (mem_growth_bytes_per_step is not predicted)
     options = {"warmup_steps": warmup_steps, "growth_steps": 0}
-    if engine == "fake":
+    if engine == "fake-cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("the fake-cuda engine runs in a torch that sees a CUDA device: a GPU's, or the "
+                               f"stubs' fake one of the fake-CUDA environment ({fake_cuda.VENV.name})")
+        with fake_cuda_tensors():
+            memory = memory_pass(replace(case, device="cuda"), strategy, tracker=tracker, **options)
+    elif engine == "fake":
         memory = fake_memory_pass(replace(case, device="cpu"), strategy, tracker=tracker, **options)
     else:
         memory = memory_pass(replace(case, device=engine), strategy, tracker=tracker, **options)
@@ -118,9 +168,14 @@ def tracked_peak(case, spec: str, engine: str = "fake", block_bytes: int = CUDA_
     return tracked_step(case, spec, engine, block_bytes, cuda_autocast, ranks).peak_bytes
 
 
+def has_gpu() -> bool:
+    """Whether this process sees a real CUDA device (not the fake-CUDA environment's stubs)."""
+    return torch.cuda.is_available() and not is_fake_device()
+
+
 def device_capability() -> tuple[int, int] | None:
-    """The compute capability of this machine's CUDA device 0, or None without one."""
-    if torch.cuda.is_available():
+    """The compute capability of this machine's CUDA device 0, or None without a GPU."""
+    if has_gpu():
         return torch.cuda.get_device_capability(0)
     return None
 
@@ -128,7 +183,7 @@ def device_capability() -> tuple[int, int] | None:
 def cublas_workspace(capability: tuple[int, int] | None) -> int:
     """cuBLAS's workspace per handle and stream: PyTorch's own figure where this torch can say it (a CUDA build
     with a GPU), else CUBLAS_WORKSPACE_CONFIG or the default for `capability`."""
-    if torch.cuda.is_available() and hasattr(torch.backends.cuda, "cublas_workspace_size"):
+    if has_gpu() and hasattr(torch.backends.cuda, "cublas_workspace_size"):
         return int(torch.backends.cuda.cublas_workspace_size())
     return cuda_allocator.workspace_from_environment(capability)
 
@@ -144,9 +199,12 @@ def cudnn_workspace_cap() -> int | None:
     return int(text) * 2**20 if text.isdigit() else None
 
 
-def _engines(engine: str) -> list[str]:
-    """The engines to try in turn for `--engine`: auto is the fake engine, a real CPU step where it fails."""
-    return ["fake", "cpu"] if engine == "auto" else [engine]
+def _engines(engine: str, cuda: bool) -> list[str]:
+    """The engines to try in turn for `--engine`: auto is the fake engine (for CUDA on CUDA's operators where this
+    process's torch sees a CUDA device, the fake-CUDA environment's or a GPU), a real CPU step where it fails."""
+    if engine != "auto":
+        return [engine]
+    return (["fake-cuda"] if cuda and torch.cuda.is_available() else []) + ["fake", "cpu"]
 
 
 class PredictionMeter(CaseMeter):
@@ -181,30 +239,31 @@ def predict_case(case, engine: str = "auto", ranks: int = 1, capability: tuple[i
     except Unsupported as error:
         row.update(status="unsupported", message=str(error))
         return row
-    planned = bind_case(replace(case, device="cpu"), ranks)[0]  # the strategy the step runs, bound to the CPU
+    cuda = case.device == "cuda"
+    engines = ["cpu"] if strategy.distributed else _engines(engine, cuda)
+    planned = {}  # the strategy each engine's step runs, bound to its device and planned
     try:
-        planned.plan(PredictionMeter(case))  # a checkpoint:budget chooses its plan, on predictions alone
+        for device in dict.fromkeys("cuda" if name == "fake-cuda" else "cpu" for name in engines):
+            planned[device] = bind_case(replace(case, device=device), ranks)[0]
+            planned[device].plan(PredictionMeter(case))  # a checkpoint:budget chooses its plan, on predictions alone
     except Unsupported as error:
         row.update(status="unsupported", message=str(error))
         return row
-    if "checkpoint.planning_s" in planned.describe():
+    if any("checkpoint.planning_s" in s.describe() for s in planned.values()):
         row["message"] = "plan chosen on predicted peaks, not confirmed by a run"
     if strategy.cpu_memory_count != "live_tensors":
         row.update(status="unsupported", message=f"{row['strategy']}: predict runs the step under the exact tracker, a "
                    "dispatch mode under which dynamo runs the model eagerly, so the compiled step's memory cannot be "
                    "predicted; measure it (`compare --device cpu` counts it at the CPU allocator)")
         return row
-    cuda = case.device == "cuda"
     if strategy.distributed:
         row.update(ranks=ranks, message=f"largest rank of {ranks}, fake process group")
-        engines = ["cpu"]
-    else:
-        engines = _engines(engine)
     notes = [row["message"]] if row["message"] else []
     for name in engines:
         try:
             step = tracked_step(case, row["strategy"], name, 1, cuda_autocast=cuda, ranks=ranks, record_events=cuda,
-                                warmup_steps=MEMORY_WARMUP_STEPS["cuda"] if cuda else None, planned=planned)
+                                warmup_steps=MEMORY_WARMUP_STEPS["cuda"] if cuda else None,
+                                planned=planned["cuda" if name == "fake-cuda" else "cpu"])
         except Unsupported as error:  # found when the strategy meets the model (no ReLU to switch): no engine can
             row.update(status="unsupported", message=str(error))
             return row
@@ -234,6 +293,59 @@ def predict_case(case, engine: str = "auto", ranks: int = 1, capability: tuple[i
         row["predicted_mib"] = round(row["predicted_bytes"] / 2**20, 1)
         return row
     return row
+
+
+def predict_cases(cases: list, engine: str = "auto", ranks: int = 1, capability: tuple[int, int] | None = None,
+                  on_case: Callable[[int, object], None] | None = None) -> list[dict]:
+    """`predict_case` for each case, in order; `on_case(index, case)` is called before each.
+
+    CUDA cases on `auto` or `fake-cuda` run on CUDA's own operators: in this process where its torch sees a CUDA
+    device (a GPU, or the fake-CUDA environment's stubs), else in a subprocess of the fake-CUDA environment's Python (`bench.fake_cuda`), which predicts
+    them all and falls back, case by case, to the fake and cpu engines as this process would. Where that
+    environment does not exist, `auto` is the fake engine and `fake-cuda` a UsageError saying why; where the
+    subprocess fails, the cases are predicted here and each row says why."""
+    if engine in CUDA_ONLY_ENGINES and any(case.device != "cuda" for case in cases):
+        raise UsageError(f"--engine {engine}: predicts CUDA only; with --device cpu choose one of "
+                         f"{', '.join(e for e in ENGINES if e not in CUDA_ONLY_ENGINES)}")
+    in_subprocess = (engine in ("auto", "fake-cuda") and any(case.device == "cuda" for case in cases)
+                     and not torch.cuda.is_available())
+    note = ""
+    if in_subprocess:
+        python = fake_cuda.environment_python()
+        if python is None and engine == "fake-cuda":
+            raise UsageError(f"--engine fake-cuda: {fake_cuda.unavailable_reason()}")
+        if python is not None:
+            rows, note = _predict_in_fake_cuda_environment(python, cases, engine, ranks, capability)
+            if rows is not None:
+                return rows
+            engine = "auto"
+    rows = []
+    for index, case in enumerate(cases):
+        if on_case is not None:
+            on_case(index, case)
+        row = predict_case(case, engine, ranks, capability)
+        if note and case.device == "cuda":
+            row["message"] = "; ".join(x for x in (note, row["message"]) if x)
+        rows.append(row)
+    return rows
+
+
+def _predict_in_fake_cuda_environment(python: Path, cases: list, engine: str, ranks: int,
+                                      capability: tuple[int, int] | None) -> tuple[list[dict] | None, str]:
+    """The cases' rows predicted by `python -m bench._predict_worker` in the fake-CUDA environment (its progress on
+    this process's stderr), or (None, why) when that process fails."""
+    request = {"cases": [asdict(case) for case in cases], "engine": engine, "ranks": ranks,
+               "capability": list(capability) if capability else None}
+    with tempfile.TemporaryDirectory(prefix="membench-predict-") as folder:
+        request_file, rows_file = Path(folder) / "request.json", Path(folder) / "rows.json"
+        request_file.write_text(json.dumps(request))
+        done = subprocess.run([str(python), "-m", "bench._predict_worker", str(request_file), str(rows_file)],
+                              env=fake_cuda.python_environment(), stdout=subprocess.DEVNULL)
+        answer = json.loads(rows_file.read_text()) if rows_file.exists() else {}
+    if done.returncode == 0 and "rows" in answer:
+        return answer["rows"], ""
+    why = answer.get("error") or f"its Python exited with code {done.returncode}"
+    return None, f"the fake-CUDA environment failed ({why[:200]}): predicted here"
 
 
 def format_predictions(rows: list[dict]) -> str:

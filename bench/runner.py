@@ -397,14 +397,15 @@ def memory_pass(case: Case, strategy: Strategy, record_timeline: bool = False,
 
     On the CPU (or meta) the row also gets the breakdown of the peak (`bench.breakdown.BREAKDOWN_COLUMNS`);
     `tracker` replaces the default exact tracker, `prepare(session, tracker)` runs just before the measured step;
-    `session_class` builds the session (the fake-tensor engine's `FakeSession`; CPU and meta only);
+    `session_class` builds the session (the fake-tensor engine's `FakeSession`; CPU and meta only); on CUDA a
+    `tracker` counts live tensors instead of reading the allocator (predict's fake-CUDA engine, on fake tensors);
     `warmup_steps` replaces the device's `MEMORY_WARMUP_STEPS` (a prediction of CUDA runs CUDA's count elsewhere),
     `growth_steps` replaces `MEMORY_GROWTH_STEPS` (0: a caller that only wants the peak saves a step).
     After the measured step `MEMORY_GROWTH_STEPS` more run, outside the peak, for `mem_growth_bytes_per_step`.
     """
     warmup = MEMORY_WARMUP_STEPS.get(case.device, 1) if warmup_steps is None else warmup_steps
     growth = MEMORY_GROWTH_STEPS if growth_steps is None else growth_steps
-    if case.device == "cuda":
+    if case.device == "cuda" and tracker is None:
         release_cuda_memory()
         session = Session(case, strategy)
         with strategy.session():
@@ -445,7 +446,7 @@ def memory_pass(case: Case, strategy: Strategy, record_timeline: bool = False,
             handle.remove()
         ends.append(tracker.live_bytes)
         result = {"peak_mem_bytes": tracker.peak_bytes, "peak_reserved_bytes": None,
-                  "memory_method": "cpu_live_tensor_bytes", "peak_stage": tracker.peak_stage,
+                  "memory_method": f"{tracker.device}_live_tensor_bytes", "peak_stage": tracker.peak_stage,
                   **breakdown.breakdown_columns(tracker)}
         timeline, tracker.record_timeline = tracker.timeline, False
         ends += _growth_steps(lambda: session.step(mark), lambda: tracker.live_bytes, growth)

@@ -23,6 +23,16 @@ def temporary_strategy():
         STRATEGIES.unregister(name)
 
 
+@pytest.fixture(autouse=True)
+def without_fake_cuda_environment(monkeypatch, tmp_path_factory):
+    """`make test` is the same whether or not `make cuda-fake-env` has built .venv-cuda-fake/ in this checkout:
+    the fake-CUDA environment is looked for in an empty folder, so predict does not hand its CUDA cases to it
+    (tests_cuda_fake/ tests that route); a test that wants another answer patches `bench.fake_cuda` again."""
+    from bench import fake_cuda
+
+    monkeypatch.setattr(fake_cuda, "VENV", tmp_path_factory.getbasetemp() / "no-fake-cuda-environment")
+
+
 @pytest.fixture
 def one_thread():
     """torch on one thread for the test (small models run no faster on more), restored afterwards."""

@@ -192,6 +192,15 @@ def test_predict_cuda_on_hopper_counts_its_32mib_workspace():
     assert row["cublas_workspace_bytes"] == 32 * MIB  # eval: the forward's thread only
 
 
+def test_assumptions_name_the_engines_used_and_only_those():
+    fake_only = predict.assumptions(["fake", "fake", None])
+    assert fake_only[:2] == predict.ENGINE_ASSUMPTIONS["fake"] and fake_only[2:] == predict.ASSUMPTIONS
+    assert not any("fake-cuda" in line or line.startswith("engine cpu") for line in fake_only)
+    both = predict.assumptions(["cpu", "fake-cuda"])
+    assert both == predict.ENGINE_ASSUMPTIONS["fake-cuda"] + predict.ENGINE_ASSUMPTIONS["cpu"] + predict.ASSUMPTIONS
+    assert "CUDA's autocast op lists" in both[0] and "cuDNN's batch norm" in both[0]
+
+
 def test_assumptions_count_the_cublas_workspace_and_name_what_is_not_modelled():
     text = " ".join(predict.ASSUMPTIONS)
     counted = next(a for a in predict.ASSUMPTIONS if a.startswith("counted"))
@@ -211,6 +220,34 @@ def test_predict_cli_prints_both_figures_and_the_engine(capsys, tmp_path):
     frame = pd.read_csv(next(tmp_path.glob("predict-*.csv")))
     assert set(frame["engine"]) == {"fake"}
     assert (frame["predicted_reserved_bytes"] >= frame["predicted_bytes"]).all()
+
+
+def test_predict_without_the_fake_cuda_environment_runs_the_cpus_operators_or_says_why_not(capsys):
+    cases = [Case(MLP, "baseline", "eval", 2, "cuda", data="synthetic")]
+    assert [row["engine"] for row in predict.predict_cases(cases)] == ["fake"]
+    assert main(["predict", "--engine", "fake-cuda", "--workload", MLP, "--batch-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--engine fake-cuda" in err and "make cuda-fake-env" in err and err.count("\n") == 1
+
+
+def test_predict_rejects_the_fake_cuda_engine_for_the_cpu(capsys):
+    assert main(["predict", "--device", "cpu", "--engine", "fake-cuda", "--workload", MLP]) == 2
+    err = capsys.readouterr().err
+    assert "--engine fake-cuda" in err and "auto, fake, meta, cpu" in err and err.count("\n") == 1
+
+
+def test_predict_says_so_when_the_fake_cuda_environment_fails(monkeypatch):
+    from pathlib import Path
+
+    from bench import fake_cuda
+
+    monkeypatch.setattr(fake_cuda, "environment_python", lambda venv=None: Path("/bin/false"))
+    cases = [Case(MLP, "baseline", "eval", 2, "cuda", data="synthetic"),
+             Case(MLP, "baseline", "eval", 2, "cpu", data="synthetic")]
+    cuda_row, cpu_row = predict.predict_cases(cases)
+    assert cuda_row["status"] == "ok" and cuda_row["engine"] == "fake", cuda_row
+    assert cuda_row["message"] == "the fake-CUDA environment failed (its Python exited with code 1): predicted here"
+    assert cpu_row["engine"] == "fake" and cpu_row["message"] == ""
 
 
 def test_predict_cli_rejects_a_bad_capability(capsys):

@@ -1,0 +1,94 @@
+"""predict's fake-cuda engine: CUDA's own operators on fake tensors, every strategy, and the route to it from the
+CPU-only environment (`python -m bench predict --device cuda` in .venv hands its cases to this environment).
+
+Asserted: every registered strategy is predicted on CUDA's operators (no silent fall-back to the CPU's), what those
+operators change against the fake engine's CPU operators (cuDNN's batch norm, GradScaler's unscaling, Adam's
+`foreach` implementation and the temporaries it allocates), the allocator model's reserved figure above the
+allocated one, and the assumptions printed for the engine used. Not asserted: that the figures match a GPU's (the
+cuda-marked tests/test_cuda_prediction.py does that on a real one).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from collections import Counter
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from bench import predict
+from bench.runner import Case
+from strategies import STRATEGIES
+from tests_cuda_fake.test_cuda_path import DEVICE_INDEPENDENT_REASONS, WORKLOADS
+
+ROOT = Path(__file__).resolve().parent.parent
+BATCH = 2
+# predict refuses compile for a reason of its own (its tracker, a dispatch mode, makes dynamo run eagerly)
+PREDICT_REASONS = DEVICE_INDEPENDENT_REASONS + [r"dynamo runs the model eagerly"]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """torch on one thread (two test processes share two cores), restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def cuda_case(spec: str, phase: str = "train", workload: str = "captcha_resnet18") -> Case:
+    return Case(WORKLOADS[workload], spec, phase, BATCH, "cuda", data="synthetic")
+
+
+@pytest.mark.parametrize("phase", ["train", "eval"])
+@pytest.mark.parametrize("spec", list(STRATEGIES.names()) + ["checkpoint+amp"])
+def test_every_strategy_is_predicted_on_cudas_operators(spec, phase):
+    (row,) = predict.predict_cases([cuda_case(spec, phase)])
+    if row["status"] == "unsupported":
+        assert any(re.search(reason, row["message"]) for reason in PREDICT_REASONS), row["message"]
+        return
+    assert row["status"] == "ok" and row["engine"] == "fake-cuda", row
+    assert "engine failed" not in row["message"], row["message"]
+    assert 0 < row["predicted_bytes"] <= row["predicted_reserved_bytes"]
+    assert row["predicted_reserved_bytes"] % (2 * 2**20) == 0  # whole 2 MiB or 20 MiB segments
+
+
+def engine_ops(engine: str, spec: str) -> tuple[int, Counter]:
+    """(tracked peak, operators run) of one training step of the ResNet on `engine`."""
+    step = predict.tracked_step(cuda_case(spec), spec, engine, 1, record_events=True, warmup_steps=1)
+    return step.peak_bytes, Counter(e.op.split(".")[0] for e in step.events if e.kind == "op")
+
+
+def test_the_fake_cuda_engine_runs_what_cuda_runs_where_the_fake_engine_runs_the_cpus_operators():
+    cuda_peak, cuda_ops = engine_ops("fake-cuda", "amp")
+    cpu_peak, cpu_ops = engine_ops("fake", "amp")
+    # cuDNN's batch norm, GradScaler's unscaling and overflow check, Adam's multi-tensor implementation
+    for op in ("cudnn_batch_norm", "cudnn_batch_norm_backward", "_amp_foreach_non_finite_check_and_unscale_",
+               "_amp_update_scale_", "_foreach_sqrt", "_foreach_addcdiv_"):
+        assert cuda_ops[op] and not cpu_ops[op], op
+    for op in ("native_batch_norm", "sqrt", "addcdiv_"):  # the CPU's batch norm, Adam's per-parameter loop
+        assert cpu_ops[op] and not cuda_ops[op], op
+    # at batch 2 the peak is Adam's step: `_foreach_sqrt` holds a temporary of every parameter at once where the
+    # loop holds one parameter's; so CUDA's peak is higher, by less than the parameters' bytes
+    model = predict.bind_case(cuda_case("baseline"))[0].context.workload.build_model()
+    parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert 0 < cuda_peak - cpu_peak < parameter_bytes, (cuda_peak, cpu_peak, parameter_bytes)
+
+
+def test_predict_from_the_cpu_only_environment_runs_its_cuda_cases_here(tmp_path):
+    """`python -m bench predict --device cuda` in .venv (CPU torch) hands its cases to this environment."""
+    cpu_python = ROOT / ".venv" / "bin" / "python"
+    if not cpu_python.exists():
+        pytest.skip("no .venv in this checkout (`make install` builds it)")
+    done = subprocess.run([str(cpu_python), "-m", "bench", "predict", "--device", "cuda", "--workload",
+                           WORKLOADS["gpt_mini"], "--batch-size", str(BATCH), "--strategies", "amp", "--phases",
+                           "train", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    frame = pd.read_csv(next(tmp_path.glob("predict-*.csv")))
+    assert list(frame["engine"]) == ["fake-cuda", "fake-cuda"] and list(frame["status"]) == ["ok", "ok"]
+    assert "on fake CUDA" in done.stderr  # the subprocess's progress
+    assumptions = done.stdout.split("assumptions:")[1]
+    assert "engine fake-cuda" in assumptions and "engine fake:" not in assumptions
