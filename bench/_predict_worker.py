@@ -29,6 +29,8 @@ def main(request_path: str, rows_path: str) -> int:
                   "on fake CUDA ...", file=sys.stderr, flush=True)
 
         rows = predict.predict_cases(cases, request["engine"], request["ranks"], capability, on_case=progress)
+    except KeyboardInterrupt:  # Ctrl-C reaches the caller too, which says what was interrupted
+        return 130
     except Exception as error:  # noqa: BLE001 - the caller predicts in its own process instead, saying why
         Path(rows_path).write_text(json.dumps({"error": f"{type(error).__name__}: {error}".splitlines()[0]}))
         return 1
