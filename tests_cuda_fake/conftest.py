@@ -1,4 +1,5 @@
-"""The fake-CUDA tests run only in the environment `make cuda-fake-env` builds; anywhere else they skip, saying why."""
+"""The fake-CUDA tests run only in the environment `make cuda-fake-env` builds (anywhere else they skip, saying why),
+each on one torch thread."""
 
 import pytest
 import torch
@@ -17,6 +18,15 @@ def unavailable_reason() -> str | None:
     if "fake" not in torch.cuda.get_device_name(0):
         return f"a real GPU ({torch.cuda.get_device_name(0)}): the fake-CUDA tests are for machines without one"
     return None
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """torch on one thread (two test processes share two cores), restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -85,15 +85,6 @@ def components(spec: str) -> set[str]:
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    """torch on one thread (two test processes share two cores), restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(autouse=True)
 def _fewer_memory_steps(monkeypatch):
     """The memory pass with one warm-up step before the measured one instead of CUDA's two, and none after it:
     each fake step costs a second or more, the second warm-up step is there for cuDNN's autotuning and the

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-import torch
 
 from bench import predict
 from bench.runner import Case
@@ -28,15 +27,6 @@ ROOT = Path(__file__).resolve().parent.parent
 BATCH = 2
 # predict refuses compile for a reason of its own (its tracker, a dispatch mode, makes dynamo run eagerly)
 PREDICT_REASONS = DEVICE_INDEPENDENT_REASONS + [r"dynamo runs the model eagerly"]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """torch on one thread (two test processes share two cores), restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def cuda_case(spec: str, phase: str = "train", workload: str = "captcha_resnet18") -> Case:
