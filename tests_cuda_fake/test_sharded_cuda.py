@@ -22,6 +22,7 @@ from functools import lru_cache
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from bench import isolation
 from bench.isolation import RunOptions
@@ -100,7 +101,7 @@ def process_state() -> dict:
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (FSDP2's parameters, gradients and optimizer state), or the tensor itself."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def row_elements(tensor: torch.Tensor) -> int:
@@ -143,7 +144,7 @@ def test_sharded_case_runs_on_fake_cuda_as_each_rank(workload, spec, sessions):
             assert all(len(t) == BATCH // RANKS and t.is_cuda for t in session.batch_tensors()), "this rank's batch"
             parameters = session.parameters()
             shards = [local(p) for p in parameters]
-            assert all(type(p).__name__ == "DTensor" for p in parameters), "a parameter FSDP did not shard"
+            assert all(isinstance(p, DTensor) for p in parameters), "a parameter FSDP did not shard"
             assert all(s.is_cuda for s in shards), "a parameter shard off the GPU"
             local_elements.append(sum(s.numel() for s in shards))
             full = sum(p.numel() for p in parameters)
