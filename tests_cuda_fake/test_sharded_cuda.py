@@ -9,7 +9,8 @@ tensor of the steps on the GPU, this rank's 1/N of the batch, of every parameter
 shards of DTensors, on the GPU), autocast's dtypes and GradScaler's calls, process-wide state restored. ZeRO-1's
 optimizer sharding runs through its own hook. DistributedDataParallel (ddp, and zero1, which trains a DDP model)
 cannot run on fake tensors: `test_ddp_stops_at_its_host_bookkeeping` pins where and why (README "What it cannot
-check"); the NCCL communicator itself, one GPU a rank and real collectives need GPUs.
+check"). A rank process's start (`join_process_group`: its GPU, then NCCL) runs with one rank; the NCCL
+communicator itself, one GPU a rank and real collectives need GPUs.
 """
 
 from __future__ import annotations
@@ -239,3 +240,29 @@ def test_fsdp_on_the_cpu_stays_on_the_cpu_where_torch_sees_a_gpu(sessions):
             row = run_case(case, None, RunOptions(threads=1, ranks=RANKS), verify_result=False)
         assert row["status"] == "ok", f"rank {rank}: {row['message']}"
         assert all(not local(p).is_cuda for session in sessions for p in session.parameters())
+
+
+def test_a_rank_process_joins_nccl_on_its_gpu(monkeypatch):
+    """What a rank process of `--ranks N --device cuda` does first (`bench.ranks.join_process_group`): its GPU
+    (LOCAL_RANK) made current, then NCCL. Here with one rank, since the stubs have one device: rank 1's GPU does not
+    exist, so N processes cannot start. A collective on fake tensors stops at its fake implementation: NCCL's own
+    code (its communicator, made at the first real collective) never runs."""
+    from bench.ranks import _free_port, join_process_group
+
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(_free_port())}.items():
+        monkeypatch.setenv(name, value)
+    join_process_group("cuda")
+    try:
+        assert dist.get_backend() == "nccl" and torch.cuda.current_device() == 0
+        with fake_cuda():
+            gradient = torch.ones(8, device="cuda")
+            dist.all_reduce(gradient)
+            assert gradient.is_cuda
+    finally:
+        dist.destroy_process_group()
+    # rank 1's GPU: the stubs' cudaSetDevice refuses any device but 0 (cudaErrorInvalidDevice, which their error
+    # strings, all alike, call "not supported")
+    with pytest.raises(RuntimeError, match="membench fake CUDA"):
+        torch.cuda.set_device(1)
+    assert torch.cuda.current_device() == 0
