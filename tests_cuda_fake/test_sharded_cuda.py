@@ -218,6 +218,9 @@ def test_ddp_stops_at_its_host_bookkeeping(monkeypatch):
 
         monkeypatch.setattr(distributed, "_verify_param_shape_across_processes", lambda *args, **kwargs: None)
         session = Session(case, strategy)
+        buckets = [bucket.buffer() for bucket in session.model.reducer._get_zeros_like_grad_buckets()]
+        assert all(b.is_cuda and b.dtype == torch.float32 for b in buckets), "a gradient bucket off the GPU"
+        assert sum(b.numel() for b in buckets) == sum(p.numel() for p in session.parameters())
         session.forward_backward()
         grads = [p.grad for p in session.parameters()]
         assert all(g is not None and g.is_cuda and g.dtype == torch.float32 for g in grads)
