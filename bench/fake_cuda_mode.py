@@ -16,6 +16,8 @@ step creates (CUDA's autocast lists, cuDNN's batch norm, the fused optimizers). 
   count, and raises CUDA's out-of-memory error past the process's memory fraction (which `--memory-limit` sets).
 - page-locked host memory (`FakePinnedMemory`) and the optimizers' `foreach` implementations
   (`foreach_on_fake_tensors`) for fake tensors.
+- a `DeviceMesh` (FSDP2's) is built outside the fake mode (`device_meshes_outside_fake_mode`): its table of ranks
+  is host bookkeeping that it searches with `nonzero`, which a fake tensor cannot answer.
 `MEMBENCH_PLUGINS=bench.fake_cuda_mode` with MEMBENCH_FAKE_CUDA_WORKER=1 (`bench.fake_cuda.worker_environment`)
 makes an isolated worker (`python -m bench._worker`) run its case under the same mode: importing this module there
 enters it for the process's life.
@@ -185,6 +187,27 @@ def foreach_on_fake_tensors() -> Iterator[None]:
             types.remove(FakeTensor)
 
 
+@contextlib.contextmanager
+def device_meshes_outside_fake_mode() -> Iterator[None]:
+    """`DeviceMesh(device_type, ranks)` built with the fake mode set aside, as PyTorch's own tracing builds a
+    sub-mesh (device_mesh.py, `unset_fake_temporarily`): the mesh's rank table is a real host tensor, as on a GPU.
+    (`init_device_mesh` makes its table before the constructor runs, so it still cannot run under the mode.)"""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    constructor = DeviceMesh.__init__
+
+    def built_outside(self, *args, **kwargs):
+        with unset_fake_temporarily():
+            constructor(self, *args, **kwargs)
+
+    DeviceMesh.__init__ = built_outside
+    try:
+        yield
+    finally:
+        DeviceMesh.__init__ = constructor
+
+
 def is_fake_device() -> bool:
     """Whether this process's CUDA device is the stubs' fake one (the fake-CUDA environment), not a GPU."""
     return torch.cuda.is_available() and "fake" in torch.cuda.get_device_name(0)
@@ -204,6 +227,7 @@ def fake_cuda(allocator: FakeAllocator | None = None, inner: Iterable[ContextMan
         with contextlib.ExitStack() as stack:
             calls = stack.enter_context(counted_grad_scaler())
             stack.enter_context(foreach_on_fake_tensors())
+            stack.enter_context(device_meshes_outside_fake_mode())
             stack.enter_context(FakeCudaMode())
             stack.enter_context(FakePinnedMemory())
             stack.enter_context(PlaceholderScalars())

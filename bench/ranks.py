@@ -46,13 +46,16 @@ def join_process_group(device: str) -> None:
 
 
 @contextlib.contextmanager
-def fake_process_group(ranks: int, rank: int = 0) -> Iterator[None]:
+def fake_process_group(ranks: int, rank: int = 0, device: str | None = None) -> Iterator[None]:
     """This process as rank `rank` of `ranks` in PyTorch's fake process group: collectives run and move no data,
-    so one process steps through a sharded rank's work and allocations (bench.predict's per-rank estimate)."""
+    so one process steps through a sharded rank's work and allocations (bench.predict's per-rank estimate).
+    `device="cuda"` makes the group serve CUDA tensors only, as NCCL does: a collective on a host tensor then fails
+    as it would under NCCL ("No backend type associated with device type cpu")."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=ranks)
+    backend = f"{device}:fake" if device else "fake"
+    dist.init_process_group(backend, store=FakeStore(), rank=rank, world_size=ranks)
     try:
         yield
     finally:

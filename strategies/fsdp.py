@@ -2,10 +2,11 @@
 
 import warnings
 
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
 from strategies.base import register_strategy
-from strategies.sharding import Sharded
+from strategies.sharding import Sharded, rank_and_world
 
 # FSDP2 warns when a wrapped model returns a view (the captcha ResNet's reshaped softmax) that an in-place op could
 # break; the runner never modifies a model's output in place, so the warning would only be noise in every run.
@@ -24,8 +25,13 @@ class FSDP(Sharded):
     priority = 70
 
     def prepare_model(self, model, units):
+        """`fully_shard` on each unit with parameters, then on the root, over one mesh of the case's device: without
+        `mesh`, FSDP2 takes torch's default accelerator (CUDA wherever torch sees a GPU) and moves the model there,
+        so a `--device cpu` case would train on the GPU."""
+        _, world = rank_and_world()
+        mesh = DeviceMesh(self.context.device, list(range(world)))
         for unit in units:
             if any(True for _ in unit.parameters()):
-                fully_shard(unit)
-        fully_shard(model)
+                fully_shard(unit, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         return model

@@ -45,10 +45,12 @@ class Sharded(Strategy):
         return tree_map(lambda t: torch.tensor_split(t, world)[rank] if isinstance(t, torch.Tensor) else t, batch)
 
     def reduce_loss(self, loss):
+        """The mean of the ranks' losses; the number travels on the case's device, since NCCL (CUDA's backend)
+        has no collective for host tensors."""
         _, world = rank_and_world()
         if world == 1:
             return loss
-        total = torch.tensor([loss], dtype=torch.float64)
+        total = torch.tensor([loss], dtype=torch.float64, device=self.context.device)
         dist.all_reduce(total)
         return float(total) / world
 
@@ -58,7 +60,7 @@ def data_parallel(model):
     data) a comm hook that returns the gradient bucket as it is stands in for the all-reduce, which would write
     into that same bucket (the fake group's own all-reduce returns nothing DDP can use)."""
     wrapped = DistributedDataParallel(model)
-    if dist.get_backend() == "fake":
+    if "fake" in dist.get_backend().replace(",", ":").split(":"):  # "fake", or "cuda:fake" (CUDA tensors only)
         def reduced_in_place(state, bucket):
             future = torch.futures.Future()
             future.set_result(bucket.buffer())

@@ -4,10 +4,10 @@ Run by `make cuda-fake-env` with that environment's Python, after PyPI's CUDA bu
 its nvidia dependencies. The list of libraries and of their symbols comes from torch's own ELF files (the NEEDED
 entries and the undefined dynamic symbols, with their version tags), so the stubs always match the installed
 build; they are compiled here with the system C compiler and nothing binary is committed. A stub answers the
-handful of calls that make torch see "one device, device 0, nothing being captured" (the ANSWERS below) and
-returns its library's "not supported" error from every other function: under FakeTensorMode no kernel runs, so
-none of those should be called, and one that is shows as a CUDA error naming it (set MEMBENCH_FAKE_CUDA_TRACE=1
-to see every stub call on stderr).
+handful of calls that make torch see "one device, device 0, nothing being captured, streams and events whose work
+is always done" (the ANSWERS below) and returns its library's "not supported" error from every other function:
+under FakeTensorMode no kernel runs, so none of those should be called, and one that is shows as a CUDA error
+naming it (set MEMBENCH_FAKE_CUDA_TRACE=1 to see every stub call on stderr).
 
 The stubs go into the first `nvidia/...` folder of torch's RUNPATH (site-packages/nvidia/<...>/lib), where the
 wheel's nvidia packages would put the real libraries: `import torch` in that environment finds them with no
@@ -85,6 +85,31 @@ ANSWERS = {
     "cudaFree": "int cudaFree(void *pointer) { return 0; }",  # cudaFree(0) is how torch creates a context
     "cudaDeviceGetStreamPriorityRange": ("int cudaDeviceGetStreamPriorityRange(int *least, int *greatest)"
                                          " { if (least) *least = 0; if (greatest) *greatest = -5; return 0; }"),
+    # streams and events (FSDP2 all-gathers on its own streams, synchronised by events; DDP's reducer times its
+    # steps with events): distinct non-null handles, work always complete, every interval 0 ms (no kernel runs)
+    "cudaStreamCreate": ("int cudaStreamCreate(void **stream)"
+                         " { static unsigned long made; *stream = (void *)(0x1000 + 16 * ++made); return 0; }"),
+    "cudaStreamCreateWithFlags": ("int cudaStreamCreateWithFlags(void **stream, unsigned flags)"
+                                  " { static unsigned long made; *stream = (void *)(0x100000 + 16 * ++made);"
+                                  " return 0; }"),
+    "cudaStreamCreateWithPriority": ("int cudaStreamCreateWithPriority(void **stream, unsigned flags, int priority)"
+                                     " { static unsigned long made; *stream = (void *)(0x200000 + 16 * ++made);"
+                                     " return 0; }"),
+    "cudaStreamGetPriority": "int cudaStreamGetPriority(void *stream, int *priority) { *priority = 0; return 0; }",
+    "cudaStreamDestroy": "int cudaStreamDestroy(void *stream) { return 0; }",
+    "cudaStreamQuery": "int cudaStreamQuery(void *stream) { return 0; }",
+    "cudaStreamWaitEvent": "int cudaStreamWaitEvent(void *stream, void *event, unsigned flags) { return 0; }",
+    "cudaEventCreate": ("int cudaEventCreate(void **event)"
+                        " { static unsigned long made; *event = (void *)(0x1000 + 16 * ++made); return 0; }"),
+    "cudaEventCreateWithFlags": ("int cudaEventCreateWithFlags(void **event, unsigned flags)"
+                                 " { static unsigned long made; *event = (void *)(0x100000 + 16 * ++made);"
+                                 " return 0; }"),
+    "cudaEventRecord": "int cudaEventRecord(void *event, void *stream) { return 0; }",
+    "cudaEventRecordWithFlags": "int cudaEventRecordWithFlags(void *event, void *stream, unsigned flags) { return 0; }",
+    "cudaEventQuery": "int cudaEventQuery(void *event) { return 0; }",
+    "cudaEventSynchronize": "int cudaEventSynchronize(void *event) { return 0; }",
+    "cudaEventDestroy": "int cudaEventDestroy(void *event) { return 0; }",
+    "cudaEventElapsedTime": "int cudaEventElapsedTime(float *ms, void *start, void *end) { *ms = 0; return 0; }",
     # kernels and device variables register at load time; nothing to keep
     "__cudaRegisterFatBinary": "void **__cudaRegisterFatBinary(void *binary) { return 0; }",
     "__cudaRegisterFatBinaryEnd": "void __cudaRegisterFatBinaryEnd(void **handle) { }",

@@ -62,7 +62,7 @@ def cases() -> list[tuple[str, str, str]]:
 # Why a case may be `unsupported` on CUDA: the strategy says so, for reasons that have nothing to do with the device.
 DEVICE_INDEPENDENT_REASONS = [
     r"applies to phase (train|eval) only",
-    r"is sharded training: it needs --ranks 2 or more",  # one process here; bench/ranks.py starts several
+    r"is sharded training: it needs --ranks 2 or more",  # ranks=1 here: test_sharded_cuda.py runs each rank of 2
     r"has no ReLU-like activation module",
     r"exceeds the \d+ checkpoint units",
     r"in eval there is no backward",
