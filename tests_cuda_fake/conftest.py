@@ -1,5 +1,5 @@
 """The fake-CUDA tests run only in the environment `make cuda-fake-env` builds (anywhere else they skip, saying why),
-each on one torch thread."""
+each on one torch thread and with fewer memory-pass steps."""
 
 import pytest
 import torch
@@ -27,6 +27,18 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def _fewer_memory_steps(monkeypatch):
+    """The memory pass with one warm-up step before the measured one instead of CUDA's two, and none after it:
+    each fake step costs a second or more, the second warm-up step is there for cuDNN's autotuning and the
+    allocator, which fake tensors do not have, and the steps after it measure growth, which is not asserted here.
+    The same code runs, with fewer iterations."""
+    from bench import runner
+
+    monkeypatch.setitem(runner.MEMORY_WARMUP_STEPS, "cuda", 1)
+    monkeypatch.setattr(runner, "MEMORY_GROWTH_STEPS", 0)
 
 
 def pytest_collection_modifyitems(config, items):

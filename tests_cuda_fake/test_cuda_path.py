@@ -84,18 +84,6 @@ def components(spec: str) -> set[str]:
     return {part.split(":")[0] for part in spec.split("+")}
 
 
-@pytest.fixture(autouse=True)
-def _fewer_memory_steps(monkeypatch):
-    """The memory pass with one warm-up step before the measured one instead of CUDA's two, and none after it:
-    each fake step costs a second or more, the second warm-up step is there for cuDNN's autotuning and the
-    allocator, which fake tensors do not have, and the steps after it measure growth, which is not asserted here.
-    The same code runs, with fewer iterations."""
-    from bench import runner
-
-    monkeypatch.setitem(runner.MEMORY_WARMUP_STEPS, "cuda", 1)
-    monkeypatch.setattr(runner, "MEMORY_GROWTH_STEPS", 0)
-
-
 @pytest.mark.parametrize("workload,spec,phase", cases())
 def test_case_runs_through_the_cuda_path(workload, spec, phase):
     flags_before = isolation._flags()

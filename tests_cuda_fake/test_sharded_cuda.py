@@ -31,12 +31,8 @@ from bench.ranks import fake_process_group
 from bench.runner import Case, Session, bind_case, run_case
 from strategies import STRATEGIES
 from tests_cuda_fake.fake_mode import fake_cuda
-from tests_cuda_fake.test_cuda_path import (
-    FP32_UNDER_AUTOCAST, MATMULS, WORKLOADS, _fewer_memory_steps, _one_thread, components)
+from tests_cuda_fake.test_cuda_path import FP32_UNDER_AUTOCAST, MATMULS, WORKLOADS, components
 from workloads import get_workload
-
-# test_cuda_path's autouse fixtures apply here too, being imported: torch on one thread, one memory warm-up step
-AUTOUSE_FIXTURES = (_one_thread, _fewer_memory_steps)
 
 RANKS = 2
 BATCH = 4  # 2 samples a rank: BatchNorm in training needs more than one value per channel
