@@ -132,15 +132,16 @@ def tracked_step(case, spec: str, engine: str = "fake", block_bytes: int = 1, cu
     """One steady-state step of `case` tracked on `engine` (fake-cuda, fake, meta or cpu: the case's device is
     ignored but by fake-cuda, which needs a fake CUDA device in this process); for a sharded strategy, the rank with
     the largest peak of its `ranks` ranks, each run in turn in this process as that rank of PyTorch's fake process
-    group, on the CPU (shards of the batch and of parameters differ by rank). `planned`: the strategy bound to the
+    group, on `engine` (cpu, or fake-cuda where the strategy runs on fake tensors: FSDP2 does, DDP's C++ reducer
+    does not; shards of the batch and of parameters differ by rank). `planned`: the strategy bound to the
     engine's device whose `plan()` has run (a checkpoint budget's plan), used as it is."""
     device = "cuda" if engine == "fake-cuda" else "cpu"
     strategy = planned if planned is not None else bind_case(replace(case, strategy=spec, device=device), ranks)[0]
     if strategy.distributed and not in_rank_process():
         steps = []
-        for rank in range(ranks):
-            with fake_process_group(ranks, rank):
-                steps.append(tracked_step(case, spec, "cpu", block_bytes, cuda_autocast, ranks, record_events,
+        for rank in range(ranks):  # on fake-cuda the group, as NCCL, serves CUDA tensors only
+            with fake_process_group(ranks, rank, device="cuda" if engine == "fake-cuda" else None):
+                steps.append(tracked_step(case, spec, engine, block_bytes, cuda_autocast, ranks, record_events,
                                           warmup_steps))
         return max(steps, key=lambda step: step.peak_bytes)
     if cuda_autocast and engine != "fake-cuda":
@@ -240,7 +241,9 @@ def predict_case(case, engine: str = "auto", ranks: int = 1, capability: tuple[i
         row.update(status="unsupported", message=str(error))
         return row
     cuda = case.device == "cuda"
-    engines = ["cpu"] if strategy.distributed else _engines(engine, cuda)
+    engines = _engines(engine, cuda)
+    if strategy.distributed:  # the ranks run in turn in this process, on real CPU tensors or on fake CUDA ones
+        engines = [name for name in engines if name != "fake"] or ["cpu"]
     planned = {}  # the strategy each engine's step runs, bound to its device and planned
     try:
         for device in dict.fromkeys("cuda" if name == "fake-cuda" else "cpu" for name in engines):

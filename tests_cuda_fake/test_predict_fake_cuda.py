@@ -46,6 +46,16 @@ def test_every_strategy_is_predicted_on_cudas_operators(spec, phase):
     assert row["predicted_reserved_bytes"] % (2 * 2**20) == 0  # whole 2 MiB or 20 MiB segments
 
 
+def test_sharded_strategies_are_predicted_per_rank_on_fake_cuda_where_they_can_run():
+    """FSDP2 runs on fake CUDA tensors, each rank in turn in the fake process group; DDP (and ZeRO-1, which trains a
+    DDP model) cannot (test_sharded_cuda.DDP_REASON): its ranks run as real CPU steps, and the row says so."""
+    rows = predict.predict_cases([cuda_case(spec, workload="gpt_mini") for spec in ("fsdp", "fsdp+amp", "ddp")],
+                                 ranks=2)
+    assert [(row["status"], row["engine"], row["ranks"]) for row in rows] == [
+        ("ok", "fake-cuda", 2), ("ok", "fake-cuda", 2), ("ok", "cpu", 2)], rows
+    assert "fake-cuda engine failed" in rows[2]["message"] and "ran on the cpu" in rows[2]["message"]
+
+
 def engine_ops(engine: str, spec: str) -> tuple[int, Counter]:
     """(tracked peak, operators run) of one training step of the ResNet on `engine`."""
     step = predict.tracked_step(cuda_case(spec), spec, engine, 1, record_events=True, warmup_steps=1)
