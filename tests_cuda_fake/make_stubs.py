@@ -3,11 +3,12 @@
 Run by `make cuda-fake-env` with that environment's Python, after PyPI's CUDA build of torch was installed without
 its nvidia dependencies. The list of libraries and of their symbols comes from torch's own ELF files (the NEEDED
 entries and the undefined dynamic symbols, with their version tags), and from torchvision's operator library where
-torchvision is installed (the `timm:` workload imports it), so the stubs always match the installed builds; they are compiled here with the system C compiler and nothing binary is committed. A stub answers the
-handful of calls that make torch see "one device, device 0, nothing being captured" (the ANSWERS below) and
-returns its library's "not supported" error from every other function: under FakeTensorMode no kernel runs, so
-none of those should be called, and one that is shows as a CUDA error naming it (set MEMBENCH_FAKE_CUDA_TRACE=1
-to see every stub call on stderr).
+torchvision is installed (the `timm:` workload imports it), so the stubs always match the installed builds; they
+are compiled here with the system C compiler and nothing binary is committed. A stub answers the handful of calls
+that make torch see "one device, device 0, nothing being captured" (the ANSWERS below) and returns its library's
+"not supported" error from every other function: under FakeTensorMode no kernel runs, so none of those should be
+called, and one that is shows as a CUDA error naming it (set MEMBENCH_FAKE_CUDA_TRACE=1 to see every stub call on
+stderr).
 
 The stubs go into the first `nvidia/...` folder of torch's RUNPATH (site-packages/nvidia/<...>/lib), where the
 wheel's nvidia packages would put the real libraries: `import torch` in that environment finds them with no
