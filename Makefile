@@ -47,11 +47,21 @@ test: $(STAMP)
 # the 2.5 GB of nvidia libraries: torch's pure-Python dependencies and the project's are listed here instead, and
 # the checkout is imported from its folder (pytest's pythonpath, the worker's PYTHONPATH), not installed. The CUDA
 # libraries torch loads are replaced by stubs compiled here from the symbols torch imports (make_stubs.py).
+# The `timm:` workload's cases need torchvision and timm there too: PyPI's CUDA build of $(TORCHVISION)'s version (the
+# one built for that torch; its operator library links against the CUDA runtime, so make_stubs.py reads it too) and
+# timm, both without dependencies. torchvision's (numpy, pillow) and timm's pyyaml are in FAKE_CUDA_DEPS; timm's
+# huggingface_hub and safetensors are left out: they only download and read pretrained weights, which membench never
+# loads, and timm imports without them. Where these two cannot be installed (no network) the timm cases skip, saying
+# why ($(FAKE_CUDA_TIMM_UNAVAILABLE)), and the rest run.
 FAKE_CUDA_VENV := .venv-cuda-fake
 FAKE_CUDA_PY := $(FAKE_CUDA_VENV)/bin/python
 FAKE_CUDA_STAMP := $(FAKE_CUDA_VENV)/.installed
 FAKE_CUDA_UNAVAILABLE := $(FAKE_CUDA_VENV)/fake-cuda-unavailable.txt
+FAKE_CUDA_TIMM_UNAVAILABLE := $(FAKE_CUDA_VENV)/timm-unavailable.txt
 TORCH_VERSION = $(lastword $(subst =, ,$(TORCH)))
+TORCHVISION_VERSION = $(lastword $(subst =, ,$(TORCHVISION)))
+# timm's release whose import-time dependencies the paragraph above lists (a newer one may need another)
+FAKE_CUDA_TIMM ?= timm==1.0.31
 FAKE_CUDA_DEPS = filelock "typing-extensions>=4.10.0" "sympy>=1.13.3" mpmath "networkx>=2.5.1" jinja2 markupsafe \
 	"fsspec>=0.8.5" numpy pandas matplotlib pyyaml captcha pillow pytest pytest-xdist
 # the fake-CUDA tests' processes (pytest-xdist): a fake step is seconds of Python on one core
@@ -67,6 +77,11 @@ $(FAKE_CUDA_STAMP): Makefile tests_cuda_fake/make_stubs.py
 	$(FAKE_CUDA_PY) -m pip install --quiet --disable-pip-version-check --no-deps "torch===$(TORCH_VERSION)" \
 		|| { echo "pip could not install torch===$(TORCH_VERSION), PyPI's CUDA build (no network?)" \
 			> $(FAKE_CUDA_UNAVAILABLE); exit 1; }
+	rm -f $(FAKE_CUDA_TIMM_UNAVAILABLE)
+	$(FAKE_CUDA_PY) -m pip install --quiet --disable-pip-version-check --no-deps \
+		"torchvision===$(TORCHVISION_VERSION)" "$(FAKE_CUDA_TIMM)" \
+		|| echo "pip could not install torchvision===$(TORCHVISION_VERSION) and $(FAKE_CUDA_TIMM) (no network?)" \
+			> $(FAKE_CUDA_TIMM_UNAVAILABLE)
 	$(FAKE_CUDA_PY) tests_cuda_fake/make_stubs.py --torch-version $(TORCH_VERSION)
 	touch $(FAKE_CUDA_STAMP)
 

@@ -127,6 +127,25 @@ def test_units_that_do_not_chain_are_checkpointed_one_by_one():
 
 
 @needs_timm
+def test_a_model_without_numbers_gets_the_units_a_real_one_gets(monkeypatch):
+    """On the meta device (predict's engines; fake tensors alike) the chain check has no numbers to compare, and
+    used to fall back to test_convnext's 4 stages, not chaining: the plan is made on a real CPU copy instead."""
+    workload = resolve_workload("timm:test_convnext")
+
+    def planned_units(model):
+        monkeypatch.setattr(timm_models, "_unit_plans", {})
+        names = {id(module): name for name, module in model.named_modules()}
+        return [names[id(unit)] for unit in workload.checkpoint_units(model)], workload.units_chain
+
+    on_cpu = planned_units(workload.build_model())
+    with torch.device("meta"):
+        meta_model = workload.build_model()
+    random_state = torch.get_rng_state()
+    assert planned_units(meta_model) == on_cpu and len(on_cpu[0]) == 16 and on_cpu[1]
+    assert torch.equal(torch.get_rng_state(), random_state)
+
+
+@needs_timm
 @pytest.mark.parametrize("model_name", ["test_convnext", "test_vit_relpos"])
 def test_checkpointing_the_units_leaves_loss_and_gradients_unchanged(model_name):
     workload = resolve_workload(f"timm:{model_name}")

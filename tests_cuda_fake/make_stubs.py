@@ -2,12 +2,13 @@
 
 Run by `make cuda-fake-env` with that environment's Python, after PyPI's CUDA build of torch was installed without
 its nvidia dependencies. The list of libraries and of their symbols comes from torch's own ELF files (the NEEDED
-entries and the undefined dynamic symbols, with their version tags), so the stubs always match the installed
-build; they are compiled here with the system C compiler and nothing binary is committed. A stub answers the
-handful of calls that make torch see "one device, device 0, nothing being captured, streams and events whose work
-is always done" (the ANSWERS below) and returns its library's "not supported" error from every other function:
-under FakeTensorMode no kernel runs, so none of those should be called, and one that is shows as a CUDA error
-naming it (set MEMBENCH_FAKE_CUDA_TRACE=1 to see every stub call on stderr).
+entries and the undefined dynamic symbols, with their version tags), and from torchvision's operator library where
+torchvision is installed (the `timm:` workload imports it), so the stubs always match the installed builds; they
+are compiled here with the system C compiler and nothing binary is committed. A stub answers the handful of calls
+that make torch see "one device, device 0, nothing being captured, streams and events whose work is always done"
+(the ANSWERS below) and returns its library's "not supported" error from every other function: under
+FakeTensorMode no kernel runs, so none of those should be called, and one that is shows as a CUDA error naming it
+(set MEMBENCH_FAKE_CUDA_TRACE=1 to see every stub call on stderr).
 
 The stubs go into the first `nvidia/...` folder of torch's RUNPATH (site-packages/nvidia/<...>/lib), where the
 wheel's nvidia packages would put the real libraries: `import torch` in that environment finds them with no
@@ -226,7 +227,18 @@ def version_numbers(cuda: str) -> dict[str, int]:
 
 
 def elf_files(folder: Path) -> list[Path]:
-    return sorted(folder.glob("lib/*.so*")) + sorted(folder.glob("_C*.so"))
+    """torch's own libraries, and torchvision's operator library where torchvision is installed: it links against
+    the CUDA runtime too (torchvision's image decoders bring their own, in torchvision.libs), so the stubs define
+    what it imports as well, and its operators load as they would on a GPU."""
+    return sorted(folder.glob("lib/*.so*")) + sorted(folder.glob("_C*.so")) + torchvision_operator_files()
+
+
+def torchvision_operator_files() -> list[Path]:
+    """torchvision's `_C.so`, found without importing torchvision; none where it is not installed."""
+    spec = importlib.util.find_spec("torchvision")
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    return sorted(Path(list(spec.submodule_search_locations)[0]).glob("_C*.so"))
 
 
 def readelf(*args: str) -> str:

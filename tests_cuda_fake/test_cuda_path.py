@@ -39,9 +39,18 @@ WORKLOADS = {
     "deep_mlp": "deep_mlp:layers=3:width=8",
     "unet": "unet:depth=1",
     "gpt_mini": "gpt_mini:layers=2:width=16:heads=2:seq_len=8",
+    "timm": "timm:resnet18",  # the model bench/suites/models.yaml runs
 }
-if importlib.util.find_spec("timm") is not None:
-    WORKLOADS["timm"] = "timm:resnet18"
+TIMM_UNAVAILABLE_FILE = "timm-unavailable.txt"  # written by `make cuda-fake-env` where pip could not install timm
+
+
+def missing_timm_reason() -> str | None:
+    """Why this environment has no timm (None: it has), from the note `make cuda-fake-env` leaves when pip failed."""
+    if importlib.util.find_spec("timm") is not None:
+        return None
+    note = Path(sys.prefix) / TIMM_UNAVAILABLE_FILE
+    why = note.read_text().strip() if note.exists() else "`make cuda-fake-env` installs it"
+    return f"the `timm:` workload's cases need timm and torchvision, not in {sys.prefix}: {why}"
 
 
 def suite_compositions() -> list[str]:
@@ -52,11 +61,14 @@ def suite_compositions() -> list[str]:
     return specs
 
 
-def cases() -> list[tuple[str, str, str]]:
+def cases() -> list:
     """(workload name, strategy spec, phase): every registered strategy with its default settings, and every
-    composition a suite runs, on every built-in workload, train and eval."""
+    composition a suite runs, on every built-in workload, train and eval; timm's skipped where timm is missing."""
     specs = list(STRATEGIES.names()) + suite_compositions()
-    return [(name, spec, phase) for name in WORKLOADS for spec in specs for phase in ("train", "eval")]
+    reason = missing_timm_reason()
+    skip_timm = [pytest.mark.skip(reason=reason)] if reason else []
+    return [pytest.param(name, spec, phase, marks=skip_timm if name == "timm" else [])
+            for name in WORKLOADS for spec in specs for phase in ("train", "eval")]
 
 
 # Why a case may be `unsupported` on CUDA: the strategy says so, for reasons that have nothing to do with the device.
@@ -64,6 +76,7 @@ DEVICE_INDEPENDENT_REASONS = [
     r"applies to phase (train|eval) only",
     r"is sharded training: it needs --ranks 2 or more",  # ranks=1 here: test_sharded_cuda.py runs each rank of 2
     r"has no ReLU-like activation module",
+    r"every ReLU-like activation of .* is in place already",  # timm's CNNs
     r"exceeds the \d+ checkpoint units",
     r"in eval there is no backward",
 ]
@@ -121,6 +134,20 @@ def test_case_runs_through_the_cuda_path(workload, spec, phase):
         assert scaler.scaled == scaler.steps == 0
     if any(record.calls[op] for op in CONVOLUTIONS):
         assert record.cudnn_benchmark == {"cudnn_benchmark" in used}
+
+
+def test_timm_imports_torchvision_with_its_compiled_operators():
+    """torchvision's operator library loads against the stubs (make_stubs.py reads what it imports), so timm imports
+    as it does beside a GPU, not through the workload's stand-ins for a torchvision whose operators did not load."""
+    if missing_timm_reason():
+        pytest.skip(missing_timm_reason())
+    from workloads import timm_models
+
+    timm_models.import_timm()
+    import torchvision
+
+    assert torchvision.extension._has_ops(), "torchvision's _C.so did not load against the stub CUDA libraries"
+    assert not timm_models._torchvision_stand_ins, "timm imported through the stand-ins for torchvision's operators"
 
 
 def test_an_out_of_memory_case_is_an_oom_row_and_the_sweep_goes_on():

@@ -10,18 +10,23 @@ numbered children such as a ResNet's `layer1..layer4`), plain Sequentials flatte
 per architecture: it is checked once per model by a one-image forward in which the whole chain runs as one group,
 as checkpointing runs a segment. When that changes the output, the stages are kept whole, and if even those do not
 chain each unit is checkpointed on its own. A model without a trunk uses its own children if they chain, else it has
-no units (checkpointing is then `unsupported`).
+no units (checkpointing is then `unsupported`). That check compares numbers: a model whose tensors have none (the meta
+device, fake tensors: predict's engines, the fake-CUDA run) has its units planned on a CPU copy, outside those modes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import itertools
 import re
 import sys
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import _disable_current_modes
 
 from bench.errors import UsageError
 from workloads.base import Workload, register_workload, tensors_of
@@ -198,6 +203,20 @@ def plan_units(model: nn.Module, input_size: tuple[int, ...]) -> tuple[tuple[str
     return tuple(names[id(unit)] for unit in units), chains
 
 
+def holds_values(model: nn.Module) -> bool:
+    """Whether the model's tensors hold numbers: not on the meta device, not fake tensors."""
+    tensor = next(itertools.chain(model.parameters(), model.buffers()), None)
+    return tensor is None or not (tensor.is_meta or isinstance(tensor, FakeTensor))
+
+
+@contextlib.contextmanager
+def real_cpu_tensors() -> Iterator[None]:
+    """Inside, tensors are real and made on the CPU: every dispatch mode (a fake mode, a tracker, placeholder
+    answers) is set aside, the default device is the CPU, and the random state is restored on exit."""
+    with _disable_current_modes(), torch.device("cpu"), torch.random.fork_rng(devices=[]):
+        yield
+
+
 # --- the workload ------------------------------------------------------------------------------------------
 
 @register_workload
@@ -262,8 +281,11 @@ class TimmWorkload(Workload):
 
     def checkpoint_units(self, model: nn.Module) -> list[nn.Module]:
         key = self._plan_key()
-        if key not in _unit_plans:
+        if key not in _unit_plans and holds_values(model):
             _unit_plans[key] = plan_units(model, self.input_size())
+        elif key not in _unit_plans:  # whether the units chain is decided by numbers: on a real copy
+            with real_cpu_tensors():
+                _unit_plans[key] = plan_units(self.build_model(), self.input_size())
         return [model.get_submodule(name) for name in _unit_plans[key][0]]
 
     @property
