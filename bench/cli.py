@@ -355,7 +355,7 @@ class _Progress:
             self._print(f"{self.prefix}: {row['status']} {row['message']}{timing}")
             return
         mib = row["peak_mem_bytes"] / 2**20
-        match = "" if row.get("matches_baseline") else "  DOES NOT MATCH BASELINE"
+        match = "  DOES NOT MATCH BASELINE" if row.get("matches_baseline") is False else ""
         steps = f" ({row['measured_steps']} steps, {row['timing_stop_reason']})" if row.get("timing_stop_reason") \
             else ""
         self._print(f"{self.prefix}: {row['step_time_ms_median']:.1f} ms/step{steps}, peak {mib:.1f} MiB{match}"

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator
 
 import pandas as pd
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_map
 from torch.utils.hooks import RemovableHandle
 
@@ -340,9 +341,14 @@ def _output_rel_diff(outputs: list[torch.Tensor], references: list[torch.Tensor]
 
 
 def verify(case: Case, strategy: Strategy) -> dict[str, Any]:
-    """The verification columns of the row, and in `message` why the strategy cannot match, if it cannot."""
+    """The verification columns of the row, and in `message` why the strategy cannot match, if it cannot; on fake
+    tensors (the fake-CUDA run) nothing is compared, since they have no values: `matches_baseline` is empty."""
     progress.report("verification", 0, 1)
-    columns = compare(snapshot(case, strategy), baseline_snapshot(case), strategy)
+    result = snapshot(case, strategy)
+    values = (*result.outputs, *result.buffers.values(), *result.grads.values())
+    if any(is_fake(t) for t in values if t is not None):
+        return {"matches_baseline": None, "message": "not verified: the step ran on fake tensors, which have no values"}
+    columns = compare(result, baseline_snapshot(case), strategy)
     reason = strategy.differs_by_design()
     if reason:
         columns["message"] = f"does not match the baseline by design: {reason}"
