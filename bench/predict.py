@@ -289,7 +289,8 @@ def predict_case(case, engine: str = "auto", ranks: int = 1, capability: tuple[i
             if any(e.kind == "op" and e.op.startswith(CONVOLUTION_OPS) for e in step.events):
                 row["cudnn_workspace_bound_bytes"] = cudnn_workspace_cap()
                 cap = row["cudnn_workspace_bound_bytes"]
-                notes.append("cuDNN conv workspace not modelled" + (f" (<= {cap / 2**20:,.0f} MiB more)" if cap else ""))
+                bound = f" (<= {cap / 2**20:,.0f} MiB more)" if cap else ""
+                notes.append(f"cuDNN conv workspace not modelled{bound}")
                 row["message"] = "; ".join(notes)
         else:
             row["predicted_bytes"] = step.peak_bytes
@@ -303,8 +304,9 @@ def predict_cases(cases: list, engine: str = "auto", ranks: int = 1, capability:
     """`predict_case` for each case, in order; `on_case(index, case)` is called before each.
 
     CUDA cases on `auto` or `fake-cuda` run on CUDA's own operators: in this process where its torch sees a CUDA
-    device (a GPU, or the fake-CUDA environment's stubs), else in a subprocess of the fake-CUDA environment's Python (`bench.fake_cuda`), which predicts
-    them all and falls back, case by case, to the fake and cpu engines as this process would. Where that
+    device (a GPU, or the fake-CUDA environment's stubs), else in a subprocess of the fake-CUDA environment's Python
+    (`bench.fake_cuda`), which predicts them all and falls back, case by case, to the fake and cpu engines as this
+    process would. Where that
     environment does not exist, `auto` is the fake engine and `fake-cuda` a UsageError saying why; where the
     subprocess fails, the cases are predicted here and each row says why."""
     if engine in CUDA_ONLY_ENGINES and any(case.device != "cuda" for case in cases):
