@@ -167,7 +167,8 @@ def test_the_loss_across_ranks_travels_on_the_gpu():
         with fake_cuda(), fake_process_group(RANKS, rank, device="cuda"):
             row = run_case(case, None, RunOptions(threads=1, ranks=RANKS), verify_result=True)
         assert row["status"] == "ok", f"rank {rank}: {row['message']}"
-        assert row["loss_rel_diff"] is not None  # values are placeholders here: only that it ran is asserted
+        # the verification's step ran, all-reduce included; its placeholder values are not compared
+        assert row["message"].startswith("not verified: the step ran on fake tensors"), row["message"]
 
 
 @pytest.mark.parametrize("workload", ["deep_mlp", "gpt_mini"])
