@@ -1,6 +1,7 @@
 """`predict` against the GPU: for every strategy, train and eval, at two batch sizes, the predicted
 `max_memory_allocated` is within 10% of the measured one (the `cuda` tests, skipped without a GPU); the session
-writes the comparison into results/cuda_prediction/ (a CSV and a markdown table).
+writes the comparison into results/cuda_prediction/ (a CSV and a markdown table), with a row for the default
+engine (CUDA's operators on fake tensors) and one for the `fake` engine (the CPU's), which is not held to 10%.
 
 The table writing and the comparison itself run on the CPU in the tests at the end (no GPU needed).
 """
@@ -60,6 +61,11 @@ def test_predicted_allocated_within_10_percent_of_measured(strategy, phase, batc
     prediction = predict.predict_case(case, capability=torch.cuda.get_device_capability(0))
     row = prediction_check.comparison_row(prediction, measured, _cuda_environment())
     comparison_rows.append(row)
+    # the CPU's operators on fake tensors, as predict runs where no CUDA build of torch is at hand: recorded beside
+    # the default engine's row (CUDA's operators here), so that the table shows what each engine misses
+    cpu_operators = predict.predict_case(case, engine="fake", capability=torch.cuda.get_device_capability(0))
+    comparison_rows.append(prediction_check.comparison_row(cpu_operators, measured, _cuda_environment()))
+    assert prediction["engine"] == "fake-cuda", prediction["message"]
     assert prediction["status"] == "ok", prediction["message"]
     assert row["within_tolerance"], (f"{strategy} {phase} bs={batch_size}: predicted {prediction['predicted_bytes']:,}"
                                      f" B, measured {measured['peak_mem_bytes']:,} B ({row['error_pct']:+.1f}%)")
