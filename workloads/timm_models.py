@@ -281,11 +281,12 @@ class TimmWorkload(Workload):
 
     def checkpoint_units(self, model: nn.Module) -> list[nn.Module]:
         key = self._plan_key()
-        if key not in _unit_plans and holds_values(model):
-            _unit_plans[key] = plan_units(model, self.input_size())
-        elif key not in _unit_plans:  # whether the units chain is decided by numbers: on a real copy
-            with real_cpu_tensors():
-                _unit_plans[key] = plan_units(self.build_model(), self.input_size())
+        if key not in _unit_plans:
+            if holds_values(model):
+                _unit_plans[key] = plan_units(model, self.input_size())
+            else:  # whether the units chain is decided by numbers: on a real copy
+                with real_cpu_tensors():
+                    _unit_plans[key] = plan_units(self.build_model(), self.input_size())
         return [model.get_submodule(name) for name in _unit_plans[key][0]]
 
     @property
