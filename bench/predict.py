@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import subprocess
+import sys
 import tempfile
 import warnings
 from dataclasses import asdict, dataclass, replace
@@ -25,7 +26,7 @@ import torch
 
 from bench import cuda_allocator, fake_cuda, measure
 from bench.errors import Unsupported, UsageError
-from bench.fake_cuda_mode import fake_cuda as fake_cuda_tensors, is_fake_device
+from bench.fake_cuda_mode import FakeAllocator, fake_cuda as fake_cuda_tensors, is_fake_device
 from bench.fake_engine import fake_memory_pass
 from bench.ranks import fake_process_group, in_rank_process
 from bench.runner import MEMORY_WARMUP_STEPS, CaseMeter, bind_case, forget_traceback, memory_pass
@@ -154,7 +155,8 @@ def tracked_step(case, spec: str, engine: str = "fake", block_bytes: int = 1, cu
         if not torch.cuda.is_available():
             raise RuntimeError("the fake-cuda engine runs in a torch that sees a CUDA device: a GPU's, or the "
                                f"stubs' fake one of the fake-CUDA environment ({fake_cuda.VENV.name})")
-        with fake_cuda_tensors():
+        # no capacity: a prediction may exceed the device torch sees (the stubs' 80 GiB, or this GPU's)
+        with fake_cuda_tensors(allocator=FakeAllocator(limit_bytes=sys.maxsize)):
             memory = memory_pass(replace(case, device="cuda"), strategy, tracker=tracker, **options)
     elif engine == "fake":
         memory = fake_memory_pass(replace(case, device="cpu"), strategy, tracker=tracker, **options)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 
 from bench import predict
 from bench.runner import Case
@@ -44,6 +45,14 @@ def test_every_strategy_is_predicted_on_cudas_operators(spec, phase):
     assert "engine failed" not in row["message"], row["message"]
     assert 0 < row["predicted_bytes"] <= row["predicted_reserved_bytes"]
     assert row["predicted_reserved_bytes"] % (2 * 2**20) == 0  # whole 2 MiB or 20 MiB segments
+
+
+def test_a_prediction_may_exceed_the_device_that_torch_sees():
+    """The stubs' device has 80 GiB: a case that needs more is predicted, not an out-of-memory fall-back."""
+    (row,) = predict.predict_cases([Case(WORKLOADS["captcha_resnet18"], "baseline", "eval", 10_000, "cuda",
+                                         data="synthetic")])
+    assert row["engine"] == "fake-cuda" and "engine failed" not in row["message"], row
+    assert row["predicted_bytes"] > torch.cuda.get_device_properties(0).total_memory
 
 
 def test_sharded_strategies_are_predicted_per_rank_on_fake_cuda_where_they_can_run():
