@@ -57,8 +57,13 @@ def test_predict_per_rank_without_starting_ranks_agrees_with_the_measured_rank_p
     predicted = predict_case(_case(strategy), engine="cpu", ranks=2)
     assert predicted["status"] == "ok" and predicted["ranks"] == 2, predicted
     measured = _row(strategy)["rank_peak_max_bytes"]
-    # ddp and zero1 agree to the byte; fsdp's real gloo all-gathers hold 19,904 B (2.9%) more than the fake group's
-    assert abs(predicted["predicted_bytes"] - measured) <= 0.05 * measured, (predicted["predicted_bytes"], measured)
+    if strategy != "fsdp":  # ddp and zero1 agree to the byte
+        assert abs(predicted["predicted_bytes"] - measured) <= 0.05 * measured, (predicted["predicted_bytes"], measured)
+        return
+    # FSDP2's real gloo all-gathers and reduce-scatters hold buffers the fake group's do not, how many at the peak
+    # depending on the threads' timing: measured 689,980 B in most runs, 698,748 B and 712,828 B in others, against
+    # 670,076 B predicted. The prediction is below the measured peak, by up to 10%.
+    assert 0 <= measured - predicted["predicted_bytes"] <= 0.10 * measured, (predicted["predicted_bytes"], measured)
 
 
 def test_merged_row_takes_the_largest_rank_and_its_breakdown():
