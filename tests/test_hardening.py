@@ -581,3 +581,19 @@ def test_the_budget_line_never_squashes_the_batch_chart(tmp_path, monkeypatch):
         if ax.get_ylabel():
             assert ax.get_ylim()[1] < highest * charts.BUDGET_IN_VIEW_FACTOR / 2**20
     assert charts.budget_in_view(100.0, 120.0) and not charts.budget_in_view(100.0, 1000.0)
+
+
+@pytest.mark.parametrize("matches,warned", [(True, False), (False, True), (None, False)])
+def test_the_progress_line_warns_of_a_mismatch_only(matches, warned):
+    """An unverified row (matches_baseline empty: verification off, or fake tensors) is not a mismatch."""
+    import io
+
+    from bench.cli import _Progress
+
+    screen = io.StringIO()
+    bar = _Progress(screen)
+    case = Case("deep_mlp:layers=4:width=8", "baseline", "eval", 2, "cpu")
+    bar.case(0, 1, case, None)
+    bar.case(0, 1, case, {"status": "ok", "peak_mem_bytes": 2**20, "step_time_ms_median": 1.0,
+                          "measured_steps": 3, "timing_stop_reason": "fixed_steps", "matches_baseline": matches})
+    assert ("DOES NOT MATCH BASELINE" in screen.getvalue()) is warned, screen.getvalue()
