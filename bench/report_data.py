@@ -63,6 +63,12 @@ TEXT = ["run_id", "workload", "strategy", "phase", "device", "device_name", "dat
         "torch_version", "cuda_version", "cpu_threads", "git_commit"]
 
 
+
+def _text(column: pd.Series, missing: str = "") -> pd.Series:
+    """A column as text, `missing` where it is empty; a column read as all-empty is float64, into which pandas will
+    not fill a string: it is made an object column first."""
+    return column.astype(object).fillna(missing).astype(str)
+
 def load_results(csv_path: Path) -> pd.DataFrame:
     """One results CSV as a frame with the columns the report reads always present and normalised."""
     csv_path = Path(csv_path)
@@ -75,14 +81,13 @@ def load_results(csv_path: Path) -> pd.DataFrame:
             frame[column] = pd.to_numeric(frame[column], errors="coerce")
         elif not column.startswith("step_time_ms_ci95"):
             frame[column] = float("nan")
-    frame["run_id"] = frame["run_id"].fillna(csv_path.stem).astype(str)
-    frame["status"] = frame["status"].fillna("error").astype(str).str.strip().str.lower()
+    frame["run_id"] = _text(frame["run_id"], csv_path.stem)
+    frame["status"] = _text(frame["status"], "error").str.strip().str.lower()
     frame["matches_baseline"] = [_to_bool(v) for v in frame.get("matches_baseline", [None] * len(frame))]
     if "noisy" in frame:
         frame["noisy"] = [_to_bool(v) for v in frame["noisy"]]
-    for column in ("workload", "device", "device_name", "data", "phase", "strategy"):
-        frame[column] = frame[column].fillna("").astype(str)
-    frame["message"] = frame["message"].fillna("").astype(str)
+    for column in ("workload", "device", "device_name", "data", "phase", "strategy", "message"):
+        frame[column] = _text(frame[column])
     frame["_source"] = str(csv_path)
     frame = _fill_relative(frame)
     return frame
