@@ -25,8 +25,7 @@ def main(request_path: str, rows_path: str) -> int:
         capability = tuple(request["capability"]) if request["capability"] else None
 
         def progress(index: int, case: Case) -> None:
-            print(f"[{index + 1}/{len(cases)}] predicting {case.strategy} {case.phase} bs={case.batch_size} "
-                  "on fake CUDA ...", file=sys.stderr, flush=True)
+            print(predict.progress_line(index, len(cases), case, " on fake CUDA"), file=sys.stderr, flush=True)
 
         rows = predict.predict_cases(cases, request["engine"], request["ranks"], capability, on_case=progress)
     except KeyboardInterrupt:  # Ctrl-C reaches the caller too, which says what was interrupted

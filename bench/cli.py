@@ -863,7 +863,7 @@ def cmd_predict(args) -> int:
              for batch in batches]
 
     def progress(index: int, case: Case) -> None:
-        _status(f"[{index + 1}/{len(cases)}] predicting {case.strategy} {case.phase} bs={case.batch_size} ...")
+        _status(predict.progress_line(index, len(cases), case))
 
     rows = predict.predict_cases(cases, engine, args.ranks, capability, on_case=progress)
     print(f"predicted peak memory on {device}" + (" (torch.cuda.max_memory_allocated and max_memory_reserved)"

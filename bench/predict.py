@@ -127,6 +127,12 @@ def _cuda_like_forward(strategy, engine: str):
     return forward
 
 
+def bound_device(engine: str) -> str:
+    """The device a strategy is bound to for a step on `engine`: CUDA for fake-cuda, else the CPU (the fake and
+    meta engines run the CPU-bound strategy on their own tensors)."""
+    return "cuda" if engine == "fake-cuda" else "cpu"
+
+
 def tracked_step(case, spec: str, engine: str = "fake", block_bytes: int = 1, cuda_autocast: bool = True,
                  ranks: int = 1, record_events: bool = False, warmup_steps: int | None = None,
                  planned=None) -> TrackedStep:
@@ -136,19 +142,18 @@ def tracked_step(case, spec: str, engine: str = "fake", block_bytes: int = 1, cu
     group, on `engine` (cpu, or fake-cuda where the strategy runs on fake tensors: FSDP2 does, DDP's C++ reducer
     does not; shards of the batch and of parameters differ by rank). `planned`: the strategy bound to the
     engine's device whose `plan()` has run (a checkpoint budget's plan), used as it is."""
-    device = "cuda" if engine == "fake-cuda" else "cpu"
+    device = bound_device(engine)
     strategy = planned if planned is not None else bind_case(replace(case, strategy=spec, device=device), ranks)[0]
     if strategy.distributed and not in_rank_process():
         steps = []
         for rank in range(ranks):  # on fake-cuda the group, as NCCL, serves CUDA tensors only
-            with fake_process_group(ranks, rank, device="cuda" if engine == "fake-cuda" else None):
+            with fake_process_group(ranks, rank, device="cuda" if device == "cuda" else None):
                 steps.append(tracked_step(case, spec, engine, block_bytes, cuda_autocast, ranks, record_events,
                                           warmup_steps))
         return max(steps, key=lambda step: step.peak_bytes)
     if cuda_autocast and engine != "fake-cuda":
         strategy.forward = _cuda_like_forward(strategy, engine)
-    device = {"fake-cuda": "cuda", "fake": "cpu"}.get(engine, engine)
-    tracker = measure.LiveTensorTracker(device, block_bytes=block_bytes, record_events=record_events)
+    tracker = measure.LiveTensorTracker("meta" if engine == "meta" else device, block_bytes=block_bytes, record_events=record_events)
     # the peak only: no step after the measured one (mem_growth_bytes_per_step is not predicted)
     options = {"warmup_steps": warmup_steps, "growth_steps": 0}
     if engine == "fake-cuda":
@@ -248,7 +253,7 @@ def predict_case(case, engine: str = "auto", ranks: int = 1, capability: tuple[i
         engines = [name for name in engines if name != "fake"] or ["cpu"]
     planned = {}  # the strategy each engine's step runs, bound to its device and planned
     try:
-        for device in dict.fromkeys("cuda" if name == "fake-cuda" else "cpu" for name in engines):
+        for device in dict.fromkeys(bound_device(name) for name in engines):
             planned[device] = bind_case(replace(case, device=device), ranks)[0]
             planned[device].plan(PredictionMeter(case))  # a checkpoint:budget chooses its plan, on predictions alone
     except Unsupported as error:
@@ -268,7 +273,7 @@ def predict_case(case, engine: str = "auto", ranks: int = 1, capability: tuple[i
         try:
             step = tracked_step(case, row["strategy"], name, 1, cuda_autocast=cuda, ranks=ranks, record_events=cuda,
                                 warmup_steps=MEMORY_WARMUP_STEPS["cuda"] if cuda else None,
-                                planned=planned["cuda" if name == "fake-cuda" else "cpu"])
+                                planned=planned[bound_device(name)])
         except Unsupported as error:  # found when the strategy meets the model (no ReLU to switch): no engine can
             row.update(status="unsupported", message=str(error))
             return row
@@ -301,6 +306,11 @@ def predict_case(case, engine: str = "auto", ranks: int = 1, capability: tuple[i
     return row
 
 
+def progress_line(index: int, total: int, case, where: str = "") -> str:
+    """The line predict prints as it starts a case (`where`: " on fake CUDA" in the fake-CUDA environment)."""
+    return f"[{index + 1}/{total}] predicting {case.strategy} {case.phase} bs={case.batch_size}{where} ..."
+
+
 def predict_cases(cases: list, engine: str = "auto", ranks: int = 1, capability: tuple[int, int] | None = None,
                   on_case: Callable[[int, object], None] | None = None) -> list[dict]:
     """`predict_case` for each case, in order; `on_case(index, case)` is called before each.
@@ -308,9 +318,8 @@ def predict_cases(cases: list, engine: str = "auto", ranks: int = 1, capability:
     CUDA cases on `auto` or `fake-cuda` run on CUDA's own operators: in this process where its torch sees a CUDA
     device (a GPU, or the fake-CUDA environment's stubs), else in a subprocess of the fake-CUDA environment's Python
     (`bench.fake_cuda`), which predicts them all and falls back, case by case, to the fake and cpu engines as this
-    process would. Where that
-    environment does not exist, `auto` is the fake engine and `fake-cuda` a UsageError saying why; where the
-    subprocess fails, the cases are predicted here and each row says why."""
+    process would. Where that environment does not exist, `auto` is the fake engine and `fake-cuda` a UsageError
+    saying why; where the subprocess fails, the cases are predicted here and each row says why."""
     if engine in CUDA_ONLY_ENGINES and any(case.device != "cuda" for case in cases):
         raise UsageError(f"--engine {engine}: predicts CUDA only; with --device cpu choose one of "
                          f"{', '.join(e for e in ENGINES if e not in CUDA_ONLY_ENGINES)}")

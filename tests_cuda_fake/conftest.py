@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from bench import fake_cuda
+from bench.fake_cuda_mode import is_fake_device
 
 
 def unavailable_reason() -> str | None:
@@ -15,7 +16,7 @@ def unavailable_reason() -> str | None:
             f"fake-CUDA environment ({fake_cuda.VENV.name})")
     if not torch.cuda.is_available():
         return f"torch {torch.__version__} sees no CUDA device: the stub CUDA libraries are missing (make cuda-fake-env)"
-    if "fake" not in torch.cuda.get_device_name(0):
+    if not is_fake_device():
         return f"a real GPU ({torch.cuda.get_device_name(0)}): the fake-CUDA tests are for machines without one"
     return None
 

@@ -65,21 +65,17 @@ def recording_steps(recorder: OpRecorder) -> Iterator[None]:
 
     step, forward = Session.step, Session.forward
 
-    def recorded_forward(self, *args, **kwargs):
-        recorder.in_forward = True
-        try:
-            return forward(self, *args, **kwargs)
-        finally:
-            recorder.in_forward = False
+    def flagged(method, flag: str):
+        """`method`, with the recorder's `flag` True while it runs."""
+        def wrapped(self, *args, **kwargs):
+            setattr(recorder, flag, True)
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                setattr(recorder, flag, False)
+        return wrapped
 
-    def recorded_step(self, *args, **kwargs):
-        recorder.active = True
-        try:
-            return step(self, *args, **kwargs)
-        finally:
-            recorder.active = False
-
-    Session.step, Session.forward = recorded_step, recorded_forward
+    Session.step, Session.forward = flagged(step, "active"), flagged(forward, "in_forward")
     try:
         yield
     finally:
