@@ -2,6 +2,6 @@
 
 import sys
 
-from bench.cli import main
+from bench.cli.main import main
 
 sys.exit(main())

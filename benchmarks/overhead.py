@@ -2,11 +2,11 @@
 an untracked one (`make perf`; `python -m benchmarks.overhead --help`).
 
 1. Harness overhead. The article's loop in plain PyTorch (forward, BCELoss, backward, Adam step, zero_grad) on the
-   captcha ResNet-18, and membench's timed step (`bench.runner.Session.step` of the baseline, as the timing pass
+   captcha ResNet-18, and membench's timed step (`bench.run.runner.Session.step` of the baseline, as the timing pass
    runs it) on the same initial weights, the same batch and the same thread count. The two are interleaved step by
    step, the order swapped every pair, so that drift (another process, the CPU's clock) falls on both alike; the
    figure is the median of the per-pair ratios, with the distribution-free 95% interval of that median
-   (`bench.measure.median_ci`). The goal is at most 2% (ratio <= 1.02).
+   (`bench.measure.timing.median_ci`). The goal is at most 2% (ratio <= 1.02).
 2. Tracker slowdown. membench's step with and without the exact live-tensor tracker (`bench.measure.
    LiveTensorTracker`, entered as the memory pass enters it), interleaved the same way. The tracker never runs in
    the timing pass; this says what one memory pass costs.
@@ -24,8 +24,9 @@ from typing import Callable
 
 import torch
 
-from bench.measure import LiveTensorTracker, median_ci, synchronize
-from bench.runner import Case, Session, bind_case
+from bench.measure.memory import LiveTensorTracker
+from bench.measure.timing import median_ci, synchronize
+from bench.run.runner import Case, Session, bind_case
 from workloads import get_workload
 
 WORKLOAD = "captcha_resnet18"
@@ -53,7 +54,7 @@ class BareLoop:
 
 
 class TrackedStep:
-    """membench's step under the exact tracker, set up as `bench.runner.memory_pass` sets it up."""
+    """membench's step under the exact tracker, set up as `bench.run.runner.memory_pass` sets it up."""
 
     def __init__(self, session: Session):
         self.session = session
@@ -74,7 +75,7 @@ class TrackedStep:
 
 
 def timed(step: Callable[[], None], device: str) -> float:
-    """One step's wall time in milliseconds, the device synchronised around it (as bench.measure.time_steps)."""
+    """One step's wall time in milliseconds, the device synchronised around it (as bench.measure.timing.time_steps)."""
     synchronize(device)
     start = time.perf_counter()
     step()

@@ -3,14 +3,14 @@
 Compare commits with pytest-benchmark's own tools, e.g.
     make perf                                   # saves a numbered run under .benchmarks/
     .venv/bin/python -m pytest benchmarks --benchmark-enable --benchmark-compare --benchmark-compare-fail=median:10%
-Each result carries the strategy's peak bytes (bench.runner.memory_pass) in `extra_info`.
+Each result carries the strategy's peak bytes (bench.run.runner.memory_pass) in `extra_info`.
 """
 
 import pytest
 import torch
 
-from bench.errors import Unsupported
-from bench.runner import Case, Session, bind_case, memory_pass
+from bench.core.errors import Unsupported
+from bench.run.runner import Case, Session, bind_case, memory_pass
 from strategies import STRATEGIES
 
 BATCH_SIZE = 8

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from bench.errors import UsageError
+from bench.core.errors import UsageError
 from strategies.base import Strategy, Tolerance, register_strategy
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}

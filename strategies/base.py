@@ -20,7 +20,7 @@ A strategy is applied only to the stage it concerns (the pyperf hook pattern):
 - `columns()`      figures it measured itself (compilation time, host memory), written into the row's columns.
 
 A strategy named `pitfall_...` is a habit the articles warn about, measured to show what it costs
-(`bench.results.is_pitfall`); listings, tables and the report put those apart.
+(`bench.core.results.is_pitfall`); listings, tables and the report put those apart.
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ from typing import Any, Callable, ContextManager
 import torch
 from torch import nn
 
-from bench.errors import UsageError, Unsupported, choices_error
-from bench.options import changed_options, check_option_names, parse_option_parts
-from bench.registry import Registry
-from bench.results import is_pitfall
+from bench.core.errors import Unsupported, UsageError, choices_error
+from bench.core.options import changed_options, check_option_names, parse_option_parts
+from bench.core.registry import Registry
+from bench.core.results import is_pitfall
 
 PHASES = ("train", "eval")
 DEVICES = ("cpu", "cuda")
@@ -78,7 +78,7 @@ MicroBatch = tuple[Any, torch.Tensor, float]
 
 
 class PlanMeter:
-    """What a strategy's `plan()` may measure about its case; the runner implements it (`bench.runner.CaseMeter`)."""
+    """What a strategy's `plan()` may measure about its case; the runner implements it (`bench.run.runner.CaseMeter`)."""
 
     def predicted_peak(self, strategy: "Strategy") -> int:
         """The peak of one steady-state step of the case under `strategy`, tracked cheaply (on the meta device
@@ -109,7 +109,7 @@ class Strategy:
     options: dict[str, Any] = {}  # option name -> default; the default's type is the option's type
     priority = 50  # composition order: lower runs its prepare_model first and sits outside in contexts
     conflicts: tuple[str, ...] = ()
-    distributed = False  # runs as `ranks` processes of torch.distributed (bench.ranks launches them)
+    distributed = False  # runs as `ranks` processes of torch.distributed (bench.run.ranks launches them)
     # How its CPU memory pass counts: "live_tensors" (the exact tracker, a TorchDispatchMode), or
     # "allocator_events" (torch.profiler's allocator events) for steps a dispatch mode would change (torch.compile)
     cpu_memory_count = "live_tensors"
@@ -203,7 +203,7 @@ class Strategy:
         """Why, in the bound case, this strategy cannot give the baseline's result (None: it must match it)."""
         return None
     def columns(self) -> dict[str, Any]:
-        """Figures this strategy measured itself, as `column -> value` (columns of `bench.results.COLUMNS`)."""
+        """Figures this strategy measured itself, as `column -> value` (columns of `bench.core.results.COLUMNS`)."""
         return {}
 
     def spec(self) -> str:

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from bench.errors import UsageError, Unsupported
-from bench.units import format_size, fraction_or_size, parse_positive_size
+from bench.core.errors import Unsupported, UsageError
+from bench.core.units import format_size, fraction_or_size, parse_positive_size
 from strategies.base import PlanMeter, Strategy, register_strategy
 
 

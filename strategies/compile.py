@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from bench.errors import Unsupported, UsageError, choices_error
+from bench.core.errors import Unsupported, UsageError, choices_error
 from strategies.base import Strategy, Tolerance, register_strategy
 from strategies.grad_accumulation import batch_statistics_modules
 

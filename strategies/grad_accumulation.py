@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from bench.errors import UsageError, Unsupported
+from bench.core.errors import Unsupported, UsageError
 from strategies.base import Strategy, register_strategy
 
 

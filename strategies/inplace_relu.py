@@ -2,7 +2,7 @@
 
 from torch import nn
 
-from bench.errors import Unsupported
+from bench.core.errors import Unsupported
 from strategies.base import Strategy, register_strategy
 
 # activation modules with an `inplace` switch (nn.Dropout has one too, but it is no activation)

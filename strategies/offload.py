@@ -13,7 +13,7 @@ import contextlib
 
 import torch
 
-from bench.errors import Unsupported
+from bench.core.errors import Unsupported
 from strategies.base import Strategy, register_strategy
 
 

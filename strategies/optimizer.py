@@ -6,7 +6,7 @@ import inspect
 
 import torch
 
-from bench.errors import UsageError, Unsupported
+from bench.core.errors import Unsupported, UsageError
 from strategies.base import Strategy, register_strategy
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {

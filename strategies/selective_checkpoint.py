@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from bench.errors import Unsupported, choices_error
+from bench.core.errors import Unsupported, choices_error
 from strategies.base import Strategy, register_strategy
 from strategies.checkpoint import UnitCheckpointer
 

@@ -1,7 +1,7 @@
 """What the sharded-training strategies (ddp, zero1, fsdp) share: the rank's slice of the batch, the loss across ranks.
 
 A sharded case runs as `--ranks N` processes of torch.distributed (gloo on the CPU, NCCL on CUDA), launched by
-bench.ranks as torchrun would; each process trains on its 1/N of the step's global batch, so a sharded step
+bench.run.ranks as torchrun would; each process trains on its 1/N of the step's global batch, so a sharded step
 computes what one process computes on the whole batch (the mean of equal shards' mean losses is the global mean),
 which is what its row is verified against. BatchNorm is the exception: each rank normalises its own shard, so a
 BatchNorm model's statistics and gradients differ from the single process's (its row says so).
@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_map
 
-from bench.errors import Unsupported
+from bench.core.errors import Unsupported
 from strategies.base import Strategy
 
 
@@ -56,7 +56,7 @@ class Sharded(Strategy):
 
 
 def data_parallel(model):
-    """`DistributedDataParallel(model)`; under PyTorch's fake process group (bench.predict: collectives move no
+    """`DistributedDataParallel(model)`; under PyTorch's fake process group (bench.analysis.predict: collectives move no
     data) a comm hook that returns the gradient bucket as it is stands in for the all-reduce, which would write
     into that same bucket (the fake group's own all-reduce returns nothing DDP can use)."""
     wrapped = DistributedDataParallel(model)

@@ -27,8 +27,8 @@ def temporary_strategy():
 def without_fake_cuda_environment(monkeypatch, tmp_path_factory):
     """`make test` is the same whether or not `make cuda-fake-env` has built .venv-cuda-fake/ in this checkout:
     the fake-CUDA environment is looked for in an empty folder, so predict does not hand its CUDA cases to it
-    (tests_cuda_fake/ tests that route); a test that wants another answer patches `bench.fake_cuda` again."""
-    from bench import fake_cuda
+    (tests_cuda_fake/ tests that route); a test that wants another answer patches `bench.measure.fake_cuda` again."""
+    from bench.measure import fake_cuda
 
     monkeypatch.setattr(fake_cuda, "VENV", tmp_path_factory.getbasetemp() / "no-fake-cuda-environment")
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.errors import UsageError
-from bench.runner import (Case, CaseMeter, allocator_memory_pass, bind_case, memory_pass, run_case, timing_pass,
+from bench.core.errors import UsageError
+from bench.run.runner import (Case, CaseMeter, allocator_memory_pass, bind_case, memory_pass, run_case, timing_pass,
                           verify)
 from strategies import parse_strategy
 from strategies.checkpoint import candidate_plans, format_plan, parse_budget, segment_plan, sqrt_segments
@@ -237,7 +237,7 @@ def test_a_budget_in_eval_is_unsupported_without_planning():
 
 
 def test_fit_says_a_budget_plan_is_chosen_per_case(capsys, tmp_path):
-    from bench.cli import main
+    from bench.cli.main import main
 
     assert main(["fit", "--budget", "100KiB", "--workload", "deep_mlp:layers=4:width=8", "--strategies",
                  "checkpoint:budget=0.5", "--max-batch", "8", "--time-steps", "0", "--out", str(tmp_path)]) == 0

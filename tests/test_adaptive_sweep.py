@@ -5,9 +5,10 @@ import io
 
 import pytest
 
-from bench import env, eta
-from bench.cli import _Progress, _sweep_estimate, cpu_16bit_lines
-from bench.runner import Case, run_case
+from bench.cli.main import _Progress, _sweep_estimate, cpu_16bit_lines
+from bench.measure import env
+from bench.run import eta
+from bench.run.runner import Case, run_case
 
 TINY = "deep_mlp:layers=4:width=8"
 
@@ -105,8 +106,8 @@ def test_the_estimate_of_the_time_left_scales_alike_cases():
 
 
 def test_the_table_says_which_times_are_emulated(monkeypatch):
-    from bench import results
-    from bench.cli import format_table
+    from bench.cli.main import format_table
+    from bench.core import results
 
     monkeypatch.setattr(env, "cpu_16bit_support", lambda flags=None: {"bfloat16": False, "float16": True})
     rows = [run_case(Case(TINY, spec, "eval", 2, "cpu", data="synthetic", warmup=0, steps=1), env={})

@@ -10,15 +10,15 @@ import pandas as pd
 import pytest
 import torch
 
-from bench import analysis, predict
-from bench.analysis import parse_bytes
-from bench.breakdown import BREAKDOWN_COLUMNS
-from bench import breakdown
-from bench.rule_of_thumb import rule_of_thumb
-from bench.cli import main
-from bench.errors import Unsupported, UsageError
-from bench.measure import LiveTensorTracker
-from bench.runner import Case, bind_case, memory_pass, run_case
+from bench.analysis import explain as analysis, predict
+from bench.analysis.explain import parse_bytes
+from bench.cli.main import main
+from bench.core.errors import Unsupported, UsageError
+from bench.measure import breakdown
+from bench.measure.breakdown import BREAKDOWN_COLUMNS
+from bench.measure.memory import LiveTensorTracker
+from bench.run.rule_of_thumb import rule_of_thumb
+from bench.run.runner import Case, bind_case, memory_pass, run_case
 from strategies import STRATEGIES
 
 WL = "captcha_resnet18"
@@ -232,7 +232,7 @@ def test_cli_errors_exit_2_with_one_line(argv, capsys):
 
 
 def test_memory_limit_on_cpu_warns_and_does_nothing(capsys):
-    from bench.cli import apply_memory_limit
+    from bench.cli.main import apply_memory_limit
 
     assert apply_memory_limit("2GiB", "cpu") is None
     assert "no effect" in capsys.readouterr().err

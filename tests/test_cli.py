@@ -8,8 +8,8 @@ import pandas as pd
 import pytest
 import torch
 
-from bench import results
-from bench.cli import main
+from bench.cli.main import main
+from bench.core import results
 
 ROOT = Path(__file__).resolve().parent.parent
 

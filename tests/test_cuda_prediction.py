@@ -15,8 +15,8 @@ import pandas as pd
 import pytest
 import torch
 
-from bench import prediction_check
-from bench.errors import Unsupported
+from bench.analysis import prediction_check
+from bench.core.errors import Unsupported
 from strategies import STRATEGIES
 
 WORKLOAD = "captcha_resnet18"
@@ -34,7 +34,7 @@ def comparison_rows():
 
 @functools.lru_cache(maxsize=1)
 def _cuda_environment() -> dict:
-    from bench.env import environment
+    from bench.measure.env import environment
 
     return environment("cuda")
 
@@ -45,8 +45,8 @@ def _cuda_environment() -> dict:
 @pytest.mark.parametrize("strategy", [name for name in STRATEGIES.names()
                                       if not STRATEGIES.get(name).distributed])
 def test_predicted_allocated_within_10_percent_of_measured(strategy, phase, batch_size, comparison_rows):
-    from bench import predict
-    from bench.runner import Case, bind_case, memory_pass, release_cuda_memory
+    from bench.analysis import predict
+    from bench.run.runner import Case, bind_case, memory_pass, release_cuda_memory
 
     case = Case(WORKLOAD, strategy, phase, batch_size, "cuda", data="synthetic")
     bound, context = bind_case(case)

@@ -1,7 +1,7 @@
-"""bench.fake_cuda: where the fake-CUDA environment is, or why there is none (the environment itself is tested by
+"""bench.measure.fake_cuda: where the fake-CUDA environment is, or why there is none (the environment itself is tested by
 `make test-cuda-fake`)."""
 
-from bench import fake_cuda
+from bench.measure import fake_cuda
 
 
 def built(venv):

@@ -20,12 +20,15 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from bench import analysis, charts, preflight, progress, results
-from bench.cli import DEFAULT_OUT, _Progress, build_parser
-from bench.errors import UsageError
-from bench.isolation import RunOptions
-from bench.report_data import load_results, make_groups
-from bench.runner import Case, run_cases
+from bench.analysis import explain as analysis
+from bench.cli.main import DEFAULT_OUT, _Progress, build_parser
+from bench.core import progress, results
+from bench.core.errors import UsageError
+from bench.report import charts
+from bench.report.data import load_results, make_groups
+from bench.run import preflight
+from bench.run.isolation import RunOptions
+from bench.run.runner import Case, run_cases
 from workloads import captcha_data
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,7 +47,7 @@ def _main(*args):
     import contextlib
     import io
 
-    from bench.cli import main
+    from bench.cli.main import main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -184,7 +187,7 @@ def test_fit_on_the_cpu_survives_an_allocation_failure(monkeypatch):
     (["predict", "--phases", "test"], "--phase"),
 ])
 def test_error_messages_name_the_option(args, option, capsys):
-    from bench.cli import main
+    from bench.cli.main import main
 
     assert main(args) == 2
     err = capsys.readouterr().err
@@ -241,7 +244,7 @@ def test_report_rejects_a_file_that_is_not_a_results_csv(tmp_path, kind):
 
 @pytest.mark.parametrize("kind", FILE_KINDS)
 def test_resume_rejects_a_file_that_is_not_a_results_csv(kind, tmp_path, capsys):
-    from bench.cli import main
+    from bench.cli.main import main
 
     path = _not_results(tmp_path, kind)
     assert main(["compare", "--strategies", "baseline", *TINY, "--resume", str(path)]) == 2
@@ -588,7 +591,7 @@ def test_the_progress_line_warns_of_a_mismatch_only(matches, warned):
     """An unverified row (matches_baseline empty: verification off, or fake tensors) is not a mismatch."""
     import io
 
-    from bench.cli import _Progress
+    from bench.cli.main import _Progress
 
     screen = io.StringIO()
     bar = _Progress(screen)

@@ -5,8 +5,8 @@ import warnings
 import pytest
 import torch
 
-from bench import measure
-from bench.measure import LiveTensorTracker
+from bench.measure import timing
+from bench.measure.memory import LiveTensorTracker
 
 
 def test_tracker_counts_storages_exactly():
@@ -59,7 +59,7 @@ def test_tracker_timeline_marks_stages():
 
 
 def test_timing_statistics():
-    stats = measure.TimingStats([1.0, 2.0, 3.0, 4.0, 100.0])
+    stats = timing.TimingStats([1.0, 2.0, 3.0, 4.0, 100.0])
     assert stats.median_ms == 3.0
     assert stats.iqr_ms == pytest.approx(2.0)
     assert stats.min_ms == 1.0
@@ -83,30 +83,30 @@ class FakeSteps:
 
 def test_fixed_steps_are_exact_whatever_the_noise_and_budget():
     fake = FakeSteps([0.1, 5.0, 0.2])  # noisy, and far beyond any budget: a fixed count ignores both
-    policy = measure.TimingPolicy(warmup=2, steps=5, min_steps=1, max_time_s=0.001, target_ci_rel=0.5)
-    stats = measure.time_steps(fake.step, policy, "cpu", clock=fake.clock)
+    policy = timing.TimingPolicy(warmup=2, steps=5, min_steps=1, max_time_s=0.001, target_ci_rel=0.5)
+    stats = timing.time_steps(fake.step, policy, "cpu", clock=fake.clock)
     assert fake.calls == 7 and len(stats.times_ms) == 5 and stats.stop_reason == "fixed_steps"
     assert stats.times_ms[:3] == pytest.approx([200.0, 100.0, 5000.0])  # after the 2 warm-up steps
 
 
 def test_adaptive_timing_stops_at_the_minimum_when_steady():
     fake = FakeSteps([1.0])  # identical steps: the interval has zero width as soon as it exists (6 steps at 95%)
-    policy = measure.TimingPolicy(warmup=1, steps=None, min_steps=8, max_time_s=1000.0, target_ci_rel=0.05)
-    stats = measure.time_steps(fake.step, policy, "cpu", clock=fake.clock)
+    policy = timing.TimingPolicy(warmup=1, steps=None, min_steps=8, max_time_s=1000.0, target_ci_rel=0.05)
+    stats = timing.time_steps(fake.step, policy, "cpu", clock=fake.clock)
     assert len(stats.times_ms) == 8 and stats.stop_reason == "ci_target" and fake.calls == 9
 
 
 def test_adaptive_timing_needs_six_steps_for_an_interval():
     fake = FakeSteps([1.0])
-    policy = measure.TimingPolicy(warmup=0, steps=None, min_steps=1, max_time_s=1000.0, target_ci_rel=0.05)
-    stats = measure.time_steps(fake.step, policy, "cpu", clock=fake.clock)
+    policy = timing.TimingPolicy(warmup=0, steps=None, min_steps=1, max_time_s=1000.0, target_ci_rel=0.05)
+    stats = timing.time_steps(fake.step, policy, "cpu", clock=fake.clock)
     assert len(stats.times_ms) == 6 and stats.stop_reason == "ci_target"
 
 
 def test_adaptive_timing_runs_to_the_budget_when_noisy():
     fake = FakeSteps([1.0, 2.0])  # alternating: the median's interval stays [1, 2], 67% of the median
-    policy = measure.TimingPolicy(warmup=1, steps=None, min_steps=3, max_time_s=30.0, target_ci_rel=0.05)
-    stats = measure.time_steps(fake.step, policy, "cpu", clock=fake.clock)
+    policy = timing.TimingPolicy(warmup=1, steps=None, min_steps=3, max_time_s=30.0, target_ci_rel=0.05)
+    stats = timing.time_steps(fake.step, policy, "cpu", clock=fake.clock)
     assert stats.stop_reason == "time_budget"
     assert sum(stats.times_ms) / 1e3 == pytest.approx(30.0)  # 20 steps: the one that reaches 30 s is the last
     assert len(stats.times_ms) == 20
@@ -114,24 +114,24 @@ def test_adaptive_timing_runs_to_the_budget_when_noisy():
 
 def test_the_budget_never_cuts_below_the_minimum():
     fake = FakeSteps([83.0])  # one emulated bfloat16 step at batch 100 is longer than the whole budget
-    policy = measure.TimingPolicy(warmup=1, steps=None, min_steps=2, max_time_s=15.0, target_ci_rel=0.05)
-    stats = measure.time_steps(fake.step, policy, "cpu", clock=fake.clock)
+    policy = timing.TimingPolicy(warmup=1, steps=None, min_steps=2, max_time_s=15.0, target_ci_rel=0.05)
+    stats = timing.time_steps(fake.step, policy, "cpu", clock=fake.clock)
     assert len(stats.times_ms) == 2 and stats.stop_reason == "time_budget"
 
 
 def test_median_interval_from_order_statistics():
-    assert measure.median_ci_ranks(5) is None  # 1 - 2/32 < 95%: no interval yet
-    assert measure.median_ci_ranks(6) == (1, 6)  # 1 - 2/64 = 96.9%
-    assert measure.median_ci_ranks(20) == (6, 15)  # P(B(20, 1/2) <= 5) = 2.07% -> 95.9%
-    assert measure.median_ci_ranks(1000) == (469, 532)  # the normal approximation
-    assert measure.median_ci(list(range(20, 0, -1))) == (6, 15)
-    assert measure.median_ci_rel_width([10.0] * 5 + [11.0]) == pytest.approx(0.1)
+    assert timing.median_ci_ranks(5) is None  # 1 - 2/32 < 95%: no interval yet
+    assert timing.median_ci_ranks(6) == (1, 6)  # 1 - 2/64 = 96.9%
+    assert timing.median_ci_ranks(20) == (6, 15)  # P(B(20, 1/2) <= 5) = 2.07% -> 95.9%
+    assert timing.median_ci_ranks(1000) == (469, 532)  # the normal approximation
+    assert timing.median_ci(list(range(20, 0, -1))) == (6, 15)
+    assert timing.median_ci_rel_width([10.0] * 5 + [11.0]) == pytest.approx(0.1)
 
 
 def test_train_step_peak_agrees_with_pytorch_memtracker():
     """The runner's CPU figure against an independent exact count: torch's own MemTracker, same step."""
     mem_tracker = pytest.importorskip("torch.distributed._tools.mem_tracker")
-    from bench.runner import Case, Session, memory_pass
+    from bench.run.runner import Case, Session, memory_pass
     from strategies import parse_strategy
 
     case = Case("captcha_resnet18", "baseline", "train", 4, "cpu", data="synthetic")

@@ -9,12 +9,13 @@ import functools
 import pytest
 import torch
 
-from bench import analysis, cuda_allocator, predict
-from bench.cli import main
-from bench.cuda_allocator import CachingAllocatorModel, replay
-from bench.fake_engine import fake_memory_pass
-from bench.measure import LiveTensorTracker, MemoryEvent
-from bench.runner import Case, bind_case, memory_pass
+from bench.analysis import explain as analysis, predict
+from bench.analysis.fake_engine import fake_memory_pass
+from bench.cli.main import main
+from bench.measure import cuda_allocator
+from bench.measure.cuda_allocator import CachingAllocatorModel, replay
+from bench.measure.memory import LiveTensorTracker, MemoryEvent
+from bench.run.runner import Case, bind_case, memory_pass
 
 MIB = 2**20
 MLP = "deep_mlp:layers=4:width=8"
@@ -69,7 +70,7 @@ def test_fake_engine_applies_autocast():
 
 
 def test_fake_engine_leaves_the_batch_cache_real():
-    from bench.runner import _cpu_batch
+    from bench.run.runner import _cpu_batch
     from torch._subclasses.fake_tensor import FakeTensor
 
     c = case(MLP, "baseline", "eval", 3)
@@ -239,7 +240,7 @@ def test_predict_rejects_the_fake_cuda_engine_for_the_cpu(capsys):
 def test_predict_says_so_when_the_fake_cuda_environment_fails(monkeypatch):
     from pathlib import Path
 
-    from bench import fake_cuda
+    from bench.measure import fake_cuda
 
     monkeypatch.setattr(fake_cuda, "environment_python", lambda venv=None: Path("/bin/false"))
     cases = [Case(MLP, "baseline", "eval", 2, "cuda", data="synthetic"),

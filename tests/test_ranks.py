@@ -7,10 +7,10 @@ import functools
 
 import pytest
 
-from bench.isolation import RunOptions
-from bench.predict import predict_case
-from bench.ranks import merge_rank_rows
-from bench.runner import Case, run_case
+from bench.analysis.predict import predict_case
+from bench.run.isolation import RunOptions
+from bench.run.ranks import merge_rank_rows
+from bench.run.runner import Case, run_case
 
 WORKLOAD = "gpt_mini:layers=2:width=32:heads=2:seq_len=16:dropout=0.0"  # no BatchNorm: sharding must match
 # equal layers: ZeRO's greedy partition of the parameters gives each rank exactly half of them

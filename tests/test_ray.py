@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from bench.cli import main
-from bench.isolation import RunOptions
-from bench.runner import Case, local_executor, run_cases
+from bench.cli.main import main
+from bench.run.isolation import RunOptions
+from bench.run.runner import Case, local_executor, run_cases
 
 ray = pytest.importorskip("ray")
 
-from bench.ray_executor import RayExecutor, runtime_env  # noqa: E402 - only with ray installed
+from bench.run.ray_executor import RayExecutor, runtime_env  # noqa: E402 - only with ray installed
 
 
 

@@ -5,7 +5,7 @@ import math
 import pandas as pd
 import pytest
 
-from bench import results
+from bench.core import results
 
 
 def _row(strategy, phase="train", peak=100, ms=10.0, status="ok"):

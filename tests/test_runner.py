@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from bench import results
-from bench.errors import Unsupported
-from bench.runner import Case, memory_pass, run_case, run_cases
+from bench.core import results
+from bench.core.errors import Unsupported
+from bench.run.runner import Case, memory_pass, run_case, run_cases
 from strategies import STRATEGIES, Strategy, parse_strategy
 
 CASE = Case("captcha_resnet18", "baseline", "train", 2, "cpu", data="synthetic", warmup=0, steps=2)

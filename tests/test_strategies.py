@@ -12,10 +12,10 @@ import functools
 import pytest
 import torch
 
-from bench import runner
-from bench.errors import UsageError
-from bench.runner import Case, memory_pass, run_case, verify
-from strategies import STRATEGIES, Composite, Strategy, parse_strategy
+from bench.core.errors import UsageError
+from bench.run import runner
+from bench.run.runner import Case, memory_pass, run_case, verify
+from strategies import Composite, STRATEGIES, Strategy, parse_strategy
 from workloads import get_workload
 
 WORKLOAD = "captcha_resnet18"

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.cli import main
-from bench.errors import UsageError
-from bench.suite import load_suite
+from bench.cli.main import main
+from bench.core.errors import UsageError
+from bench.run.suite import load_suite
 
 GOOD = "strategies: [baseline]\nphases: [eval]\nbatch_sizes: [2]\ndata: synthetic\nwarmup: 0\nsteps: 1\n"
 
@@ -89,7 +89,7 @@ def test_a_device_with_adaptive_keys_replaces_a_fixed_count(tmp_path):
 
 def test_the_default_cpu_suite_is_adaptive_with_a_budget_that_caps_slow_cases():
     """A bfloat16 step that the CPU emulates (83 s at batch 100 on the reference AMD EPYC) must time one step."""
-    from bench.suite import DEFAULT_SUITE
+    from bench.run.suite import DEFAULT_SUITE
 
     cases = load_suite(DEFAULT_SUITE, "cpu").cases("cpu")
     assert {c.batch_size for c in cases} >= {100} and {c.phase for c in cases} == {"train", "eval"}

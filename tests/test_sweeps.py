@@ -17,13 +17,13 @@ import pandas as pd
 import pytest
 import torch
 
-from bench import results
-from bench.cli import format_table, main
-from bench.errors import UsageError
-from bench.isolation import RunOptions, process_state
-from bench.resume import load_resume
-from bench.runner import Case, run_case, run_cases
-from bench.stats import bootstrap_median_ci, summarize_timing
+from bench.cli.main import format_table, main
+from bench.core import results
+from bench.core.errors import UsageError
+from bench.measure.stats import bootstrap_median_ci, summarize_timing
+from bench.run.isolation import RunOptions, process_state
+from bench.run.resume import load_resume
+from bench.run.runner import Case, run_case, run_cases
 from strategies import STRATEGIES, Strategy
 from strategies.cudnn_benchmark import CudnnBenchmark
 

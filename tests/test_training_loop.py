@@ -11,12 +11,12 @@ import pandas as pd
 import pytest
 import torch
 
-from bench import measure
-from bench.cli import format_table
-from bench.errors import UsageError
-from bench.report import pitfall_table
-from bench.results import is_pitfall, to_frame
-from bench.runner import Case, Session, bind_case, memory_pass, run_case, verify
+from bench.cli.main import format_table
+from bench.core.errors import UsageError
+from bench.core.results import is_pitfall, to_frame
+from bench.measure import memory
+from bench.report.markdown import pitfall_table
+from bench.run.runner import Case, Session, bind_case, memory_pass, run_case, verify
 from strategies import STRATEGIES, Strategy, parse_strategy
 from workloads import get_workload
 
@@ -155,7 +155,7 @@ def test_pitfall_loss_sum_grows_by_one_forward_per_step_in_eval():
     """The captcha model's validation loop with `total += loss`: every batch's graph stays alive."""
     case = _case("captcha_resnet18", "pitfall_loss_sum", "eval", 2)
     session = Session(case, bind_case(case)[0])
-    tracker = measure.LiveTensorTracker("cpu")
+    tracker = memory.LiveTensorTracker("cpu")
     with tracker:
         tracker.track(session.parameters(), "params")
         ends = []
@@ -214,7 +214,7 @@ def test_report_lists_pitfalls_apart_and_names_the_eval_baseline():
 
 
 def test_cli_list_puts_pitfalls_apart(capsys):
-    from bench.cli import main
+    from bench.cli.main import main
 
     assert main(["list"]) == 0
     out = capsys.readouterr().out

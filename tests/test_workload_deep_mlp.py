@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from bench.errors import UsageError
-from bench.measure import LiveTensorTracker
+from bench.core.errors import UsageError
+from bench.measure.memory import LiveTensorTracker
 from workloads.loader import resolve_workload
 
 SMALL = "deep_mlp:layers=50"

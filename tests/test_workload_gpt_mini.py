@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from bench.errors import UsageError
+from bench.core.errors import UsageError
 from workloads import text_data
-from workloads.gpt_mini import VOCAB_SIZE, Block
+from workloads.gpt_mini import Block, VOCAB_SIZE
 from workloads.loader import resolve_workload
 
 SMALL = "gpt_mini:layers=2:width=64:heads=2:seq_len=32"

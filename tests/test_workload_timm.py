@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from bench.errors import UsageError
+from bench.core.errors import UsageError
 from strategies.checkpoint import UnitCheckpointer, segment_plan
 from workloads import timm_models
 from workloads.loader import resolve_workload

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from bench.errors import UsageError
+from bench.core.errors import UsageError
 from workloads import unet_data
 from workloads.loader import resolve_workload
 from workloads.unet import DecoderBlock, EncoderBlock

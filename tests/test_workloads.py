@@ -14,8 +14,8 @@ import warnings
 import pytest
 import torch
 
-from bench.errors import UsageError
-from bench.runner import Case, Session, bind_case, memory_pass, run_case
+from bench.core.errors import UsageError
+from bench.run.runner import Case, Session, bind_case, memory_pass, run_case
 from strategies import STRATEGIES, Strategy
 from workloads import WORKLOADS, Workload, get_workload, workload_names
 from workloads.loader import resolve_workload

@@ -4,8 +4,8 @@ each on one torch thread and with fewer memory-pass steps."""
 import pytest
 import torch
 
-from bench import fake_cuda
-from bench.fake_cuda_mode import is_fake_device
+from bench.measure import fake_cuda
+from bench.measure.fake_cuda_mode import is_fake_device
 
 
 def unavailable_reason() -> str | None:
@@ -36,7 +36,7 @@ def _fewer_memory_steps(monkeypatch):
     each fake step costs a second or more, the second warm-up step is there for cuDNN's autotuning and the
     allocator, which fake tensors do not have, and the steps after it measure growth, which is not asserted here.
     The same code runs, with fewer iterations."""
-    from bench import runner
+    from bench.run import runner
 
     monkeypatch.setitem(runner.MEMORY_WARMUP_STEPS, "cuda", 1)
     monkeypatch.setattr(runner, "MEMORY_GROWTH_STEPS", 0)

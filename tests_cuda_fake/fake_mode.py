@@ -1,5 +1,5 @@
 """The test side of the fake-CUDA run: what the operators of membench's CUDA steps did, recorded under
-`bench.fake_cuda_mode.fake_cuda` (the mode itself, and what it changes in torch, is described there)."""
+`bench.measure.fake_cuda_mode.fake_cuda` (the mode itself, and what it changes in torch, is described there)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from bench import fake_cuda_mode
-from bench.fake_cuda_mode import FakeAllocator, ScalerCalls
+from bench.measure import fake_cuda_mode
+from bench.measure.fake_cuda_mode import FakeAllocator, ScalerCalls
 
 
 @dataclass
@@ -59,9 +59,9 @@ class OpRecorder(TorchDispatchMode):
 
 @contextlib.contextmanager
 def recording_steps(recorder: OpRecorder) -> Iterator[None]:
-    """The recorder active only inside `bench.runner.Session.step` (the steps the runner times and measures), and
+    """The recorder active only inside `bench.run.runner.Session.step` (the steps the runner times and measures), and
     told when the model's forward runs (`Session.forward`, inside the strategy's forward context)."""
-    from bench.runner import Session
+    from bench.run.runner import Session
 
     step, forward = Session.step, Session.forward
 
@@ -85,7 +85,7 @@ def recording_steps(recorder: OpRecorder) -> Iterator[None]:
 @contextlib.contextmanager
 def fake_cuda(record: bool = False, allocator: FakeAllocator | None = None
               ) -> Iterator[tuple[ScalerCalls, OpRecord | None]]:
-    """`bench.fake_cuda_mode.fake_cuda`: (GradScaler's calls, the operators the runner's steps ran if `record`)."""
+    """`bench.measure.fake_cuda_mode.fake_cuda`: (GradScaler's calls, the operators the runner's steps ran if `record`)."""
     recorder = OpRecorder(active=False) if record else None
     inner = [recorder, recording_steps(recorder)] if recorder is not None else []
     with fake_cuda_mode.fake_cuda(allocator, inner) as calls:

@@ -22,12 +22,12 @@ import pytest
 import torch
 import yaml
 
-from bench import isolation
-from bench.fake_cuda import worker_environment
-from bench.isolation import RunOptions, run_in_worker
-from bench.runner import Case, run_case, run_cases
+from bench.measure.fake_cuda import worker_environment
+from bench.measure.fake_cuda_mode import FakeAllocator
+from bench.run import isolation
+from bench.run.isolation import RunOptions, run_in_worker
+from bench.run.runner import Case, run_case, run_cases
 from strategies import STRATEGIES
-from bench.fake_cuda_mode import FakeAllocator
 from tests_cuda_fake.fake_mode import fake_cuda
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -19,8 +19,8 @@ import pandas as pd
 import pytest
 import torch
 
-from bench import predict
-from bench.runner import Case
+from bench.analysis import predict
+from bench.run.runner import Case
 from strategies import STRATEGIES
 from tests_cuda_fake.test_cuda_path import DEVICE_INDEPENDENT_REASONS, WORKLOADS
 

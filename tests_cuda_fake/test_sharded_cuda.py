@@ -1,8 +1,8 @@
 """The sharded strategies (ddp, zero1, fsdp) on fake CUDA: each rank of a 2-rank run in turn, in this one process.
 
-`--ranks N --device cuda` starts N processes joined by NCCL, one GPU each (bench/ranks.py); here one process is each
+`--ranks N --device cuda` starts N processes joined by NCCL, one GPU each (bench/run/ranks.py); here one process is each
 rank in turn, inside PyTorch's fake process group restricted to CUDA tensors as NCCL is
-(`bench.ranks.fake_process_group(2, rank, device="cuda")`: collectives move no data, and one on a host tensor fails as
+(`bench.run.ranks.fake_process_group(2, rank, device="cuda")`: collectives move no data, and one on a host tensor fails as
 under NCCL), on fake CUDA tensors (fake_mode.py), through the runner's CUDA branch (`run_case` with `ranks=2`, as a
 rank process runs it). Asserted for FSDP2 (and its compositions with amp and checkpoint): the row's status, every
 tensor of the steps on the GPU, this rank's 1/N of the batch, of every parameter and of the optimizer state (local
@@ -25,10 +25,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from bench import isolation
-from bench.isolation import RunOptions
-from bench.ranks import fake_process_group
-from bench.runner import Case, Session, bind_case, run_case
+from bench.run import isolation
+from bench.run.isolation import RunOptions
+from bench.run.ranks import fake_process_group
+from bench.run.runner import Case, Session, bind_case, run_case
 from strategies import STRATEGIES
 from tests_cuda_fake.fake_mode import fake_cuda
 from tests_cuda_fake.test_cuda_path import FP32_UNDER_AUTOCAST, MATMULS, WORKLOADS, components
@@ -243,11 +243,11 @@ def test_fsdp_on_the_cpu_stays_on_the_cpu_where_torch_sees_a_gpu(sessions):
 
 
 def test_a_rank_process_joins_nccl_on_its_gpu(monkeypatch):
-    """What a rank process of `--ranks N --device cuda` does first (`bench.ranks.join_process_group`): its GPU
+    """What a rank process of `--ranks N --device cuda` does first (`bench.run.ranks.join_process_group`): its GPU
     (LOCAL_RANK) made current, then NCCL. Here with one rank, since the stubs have one device: rank 1's GPU does not
     exist, so N processes cannot start. A collective on fake tensors stops at its fake implementation: NCCL's own
     code (its communicator, made at the first real collective) never runs."""
-    from bench.ranks import _free_port, join_process_group
+    from bench.run.ranks import _free_port, join_process_group
 
     for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                         "MASTER_PORT": str(_free_port())}.items():

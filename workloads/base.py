@@ -24,9 +24,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from bench.errors import UsageError
-from bench.options import changed_options, check_option_names
-from bench.registry import Registry
+from bench.core.errors import UsageError
+from bench.core.options import changed_options, check_option_names
+from bench.core.registry import Registry
 
 WORKLOADS: Registry[type["Workload"]] = Registry("workload")
 register_workload = WORKLOADS.register

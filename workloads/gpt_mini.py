@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from bench.errors import UsageError
+from bench.core.errors import UsageError
 from workloads import text_data
 from workloads.base import Workload, register_workload
 

@@ -22,8 +22,8 @@ import tempfile
 import warnings
 from pathlib import Path
 
-from bench.errors import UsageError, choices_error
-from bench.options import parse_option_parts
+from bench.core.errors import UsageError, choices_error
+from bench.core.options import parse_option_parts
 from workloads.base import WORKLOADS, Workload
 
 ENTRY_POINT_GROUP = "membench.workloads"

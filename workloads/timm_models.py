@@ -28,7 +28,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _disable_current_modes
 
-from bench.errors import UsageError
+from bench.core.errors import UsageError
 from workloads.base import Workload, register_workload, tensors_of
 
 INSTALL_HINT = "pip install 'membench[timm]' (in a checkout: make install)"

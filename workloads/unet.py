@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from bench.errors import UsageError
+from bench.core.errors import UsageError
 from workloads import unet_data
 from workloads.base import Workload, register_workload
 

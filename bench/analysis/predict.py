@@ -1,0 +1,386 @@
+"""Predicting a case's peak memory on a device this machine may not have: `torch.cuda.max_memory_allocated` and
+`max_memory_reserved` on CUDA, or the exact live tensor bytes on the CPU.
+
+The step runs under the exact live-tensor tracker on an engine: `fake-cuda` (CUDA's own operators on fake tensors,
+in the fake-CUDA environment's Python, `bench.measure.fake_cuda`: a subprocess when this Python is another), `fake`
+(PyTorch's fake tensors with the CPU's operators: shapes, dtypes and autocast, no arithmetic; seconds at any batch
+size), `meta` (shapes only; no autocast) or `cpu` (a real step). For CUDA the tracker's log of allocations and frees
+is replayed through a model of the caching allocator (`bench.measure.cuda_allocator`), with cuBLAS's workspaces. What the
+prediction assumes, per engine used, is `assumptions()`, printed by `python -m bench predict --device cuda`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import warnings
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+
+from bench.analysis.fake_engine import fake_memory_pass
+from bench.core.errors import Unsupported, UsageError
+from bench.measure import cuda_allocator, fake_cuda, memory
+from bench.measure.fake_cuda_mode import FakeAllocator, fake_cuda as fake_cuda_tensors, is_fake_device
+from bench.run.ranks import fake_process_group, in_rank_process
+from bench.run.runner import CaseMeter, MEMORY_WARMUP_STEPS, bind_case, forget_traceback, memory_pass
+
+CUDA_BLOCK_BYTES = 512
+ENGINES = ("auto", "fake-cuda", "fake", "meta", "cpu")
+CUDA_ONLY_ENGINES = ("fake-cuda",)
+
+# What each engine assumes (printed for the engines a table used), then what every CUDA prediction assumes.
+ENGINE_ASSUMPTIONS = {
+    "fake-cuda": [
+        "engine fake-cuda: the step (after CUDA's 2 warm-up steps) runs CUDA's own operators on PyTorch's fake"
+        " tensors, under the exact live-tensor tracker, in a CUDA build of torch (on a machine without a GPU the"
+        " fake-CUDA environment's, .venv-cuda-fake, whose CUDA libraries are stubs): CUDA's autocast op lists in"
+        " float16, cuDNN's batch norm, GradScaler's unscaling, the optimizers' multi-tensor (foreach)"
+        " implementations and their temporaries; no kernel runs, so choices a kernel or library makes at run time"
+        " are not seen, and choices that depend on the GPU model (the attention backend of"
+        " scaled_dot_product_attention) are made for the device that torch sees (the stubs' is an H100-like"
+        " compute capability 9.0), whatever --capability says",
+    ],
+    "fake": [
+        "engine fake: the step (after CUDA's 2 warm-up steps) runs under the exact live-tensor tracker on PyTorch's"
+        " fake tensors with the CPU's operators (no arithmetic); the CPU and CUDA kernels are assumed to return"
+        " tensors of the same sizes (on the CPU a loss returns its scalar in a buffer of the loss's elements, on"
+        " CUDA in a 512-byte block: fake tensors follow CUDA); the optimizers run their CPU implementation (Adam's"
+        " per-parameter loop, where CUDA's foreach implementation holds a temporary of every parameter at once:"
+        " when the optimizer step is the peak, as at small batches, CUDA's is higher)",
+        "engine fake: autocast runs in float16 (CUDA's default) instead of the CPU's bfloat16, but with the CPU's op"
+        " lists: ops that CUDA's autocast keeps in float32 and the CPU's does not (or the reverse) are off by their"
+        " output size",
+    ],
+    "cpu": [
+        "engine cpu: the step (after CUDA's 2 warm-up steps) runs for real on the CPU under the exact live-tensor"
+        " tracker (where fake tensors cannot run the strategy, or for a sharded strategy's ranks), with autocast in"
+        " float16 and the CPU's op lists; the CPU's kernels are assumed to return tensors of CUDA's sizes",
+    ],
+    "meta": [
+        "engine meta: the step runs on meta tensors (shapes only) under the exact live-tensor tracker; autocast"
+        " cannot run there (such a strategy is an error row)",
+    ],
+}
+
+ASSUMPTIONS = [
+    "allocated and reserved replay the tracker's exact sequence of allocations and frees through a model of CUDA's"
+    " caching allocator with default settings (no PYTORCH_CUDA_ALLOC_CONF): 512-byte rounding, requests up to 1 MiB"
+    " from 2 MiB segments, larger ones from 20 MiB segments (under 10 MiB) or rounded to 2 MiB, best fit, blocks"
+    " split when the rest is >= 512 B (small) or > 1 MiB (large), an unsplit block counted whole; one stream, no"
+    " empty_cache",
+    "counted, as max_memory_allocated counts them: cuBLAS's workspace (8,519,680 B per thread that runs a matrix"
+    " product, 32 MiB on compute capability 9.0, or as CUBLAS_WORKSPACE_CONFIG says), one for the forward's thread"
+    " and one for autograd's backward thread",
+    "not modelled: cuDNN's convolution workspaces (allocated through the caching allocator for the duration of each"
+    " convolution, freed after it): max_memory_allocated can exceed the prediction by the workspace of the"
+    " convolution running at the peak, typically a few MiB and unbounded in principle; larger with cudnn.benchmark,"
+    " whose autotuning in the warm-up steps can also leave its trial workspaces' segments in max_memory_reserved;"
+    " CUDNN_CONV_WSCAP_DBG=<MiB> caps each one",
+    "not counted, as max_memory_allocated does not count them: the CUDA context and kernels' own buffers outside"
+    " the caching allocator",
+]
+
+
+def assumptions(engines: Iterable[str | None]) -> list[str]:
+    """What a CUDA prediction made on `engines` (the rows' engine column) assumes: each engine's own lines, then
+    those of every CUDA prediction (`ASSUMPTIONS`)."""
+    used = [name for name in ENGINE_ASSUMPTIONS if name in set(engines)]
+    return [line for name in used for line in ENGINE_ASSUMPTIONS[name]] + ASSUMPTIONS
+
+
+@dataclass
+class TrackedStep:
+    """One tracked steady-state step: its exact peak of live tensor bytes (rounded per storage to `block_bytes`)
+    and, when recorded, the tracker's event log."""
+
+    peak_bytes: int
+    events: list | None
+    engine: str
+
+
+class _UsesAutocast(Exception):
+    """Raised by the meta engine when the strategy turns autocast on: meta tensors ignore autocast."""
+
+
+def _cuda_like_forward(strategy, engine: str):
+    """The strategy's forward context, with CPU autocast switched to float16 (CUDA's autocast dtype)."""
+    original = strategy.forward
+
+    @contextlib.contextmanager
+    def forward():
+        with original():
+            if torch.is_autocast_enabled("cpu"):
+                if engine == "meta":
+                    raise _UsesAutocast()
+                with torch.autocast("cpu", dtype=torch.float16):
+                    yield
+            else:
+                yield
+
+    return forward
+
+
+def bound_device(engine: str) -> str:
+    """The device a strategy is bound to for a step on `engine`: CUDA for fake-cuda, else the CPU (the fake and
+    meta engines run the CPU-bound strategy on their own tensors)."""
+    return "cuda" if engine == "fake-cuda" else "cpu"
+
+
+def tracked_step(case, spec: str, engine: str = "fake", block_bytes: int = 1, cuda_autocast: bool = True,
+                 ranks: int = 1, record_events: bool = False, warmup_steps: int | None = None,
+                 planned=None) -> TrackedStep:
+    """One steady-state step of `case` tracked on `engine` (fake-cuda, fake, meta or cpu: the case's device is
+    ignored but by fake-cuda, which needs a fake CUDA device in this process); for a sharded strategy, the rank with
+    the largest peak of its `ranks` ranks, each run in turn in this process as that rank of PyTorch's fake process
+    group, on `engine` (cpu, or fake-cuda where the strategy runs on fake tensors: FSDP2 does, DDP's C++ reducer
+    does not; shards of the batch and of parameters differ by rank). `planned`: the strategy bound to the
+    engine's device whose `plan()` has run (a checkpoint budget's plan), used as it is."""
+    device = bound_device(engine)
+    strategy = planned if planned is not None else bind_case(replace(case, strategy=spec, device=device), ranks)[0]
+    if strategy.distributed and not in_rank_process():
+        steps = []
+        for rank in range(ranks):  # on fake-cuda the group, as NCCL, serves CUDA tensors only
+            with fake_process_group(ranks, rank, device="cuda" if device == "cuda" else None):
+                steps.append(tracked_step(case, spec, engine, block_bytes, cuda_autocast, ranks, record_events,
+                                          warmup_steps))
+        return max(steps, key=lambda step: step.peak_bytes)
+    if cuda_autocast and engine != "fake-cuda":
+        strategy.forward = _cuda_like_forward(strategy, engine)
+    tracker = memory.LiveTensorTracker("meta" if engine == "meta" else device, block_bytes=block_bytes, record_events=record_events)
+    # the peak only: no step after the measured one (mem_growth_bytes_per_step is not predicted)
+    options = {"warmup_steps": warmup_steps, "growth_steps": 0}
+    if engine == "fake-cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("the fake-cuda engine runs in a torch that sees a CUDA device: a GPU's, or the "
+                               f"stubs' fake one of the fake-CUDA environment ({fake_cuda.VENV.name})")
+        # no capacity: a prediction may exceed the device torch sees (the stubs' 80 GiB, or this GPU's)
+        with fake_cuda_tensors(allocator=FakeAllocator(limit_bytes=sys.maxsize)):
+            measured = memory_pass(replace(case, device="cuda"), strategy, tracker=tracker, **options)
+    elif engine == "fake":
+        measured = fake_memory_pass(replace(case, device="cpu"), strategy, tracker=tracker, **options)
+    else:
+        measured = memory_pass(replace(case, device=engine), strategy, tracker=tracker, **options)
+    return TrackedStep(int(measured["peak_mem_bytes"]), tracker.events if record_events else None, engine)
+
+
+def tracked_peak(case, spec: str, engine: str = "fake", block_bytes: int = CUDA_BLOCK_BYTES,
+                 cuda_autocast: bool = True, ranks: int = 1) -> int:
+    """The tracked peak of one steady-state step of `case` on `engine` (see `tracked_step`)."""
+    return tracked_step(case, spec, engine, block_bytes, cuda_autocast, ranks).peak_bytes
+
+
+def has_gpu() -> bool:
+    """Whether this process sees a real CUDA device (not the fake-CUDA environment's stubs)."""
+    return torch.cuda.is_available() and not is_fake_device()
+
+
+def device_capability() -> tuple[int, int] | None:
+    """The compute capability of this machine's CUDA device 0, or None without a GPU."""
+    if has_gpu():
+        return torch.cuda.get_device_capability(0)
+    return None
+
+
+def cublas_workspace(capability: tuple[int, int] | None) -> int:
+    """cuBLAS's workspace per handle and stream: PyTorch's own figure where this torch can say it (a CUDA build
+    with a GPU), else CUBLAS_WORKSPACE_CONFIG or the default for `capability`."""
+    if has_gpu() and hasattr(torch.backends.cuda, "cublas_workspace_size"):
+        return int(torch.backends.cuda.cublas_workspace_size())
+    return cuda_allocator.workspace_from_environment(capability)
+
+
+# aten operators that run cuDNN's convolutions on CUDA (with their algorithm's workspace for the call's duration)
+CONVOLUTION_OPS = ("convolution", "convolution_backward", "cudnn_convolution")
+
+
+def cudnn_workspace_cap() -> int | None:
+    """The cap on each cuDNN convolution workspace that CUDNN_CONV_WSCAP_DBG (MiB, PyTorch's documented debug
+    variable) sets, in bytes; None when it is not set or not a number."""
+    text = os.environ.get("CUDNN_CONV_WSCAP_DBG", "")
+    return int(text) * 2**20 if text.isdigit() else None
+
+
+def _engines(engine: str, cuda: bool) -> list[str]:
+    """The engines to try in turn for `--engine`: auto is the fake engine (for CUDA on CUDA's operators where this
+    process's torch sees a CUDA device, the fake-CUDA environment's or a GPU), a real CPU step where it fails."""
+    if engine != "auto":
+        return [engine]
+    return (["fake-cuda"] if cuda and torch.cuda.is_available() else []) + ["fake", "cpu"]
+
+
+class PredictionMeter(CaseMeter):
+    """What a strategy's `plan()` measures, for predict: nothing runs on the case's device, so the peaks it would
+    measure (the baseline's, a candidate plan's) are predicted as well."""
+
+    def __init__(self, case):
+        super().__init__(replace(case, device="cpu"))
+
+    def measured_peak(self, strategy) -> int:
+        return self.predicted_peak(strategy)
+
+
+def predict_case(case, engine: str = "auto", ranks: int = 1, capability: tuple[int, int] | None = None) -> dict:
+    """One prediction row: strategy, phase, batch, the predicted peak (`predicted_bytes`: max_memory_allocated on
+    CUDA, exact live bytes on the CPU), on CUDA `predicted_reserved_bytes` (max_memory_reserved) and the cuBLAS
+    workspace counted, the engine used, status and message; for a sharded strategy the largest of `ranks` ranks.
+    `capability` is the CUDA device's compute capability (default: this machine's, else not Hopper)."""
+    row = {"workload": case.workload, "strategy": case.strategy, "phase": case.phase,
+           "batch_size": case.batch_size, "device": case.device, "predicted_bytes": None,
+           "predicted_mib": None, "predicted_reserved_bytes": None, "predicted_reserved_mib": None,
+           "cublas_workspace_bytes": None, "cudnn_workspace_bound_bytes": None, "engine": None, "status": "ok",
+           "message": "", "ranks": 1}
+    with warnings.catch_warnings():
+        # binding a strategy to `cuda` on a machine without CUDA: predict only reads its spec and checks it, and
+        # runs it on the CPU; a GradScaler's "CUDA is not available. Disabling." is about a scaler never used
+        warnings.filterwarnings("ignore", message=".*GradScaler is enabled, but CUDA is not available.*")
+        strategy, context = bind_case(case, ranks)
+    row["strategy"] = strategy.spec()
+    try:
+        strategy.check(context)
+    except Unsupported as error:
+        row.update(status="unsupported", message=str(error))
+        return row
+    cuda = case.device == "cuda"
+    engines = _engines(engine, cuda)
+    if strategy.distributed:  # the ranks run in turn in this process, on real CPU tensors or on fake CUDA ones
+        engines = [name for name in engines if name != "fake"] or ["cpu"]
+    planned = {}  # the strategy each engine's step runs, bound to its device and planned
+    try:
+        for device in dict.fromkeys(bound_device(name) for name in engines):
+            planned[device] = bind_case(replace(case, device=device), ranks)[0]
+            planned[device].plan(PredictionMeter(case))  # a checkpoint:budget chooses its plan, on predictions alone
+    except Unsupported as error:
+        row.update(status="unsupported", message=str(error))
+        return row
+    if any("checkpoint.planning_s" in s.describe() for s in planned.values()):
+        row["message"] = "plan chosen on predicted peaks, not confirmed by a run"
+    if strategy.cpu_memory_count != "live_tensors":
+        row.update(status="unsupported", message=f"{row['strategy']}: predict runs the step under the exact tracker, a "
+                   "dispatch mode under which dynamo runs the model eagerly, so the compiled step's memory cannot be "
+                   "predicted; measure it (`compare --device cpu` counts it at the CPU allocator)")
+        return row
+    if strategy.distributed:
+        row.update(ranks=ranks, message=f"largest rank of {ranks}, fake process group")
+    notes = [row["message"]] if row["message"] else []
+    for name in engines:
+        try:
+            step = tracked_step(case, row["strategy"], name, 1, cuda_autocast=cuda, ranks=ranks, record_events=cuda,
+                                warmup_steps=MEMORY_WARMUP_STEPS["cuda"] if cuda else None,
+                                planned=planned[bound_device(name)])
+        except Unsupported as error:  # found when the strategy meets the model (no ReLU to switch): no engine can
+            row.update(status="unsupported", message=str(error))
+            return row
+        except Exception as error:  # noqa: BLE001 - an engine may not run a strategy; the next one is the fallback
+            forget_traceback(error)
+            why = "autocast" if isinstance(error, _UsesAutocast) else type(error).__name__
+            if name == engines[-1]:
+                row.update(status="error", message=f"{type(error).__name__}: {error}".splitlines()[0][:300])
+                return row
+            notes.append(f"{name} engine failed ({why}): ran on the {engines[engines.index(name) + 1]}")
+            continue
+        row.update(engine=name, message="; ".join(notes))
+        if cuda:
+            workspace = cublas_workspace(capability or device_capability())
+            replayed = cuda_allocator.replay(step.events, workspace)
+            row.update(predicted_bytes=replayed.max_allocated_bytes,
+                       predicted_reserved_bytes=replayed.max_reserved_bytes,
+                       predicted_reserved_mib=round(replayed.max_reserved_bytes / 2**20, 1),
+                       cublas_workspace_bytes=replayed.cublas_workspaces * workspace)
+            if any(e.kind == "op" and e.op.startswith(CONVOLUTION_OPS) for e in step.events):
+                row["cudnn_workspace_bound_bytes"] = cudnn_workspace_cap()
+                cap = row["cudnn_workspace_bound_bytes"]
+                bound = f" (<= {cap / 2**20:,.0f} MiB more)" if cap else ""
+                notes.append(f"cuDNN conv workspace not modelled{bound}")
+                row["message"] = "; ".join(notes)
+        else:
+            row["predicted_bytes"] = step.peak_bytes
+        row["predicted_mib"] = round(row["predicted_bytes"] / 2**20, 1)
+        return row
+    return row
+
+
+def progress_line(index: int, total: int, case, where: str = "") -> str:
+    """The line predict prints as it starts a case (`where`: " on fake CUDA" in the fake-CUDA environment)."""
+    return f"[{index + 1}/{total}] predicting {case.strategy} {case.phase} bs={case.batch_size}{where} ..."
+
+
+def predict_cases(cases: list, engine: str = "auto", ranks: int = 1, capability: tuple[int, int] | None = None,
+                  on_case: Callable[[int, object], None] | None = None) -> list[dict]:
+    """`predict_case` for each case, in order; `on_case(index, case)` is called before each.
+
+    CUDA cases on `auto` or `fake-cuda` run on CUDA's own operators: in this process where its torch sees a CUDA
+    device (a GPU, or the fake-CUDA environment's stubs), else in a subprocess of the fake-CUDA environment's Python
+    (`bench.measure.fake_cuda`), which predicts them all and falls back, case by case, to the fake and cpu engines as this
+    process would. Where that environment does not exist, `auto` is the fake engine and `fake-cuda` a UsageError
+    saying why; where the subprocess fails, the cases are predicted here and each row says why."""
+    if engine in CUDA_ONLY_ENGINES and any(case.device != "cuda" for case in cases):
+        raise UsageError(f"--engine {engine}: predicts CUDA only; with --device cpu choose one of "
+                         f"{', '.join(e for e in ENGINES if e not in CUDA_ONLY_ENGINES)}")
+    in_subprocess = (engine in ("auto", "fake-cuda") and any(case.device == "cuda" for case in cases)
+                     and not torch.cuda.is_available())
+    note = ""
+    if in_subprocess:
+        python = fake_cuda.environment_python()
+        if python is None and engine == "fake-cuda":
+            raise UsageError(f"--engine fake-cuda: {fake_cuda.unavailable_reason()}")
+        if python is not None:
+            rows, note = _predict_in_fake_cuda_environment(python, cases, engine, ranks, capability)
+            if rows is not None:
+                return rows
+            engine = "auto"
+    rows = []
+    for index, case in enumerate(cases):
+        if on_case is not None:
+            on_case(index, case)
+        row = predict_case(case, engine, ranks, capability)
+        if note and case.device == "cuda":
+            row["message"] = "; ".join(x for x in (note, row["message"]) if x)
+        rows.append(row)
+    return rows
+
+
+def _predict_in_fake_cuda_environment(python: Path, cases: list, engine: str, ranks: int,
+                                      capability: tuple[int, int] | None) -> tuple[list[dict] | None, str]:
+    """The cases' rows predicted by `python -m bench.analysis._predict_worker` in the fake-CUDA environment (its progress on
+    this process's stderr), or (None, why) when that process fails."""
+    request = {"cases": [asdict(case) for case in cases], "engine": engine, "ranks": ranks,
+               "capability": list(capability) if capability else None}
+    with tempfile.TemporaryDirectory(prefix="membench-predict-") as folder:
+        request_file, rows_file = Path(folder) / "request.json", Path(folder) / "rows.json"
+        request_file.write_text(json.dumps(request))
+        done = subprocess.run([str(python), "-m", "bench.analysis._predict_worker", str(request_file), str(rows_file)],
+                              env=fake_cuda.python_environment(), stdout=subprocess.DEVNULL)
+        answer = json.loads(rows_file.read_text()) if rows_file.exists() else {}
+    if done.returncode == 0 and "rows" in answer:
+        return answer["rows"], ""
+    why = answer.get("error") or f"its Python exited with code {done.returncode}"
+    return None, f"the fake-CUDA environment failed ({why[:200]}): predicted here"
+
+
+def format_predictions(rows: list[dict]) -> str:
+    """The console table: allocated (and on CUDA reserved) per case, the engine and any note."""
+    cuda = any(r["device"] == "cuda" for r in rows)
+    header = (f"{'strategy':<28} {'phase':<5} {'batch':>5} {'allocated bytes':>16} {'MiB':>9} "
+              + (f"{'reserved MiB':>12} {'cuBLAS MiB':>10} " if cuda else "") + f"{'engine':<6}  note")
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        b = f"{r['predicted_bytes']:,}" if r["predicted_bytes"] is not None else "-"
+        m = f"{r['predicted_mib']:.1f}" if r["predicted_mib"] is not None else "-"
+        extra = ""
+        if cuda:
+            reserved = r.get("predicted_reserved_mib")
+            workspace = r.get("cublas_workspace_bytes")
+            extra = (f"{reserved:>12.1f} " if reserved is not None else f"{'-':>12} ") + \
+                    (f"{workspace / 2**20:>10.1f} " if workspace is not None else f"{'-':>10} ")
+        note = r["status"] if r["status"] != "ok" else ""
+        note = "; ".join(x for x in (note, r["message"]) if x)
+        lines.append(f"{r['strategy']:<28} {r['phase']:<5} {r['batch_size']:>5} {b:>16} {m:>9} {extra}"
+                     f"{r['engine'] or '-':<6}  {note}")
+    return "\n".join(lines)

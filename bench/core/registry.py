@@ -1,0 +1,53 @@
+"""A name -> class registry filled by a decorator (the timm pattern); a duplicate name is an error."""
+
+from __future__ import annotations
+
+from typing import Callable, Generic, Iterator, TypeVar
+
+from bench.core.errors import choices_error
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    """Maps names to registered classes; `kind` names the thing in error messages ("strategy", "workload")."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self._items: dict[str, T] = {}
+
+    def register(self, cls: T) -> T:
+        """Class decorator: registers `cls` under `cls.name`; raises if that name is taken."""
+        name = getattr(cls, "name", None)
+        if not name:
+            raise ValueError(f"{cls!r} has no `name` to register it under")
+        if name in self._items:
+            raise ValueError(f"duplicate {self.kind} name {name!r}: already registered by {self._items[name]!r}")
+        self._items[name] = cls
+        return cls
+
+    def get(self, name: str) -> T:
+        """The class registered as `name`, or a UsageError listing the valid names."""
+        try:
+            return self._items[name]
+        except KeyError:
+            raise choices_error(self.kind, name, self.names()) from None
+
+    def names(self) -> list[str]:
+        """Registered names, in registration order."""
+        return list(self._items)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._items
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def unregister(self, name: str) -> None:
+        """Removes `name` (for tests that register throw-away classes)."""
+        self._items.pop(name, None)
+
+
+def registrar(registry: Registry) -> Callable:
+    """The `@register` decorator of one registry."""
+    return registry.register

@@ -1,0 +1,127 @@
+"""The environment a result was measured in, recorded in every row."""
+
+from __future__ import annotations
+
+import functools
+import platform
+import socket
+import subprocess
+from pathlib import Path
+
+import torch
+
+from bench.core.errors import UsageError
+
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+
+
+def resolve_device(device: str) -> str:
+    """`auto` -> cuda when available else cpu; `cuda` without a GPU is a UsageError."""
+    if device not in DEVICE_CHOICES:
+        raise UsageError(f"unknown device {device!r}; valid choices: {', '.join(DEVICE_CHOICES)}")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("device 'cuda' requested but torch.cuda.is_available() is False "
+                         f"(torch {torch.__version__}); valid choices here: auto, cpu")
+    return device
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_name() -> str:
+    """The CPU model from /proc/cpuinfo, else platform.processor()."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+@functools.lru_cache(maxsize=None)
+def git_commit() -> str:
+    """The commit of the membench checkout, with `-dirty` when it has uncommitted changes; `unknown` outside git."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True,
+                             text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+# /proc/cpuinfo flags that mean native 16-bit arithmetic: x86 (AVX-512 and AMX) and aarch64 (FEAT_BF16; FEAT_FP16,
+# shown as fphp for scalars and asimdhp for vectors). Without them oneDNN and ATen convert every 16-bit operand to
+# float32 and back: bfloat16 autocast then runs 15-23x slower than float32 (results/reference/captcha, AMD EPYC).
+NATIVE_16BIT_FLAGS = {
+    "bfloat16": ("avx512_bf16", "amx_bf16", "bf16"),
+    "float16": ("avx512_fp16", "amx_fp16", "fphp", "asimdhp"),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_flags() -> frozenset[str] | None:
+    """The first CPU's feature flags from /proc/cpuinfo (`flags` on x86, `Features` on aarch64); None elsewhere."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("flags", "Features"):
+                return frozenset(value.split())
+    except OSError:
+        pass
+    return None
+
+
+def _torch_says_native(dtype: str) -> bool:
+    """torch's own CPU probe (cpuinfo), for systems without /proc/cpuinfo; x86 only, False where it cannot tell."""
+    import torch.cpu
+
+    probes = {"bfloat16": ("_is_avx512_bf16_supported", "_is_amx_tile_supported"),
+              "float16": ("_is_amx_fp16_supported",)}[dtype]
+    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
+
+
+def cpu_16bit_support(flags: frozenset[str] | set[str] | None = None) -> dict[str, bool]:
+    """{"bfloat16": bool, "float16": bool}: whether the CPU has native arithmetic for each 16-bit float type.
+
+    `flags` (a set of /proc/cpuinfo flags) replaces this machine's, so that the answer for any CPU can be tested."""
+    flags = cpu_flags() if flags is None else frozenset(flags)
+    if flags is None:
+        return {dtype: _torch_says_native(dtype) for dtype in NATIVE_16BIT_FLAGS}
+    return {dtype: any(flag in flags for flag in names) for dtype, names in NATIVE_16BIT_FLAGS.items()}
+
+
+def emulated_on_cpu(dtype: str | None, device: str, support: dict[str, bool] | None = None) -> bool:
+    """Whether arithmetic in `dtype` (a 16-bit float type, or None) on `device` is emulated in float32 by the CPU."""
+    if device != "cpu" or dtype not in NATIVE_16BIT_FLAGS:
+        return False
+    return not (support or cpu_16bit_support())[dtype]
+
+
+def device_name(device: str) -> str:
+    """The GPU's name on CUDA, the CPU model on the CPU."""
+    return torch.cuda.get_device_name() if device == "cuda" else cpu_name()
+
+
+def environment(device: str) -> dict:
+    """torch, CUDA and cuDNN versions, device and host name, CPU threads and native 16-bit arithmetic, git commit,
+    Python and OS."""
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    support = cpu_16bit_support()
+    return {
+        "device_name": device_name(device),
+        "host_name": socket.gethostname(),
+        "torch_version": torch.__version__,
+        "cuda_version": torch.version.cuda or "none",
+        "cudnn_version": str(cudnn) if cudnn else "none",
+        "cpu_threads": torch.get_num_threads(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_bf16_native": support["bfloat16"],
+        "cpu_fp16_native": support["float16"],
+        "git_commit": git_commit(),
+        "python_version": platform.python_version(),
+        "platform": platform.platform(),
+    }

@@ -1,0 +1,62 @@
+"""Where the fake-CUDA environment is: a Python whose torch runs CUDA's code path on fake tensors, without a GPU.
+
+`make cuda-fake-env` builds it in `.venv-cuda-fake/` (PyPI's CUDA build of the pinned torch, with stub CUDA
+libraries compiled from the symbols torch imports; see tests_cuda_fake/make_stubs.py). Code that wants CUDA's own
+operators on a machine without a GPU (CUDA's autocast lists, cuDNN's batch norm) runs its step in that Python under
+`bench.measure.fake_cuda_mode.fake_cuda()`: the allocator sees nothing there, so no memory figure is measured, only
+what the operators do. This module only says where that Python is, or why there is none; it imports no torch.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+VENV = ROOT / ".venv-cuda-fake"
+INSTALLED_STAMP = ".installed"  # written by the Makefile when the environment and its stubs are complete
+UNAVAILABLE_FILE = "fake-cuda-unavailable.txt"  # why the stubs could not be built (tests_cuda_fake/make_stubs.py)
+# what makes an isolated worker (`python -m bench.run._worker`) of that Python run its case on fake CUDA tensors
+WORKER_PLUGIN = "bench.measure.fake_cuda_mode"
+WORKER_FLAG = "MEMBENCH_FAKE_CUDA_WORKER"
+
+
+def environment_python(venv: Path | None = None) -> Path | None:
+    """The fake-CUDA environment's python (`venv`, default `VENV`), or None when it is not built
+    (`unavailable_reason()` says why)."""
+    venv = venv or VENV
+    python = venv / "bin" / "python"
+    if (venv / INSTALLED_STAMP).exists() and python.exists() and not (venv / UNAVAILABLE_FILE).exists():
+        return python
+    return None
+
+
+def unavailable_reason(venv: Path | None = None) -> str | None:
+    """Why there is no fake-CUDA environment in `venv` (default `VENV`; None when there is one)."""
+    venv = venv or VENV
+    if environment_python(venv) is not None:
+        return None
+    written = venv / UNAVAILABLE_FILE
+    if written.exists():
+        return f"the fake-CUDA environment could not be built: {written.read_text().strip()}"
+    if venv.exists():
+        return f"the fake-CUDA environment in {venv} is incomplete: run `make cuda-fake-env` to see why"
+    return f"no fake-CUDA environment: `make cuda-fake-env` builds it in {venv}"
+
+
+def python_environment(base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment variables under which that Python imports this checkout (which it does not install):
+    `base` (default: this process's) with the checkout first on PYTHONPATH."""
+    env = dict(os.environ if base is None else base)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def worker_environment(base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment variables under which `python -m bench ...` in that Python runs each isolated case on fake
+    CUDA tensors (its workers import the fake-CUDA mode as a plugin): `python_environment(base)` plus those."""
+    env = python_environment(base)
+    plugins = [p for p in env.get("MEMBENCH_PLUGINS", "").split(",") if p.strip()]
+    env["MEMBENCH_PLUGINS"] = ",".join(plugins + [WORKER_PLUGIN] if WORKER_PLUGIN not in plugins else plugins)
+    env[WORKER_FLAG] = "1"
+    return env

@@ -1,0 +1,256 @@
+"""The fake-CUDA mode: membench's CUDA code path on fake tensors, in the fake-CUDA environment (`bench.measure.fake_cuda`).
+
+The stub libraries of that environment (tests_cuda_fake/make_stubs.py) make torch see one CUDA device; `fake_cuda()`
+makes the tensors fake, so that no kernel runs and nothing is allocated, while CUDA's own operators decide what each
+step creates (CUDA's autocast lists, cuDNN's batch norm, the fused optimizers). Used by the fake-CUDA tests and by
+`predict`'s `fake-cuda` engine. What it changes in torch, and why, all undone on exit:
+- `FakeCudaMode.avoid_device_init` is forced on: torch derives it from `torch.cuda.is_available()` (True here),
+  and without it `torch.tensor(0.0, device="cuda")` (BatchNorm's counter, GradScaler's scale) would be made real,
+  calling the stubs' cudaMalloc.
+- fake tensors made from an operator's meta result are not memoised: the memo holds a weak reference to each, and
+  `nn.Module.to()` must swap a fake parameter for its moved copy, which `torch.utils.swap_tensors` refuses for a
+  tensor with a weak reference. (FakeTensorMode's dispatch cache stays on: it keeps output metadata, not the
+  tensors, and every case of the fake-CUDA run passes with it, in two thirds of the time.)
+- values: a number read from a fake tensor is a placeholder (`PlaceholderScalars`), and GradScaler takes every
+  step (`counted_grad_scaler`, which also counts its calls).
+- `FakeAllocator` counts the live bytes of fake CUDA tensors, answers torch.cuda's allocator statistics from that
+  count, and raises CUDA's out-of-memory error past the process's memory fraction (which `--memory-limit` sets).
+- page-locked host memory (`FakePinnedMemory`) and the optimizers' `foreach` implementations
+  (`foreach_on_fake_tensors`) for fake tensors.
+- a `DeviceMesh` (FSDP2's) is built outside the fake mode (`device_meshes_outside_fake_mode`): its table of ranks
+  is host bookkeeping that it searches with `nonzero`, which a fake tensor cannot answer.
+`MEMBENCH_PLUGINS=bench.measure.fake_cuda_mode` with MEMBENCH_FAKE_CUDA_WORKER=1 (`bench.measure.fake_cuda.worker_environment`)
+makes an isolated worker (`python -m bench.run._worker`) run its case under the same mode: importing this module there
+enters it for the process's life.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Callable, ContextManager, Iterable, Iterator
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from bench.measure.fake_cuda import WORKER_FLAG
+from bench.measure.memory import LiveTensorTracker
+
+
+class FakeCudaMode(FakeTensorMode):
+    """FakeTensorMode for CUDA tensors on a machine whose CUDA libraries are stubs (see the module docstring)."""
+
+    avoid_device_init = True  # a property of FakeTensorMode: False wherever torch.cuda.is_available()
+
+    def __init__(self):
+        """A FakeTensorMode whose fake tensors carry no weak reference."""
+        super().__init__(allow_non_fake_inputs=True)
+
+        def from_meta_and_device(fake_mode, meta, device, pytype=None, dispatch_keys=None):
+            """FakeTensorConverter.from_meta_and_device without the weak memo (the meta tensor is fresh anyway)."""
+            return FakeTensor(fake_mode, meta, device, pytype=pytype, dispatch_keys=dispatch_keys)
+
+        self.fake_tensor_converter.from_meta_and_device = from_meta_and_device
+
+
+@dataclass
+class ScalerCalls:
+    """What GradScaler did: losses scaled, optimizers unscaled, steps taken."""
+
+    scaled: int = 0
+    unscaled: int = 0
+    steps: int = 0
+
+
+@contextlib.contextmanager
+def counted_grad_scaler() -> Iterator[ScalerCalls]:
+    """GradScaler's scale, unscale_ and step counted, and every step taken: whether it skips one (an infinite
+    gradient found, `found_inf.item()`) is data, which fake tensors do not have."""
+    scaler = torch.amp.GradScaler
+    saved = scaler.scale, scaler.unscale_, scaler._maybe_opt_step
+    calls = ScalerCalls()
+
+    def scale(self, outputs):
+        calls.scaled += 1
+        return saved[0](self, outputs)
+
+    def unscale_(self, optimizer):
+        calls.unscaled += 1
+        return saved[1](self, optimizer)
+
+    def maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
+        calls.steps += 1
+        return optimizer.step(*args, **kwargs)
+
+    scaler.scale, scaler.unscale_, scaler._maybe_opt_step = scale, unscale_, maybe_opt_step
+    try:
+        yield calls
+    finally:
+        scaler.scale, scaler.unscale_, scaler._maybe_opt_step = saved
+
+
+class FakeAllocator(LiveTensorTracker):
+    """Live bytes of fake CUDA tensors (512-byte blocks, as CUDA's allocator rounds), with an out-of-memory error past
+    `limit_bytes`, or past the memory fraction of the device's memory when no limit is given."""
+
+    def __init__(self, limit_bytes: int | None = None):
+        super().__init__("cuda", block_bytes=512)
+        self.limit_bytes = limit_bytes
+
+    def capacity(self) -> int:
+        """The bytes past which an allocation fails: the limit given, else the memory fraction of the device."""
+        if self.limit_bytes is not None:
+            return self.limit_bytes
+        total = torch.cuda.get_device_properties(0).total_memory
+        return int(torch.cuda.get_per_process_memory_fraction(0) * total)
+
+    def _update_peak(self, op: str) -> None:
+        """The tracker's peak update after each operator, then CUDA's out-of-memory error if over capacity."""
+        super()._update_peak(op)
+        if self.live_bytes > self.capacity():
+            raise torch.OutOfMemoryError(f"CUDA out of memory (fake allocator): {op} brought the live bytes to "
+                                         f"{self.live_bytes}, over {self.capacity()}")
+
+    @contextlib.contextmanager
+    def answering_memory_queries(self) -> Iterator[None]:
+        """torch.cuda's allocator statistics (what the runner reads) answered from this count while inside: the real
+        allocator never sees a fake tensor, so it would say 0 for every figure."""
+        cuda = torch.cuda
+        names = ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved",
+                 "reset_peak_memory_stats")
+        saved = {name: getattr(cuda, name) for name in names}
+        answers = {"memory_allocated": lambda device=None: self.live_bytes,
+                   "max_memory_allocated": lambda device=None: self.peak_bytes,
+                   "memory_reserved": lambda device=None: self.live_bytes,
+                   "max_memory_reserved": lambda device=None: self.peak_bytes,
+                   "reset_peak_memory_stats": lambda device=None: self.reset_peak()}
+        for name in names:
+            setattr(cuda, name, answers[name])
+        try:
+            yield
+        finally:
+            for name in names:
+                setattr(cuda, name, saved[name])
+
+
+class PlaceholderScalars(TorchDispatchMode):
+    """Answers what a fake tensor cannot: a number read from a tensor (`.item()`, `float(t)`) is 1, a truth value
+    (`bool(t)`) False, and `torch.equal`/`allclose` say True, so that the code that reads values (the verification
+    against the baseline, a DataLoader's seed, Adam's step count, which divides by `1 - beta ** step`) runs its
+    usual path; what it computes from them means nothing. GradScaler's "an infinite gradient was found" would read
+    1 here: `counted_grad_scaler` takes the step regardless."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            tensor = args[0]
+            return False if tensor.dtype == torch.bool else 1.0 if tensor.is_floating_point() else 1
+        if func in (torch.ops.aten.equal.default, torch.ops.aten.allclose.default):
+            return True
+        return func(*args, **(kwargs or {}))
+
+
+class FakePinnedMemory(TorchDispatchMode):
+    """Page-locked host memory for fake tensors, which FakeTensorMode does not implement (`aten._pin_memory`): a
+    pinned copy is a fake host tensor like the original, and a tensor it returned is pinned."""
+
+    def __init__(self):
+        super().__init__()
+        self.pinned: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._pin_memory.default:
+            copy = args[0].clone()
+            self.pinned.add(id(copy))
+            return copy
+        if func is torch.ops.aten.is_pinned.default:
+            return id(args[0]) in self.pinned
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def foreach_on_fake_tensors() -> Iterator[None]:
+    """Optimizers and gradient utilities take their `foreach` implementation only for tensors whose type is exactly
+    Tensor or Parameter: a FakeTensor is added to those lists, so that a fake step uses the implementation a real
+    GPU step uses (Adam's default on CUDA is foreach; it would fall back to the per-parameter loop)."""
+    from torch.optim import optimizer
+    from torch.utils import _foreach_utils
+
+    lists = (optimizer._foreach_supported_types, _foreach_utils._foreach_supported_types)
+    for types in lists:
+        types.append(FakeTensor)
+    try:
+        yield
+    finally:
+        for types in lists:
+            types.remove(FakeTensor)
+
+
+@contextlib.contextmanager
+def device_meshes_outside_fake_mode() -> Iterator[None]:
+    """`DeviceMesh(device_type, ranks)` built with the fake mode set aside, as PyTorch's own tracing builds a
+    sub-mesh (device_mesh.py, `unset_fake_temporarily`): the mesh's rank table is a real host tensor, as on a GPU.
+    (`init_device_mesh` makes its table before the constructor runs, so it still cannot run under the mode.)"""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    constructor = DeviceMesh.__init__
+
+    def built_outside(self, *args, **kwargs):
+        with unset_fake_temporarily():
+            constructor(self, *args, **kwargs)
+
+    DeviceMesh.__init__ = built_outside
+    try:
+        yield
+    finally:
+        DeviceMesh.__init__ = constructor
+
+
+_TENSOR_CACHES: list[Callable[[], None]] = []
+
+
+def clear_on_fake_mode_change(cache_clear: Callable[[], None]) -> None:
+    """Registers a cache of tensors (its `cache_clear`) to be emptied when a fake-CUDA mode starts and ends: inside,
+    its tensors are fake tensors of that mode, which none may outlive. The layers above register theirs."""
+    _TENSOR_CACHES.append(cache_clear)
+
+
+def _clear_tensor_caches() -> None:
+    for cache_clear in _TENSOR_CACHES:
+        cache_clear()
+
+
+def is_fake_device() -> bool:
+    """Whether this process's CUDA device is the stubs' fake one (the fake-CUDA environment), not a GPU."""
+    return torch.cuda.is_available() and "fake" in torch.cuda.get_device_name(0)
+
+
+@contextlib.contextmanager
+def fake_cuda(allocator: FakeAllocator | None = None, inner: Iterable[ContextManager] = ()) -> Iterator[ScalerCalls]:
+    """Everything inside runs on fake CUDA tensors; yields GradScaler's calls. `allocator` (default: one with no
+    limit but the memory fraction) counts the fake CUDA bytes and answers torch.cuda's memory statistics; `inner`
+    are entered last, inside all of that (a dispatch mode that should see what reaches the fake tensors)."""
+    _clear_tensor_caches()  # cached tensors are fake tensors of one mode: none may outlive it
+    allocator = allocator or FakeAllocator()
+    try:
+        with contextlib.ExitStack() as stack:
+            calls = stack.enter_context(counted_grad_scaler())
+            stack.enter_context(foreach_on_fake_tensors())
+            stack.enter_context(device_meshes_outside_fake_mode())
+            stack.enter_context(FakeCudaMode())
+            stack.enter_context(FakePinnedMemory())
+            stack.enter_context(PlaceholderScalars())
+            stack.enter_context(allocator)
+            stack.enter_context(allocator.answering_memory_queries())
+            for context in inner:
+                stack.enter_context(context)
+            yield calls
+    finally:
+        _clear_tensor_caches()
+
+
+if os.environ.get(WORKER_FLAG) == "1":  # an isolated worker, which imports this as a plugin
+    _worker_context = fake_cuda()
+    _worker_context.__enter__()

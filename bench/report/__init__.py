@@ -1,0 +1,1 @@
+"""The report: results files read back, charts and REPORT.md drawn from those CSVs alone."""

@@ -1,0 +1,59 @@
+"""`python -m bench.run._worker`: runs one repeat of one case in this fresh process (see bench.run.isolation).
+
+Reads {"case", "env", "options", "verify"} as JSON on stdin; prints the row as one `MEMBENCH_ROW {json}` line on
+stdout (other output of the case may precede it). Modules named in $MEMBENCH_PLUGINS are imported first, so
+strategies registered outside the `strategies` package exist here too.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+
+
+def import_plugins() -> None:
+    """Imports the modules $MEMBENCH_PLUGINS names (a comma list), as the process that started this one did."""
+    for module in filter(None, (m.strip() for m in os.environ.get("MEMBENCH_PLUGINS", "").split(","))):
+        importlib.import_module(module)
+
+
+def run_job(job: dict) -> dict:
+    """One repeat of one case, as described by `job` (see the module docstring); returns its row.
+
+    Also the body of a Ray task (bench.run.ray_executor). `job["workload_files"]` maps the path of a user's workload
+    file, as the spec names it, to its source, for a process that does not have the file (another machine)."""
+    import_plugins()
+
+    from bench.run.isolation import RunOptions
+    from bench.run.runner import Case, run_case
+    from workloads.loader import ship_file
+
+    for path, source in (job.get("workload_files") or {}).items():
+        ship_file(path, source)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # one rank of a sharded case (bench.run.ranks)
+        from bench.run.ranks import join_process_group
+
+        join_process_group(job["case"]["device"])
+    options = RunOptions(**{**job["options"], "isolate": False, "repeats": 1})
+    if options.memory_fraction is not None and job["case"]["device"] == "cuda":
+        import torch
+
+        torch.cuda.set_per_process_memory_fraction(options.memory_fraction)
+    row = run_case(Case(**job["case"]), job["env"], options, verify_result=job["verify"])
+    row["isolated"] = True
+    return row
+
+
+def main() -> int:
+    from bench.run.isolation import ROW_MARKER
+
+    row = run_job(json.loads(sys.stdin.read()))
+    sys.stdout.write(ROW_MARKER + json.dumps(row, default=str) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""How long the rest of a sweep will take, and how long a case whose 16-bit arithmetic the CPU emulates will take.
+
+Estimates only, from what this sweep has measured so far: a case's time is taken from the finished case most like
+it (the same strategy at another batch size, scaled by the batch; else the baseline at the same batch), and a case
+that autocasts to a 16-bit type the CPU has no instructions for (bench.measure.env.emulated_on_cpu) from the baseline's
+step time times the slowdown such emulation showed on the reference machine.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from bench.run.runner import Case, MEMORY_GROWTH_STEPS, MEMORY_WARMUP_STEPS
+
+# bfloat16 autocast emulated on a CPU without bfloat16 instructions, against the float32 baseline, 2 threads, AMD
+# EPYC (results/reference/captcha): amp 14.6x (train, batch 100) to 23.0x (eval, batch 100), checkpoint+amp 18.6x.
+EMULATED_SLOWDOWN = (15.0, 23.0)
+
+
+def case_steps(case: Case, step_s: float) -> int:
+    """How many steps a case runs in all, for a step of `step_s` seconds: one to verify, the timing pass (warm-up,
+    then its fixed count, or adaptive: at least `min_steps`, more while the budget lasts; the estimate assumes the
+    budget, not the interval, stops it) and the memory pass (warm-up, the measured step, the growth steps)."""
+    if case.steps is not None:
+        timed = case.steps
+    else:
+        timed = max(case.min_steps, math.ceil(case.max_time_s / max(step_s, 1e-9)))
+    memory = MEMORY_WARMUP_STEPS.get(case.device, 1) + 1 + MEMORY_GROWTH_STEPS
+    return 1 + case.warmup + timed + memory
+
+
+def emulated_case_seconds(case: Case, baseline_step_ms: float) -> tuple[float, float]:
+    """The (low, high) estimate of an emulated 16-bit case's time, from the float32 baseline's step time."""
+    low, high = (baseline_step_ms / 1e3 * factor for factor in EMULATED_SLOWDOWN)
+    return low * case_steps(case, low), high * case_steps(case, high)
+
+
+def emulation_warning(case: Case, dtype: str, cpu: str, baseline_step_ms: float | None) -> str:
+    """The line printed before an emulated case starts: what is emulated, why it is slow, and for how long."""
+    text = (f"note: {case.strategy} autocasts to {dtype}, which this CPU ({cpu}) has no instructions for: PyTorch "
+            f"emulates it in float32, {EMULATED_SLOWDOWN[0]:g}-{EMULATED_SLOWDOWN[1]:g}x slower than the float32 "
+            "baseline")
+    if baseline_step_ms is None:
+        return text + "; no baseline time yet to estimate this case from"
+    low, high = emulated_case_seconds(case, baseline_step_ms)
+    return text + f"; this case: about {duration(low)} to {duration(high)}"
+
+
+def duration(seconds: float) -> str:
+    """`42s`, `3m05s`, `1h02m`."""
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+@dataclass
+class SweepEstimate:
+    """The sweep's cases, which of them are emulated (their 16-bit dtype), and each finished case's seconds and row;
+    `seconds_left()` estimates what remains."""
+
+    cases: list[Case]
+    emulated: dict[int, str] = field(default_factory=dict)  # index -> dtype
+    seconds: dict[int, float] = field(default_factory=dict)
+    rows: dict[int, dict] = field(default_factory=dict)
+
+    def finished(self, index: int, seconds: float, row: dict) -> None:
+        """Records a finished case."""
+        self.seconds[index] = seconds
+        self.rows[index] = row
+
+    def baseline_step_ms(self, case: Case) -> float | None:
+        """The step time of the finished `ok` baseline with the case's workload, phase, batch size and data."""
+        for index, row in self.rows.items():
+            other = self.cases[index]
+            if (other.strategy == "baseline" and row.get("status") == "ok"
+                    and (other.workload, other.phase, other.batch_size, other.data)
+                    == (case.workload, case.phase, case.batch_size, case.data)):
+                return float(row["step_time_ms_median"])
+        return None
+
+    def case_seconds(self, index: int) -> float | None:
+        """The estimate for one unfinished case (None when nothing alike has finished)."""
+        case = self.cases[index]
+        alike = [(abs(math.log(self.cases[i].batch_size / case.batch_size)), i) for i in self.seconds
+                 if (self.cases[i].workload, self.cases[i].strategy, self.cases[i].phase, self.cases[i].data)
+                 == (case.workload, case.strategy, case.phase, case.data)]
+        if alike:
+            nearest = min(alike)[1]
+            return self.seconds[nearest] * case.batch_size / self.cases[nearest].batch_size
+        step_ms = self.baseline_step_ms(case)
+        if index in self.emulated and step_ms is not None:
+            return sum(emulated_case_seconds(case, step_ms)) / 2
+        for i in self.seconds:
+            other = self.cases[i]
+            if other.strategy == "baseline" and (other.workload, other.phase, other.batch_size, other.data) == (
+                    case.workload, case.phase, case.batch_size, case.data):
+                return self.seconds[i]
+        return None
+
+    def seconds_left(self, running: int | None = None, running_for: float = 0.0) -> float | None:
+        """The estimated seconds until every case has finished; `running` is the index of the case under way, for
+        `running_for` seconds. Cases with no estimate count as the mean finished case; None before any finished."""
+        if not self.seconds:
+            return None
+        mean = sum(self.seconds.values()) / len(self.seconds)
+        left = 0.0
+        for index in range(len(self.cases)):
+            if index in self.seconds:
+                continue
+            estimate = self.case_seconds(index)
+            estimate = mean if estimate is None else estimate
+            if index == running:
+                estimate = max(estimate - running_for, 0.0)
+            left += estimate
+        return left

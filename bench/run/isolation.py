@@ -1,0 +1,140 @@
+"""Keeping one case's process-wide state out of the next: a state guard in-process, or a fresh worker process.
+
+In-process (`isolate=False`) every case runs inside `process_state()`, which sets the thread count and the
+determinism flags the run asked for and, on exit, restores every process-wide torch flag a strategy might
+flip (cuDNN benchmark/deterministic/enabled/TF32, deterministic algorithms, float32 matmul precision, grad
+mode, thread count), so that even a strategy that forgets to restore a flag cannot change the next case.
+What the guard cannot undo: the CUDA caching allocator's pool, cuDNN's autotuner cache, autocast caches, and
+anything a strategy builds in C++. Hence `isolate=True` (the default on CUDA): each case -- and each repeat --
+runs in a fresh `python -m bench.run._worker` process, which gets the case as JSON on stdin and prints its row as
+JSON on stdout. A worker that dies (non-zero exit, a signal, no row) becomes an `error` row naming the exit
+code and the last line of its stderr, and the sweep goes on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+ROW_MARKER = "MEMBENCH_ROW "
+PLUGINS_ENV = "MEMBENCH_PLUGINS"  # comma list of modules a worker imports first (e.g. to register strategies)
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How the cases of a run are measured (the same for every case, recorded in every row).
+
+    threads: `torch.set_num_threads` for each case; None = torch's default in this process (usually the number
+    of physical cores), resolved once by `resolved()` so isolated workers use the same number.
+    """
+
+    isolate: bool = False
+    repeats: int = 1
+    threads: int | None = None
+    deterministic: bool = False
+    executor: str = "local"  # where the cases ran: `local` (here) or `ray` (bench.run.ray_executor)
+    ranks: int = 1  # processes of torch.distributed for a sharded strategy's case (bench.run.ranks)
+    # `--memory-limit` as a fraction of the GPU's memory (torch.cuda.set_per_process_memory_fraction): a limit
+    # of the process that set it, so each worker process sets it again (bench.run._worker)
+    memory_fraction: float | None = None
+
+    def resolved(self) -> "RunOptions":
+        return replace(self, threads=self.threads or torch.get_num_threads())
+
+
+def _flags() -> dict[str, Any]:
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    return {
+        "cudnn.benchmark": cudnn.benchmark, "cudnn.deterministic": cudnn.deterministic,
+        "cudnn.enabled": cudnn.enabled, "cudnn.allow_tf32": cudnn.allow_tf32, "matmul.allow_tf32": matmul.allow_tf32,
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "grad_enabled": torch.is_grad_enabled(), "threads": torch.get_num_threads(),
+    }
+
+
+def _restore(flags: dict[str, Any]) -> None:
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    cudnn.benchmark, cudnn.deterministic = flags["cudnn.benchmark"], flags["cudnn.deterministic"]
+    cudnn.enabled, cudnn.allow_tf32 = flags["cudnn.enabled"], flags["cudnn.allow_tf32"]
+    matmul.allow_tf32 = flags["matmul.allow_tf32"]
+    torch.use_deterministic_algorithms(flags["deterministic_algorithms"], warn_only=flags["deterministic_warn_only"])
+    torch.set_float32_matmul_precision(flags["float32_matmul_precision"])
+    torch.set_grad_enabled(flags["grad_enabled"])
+    if torch.get_num_threads() != flags["threads"]:
+        torch.set_num_threads(flags["threads"])
+
+
+@contextlib.contextmanager
+def process_state(threads: int | None = None, deterministic: bool = False) -> Iterator[None]:
+    """Sets threads and determinism for one case; restores every process-wide flag of `_flags()` on exit."""
+    saved = _flags()
+    try:
+        if threads:
+            torch.set_num_threads(threads)
+        if deterministic:
+            torch.backends.cudnn.deterministic = True
+            torch.use_deterministic_algorithms(True)
+        yield
+    finally:
+        _restore(saved)
+
+
+def worker_env() -> dict[str, str]:
+    """The environment of a worker process (isolated case, Ray-less rank): this one's, with the checkout importable."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    if "CUBLAS_WORKSPACE_CONFIG" not in env:
+        env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # needed by use_deterministic_algorithms on CUDA >= 10.2
+    return env
+
+
+def crash_message(returncode: int, stderr: str) -> str:
+    """What a worker that died says in its row: how it ended, and the last line of its stderr."""
+    if returncode < 0:
+        try:
+            how = f"killed by signal {signal.Signals(-returncode).name}"
+        except ValueError:
+            how = f"killed by signal {-returncode}"
+    else:
+        how = f"exit code {returncode}"
+    last = next((line.strip() for line in reversed(stderr.splitlines()) if line.strip()), "")
+    return (f"worker crashed ({how})" + (f": {last}" if last else ""))[:500]
+
+
+def run_in_worker(case, env: dict | None, options: RunOptions, verify: bool = True,
+                  timeout: float | None = None) -> dict[str, Any]:
+    """Runs `run_case(case, env, options, verify_result=verify)` (one repeat) in a fresh Python process; returns its row.
+
+    A worker that crashes returns an error row (`worker_exit_code` holds its exit code, negative for a signal).
+    A worker ended by SIGINT (Ctrl-C reaching the process group) raises KeyboardInterrupt here, so that an
+    interrupted case leaves no row and `--resume` runs it again.
+    """
+    job = {"case": asdict(case), "env": env, "options": asdict(options), "verify": verify}
+    try:
+        done = subprocess.run([sys.executable, "-m", "bench.run._worker"], input=json.dumps(job), text=True,
+                              capture_output=True, env=worker_env(), timeout=timeout)
+    except subprocess.TimeoutExpired as error:
+        return {"status": "error", "message": f"worker timed out after {error.timeout:.0f} s",
+                "worker_exit_code": None}
+    if done.returncode in (-signal.SIGINT, 130):
+        raise KeyboardInterrupt
+    row = None
+    for line in done.stdout.splitlines():
+        if line.startswith(ROW_MARKER):
+            row = json.loads(line[len(ROW_MARKER):])
+    if done.returncode != 0 or row is None:
+        return {"status": "error", "message": crash_message(done.returncode, done.stderr),
+                "worker_exit_code": done.returncode}
+    return row

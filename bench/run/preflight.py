@@ -1,0 +1,163 @@
+"""Checks made before the first case runs: the output location, absurd values, every case's strategy, one run per file.
+
+A sweep can take hours; a mistake found after the first case has been measured costs that case's minutes, and
+a mistake that aborts the sweep halfway costs every case after it. So everything that can be known without
+measuring is checked here, up front, and reported as a UsageError that names the option and the limit.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.core.errors import Unsupported, UsageError
+
+# The steps of a case unless the suite or the command line says otherwise.
+DEFAULT_WARMUP_STEPS = 3
+DEFAULT_MEASURED_STEPS = 10  # what --quick and a suite's `steps` replace; not a default of `run` any more
+# Adaptive timing (bench.measure.timing.TimingPolicy) unless a step count is given: at least DEFAULT_MIN_STEPS timed steps,
+# then until the median's 95% interval is within DEFAULT_TARGET_CI (of the median) or DEFAULT_MAX_TIME_PER_CASE_S
+# seconds of timed steps have run. 5%: the smallest time effect the strategies are compared on (bench.measure.stats).
+DEFAULT_MIN_STEPS = 5
+DEFAULT_MAX_TIME_PER_CASE_S = 30.0
+DEFAULT_TARGET_CI = 0.05
+# More measured (or warm-up) steps than this per case is a typo, not a benchmark: at a tenth of a second a step,
+# the limit alone is 17 minutes of one case.
+MAX_STEPS = 10_000
+
+
+def check_output_dir(path: Path | str, option: str) -> Path:
+    """`path` as a folder we can write into (created if missing); a UsageError naming `option` otherwise.
+
+    Checked by creating and removing a file in it, since permissions alone do not tell: a read-only file system,
+    a folder where a file is, or a path under a file fail only when written to."""
+    path = Path(path)
+    try:
+        if path.exists() and not path.is_dir():
+            raise UsageError(f"{option} {str(path)!r} is a file, not a folder; give a folder (it is created if "
+                             "missing)")
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".membench-write-check.")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as error:
+        reason = error.strerror or str(error)
+        if error.errno == errno.ENOTDIR:
+            reason = "a part of the path is a file"
+        raise UsageError(f"{option} {str(path)!r} is not a writable folder: {reason}") from None
+    return path
+
+
+def check_output_file(path: Path | str, option: str) -> Path:
+    """A file we will rewrite (atomically, so its folder must be writable too): a UsageError naming `option`."""
+    path = Path(path)
+    check_output_dir(path.parent, f"{option}'s folder")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise UsageError(f"{option} {str(path)!r} is not writable")
+    return path
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+def machine_memory_bytes() -> int | None:
+    """Physical memory of this machine, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_threads(threads: int | None) -> None:
+    """`--threads` above the cores this process may use would time thread contention, not the strategy."""
+    cores = available_cores()
+    if threads is not None and threads > cores:
+        raise UsageError(f"--threads {threads} is more than the {cores} CPU cores available here; "
+                         f"give at most {cores}")
+
+
+def check_steps(value: int | None, option: str, minimum: int) -> None:
+    """A step count between `minimum` and MAX_STEPS; a UsageError naming `option` and the limit otherwise."""
+    if value is None:
+        return
+    if value < minimum:
+        raise UsageError(f"{option} {value}: must be at least {minimum}")
+    if value > MAX_STEPS:
+        raise UsageError(f"{option} {value} is more than the limit of {MAX_STEPS:,} steps per case; "
+                         "a few (3-30) measured steps give a stable median")
+
+
+def check_cases(cases: list, bind) -> None:
+    """Parses and checks every case's strategy against its workload, phase and device before any case runs.
+
+    `bind(case) -> (strategy, context)`. A strategy that cannot apply to one case (Unsupported) is left to become
+    that case's row; one that cannot apply anywhere (a UsageError) stops the run here, naming the case."""
+    seen = set()
+    for case in cases:
+        key = (case.workload, case.strategy, case.phase, case.device)
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            strategy, context = bind(case)
+            strategy.check(context)
+        except Unsupported:
+            continue
+        except UsageError as error:
+            raise UsageError(f"{case.strategy} on {case.workload} ({case.phase}, {case.device}): {error}") from None
+
+
+class RunLock:
+    """An exclusive lock on a results file for the duration of a run, so two `--resume` of one file cannot both
+    run its remaining cases (each would rewrite the file without the other's rows).
+
+    The lock is a hidden `.<name>.lock` beside the CSV (the CSV itself is replaced on every write, so a lock on it
+    would not outlive the first case); the kernel releases it when the process dies, even by SIGKILL."""
+
+    def __init__(self, results_path: Path | str):
+        results_path = Path(results_path)
+        self.path = results_path.with_name(f".{results_path.name}.lock")
+        self.results_path = results_path
+        self._fd: int | None = None
+
+    def __enter__(self) -> "RunLock":
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise UsageError(f"{str(self.results_path)!r} is being written by another membench run (locked by "
+                                 f"{str(self.path)!r}); wait for it to finish, or resume it after it stops") from None
+            # the holder before us removes the lock file on exit: a lock on that removed file guards nothing
+            try:
+                if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._fd is not None:
+            try:
+                self.path.unlink(missing_ok=True)
+            finally:
+                os.close(self._fd)
+                self._fd = None
+
+
+def warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,121 @@
+"""Sharded training: one case run as `--ranks N` processes of torch.distributed, launched as torchrun would.
+
+Each rank is a fresh `python -m bench.run._worker` process with torchrun's environment (RANK, LOCAL_RANK,
+WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT); it joins the process group (gloo on the CPU, NCCL on CUDA, one
+GPU a rank) and runs the case's passes as any case runs: verification against single-process training on the
+same global batch, timing, memory. Each rank measures its own peak (the exact tracker on the CPU,
+`max_memory_allocated` on CUDA). The case's row is rank 0's, with `peak_mem_bytes` and the breakdown of the
+largest rank, and `rank_peak_max_bytes` / `rank_peak_min_bytes` across ranks. A rank that fails makes the case
+an error row naming it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Iterator
+
+from bench.run.isolation import ROW_MARKER, RunOptions, crash_message, worker_env
+
+RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+BREAKDOWN_PREFIX = "peak_"
+
+
+def in_rank_process() -> bool:
+    """True inside a rank launched by `run_on_ranks` (torch.distributed already joined)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def join_process_group(device: str) -> None:
+    """Joins the process group torchrun's environment describes (a rank process calls this first)."""
+    import torch
+    import torch.distributed as dist
+
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+
+
+@contextlib.contextmanager
+def fake_process_group(ranks: int, rank: int = 0, device: str | None = None) -> Iterator[None]:
+    """This process as rank `rank` of `ranks` in PyTorch's fake process group: collectives run and move no data,
+    so one process steps through a sharded rank's work and allocations (bench.analysis.predict's per-rank estimate).
+    `device="cuda"` makes the group serve CUDA tensors only, as NCCL does: a collective on a host tensor then fails
+    as it would under NCCL ("No backend type associated with device type cpu")."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    backend = f"{device}:fake" if device else "fake"
+    dist.init_process_group(backend, store=FakeStore(), rank=rank, world_size=ranks)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_on_ranks(case, env: dict | None, options: RunOptions, verify: bool = True,
+                 timeout: float | None = None) -> dict[str, Any]:
+    """The case as `options.ranks` processes; the merged row (see the module docstring)."""
+    ranks = options.ranks
+    job = json.dumps({"case": asdict(case), "env": env, "options": asdict(options), "verify": verify})
+    port = str(_free_port())
+    with tempfile.TemporaryDirectory(prefix="membench-ranks-") as folder:
+        processes = []
+        for rank in range(ranks):
+            rank_env = {**worker_env(), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks),
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+            out, err = (open(Path(folder) / f"{rank}.{kind}", "w") for kind in ("out", "err"))
+            process = subprocess.Popen([sys.executable, "-m", "bench.run._worker"], stdin=subprocess.PIPE, stdout=out,
+                                       stderr=err, text=True, env=rank_env)
+            process.stdin.write(job)
+            process.stdin.close()
+            processes.append((process, out, err))
+        rows = []
+        for rank, (process, out, err) in enumerate(processes):
+            try:
+                code = process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                for other, _, _ in processes:
+                    other.kill()
+                return {"status": "error", "message": f"rank {rank} timed out after {timeout:.0f} s"}
+            out.close()
+            err.close()
+            text = (Path(folder) / f"{rank}.out").read_text()
+            row = next((json.loads(line[len(ROW_MARKER):]) for line in text.splitlines()
+                        if line.startswith(ROW_MARKER)), None)
+            if code != 0 or row is None:
+                for other, _, _ in processes:
+                    other.kill()
+                message = crash_message(code, (Path(folder) / f"{rank}.err").read_text())
+                return {"status": "error", "message": f"rank {rank}: {message}"[:500], "ranks": ranks}
+            rows.append(row)
+    return merge_rank_rows(rows)
+
+
+def merge_rank_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rank 0's row, with the largest rank's peak and breakdown and the spread of peaks across ranks."""
+    failed = next((r for r in rows if r.get("status") != "ok"), None)
+    merged = dict(failed or rows[0])
+    merged["ranks"] = len(rows)
+    if failed:
+        return merged
+    peaks = [int(r["peak_mem_bytes"]) for r in rows]
+    largest = rows[peaks.index(max(peaks))]
+    merged.update({k: v for k, v in largest.items() if k.startswith(BREAKDOWN_PREFIX) and k.endswith("_bytes")})
+    merged.update(rank_peak_max_bytes=max(peaks), rank_peak_min_bytes=min(peaks), _peaks=[max(peaks)])
+    return merged

@@ -1,0 +1,131 @@
+"""Sweeps on a Ray cluster: every case, and every repeat of a case, as a Ray task in a fresh worker process.
+
+`python -m bench compare ... --executor ray [--ray-address ADDRESS]`. Without an address a local Ray is started
+for the sweep, bound to 127.0.0.1, and stopped after it; with one (`auto`, `ray://head:10001`, `head:6379`) the
+sweep runs on that cluster. Each task runs `bench.run._worker.run_job` (the body of an `--isolate` worker) in a
+worker process that is never reused (`max_calls=1`), so one case cannot disturb the next, and is never retried
+(`max_retries=0`): a worker that dies (out of host memory, a killed node) becomes an `error` row that says so,
+and the sweep goes on. A CUDA case asks for a whole GPU, a CPU case for `--threads` CPUs.
+
+The workers get membench's code as the job's working directory (a Ray runtime environment: nothing is installed
+by hand on them) and the source of any workload given as `file.py:NAME`; on a remote cluster they also get
+membench's pure-Python dependencies by pip. PyTorch itself must be on the nodes (the cluster's image).
+The driver receives rows as tasks finish and the runner writes them as always: atomically, each at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable, Iterator
+
+from bench.core.errors import UsageError
+from bench.run._worker import run_job
+from bench.run.isolation import ROOT, RunOptions
+from bench.run.runner import Case, base_row, pool_repeats
+from workloads.loader import file_reference
+
+INSTALL_HINT = "pip install 'membench[ray]' (in a checkout: make install)"
+# what the workers do not need of the checkout (the runtime environment uploads the rest)
+EXCLUDES = [".git", ".venv", "results", "*.png", "*.pt", ".pytest_cache", ".benchmarks", "__pycache__", "build",
+            "*.egg-info"]
+REMOTE_PIP = ["pandas", "pyyaml", "captcha", "pillow"]  # membench's dependencies besides torch
+
+
+def import_ray():
+    """The ray module, or a one-line UsageError saying how to install it."""
+    try:
+        import ray
+    except ModuleNotFoundError:
+        raise UsageError(f"--executor ray needs the ray package, not installed: {INSTALL_HINT}") from None
+    return ray
+
+
+def workload_files(cases: list[Case]) -> dict[str, str]:
+    """The source of every workload file the cases name (`file.py:NAME`), by the path the spec gives."""
+    files = {}
+    for case in cases:
+        path = file_reference(case.workload)
+        if path and path not in files:
+            files[path] = Path(path).read_text(encoding="utf-8")
+    return files
+
+
+def runtime_env(remote: bool) -> dict:
+    """The workers' environment: membench's code, the data cache setting, and on a remote cluster its deps."""
+    env = {"working_dir": str(ROOT), "excludes": EXCLUDES}
+    passed = {k: os.environ[k] for k in ("MEMBENCH_CACHE", "MEMBENCH_PLUGINS") if k in os.environ}
+    if passed:
+        env["env_vars"] = passed
+    if remote:
+        env["pip"] = REMOTE_PIP
+    return env
+
+
+def _failure_row(case: Case, options: RunOptions, error: BaseException) -> dict:
+    message = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
+    row = base_row(case, None, options)
+    row.update(status="error", message=f"Ray task failed ({type(error).__name__}): {message.strip()}"[:500])
+    return row
+
+
+class RayExecutor:
+    """Runs a sweep's cases as Ray tasks (an executor for `bench.run.runner.run_cases`)."""
+
+    def __init__(self, address: str | None = None):
+        self.address = address
+
+    def _start(self, ray, options: RunOptions) -> bool:
+        """Connects to the cluster, or starts a local one; True when this call started it (and must stop it)."""
+        if ray.is_initialized():
+            return False
+        common = dict(runtime_env=runtime_env(remote=self.address is not None), include_dashboard=False,
+                      log_to_driver=False, logging_level=logging.WARNING)  # the progress lines are ours
+        if self.address:
+            ray.init(address=self.address, **common)
+        else:
+            ray.init(num_cpus=max(os.cpu_count() or 1, options.threads or 1), _node_ip_address="127.0.0.1",
+                     **common)
+        return True
+
+    def _check_resources(self, ray, cases: list[Case], options: RunOptions) -> None:
+        resources = ray.cluster_resources()
+        if any(c.device == "cpu" for c in cases) and resources.get("CPU", 0) < (options.threads or 1):
+            raise UsageError(f"--threads {options.threads}: the Ray cluster has {resources.get('CPU', 0):g} CPUs")
+        if any(c.device == "cuda" for c in cases) and resources.get("GPU", 0) < 1:
+            raise UsageError("--device cuda: the Ray cluster has no GPU")
+
+    def __call__(self, cases: list[Case], options: RunOptions,
+                 started: Callable[[int, Case], None]) -> Iterator[tuple[int, Case, dict]]:
+        """Submits every case's repeats at once (Ray schedules them on free resources) and yields each case as
+        its last repeat finishes; `started` is not called: when a task starts is Ray's business."""
+        ray = import_ray()
+        stop = self._start(ray, options)
+        try:
+            self._check_resources(ray, cases, options)
+            task = ray.remote(max_calls=1, max_retries=0)(run_job)
+            files = workload_files(cases)
+            pending: dict = {}
+            for index, case in enumerate(cases):
+                needs = {"num_gpus": 1, "num_cpus": 1} if case.device == "cuda" else {"num_cpus": options.threads}
+                for repeat in range(options.repeats):
+                    job = {"case": asdict(case), "env": None, "options": asdict(options), "verify": repeat == 0,
+                           "workload_files": files}
+                    pending[task.options(**needs).remote(job)] = (index, repeat)
+            repeats: dict[int, list[dict]] = {}
+            while pending:
+                [ref], _ = ray.wait(list(pending), num_returns=1)
+                index, _repeat = pending.pop(ref)
+                case = cases[index]
+                try:
+                    row = {**base_row(case, {}, options), **ray.get(ref)}
+                except ray.exceptions.RayError as error:
+                    row = _failure_row(case, options, error)
+                repeats.setdefault(index, []).append(row)
+                if len(repeats[index]) == options.repeats:
+                    yield index, case, pool_repeats(case, repeats.pop(index), options)
+        finally:
+            if stop:
+                ray.shutdown()

@@ -1,0 +1,223 @@
+"""Suite files: a YAML description of which cases to run, validated before anything runs."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bench.core.errors import UsageError
+from bench.run.preflight import DEFAULT_MAX_TIME_PER_CASE_S, DEFAULT_MIN_STEPS, DEFAULT_TARGET_CI, DEFAULT_WARMUP_STEPS
+from bench.run.runner import Case
+from strategies import PHASES, parse_strategy
+from workloads import get_workload
+
+DEFAULT_SUITE = Path(__file__).resolve().parent.parent / "suites" / "default.yaml"
+
+# key -> (type check, description); `devices` holds per-device overrides of the other keys.
+_FIELDS: dict[str, tuple[type, str]] = {
+    "workload": (str, "a workload spec"),
+    "workloads": (list, "a list of workload specs, or of mappings {workload: spec, <key>: override}"),
+    "data": (str, "a data source of the workload"),
+    "strategies": (list, "a list of strategy names"),
+    "phases": (list, "a list of phases"),
+    "batch_sizes": (list, "a list of positive integers"),
+    "warmup": (int, "a non-negative integer"),
+    "steps": (int, "a positive integer"),
+    "min_steps": (int, "a positive integer"),
+    "max_time_per_case": ((int, float), "a positive number of seconds"),
+    "target_ci": ((int, float), "a fraction between 0 and 1 (e.g. 0.05)"),
+    "executor": (str, "local or ray"),
+    "ray_address": (str, "a Ray cluster address (auto, ray://head:10001)"),
+}
+_DEVICE_KEYS = ("cpu", "cuda")
+# The keys of adaptive timing; `steps` (a fixed count) excludes them in the same mapping.
+ADAPTIVE_KEYS = ("min_steps", "max_time_per_case", "target_ci")
+_PER_WORKLOAD = ("data", "strategies", "phases", "batch_sizes", "warmup", "steps", *ADAPTIVE_KEYS)
+
+
+@dataclass
+class Suite:
+    """What to run: every strategy x phase x batch size of each workload.
+
+    `workloads` holds one entry per workload: its spec and any of `_PER_WORKLOAD` that differ from the suite's
+    own values. `batch_sizes` and `data` left at None mean each workload's default batch size and data source.
+    """
+
+    workloads: list[dict[str, Any]] = field(default_factory=lambda: [{"workload": "captcha_resnet18"}])
+    data: str | None = None
+    strategies: list[str] = field(default_factory=lambda: ["baseline"])
+    phases: list[str] = field(default_factory=lambda: list(PHASES))
+    batch_sizes: list[int] | None = None
+    warmup: int = DEFAULT_WARMUP_STEPS
+    steps: int | None = None  # a fixed count of timed steps; None: adaptive timing, as the three below say
+    min_steps: int = DEFAULT_MIN_STEPS
+    max_time_per_case: float = DEFAULT_MAX_TIME_PER_CASE_S
+    target_ci: float = DEFAULT_TARGET_CI
+    executor: str | None = None  # where the cases run (the command line's --executor wins)
+    ray_address: str | None = None
+
+    def set_workloads(self, specs: list[str]) -> None:
+        """Replaces the suite's workloads by `specs`, keeping no per-workload override."""
+        self.workloads = [{"workload": spec} for spec in specs]
+
+    def cases(self, device: str) -> list[Case]:
+        """Cases in run order: per workload, batch size and phase, the baseline first (the others compare to it)."""
+        cases = []
+        for entry in self.workloads:
+            values = {key: entry.get(key, getattr(self, key)) for key in _PER_WORKLOAD}
+            if any(key in entry for key in ADAPTIVE_KEYS) and "steps" not in entry:
+                values["steps"] = None
+            workload = get_workload(entry["workload"])
+            if values["data"] is not None:
+                workload.check_data(values["data"])
+            specs = ["baseline"] + [s for s in values["strategies"] if s != "baseline"]
+            sizes = values["batch_sizes"] or [workload.default_batch_size]
+            cases += [Case(workload.spec(), spec, phase, bs, device, values["data"], values["warmup"], values["steps"],
+                           values["min_steps"], float(values["max_time_per_case"]), float(values["target_ci"]))
+                      for bs in sizes for phase in values["phases"] for spec in specs]
+        return cases
+
+
+def _check_list(values: dict[str, Any], key: str, where: str) -> None:
+    items = values.get(key)
+    if items is None:
+        return
+    if not items:
+        raise UsageError(f"{where}: key {key!r} must not be empty; give {_FIELDS[key][1]}")
+    seen = set()
+    for item in items:
+        if key == "batch_sizes" and (not isinstance(item, int) or isinstance(item, bool) or item <= 0):
+            raise UsageError(f"{where}: key 'batch_sizes': batch size {item!r} must be a positive integer")
+        if key in ("strategies", "phases") and not isinstance(item, str):
+            raise UsageError(f"{where}: key {key!r}: entry {item!r} must be a name (a string)")
+        marker = repr(item) if isinstance(item, dict) else item
+        if marker in seen:
+            raise UsageError(f"{where}: key {key!r}: duplicate entry {item!r}")
+        seen.add(marker)
+
+
+def _check_workload(spec, data, where: str, key: str):
+    """The resolved workload of `spec`, with `data` (if given) checked against its data sources."""
+    if not isinstance(spec, str):
+        raise UsageError(f"{where}: key {key!r}: entry {spec!r} must be a workload spec (a string)")
+    try:
+        workload = get_workload(spec)
+        if data is not None:
+            workload.check_data(data)
+    except UsageError as error:
+        raise UsageError(f"{where}: key {key!r}: {error}") from None
+    return workload
+
+
+def validate(values: dict[str, Any], where: str) -> dict[str, Any]:
+    """Checks keys, types and names; raises UsageError naming the place, the key and the reason.
+
+    `workload` (one spec) is turned into `workloads` (a list of entries); every workload is resolved (a missing
+    file or unknown name fails here, before anything runs) and its data source checked."""
+    for key, value in values.items():
+        if key not in _FIELDS:
+            raise UsageError(f"{where}: unknown key {key!r}; valid keys: {', '.join([*_FIELDS, 'devices'])}")
+        kind, what = _FIELDS[key]
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise UsageError(f"{where}: key {key!r} must be {what}, got {value!r}")
+    if "workload" in values and "workloads" in values:
+        raise UsageError(f"{where}: give either key 'workload' or key 'workloads', not both")
+    for key in ("strategies", "phases", "batch_sizes", "workloads"):
+        _check_list(values, key, where)
+    for spec in values.get("strategies", []):
+        try:
+            parse_strategy(str(spec))
+        except UsageError as error:
+            raise UsageError(f"{where}: key 'strategies': {error}") from None
+    for phase in values.get("phases", []):
+        if phase not in PHASES:
+            raise UsageError(f"{where}: key 'phases': unknown phase {phase!r}; valid choices: {', '.join(PHASES)}")
+    if values.get("executor", "local") not in ("local", "ray"):
+        raise UsageError(f"{where}: key 'executor': unknown executor {values['executor']!r}; valid choices: local, ray")
+    if values.get("warmup", 0) < 0:
+        raise UsageError(f"{where}: key 'warmup' must be a non-negative integer, got {values['warmup']!r}")
+    if "steps" in values and values["steps"] <= 0:
+        raise UsageError(f"{where}: key 'steps' must be a positive integer, got {values['steps']!r}")
+    for key in ("min_steps", "max_time_per_case"):
+        if key in values and values[key] <= 0:
+            raise UsageError(f"{where}: key {key!r} must be {_FIELDS[key][1]}, got {values[key]!r}")
+    if "target_ci" in values and not 0 < values["target_ci"] < 1:
+        raise UsageError(f"{where}: key 'target_ci' must be {_FIELDS['target_ci'][1]}, got {values['target_ci']!r}")
+    adaptive = [key for key in ADAPTIVE_KEYS if key in values]
+    if "steps" in values and values["steps"] is not None and adaptive:
+        raise UsageError(f"{where}: key 'steps' fixes the number of timed steps; key {adaptive[0]!r} is for adaptive "
+                         "timing: give one or the other")
+    if "workload" in values:
+        values["workloads"] = [{"workload": values.pop("workload")}]
+    entries = []
+    for raw in values.get("workloads", []):
+        entry = {"workload": raw} if not isinstance(raw, dict) else dict(raw)
+        if "workload" not in entry:
+            raise UsageError(f"{where}: key 'workloads': entry {raw!r} has no 'workload' key")
+        optional = entry.pop("optional", False)
+        if not isinstance(optional, bool):
+            raise UsageError(f"{where}: key 'workloads': 'optional' must be true or false in entry {raw!r}")
+        extra = {k: v for k, v in entry.items() if k != "workload"}
+        bad = [k for k in extra if k not in _PER_WORKLOAD]
+        if bad:
+            raise UsageError(f"{where}: key 'workloads': unknown key {bad[0]!r} in entry {raw!r}; valid keys: "
+                             f"workload, optional, {', '.join(_PER_WORKLOAD)}")
+        validate(extra, f"{where} (workload {entry['workload']})")
+        try:
+            workload = _check_workload(entry["workload"], extra.get("data", values.get("data")), where, "workloads")
+        except UsageError as error:
+            if not optional:
+                raise
+            print(f"warning: skipping optional workload {entry['workload']!r}: {error}", file=sys.stderr)
+            continue
+        entries.append({**extra, "workload": workload.spec()})
+    if "workloads" in values:
+        values["workloads"] = entries
+    return values
+
+
+def load_suite(path: Path | str, device: str) -> Suite:
+    """Reads and validates a suite file, applying the overrides under `devices: {<device>: ...}`."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_bytes().decode("utf-8"))
+    except OSError as error:
+        raise UsageError(f"cannot read suite {str(path)!r}: {error.strerror}") from None
+    except UnicodeDecodeError as error:
+        raise UsageError(f"{path}: malformed suite: not UTF-8 text (byte 0x{error.object[error.start]:02x} at "
+                         f"offset {error.start}); a suite is a UTF-8 YAML file") from None
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark else ""
+        problem = str(getattr(error, "problem", None) or error).splitlines()[0]  # a ReaderError spans lines
+        raise UsageError(f"{path}: malformed YAML{at}: {problem}") from None
+    if not isinstance(raw, dict):
+        raise UsageError(f"{path}: a suite must be a mapping of keys ({', '.join(_FIELDS)}), got {type(raw).__name__}")
+    overrides = raw.pop("devices", None) or {}
+    if not isinstance(overrides, dict):
+        raise UsageError(f"{path}: key 'devices' must map {' / '.join(_DEVICE_KEYS)} to overrides, got {overrides!r}")
+    for dev in overrides:
+        if dev not in _DEVICE_KEYS:
+            raise UsageError(f"{path}: key 'devices.{dev}': unknown device {dev!r}; valid choices: "
+                             f"{', '.join(_DEVICE_KEYS)}")
+    values = validate(raw, str(path))
+    for dev, extra in overrides.items():
+        if not isinstance(extra, dict):
+            raise UsageError(f"{path}: key 'devices.{dev}' must be a mapping, got {extra!r}")
+        validate(extra, f"{path} (devices.{dev})")
+    override = overrides.get(device, {})
+    if any(key in override for key in ADAPTIVE_KEYS) and "steps" not in override:
+        values["steps"] = None  # the device's adaptive keys replace a fixed count given for every device
+    values.update(override)
+    return check_data(replace(Suite(), **values), str(path))
+
+
+def check_data(suite: Suite, where: str) -> Suite:
+    """Checks each workload's data source (the suite's `data` or its entry's) against what the workload makes."""
+    for entry in suite.workloads:
+        _check_workload(entry["workload"], entry.get("data", suite.data), where, "data")
+    return suite
