@@ -21,7 +21,9 @@ import pandas as pd
 import pytest
 
 from bench.analysis import explain as analysis
-from bench.cli.main import DEFAULT_OUT, _Progress, build_parser
+from bench.cli.arguments import DEFAULT_OUT
+from bench.cli.console import Progress
+from bench.cli.main import build_parser
 from bench.core import progress, results
 from bench.core.errors import UsageError
 from bench.report import charts
@@ -525,7 +527,7 @@ def test_progress_shows_the_step_within_a_case():
             pass
 
     screen = Terminal()
-    bar = _Progress(screen)
+    bar = Progress(screen)
     case = Case("deep_mlp:layers=4:width=8", "baseline", "eval", 2, "cpu", warmup=1, steps=3)
     bar.case(0, 1, case, None)
     with progress.listening(bar.step):
@@ -591,10 +593,8 @@ def test_the_progress_line_warns_of_a_mismatch_only(matches, warned):
     """An unverified row (matches_baseline empty: verification off, or fake tensors) is not a mismatch."""
     import io
 
-    from bench.cli.main import _Progress
-
     screen = io.StringIO()
-    bar = _Progress(screen)
+    bar = Progress(screen)
     case = Case("deep_mlp:layers=4:width=8", "baseline", "eval", 2, "cpu")
     bar.case(0, 1, case, None)
     bar.case(0, 1, case, {"status": "ok", "peak_mem_bytes": 2**20, "step_time_ms_median": 1.0,
