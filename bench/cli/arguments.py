@@ -16,9 +16,9 @@ from bench.run.preflight import (DEFAULT_MAX_TIME_PER_CASE_S, DEFAULT_MIN_STEPS,
 DEFAULT_WORKLOAD = "captcha_resnet18"
 WORKLOAD_HELP = ("a registered workload with options (see `list`; e.g. deep_mlp:layers=100, timm:resnet18) or "
                  "your own: path/to/file.py:NAME or package.module:NAME; default captcha_resnet18")
-# Where a user's own runs go. The committed reference runs live under results/reference/ and are never a default
-# output, so that no command of a user rewrites them.
-DEFAULT_OUT = "runs"
+# Where a user's own runs go: results/, git-ignored there. The committed reference runs live under
+# results/reference/ and are never a default output, so that no command of a user rewrites them.
+DEFAULT_OUT = "results"
 EXECUTORS = ("local", "ray")
 
 

@@ -11,7 +11,7 @@ from bench.run.preflight import check_output_dir
 
 
 def cmd_report(args) -> int:
-    """Draws the charts and REPORT.md from results CSVs alone (default: the newest CSV in runs/)."""
+    """Draws the charts and REPORT.md from results CSVs alone (default: the newest CSV in results/)."""
     try:
         budget = parse_size(args.budget) if args.budget else None
     except ValueError as error:
