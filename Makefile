@@ -1,4 +1,4 @@
-# membench: `make bench` runs the default suite into runs/, `make test` runs the tests.
+# membench: `make bench` runs the default suite into results/, `make test` runs the tests.
 # `make perf` prints membench's overhead over the bare training loop and the tracker's slowdown, then times each
 # strategy's train step with pytest-benchmark (benchmarks/, not run by `make test`).
 # All create .venv and install what they need on first use.
@@ -10,8 +10,9 @@ TORCH ?= torch==2.13.0
 TORCHVISION ?= torchvision==0.28.0
 DEVICE ?= auto
 SUITE ?= bench/suites/default.yaml
-# your own runs (git-ignored); the committed reference runs are under results/reference/ and no target writes there
-OUT ?= runs
+# your own runs (git-ignored in results/); the committed reference runs are under results/reference/, where no
+# target writes
+OUT ?= results
 # the generated data sets (bench: workloads/captcha_data.py), and where they go when that folder is unusable
 DATA_CACHE ?= $(or $(MEMBENCH_CACHE),$(HOME)/.cache/membench)
 DATA_CACHE_FALLBACK = $${TMPDIR:-/tmp}/membench-cache-$$(id -u)
@@ -93,7 +94,7 @@ test-cuda-fake: $(STAMP)
 	else $(PY) -m pytest tests_cuda_fake -q -o addopts=-ra; fi
 
 # --benchmark-enable overrides the --benchmark-disable in pyproject's addopts; --benchmark-autosave keeps each run
-# under .benchmarks/ for --benchmark-compare; the JSON of the latest run goes to runs/perf/ (git-ignored).
+# under .benchmarks/ for --benchmark-compare; the JSON of the latest run goes to results/perf/ (git-ignored).
 # First the harness's own overhead (benchmarks/overhead.py): membench's timed step against the article's bare loop,
 # and a step under the exact tracker against one without; both ratios are printed.
 perf: $(STAMP)

@@ -5,7 +5,8 @@ import io
 
 import pytest
 
-from bench.cli.main import _Progress, _sweep_estimate, cpu_16bit_lines
+from bench.cli.commands_run import cpu_16bit_lines
+from bench.cli.console import Progress
 from bench.measure import env
 from bench.run import eta
 from bench.run.runner import Case, run_case
@@ -77,10 +78,10 @@ def test_the_note_before_an_emulated_case_gives_the_estimate():
 def test_the_progress_prints_the_note_before_an_emulated_case_starts(monkeypatch):
     monkeypatch.setattr(env, "cpu_16bit_support", lambda flags=None: {"bfloat16": False, "float16": False})
     cases = [_captcha("baseline"), _captcha("amp")]
-    estimate = _sweep_estimate(cases)
+    estimate = eta.sweep_estimate(cases)
     assert estimate.emulated == {1: "bfloat16"}
     screen = io.StringIO()
-    bar = _Progress(screen, estimate, cpu="AMD EPYC")
+    bar = Progress(screen, estimate, cpu="AMD EPYC")
     bar.case(0, 2, cases[0], None)
     bar.case(0, 2, cases[0], {"status": "ok", "step_time_ms_median": 5681.0, "peak_mem_bytes": 1,
                               "matches_baseline": True, "measured_steps": 2, "timing_stop_reason": "time_budget"})
@@ -106,7 +107,7 @@ def test_the_estimate_of_the_time_left_scales_alike_cases():
 
 
 def test_the_table_says_which_times_are_emulated(monkeypatch):
-    from bench.cli.main import format_table
+    from bench.cli.console import format_table
     from bench.core import results
 
     monkeypatch.setattr(env, "cpu_16bit_support", lambda flags=None: {"bfloat16": False, "float16": True})

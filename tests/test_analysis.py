@@ -232,7 +232,7 @@ def test_cli_errors_exit_2_with_one_line(argv, capsys):
 
 
 def test_memory_limit_on_cpu_warns_and_does_nothing(capsys):
-    from bench.cli.main import apply_memory_limit
+    from bench.cli.commands_run import apply_memory_limit
 
     assert apply_memory_limit("2GiB", "cpu") is None
     assert "no effect" in capsys.readouterr().err

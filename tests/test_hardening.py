@@ -21,7 +21,9 @@ import pandas as pd
 import pytest
 
 from bench.analysis import explain as analysis
-from bench.cli.main import DEFAULT_OUT, _Progress, build_parser
+from bench.cli.arguments import DEFAULT_OUT
+from bench.cli.console import Progress
+from bench.cli.main import build_parser
 from bench.core import progress, results
 from bench.core.errors import UsageError
 from bench.report import charts
@@ -525,7 +527,7 @@ def test_progress_shows_the_step_within_a_case():
             pass
 
     screen = Terminal()
-    bar = _Progress(screen)
+    bar = Progress(screen)
     case = Case("deep_mlp:layers=4:width=8", "baseline", "eval", 2, "cpu", warmup=1, steps=3)
     bar.case(0, 1, case, None)
     with progress.listening(bar.step):
@@ -547,17 +549,38 @@ def test_fit_and_predict_show_progress(tmp_path):
 
 
 def test_no_default_output_is_inside_the_committed_reference_results(tmp_path):
-    """Every command's default output is runs/ (git-ignored); the reference runs are under results/reference/."""
-    assert not DEFAULT_OUT.startswith("results")
+    """Every command's default output is results/ (git-ignored there); the reference runs are under
+    results/reference/, which no default names, and `report` looks for the newest CSV in results/ alone."""
+    assert DEFAULT_OUT == "results"
     for name, sub in _subparsers(build_parser()).items():
         for action in sub._actions:
             if action.dest in ("out", "results") and action.default is not None:
                 assert action.default == DEFAULT_OUT, (name, action.dest)
-    assert "runs/" in (ROOT / ".gitignore").read_text().splitlines()
+                assert "reference" not in Path(action.default).parts, (name, action.dest)
     assert list((ROOT / "results" / "reference").rglob("REPORT.md"))
-    assert not list((ROOT / "results").glob("*.csv"))  # nothing that `report` could pick up and rewrite
+    if (ROOT / ".git").exists():  # nothing committed beside the README that `report` could pick up and rewrite
+        committed = subprocess.run(["git", "ls-files", "results"], cwd=ROOT, capture_output=True, text=True,
+                                   check=True).stdout.splitlines()
+        assert [path for path in committed if not path.startswith("results/reference/")] == ["results/README.md"]
     makefile = (ROOT / "Makefile").read_text()
-    assert re.search(r"^OUT \?= runs$", makefile, re.M)
+    assert re.search(r"^OUT \?= results$", makefile, re.M)
+    assert "$(OUT)/perf" in re.search(r"^perf:.*\n((?:\t.*\n)+)", makefile, re.M).group(1)
+
+
+@pytest.mark.skipif(not (ROOT / ".git").exists(), reason="not a git checkout")
+def test_git_ignores_the_users_runs_in_results_but_not_the_readme_or_the_reference_runs():
+    """A user's run in results/ (its CSV, charts, REPORT.md, `make perf`'s JSON) leaves `git status` clean; the
+    README and the committed reference runs stay tracked."""
+    def ignored(path: str) -> bool:
+        done = subprocess.run(["git", "check-ignore", "-q", "--no-index", path], cwd=ROOT)
+        assert done.returncode in (0, 1), path
+        return done.returncode == 0
+
+    for path in ("results/20260101T000000Z-cpu-abcd.csv", "results/20260101T000000Z-cpu-abcd.memory.png",
+                 "results/REPORT.md", "results/perf/x.json", "results/predict-20260101T000000Z-cpu-abcd.csv"):
+        assert ignored(path), path
+    for path in ("results/README.md", "results/reference/captcha/new-run.csv", str(REFERENCE_CSV.relative_to(ROOT))):
+        assert not ignored(path), path
 
 
 def test_make_clean_removes_what_the_readme_says():
@@ -591,10 +614,8 @@ def test_the_progress_line_warns_of_a_mismatch_only(matches, warned):
     """An unverified row (matches_baseline empty: verification off, or fake tensors) is not a mismatch."""
     import io
 
-    from bench.cli.main import _Progress
-
     screen = io.StringIO()
-    bar = _Progress(screen)
+    bar = Progress(screen)
     case = Case("deep_mlp:layers=4:width=8", "baseline", "eval", 2, "cpu")
     bar.case(0, 1, case, None)
     bar.case(0, 1, case, {"status": "ok", "peak_mem_bytes": 2**20, "step_time_ms_median": 1.0,

@@ -17,7 +17,8 @@ import pandas as pd
 import pytest
 import torch
 
-from bench.cli.main import format_table, main
+from bench.cli.console import format_table
+from bench.cli.main import main
 from bench.core import results
 from bench.core.errors import UsageError
 from bench.measure.stats import bootstrap_median_ci, summarize_timing

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 import torch
 
-from bench.cli.main import format_table
+from bench.cli.console import format_table
 from bench.core.errors import UsageError
 from bench.core.results import is_pitfall, to_frame
 from bench.measure import memory

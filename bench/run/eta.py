@@ -11,7 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from bench.run.runner import Case, MEMORY_GROWTH_STEPS, MEMORY_WARMUP_STEPS
+from bench.measure import env
+from bench.run.runner import Case, MEMORY_GROWTH_STEPS, MEMORY_WARMUP_STEPS, autocast_dtype, bind_case
 
 # bfloat16 autocast emulated on a CPU without bfloat16 instructions, against the float32 baseline, 2 threads, AMD
 # EPYC (results/reference/captcha): amp 14.6x (train, batch 100) to 23.0x (eval, batch 100), checkpoint+amp 18.6x.
@@ -117,3 +118,16 @@ class SweepEstimate:
                 estimate = max(estimate - running_for, 0.0)
             left += estimate
         return left
+
+
+def sweep_estimate(cases: list[Case]) -> SweepEstimate:
+    """A SweepEstimate of the cases, knowing which autocast to a 16-bit type this CPU emulates."""
+    emulated = {}
+    for index, case in enumerate(cases):
+        try:
+            dtype = autocast_dtype(bind_case(case)[0])
+        except Exception:  # noqa: BLE001 - a case that cannot bind fails as a row of its own; no estimate for it
+            continue
+        if env.emulated_on_cpu(dtype, case.device):
+            emulated[index] = dtype
+    return SweepEstimate(list(cases), emulated)

@@ -1,4 +1,5 @@
-"""Checks made before the first case runs: the output location, absurd values, every case's strategy, one run per file.
+"""Checks made before the first case runs: the output location, absurd values, every case's strategy, whether the
+largest batch fits in this machine's memory, one run per file.
 
 A sweep can take hours; a mistake found after the first case has been measured costs that case's minutes, and
 a mistake that aborts the sweep halfway costs every case after it. So everything that can be known without
@@ -12,15 +13,18 @@ import fcntl
 import os
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
 
-from bench.core.errors import Unsupported, UsageError
+from bench.core.errors import Unsupported, UsageError, choices_error
+from bench.core.units import format_size
 
 # The steps of a case unless the suite or the command line says otherwise.
 DEFAULT_WARMUP_STEPS = 3
 DEFAULT_MEASURED_STEPS = 10  # what --quick and a suite's `steps` replace; not a default of `run` any more
-# Adaptive timing (bench.measure.timing.TimingPolicy) unless a step count is given: at least DEFAULT_MIN_STEPS timed steps,
-# then until the median's 95% interval is within DEFAULT_TARGET_CI (of the median) or DEFAULT_MAX_TIME_PER_CASE_S
+# Adaptive timing (bench.measure.timing.TimingPolicy) unless a step count is given: at least DEFAULT_MIN_STEPS timed
+# steps, then until the median's 95% interval is within DEFAULT_TARGET_CI (of the median) or DEFAULT_MAX_TIME_PER_CASE_S
 # seconds of timed steps have run. 5%: the smallest time effect the strategies are compared on (bench.measure.stats).
 DEFAULT_MIN_STEPS = 5
 DEFAULT_MAX_TIME_PER_CASE_S = 30.0
@@ -28,6 +32,32 @@ DEFAULT_TARGET_CI = 0.05
 # More measured (or warm-up) steps than this per case is a typo, not a benchmark: at a tenth of a second a step,
 # the limit alone is 17 minutes of one case.
 MAX_STEPS = 10_000
+# A run holds more than one step's live tensors: the verification keeps the baseline's result (outputs, gradients)
+# beside the strategy's, and the batch is cached between passes. Twice the step's peak covers what we have seen.
+RUN_MEMORY_FACTOR = 2
+MEMORY_PROBE_BATCH = 64
+
+
+def check_choice(kind: str, value: str, choices: Sequence[str], option: str | None = None) -> str:
+    """`value` if it is one of `choices`; else a UsageError naming the option (default `--<kind>`)."""
+    if value not in choices:
+        raise UsageError(f"{option or '--' + kind}: {choices_error(kind, value, choices)}")
+    return value
+
+
+def parse_batch_sizes(text: str, option: str = "--batch-size") -> list[int]:
+    """`100` or `25,50,100` -> positive integers; anything else is a UsageError naming the bad part."""
+    sizes = []
+    for part in str(text).split(","):
+        try:
+            size = int(part)
+        except ValueError:
+            size = 0
+        if size <= 0:
+            raise UsageError(f"{option}: bad batch size {part.strip()!r}; a batch size must be a positive "
+                             "integer (e.g. 100 or 25,50,100)")
+        sizes.append(size)
+    return sizes
 
 
 def check_output_dir(path: Path | str, option: str) -> Path:
@@ -114,6 +144,58 @@ def check_cases(cases: list, bind) -> None:
             continue
         except UsageError as error:
             raise UsageError(f"{case.strategy} on {case.workload} ({case.phase}, {case.device}): {error}") from None
+
+
+@dataclass(frozen=True)
+class _MemoryNeed:
+    """What one baseline step of a case needs, and the bytes per sample where it was extrapolated (else None)."""
+
+    bytes: int
+    per_sample: float | None
+
+
+def _memory_need(case: Any, baseline_peak: Callable[[Any, int], int]) -> _MemoryNeed:
+    """The baseline's peak at the case's batch, measured up to twice MEMORY_PROBE_BATCH, else extrapolated linearly
+    from that batch and its double (at small batches the peak is Adam's step, whose size does not grow with the
+    batch, so a slope from batches 1 and 2 is far too low)."""
+    low, high = MEMORY_PROBE_BATCH, 2 * MEMORY_PROBE_BATCH
+    if case.batch_size <= high:
+        return _MemoryNeed(baseline_peak(case, case.batch_size), None)
+    at_low, at_high = baseline_peak(case, low), baseline_peak(case, high)
+    per_sample = max((at_high - at_low) / (high - low), 1.0)
+    return _MemoryNeed(int(at_high + per_sample * (case.batch_size - high)), per_sample)
+
+
+def check_memory(cases: Iterable[Any], baseline_peak: Callable[[Any, int], int]) -> None:
+    """On the CPU: for each workload and phase, whether its largest batch fits in this machine's memory.
+
+    `baseline_peak(case, batch_size)`: the baseline's exact tracked peak of `case` at that batch, in bytes (the CLI
+    gives bench.analysis.predict's on the meta device: no memory used); where it raises, that case is not checked.
+    More than the machine's memory is an error before anything runs (the system would kill the run); more than
+    its share once verification is counted (RUN_MEMORY_FACTOR), a warning."""
+    memory = machine_memory_bytes()
+    if memory is None:
+        return
+    largest: dict[tuple, Any] = {}
+    for case in cases:
+        if case.device == "cpu":
+            key = (case.workload, case.phase, case.data)
+            if key not in largest or case.batch_size > largest[key].batch_size:
+                largest[key] = case
+    for case in largest.values():
+        try:
+            need = _memory_need(case, baseline_peak)
+        except Exception:  # noqa: BLE001 - a model meta cannot run: no estimate, no check
+            continue
+        what = (f"--batch-size {case.batch_size} of {case.workload} ({case.phase}) needs about "
+                f"{format_size(need.bytes)} for one baseline step")
+        if need.bytes > memory:
+            hint = (f"; give a batch size below {int(case.batch_size - (need.bytes - memory) / need.per_sample):,}"
+                    if need.per_sample else "")
+            raise UsageError(f"{what}, more than this machine's {format_size(memory)} of memory{hint}")
+        if need.bytes * RUN_MEMORY_FACTOR > memory:
+            warn(f"{what}, and a run holds up to {RUN_MEMORY_FACTOR}x that: more than this machine's "
+                 f"{format_size(memory)} of memory; expect `oom` rows, or the system ending the run")
 
 
 class RunLock:

@@ -1,4 +1,5 @@
-"""Suite files: a YAML description of which cases to run, validated before anything runs."""
+"""Suite files: a YAML description of which cases to run, and the command line's values over them, validated before
+anything runs."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from typing import Any
 import yaml
 
 from bench.core.errors import UsageError
-from bench.run.preflight import DEFAULT_MAX_TIME_PER_CASE_S, DEFAULT_MIN_STEPS, DEFAULT_TARGET_CI, DEFAULT_WARMUP_STEPS
+from bench.run.preflight import (DEFAULT_MAX_TIME_PER_CASE_S, DEFAULT_MIN_STEPS, DEFAULT_TARGET_CI,
+                                 DEFAULT_WARMUP_STEPS, check_choice, check_steps, parse_batch_sizes)
 from bench.run.runner import Case
 from strategies import PHASES, parse_strategy
 from workloads import get_workload
@@ -221,3 +223,103 @@ def check_data(suite: Suite, where: str) -> Suite:
     for entry in suite.workloads:
         _check_workload(entry["workload"], entry.get("data", suite.data), where, "data")
     return suite
+
+
+@dataclass
+class SuiteOverrides:
+    """The command line's values over a suite file's (`python -m bench run|compare`); None leaves the suite's value.
+
+    Every value is checked by `apply`, before anything runs; a bad one is a UsageError that names the command-line
+    option that gave it (`--workload`, `--steps`, ...).
+
+    Example:
+        suite = SuiteOverrides(strategies=["checkpoint"], batch_sizes="25,50", quick=True).apply(Suite())
+    """
+
+    strategies: list[str] | None = None
+    workloads: list[str] | None = None
+    data: str | None = None
+    phases: list[str] | None = None
+    batch_sizes: str | None = None  # as typed: one size or a comma list
+    steps: int | None = None
+    warmup: int | None = None
+    min_steps: int | None = None
+    max_time_per_case: float | None = None
+    target_ci: float | None = None
+    quick: bool = False  # 1 warm-up step and, unless adaptive timing is asked for, 3 measured steps
+
+    def _adaptive(self) -> dict[str, Any]:
+        """The adaptive-timing values given, in ADAPTIVE_KEYS' order."""
+        return {key: getattr(self, key) for key in ADAPTIVE_KEYS if getattr(self, key) is not None}
+
+    def _names(self) -> dict[str, Any]:
+        """The strategies, workloads, data source, phases and batch sizes given, each checked."""
+        values: dict[str, Any] = {}
+        if self.strategies is not None:
+            values["strategies"] = self.strategies
+            try:
+                validate({"strategies": self.strategies}, "--strategies")
+            except UsageError as error:
+                raise UsageError(str(error).replace("--strategies: key 'strategies':", "--strategies:")) from None
+        if self.workloads is not None:
+            values["workloads"] = self.workloads
+            for spec in self.workloads:
+                try:
+                    get_workload(spec)
+                except UsageError as error:
+                    raise UsageError(f"--workload: {error}") from None
+        if self.data:
+            values["data"] = self.data
+        if self.phases is not None:
+            values["phases"] = [check_choice("phase", phase, PHASES, "--phases") for phase in self.phases]
+        if self.batch_sizes:
+            values["batch_sizes"] = parse_batch_sizes(self.batch_sizes)
+        return values
+
+    def _timing(self) -> dict[str, Any]:
+        """The step counts and adaptive-timing values given; a fixed count and adaptive timing exclude each other."""
+        adaptive = self._adaptive()
+        if self.steps is not None and adaptive:
+            option = "--" + next(iter(adaptive)).replace("_", "-")
+            raise UsageError(f"--steps {self.steps} fixes the number of timed steps; {option} is for adaptive timing: "
+                             "give one or the other")
+        values: dict[str, Any] = {}
+        if self.quick:
+            values.update(warmup=1, **({} if adaptive else {"steps": 3}))
+        if self.steps is not None:
+            values["steps"] = self.steps
+        if self.warmup is not None:
+            values["warmup"] = self.warmup
+        return {**values, **adaptive}
+
+    def apply(self, suite: Suite) -> Suite:
+        """`suite` with these values in place of its own (adaptive timing drops every fixed step count)."""
+        values = {**self._names(), **self._timing()}
+        validate(values, "command line")
+        for key, value in values.items():
+            setattr(suite, key, value)
+        if self._adaptive():
+            suite.steps = None
+            for entry in suite.workloads:
+                entry.pop("steps", None)
+        if self.data:
+            for entry in suite.workloads:
+                try:
+                    get_workload(entry["workload"]).check_data(self.data)
+                except UsageError as error:
+                    raise UsageError(f"--data: {error}") from None
+        return check_data(suite, "command line")
+
+    def check_steps(self, cases: list[Case]) -> None:
+        """The cases' step counts within bench.run.preflight's limits, named by the option (or suite key) that set
+        them."""
+        for case in {(c.warmup, c.steps, c.min_steps): c for c in cases}.values():
+            check_steps(case.steps, "--steps" if self.steps is not None else "the suite's steps", 1)
+            check_steps(case.warmup, "--warmup" if self.warmup is not None else "the suite's warmup", 0)
+            check_steps(case.min_steps, "--min-steps" if self.min_steps is not None else "the suite's min_steps", 1)
+
+
+def suite_for_command_line(path: Path | str | None, device: str, overrides: SuiteOverrides) -> Suite:
+    """The suite to run: the suite file at `path` if given (else the default Suite()), with `overrides` over it."""
+    suite = load_suite(path, device) if path else Suite()
+    return overrides.apply(suite)

@@ -1,0 +1,145 @@
+"""The command line's options: their types, the groups of options commands share, and the checks of their values.
+
+Nothing here imports torch: `--help`, a usage error and `report` stay quick and need no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Callable
+
+from bench.core.errors import UsageError
+from bench.core.units import parse_positive_size
+from bench.run.preflight import (DEFAULT_MAX_TIME_PER_CASE_S, DEFAULT_MIN_STEPS, DEFAULT_TARGET_CI,
+                                 DEFAULT_WARMUP_STEPS, check_choice, parse_batch_sizes)
+
+DEFAULT_WORKLOAD = "captcha_resnet18"
+WORKLOAD_HELP = ("a registered workload with options (see `list`; e.g. deep_mlp:layers=100, timm:resnet18) or "
+                 "your own: path/to/file.py:NAME or package.module:NAME; default captcha_resnet18")
+# Where a user's own runs go: results/, git-ignored there. The committed reference runs live under
+# results/reference/ and are never a default output, so that no command of a user rewrites them.
+DEFAULT_OUT = "results"
+EXECUTORS = ("local", "ray")
+
+
+def number_type(convert: Callable[[str], Any], valid: Callable[[Any], bool], expected: str) -> Callable[[str], Any]:
+    """An argparse type: `convert(text)`, refused unless `valid`; argparse reports the error (an
+    ArgumentTypeError) in one line with the option's name."""
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            value = None
+        if value is None or not valid(value):
+            raise argparse.ArgumentTypeError(f"bad value {text!r}; expected {expected}")
+        return value
+    return parse
+
+
+positive_int = number_type(int, lambda v: v > 0, "a positive integer")
+positive_float = number_type(float, lambda v: 0 < v < float("inf"), "a positive number of seconds")
+fraction = number_type(float, lambda v: 0 < v < 1, "a fraction between 0 and 1 (e.g. 0.05)")  # --target-ci
+non_negative_int = number_type(int, lambda v: v >= 0, "0 or a positive integer")
+
+
+def csv_list(text: str) -> list[str]:
+    """`a, b,,c` -> ['a', 'b', 'c']."""
+    return [p.strip() for p in text.split(",") if p.strip()]
+
+
+def one_batch_size(text, option: str = "--batch-size") -> int:
+    """The one batch size a command takes; a UsageError for a list or a bad size."""
+    sizes = parse_batch_sizes(text, option)
+    if len(sizes) != 1:
+        raise UsageError(f"{option}: bad batch size {text!r}; this command takes one batch size")
+    return sizes[0]
+
+
+def analysis_device(text: str) -> str:
+    return check_choice("device", text, ("cpu", "cuda"))
+
+
+def size_option(text: str, option: str) -> int:
+    """A positive size (`4GiB`, `1e9`) given to `option`; a UsageError naming the option otherwise."""
+    try:
+        return parse_positive_size(text)
+    except ValueError as error:
+        raise UsageError(f"{option}: bad size {text!r}: {error}") from None
+
+
+def capability(text: str | None) -> tuple[int, int] | None:
+    """`--capability 9.0` as (9, 0); None when not given; a UsageError for anything but MAJOR.MINOR."""
+    if text is None:
+        return None
+    major, dot, minor = text.partition(".")
+    if not (dot and major.isdigit() and minor.isdigit()):
+        raise UsageError(f"--capability: bad compute capability {text!r}; give MAJOR.MINOR, e.g. 8.6 or 9.0")
+    return int(major), int(minor)
+
+
+def add_case_options(p: argparse.ArgumentParser) -> None:
+    """The options of `run` and `compare`: which cases, how they are timed, where the results go."""
+    p.add_argument("--workload", default=None, help=WORKLOAD_HELP)
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto: cuda if there is a GPU)")
+    p.add_argument("--batch-size", default=None, help="one size or a comma list, e.g. 25,50,100 (default: the "
+                                                       "workload's own, 100 for captcha_resnet18; see `list`)")
+    p.add_argument("--phases", default=None, help="train,eval, train or eval (default train,eval)")
+    p.add_argument("--steps", type=positive_int, default=None,
+                   help="exactly N timed steps per case (default: adaptive timing, see --min-steps; or the suite's)")
+    p.add_argument("--warmup", type=non_negative_int, default=None,
+                   help=f"warm-up steps before timing (default {DEFAULT_WARMUP_STEPS}, or the suite's)")
+    p.add_argument("--min-steps", type=positive_int, default=None,
+                   help=f"adaptive timing: time at least N steps, then stop once the median's 95%% confidence "
+                        f"interval is within --target-ci or --max-time-per-case is spent (default "
+                        f"{DEFAULT_MIN_STEPS}, or the suite's)")
+    p.add_argument("--max-time-per-case", type=positive_float, default=None, metavar="SECONDS",
+                   help=f"adaptive timing: stop after this many seconds of timed steps, per case and repeat (the "
+                        f"step that crosses it finishes; default {DEFAULT_MAX_TIME_PER_CASE_S:g}, or the suite's)")
+    p.add_argument("--target-ci", type=fraction, default=None, metavar="FRACTION",
+                   help=f"adaptive timing: stop once the 95%% interval of the median is narrower than this "
+                        f"fraction of it (default {DEFAULT_TARGET_CI:g}, i.e. about +-2.5%%; or the suite's)")
+    p.add_argument("--data", default=None, help="a data source of the workload (see `list`), e.g. captcha (real "
+                                                 "images) or synthetic (random tensors); default the workload's first")
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"folder for the results CSV (default {DEFAULT_OUT}/)")
+    p.add_argument("--quick", action="store_true", help="1 warm-up step and 3 measured steps: a first look in "
+                                                        "minutes on a CPU (default off)")
+    _add_sweep_options(p)
+
+
+def _add_sweep_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
+                   help="run each case (and each repeat) in a fresh Python process (default: on for cuda, "
+                        "off for cpu); --no-isolate runs in this process with process-wide flags restored")
+    p.add_argument("--repeats", type=positive_int, default=1,
+                   help="repeat each case's timing and memory passes K times; adds a 95%% CI and a noisy flag "
+                        "(default 1)")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="torch.set_num_threads for every case (default: torch's default here, "
+                        "usually the physical cores); recorded in cpu_threads")
+    p.add_argument("--deterministic", action="store_true",
+                   help="cudnn.deterministic and torch.use_deterministic_algorithms(True) for each case (default off)")
+    p.add_argument("--ranks", type=positive_int, default=1,
+                   help="processes of torch.distributed for the sharded strategies ddp, zero1, fsdp (gloo on the CPU, "
+                        "NCCL and one GPU each on CUDA); each gets 1/N of the batch (default 1)")
+    p.add_argument("--executor", default=None,
+                   help="where the cases run: local (default: this machine, in order) or ray (each case and repeat a "
+                        "task in a fresh Ray worker process; see --ray-address)")
+    p.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                   help="the Ray cluster for --executor ray (auto, ray://head:10001, head:6379); default: start a "
+                        "local Ray bound to 127.0.0.1 for the sweep")
+    p.add_argument("--resume", default=None, metavar="CSV",
+                   help="continue the run in this results CSV: skip its finished cases, run the rest into it "
+                        "(default: a new CSV in --out)")
+
+
+def add_table_options(p: argparse.ArgumentParser) -> None:
+    """Options of the commands that write a table of their own (predict, fit)."""
+    p.add_argument("--data", default=None, help="a data source of the workload (default synthetic where it has one)")
+    p.add_argument("--workload", default=None, help=WORKLOAD_HELP)
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"folder for the CSV (default {DEFAULT_OUT}/)")
+
+
+def add_memory_limit_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--memory-limit", default=None,
+                   help="cap CUDA memory: bytes (2GiB, 512MiB, 1e9) or a fraction of the GPU (0.5); "
+                        "on the CPU a warning and no effect (default: no cap)")

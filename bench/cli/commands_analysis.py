@@ -1,0 +1,135 @@
+"""`explain`, `predict` and `fit`: the commands that analyse a case's memory rather than time a sweep."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pandas as pd
+
+from bench.analysis import explain as analysis
+from bench.analysis import predict
+from bench.cli import interrupt
+from bench.cli.arguments import (DEFAULT_WORKLOAD, analysis_device, capability, csv_list, one_batch_size,
+                                 size_option)
+from bench.cli.commands_run import apply_memory_limit
+from bench.cli.console import status
+from bench.core.errors import Unsupported, UsageError
+from bench.core.results import new_run_id, write_csv_atomic
+from bench.core.units import format_size
+from bench.measure import env
+from bench.run import preflight
+from bench.run.preflight import check_choice, check_output_dir, parse_batch_sizes
+from bench.run.rule_of_thumb import rule_of_thumb
+from bench.run.runner import Case, CaseMeter, bind_case
+from strategies import parse_strategy
+from workloads import get_workload
+
+PHASES = ("train", "eval")
+
+
+def _workload_and_data(args) -> tuple[str, str]:
+    """The workload's canonical spec and the data source (default: synthetic where the workload has it, since
+    memory does not depend on the values, else its first)."""
+    workload = get_workload(args.workload or DEFAULT_WORKLOAD)
+    default = "synthetic" if "synthetic" in workload.data_sources else workload.data_sources[0]
+    return workload.spec(), workload.check_data(args.data or default)
+
+
+def _planned_case(args) -> tuple[Case, object]:
+    """`explain`'s case and its bound strategy, checked and planned; a UsageError where it cannot run here."""
+    workload, data = _workload_and_data(args)
+    phase = check_choice("phase", args.phase, PHASES)
+    device = check_choice("device", args.device, ("cpu",))  # the breakdown needs the exact CPU tracker
+    batch = one_batch_size(args.batch_size)
+    strategy, context = bind_case(Case(workload, args.strategy, phase, batch, device, data=data))
+    try:
+        strategy.check(context)
+    except Unsupported as error:
+        raise UsageError(f"{strategy.spec()} cannot run here: {error}") from None
+    case = Case(workload, strategy.spec(), phase, batch, device, data=data)
+    try:
+        strategy.plan(CaseMeter(case))
+    except Unsupported as error:
+        raise UsageError(f"{strategy.spec()} cannot run here: {error}") from None
+    return case, strategy
+
+
+def cmd_explain(args) -> int:
+    """The peak of one case broken down (params, grads, optimizer, activations, temporaries, batch), the rule
+    of thumb beside it, and memory added by each module's forward."""
+    case, strategy = _planned_case(args)
+    result = analysis.explain(case, strategy)
+    print(analysis.format_explain(case, result["memory"], result["modules"],
+                                  rule_of_thumb(case.workload, case.phase, case.batch_size)))
+    plan = analysis.checkpoint_plan_of(strategy)
+    if plan is not None and case.phase == "train":
+        baseline = analysis.measured_peak(replace(case, strategy="baseline"),
+                                          bind_case(replace(case, strategy="baseline"))[0])
+        print(analysis.format_plan_units(*plan, analysis.plan_units(case), result["memory"]["peak_mem_bytes"],
+                                         baseline))
+    return 0
+
+
+def cmd_predict(args) -> int:
+    """Predicted torch.cuda.max_memory_allocated per case, without a GPU (assumptions printed); writes a CSV."""
+    workload, data = _workload_and_data(args)
+    device = analysis_device(args.device)
+    engine = check_choice("engine", args.engine, predict.ENGINES)
+    compute_capability = capability(args.capability)
+    phases = [check_choice("phase", p, PHASES) for p in csv_list(args.phases)]
+    specs = ["baseline"] + [s for s in csv_list(args.strategies or "") if s != "baseline"]
+    for spec in specs:
+        parse_strategy(spec)  # unknown names: exit 2 before any work
+    batches = parse_batch_sizes(args.batch_size)
+    out = check_output_dir(args.out, "--out")
+    interrupt.set_note("interrupted: nothing was written (predict writes its table at the end)")
+    cases = [Case(workload, spec, phase, batch, device, data=data) for spec in specs for phase in phases
+             for batch in batches]
+
+    def progress(index: int, case: Case) -> None:
+        status(predict.progress_line(index, len(cases), case))
+
+    rows = predict.predict_cases(cases, engine, args.ranks, compute_capability, on_case=progress)
+    print(f"predicted peak memory on {device}" + (" (torch.cuda.max_memory_allocated and max_memory_reserved)"
+                                                  if device == "cuda" else " (exact live tensor bytes)"))
+    print(predict.format_predictions(rows))
+    if device == "cuda":
+        print("\nassumptions:")
+        for line in predict.assumptions(row["engine"] for row in rows):
+            print(f"  - {line}")
+    path = out / f"predict-{new_run_id(device)}.csv"
+    write_csv_atomic(pd.DataFrame(rows), path)
+    print(f"\nwrote {path}")
+    return 0
+
+
+def cmd_fit(args) -> int:
+    """The largest batch size under a memory budget, per strategy (baseline always), each verified by a run."""
+    budget = size_option(args.budget, "--budget")
+    workload, data = _workload_and_data(args)
+    device = analysis_device(args.device)
+    if device == "cuda":
+        env.resolve_device("cuda")
+    phase = check_choice("phase", args.phase, PHASES)
+    max_batch = one_batch_size(args.max_batch, "--max-batch")
+    specs = csv_list(args.strategies or "")
+    for spec in specs:
+        parse_strategy(spec)
+    preflight.check_steps(args.time_steps, "--time-steps", 0)
+    memory = preflight.machine_memory_bytes()
+    if device == "cpu" and memory is not None and budget > memory:
+        # fit confirms each answer with a real run: a budget beyond the machine's memory cannot be confirmed
+        raise UsageError(f"--budget {args.budget} is more than this machine's {format_size(memory)} of memory; "
+                         "on the CPU each answer is confirmed by a real run, so give a budget below that (or "
+                         "`predict` for larger batches)")
+    out = check_output_dir(args.out, "--out")
+    apply_memory_limit(args.memory_limit, device)
+    interrupt.set_note("interrupted: nothing was written (fit writes its table when every strategy is done)")
+    results = analysis.fit(specs, budget, phase, device, workload, data, max_batch, args.time_steps,
+                           progress=status)
+    print(f"largest batch with peak <= {args.budget} ({budget:,} B) on {device}, phase {phase}")
+    print(analysis.format_fit(results, args.time_steps))
+    path = out / f"fit-{new_run_id(device)}.csv"
+    write_csv_atomic(pd.DataFrame(analysis.fit_rows(results)), path)
+    print(f"\nwrote {path}")
+    return 0

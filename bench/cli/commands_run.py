@@ -1,0 +1,204 @@
+"""`run`, `compare`, `list` and `env`: the commands that run cases (one path for run and compare) or describe them."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from bench.analysis import predict
+from bench.cli import interrupt
+from bench.cli.arguments import EXECUTORS, csv_list, size_option
+from bench.cli.console import Progress, announce, finish_run
+from bench.core import progress
+from bench.core.errors import UsageError
+from bench.core.results import is_pitfall, new_run_id, to_frame
+from bench.core.units import fraction_or_size
+from bench.measure import env
+from bench.run import preflight
+from bench.run.eta import EMULATED_SLOWDOWN, sweep_estimate
+from bench.run.isolation import RunOptions
+from bench.run.ray_executor import RayExecutor, import_ray
+from bench.run.resume import load_resume
+from bench.run.runner import Case, bind_case, local_executor, run_cases
+from bench.run.suite import Suite, SuiteOverrides, suite_for_command_line
+from strategies import STRATEGIES
+from workloads import WORKLOADS, workload_names
+
+
+def cmd_run(args) -> int:
+    """Runs a suite file, or the strategies given with --strategies."""
+    if not args.suite and not args.strategies:
+        raise UsageError("run needs --suite FILE or --strategies a,b (see `python -m bench list`)")
+    return _run_and_print(args, csv_list(args.strategies) if args.strategies else None)
+
+
+def cmd_compare(args) -> int:
+    """Baseline plus the named strategies: a console table relative to baseline, and the CSV."""
+    return _run_and_print(args, csv_list(args.strategies))
+
+
+def _run_and_print(args, strategies: list[str] | None) -> int:
+    """`run` and `compare`: the suite with the command line's values over it, run into a CSV, then the table."""
+    device = env.resolve_device(args.device)
+    fraction = apply_memory_limit(getattr(args, "memory_limit", None), device)
+    overrides = _suite_overrides(args, strategies)
+    suite = suite_for_command_line(getattr(args, "suite", None), device, overrides)
+    options = _run_options(args, device, suite, fraction)
+    frame, path = _run_suite(args, suite, device, options, overrides)
+    return finish_run(frame, path)
+
+
+def _suite_overrides(args, strategies: list[str] | None) -> SuiteOverrides:
+    """What the command line sets over the suite (an empty option leaves the suite's value)."""
+    return SuiteOverrides(
+        strategies=strategies, workloads=csv_list(args.workload) if args.workload else None,
+        data=args.data or None, phases=csv_list(args.phases) if args.phases else None,
+        batch_sizes=args.batch_size or None, steps=args.steps, warmup=args.warmup, min_steps=args.min_steps,
+        max_time_per_case=args.max_time_per_case, target_ci=args.target_ci, quick=args.quick)
+
+
+def _run_options(args, device: str, suite: Suite, memory_fraction: float | None) -> RunOptions:
+    """The run's options; `--executor` and `--ray-address` fall back to the suite file's `executor`/`ray_address`.
+    `memory_fraction`: the cap `--memory-limit` set here (`apply_memory_limit`), for the worker processes."""
+    executor = preflight.check_choice("executor", args.executor or suite.executor or "local", EXECUTORS)
+    isolate = args.isolate if args.isolate is not None else device == "cuda"
+    return RunOptions(isolate=isolate or executor == "ray", repeats=args.repeats, threads=args.threads,
+                      deterministic=args.deterministic, executor=executor, ranks=args.ranks,
+                      memory_fraction=memory_fraction)
+
+
+def _executor(args, options: RunOptions, suite: Suite):
+    """The runner's executor for `options.executor` (bench.run.runner.local_executor, or a RayExecutor)."""
+    if options.executor != "ray":
+        if args.ray_address:
+            raise UsageError("--ray-address needs --executor ray")
+        return local_executor
+    import_ray()  # a missing package is an error before any case
+    return RayExecutor(args.ray_address or suite.ray_address)
+
+
+def _output_path(args, device: str) -> Path:
+    """The results file: the one `--resume` names, or a new one under `--out`; checked writable."""
+    if args.resume:
+        if not Path(args.resume).is_file():
+            raise UsageError(f"--resume {str(args.resume)!r}: no such results file")
+        return preflight.check_output_file(args.resume, "--resume")
+    return preflight.check_output_dir(args.out, "--out") / f"{new_run_id(device)}.csv"
+
+
+def _meta_baseline_peak(case: Case, batch_size: int) -> int:
+    """The baseline's exact tracked peak of `case` at `batch_size`, on the meta device (no memory used)."""
+    return predict.tracked_peak(replace(case, batch_size=batch_size, strategy="baseline"), "baseline",
+                                engine="meta", block_bytes=1)
+
+
+def _run_suite(args, suite: Suite, device: str, options: RunOptions, overrides: SuiteOverrides):
+    """Runs the suite's cases into a new CSV under `--out`, or, with `--resume`, the unfinished ones into that CSV.
+
+    Everything is checked before the first case: the output folder (or the resumed file) is writable, the step
+    counts and thread count are sane, every case's strategy applies to its workload, the largest batch fits in
+    memory, and nobody else is writing the same file (bench.run.preflight.RunLock)."""
+    preflight.check_threads(options.threads)
+    executor = _executor(args, options, suite)
+    cases = suite.cases(device)
+    overrides.check_steps(cases)
+    preflight.check_cases(cases, bind_case)
+    previous, run_id = None, None
+    out_path = _output_path(args, device)
+    with preflight.RunLock(out_path):
+        if args.resume:
+            resumed = load_resume(args.resume, cases, options)  # read under the lock: another run may have written it
+            previous, run_id = resumed.rows, resumed.run_id
+            print(f"resuming {out_path}: {len(previous)} finished, {len(resumed.remaining)} to run",
+                  file=sys.stderr, flush=True)
+            cases = resumed.remaining
+        if device == "cpu":
+            preflight.check_memory(cases, _meta_baseline_peak)
+        announce(cases, out_path, bool(args.resume))
+        interrupt.set_note(interrupt.resume_note(out_path) if args.resume else
+                           f"interrupted before the first case finished: nothing was written (the results would "
+                           f"have gone to {out_path})")
+        bar = Progress(estimate=sweep_estimate(cases), cpu=env.cpu_name())
+
+        def on_case(index, total, case, row):
+            bar.case(index, total, case, row)
+            if row is not None and not args.resume:
+                interrupt.set_note(interrupt.resume_note(out_path))
+
+        with progress.listening(bar.step):
+            rows = run_cases(cases, out_path, progress=on_case, options=options, previous_rows=previous,
+                             run_id=run_id, executor=executor)
+    return to_frame(rows), out_path
+
+
+def apply_memory_limit(limit: str | None, device: str) -> float | None:
+    """`--memory-limit`: torch.cuda.set_per_process_memory_fraction; on the CPU a warning line, nothing else.
+
+    Returns the fraction set (None when nothing was set)."""
+    if limit is None:
+        return None
+    fraction = fraction_or_size(limit)
+    nbytes = size_option(limit, "--memory-limit") if fraction is None else None
+    if device != "cuda":
+        print(f"warning: --memory-limit {limit} has no effect on device {device} (it caps CUDA memory only)",
+              file=sys.stderr)
+        return None
+    if fraction is None:
+        total = torch.cuda.get_device_properties(0).total_memory
+        fraction = min(1.0, nbytes / total)
+    torch.cuda.set_per_process_memory_fraction(fraction)
+    return fraction
+
+
+def cmd_list(args) -> int:
+    """Workloads, strategies and pitfalls with one-line descriptions."""
+    print("workloads (options with name:option=value; your own model: path/to/file.py:NAME):")
+    for name in workload_names():
+        cls = WORKLOADS.get(name)
+        details = [f"data: {', '.join(cls.data_sources)}", f"batch {cls.default_batch_size}"]
+        if cls.options:
+            details.append("options: " + ", ".join(f"{k}={v}" for k, v in cls.options.items()))
+        print(f"  {name:<20} {cls.description} [{'; '.join(details)}]")
+    techniques = [name for name in STRATEGIES if not is_pitfall(name)]
+    pitfalls = [name for name in STRATEGIES if is_pitfall(name)]
+    print("strategies (combine with +, options with name:option=value):")
+    _list_strategies(techniques)
+    print("pitfalls (habits the articles warn about, run to show what they cost; the baseline's eval, autograd on "
+          "during validation, is one too):")
+    _list_strategies(pitfalls)
+    return 0
+
+
+def _list_strategies(names: list[str]) -> None:
+    for name in names:
+        cls = STRATEGIES.get(name)
+        options = ", ".join(f"{k}={v}" for k, v in cls.options.items())
+        print(f"  {name:<22} {cls.description}" + (f" [options: {options}]" if options else ""))
+
+
+def cmd_env(args) -> int:
+    """The environment as every results row records it."""
+    device = env.resolve_device(args.device)
+    print(f"{'device':<16} {device}")
+    for key, value in env.environment(device).items():
+        print(f"{key:<16} {value}")
+    for line in cpu_16bit_lines():
+        print(line)
+    return 0
+
+
+def cpu_16bit_lines(flags=None) -> list[str]:
+    """What `env` says of the CPU's 16-bit arithmetic: native (and the flags that say so) or emulated, per type."""
+    flags = env.cpu_flags() if flags is None else frozenset(flags)
+    lines = []
+    for dtype, native in env.cpu_16bit_support(flags).items():
+        seen = [flag for flag in env.NATIVE_16BIT_FLAGS[dtype] if flags and flag in flags]
+        text = (f"native ({', '.join(seen)})" if native and seen else "native" if native else
+                f"EMULATED in float32 (no {'/'.join(env.NATIVE_16BIT_FLAGS[dtype])}): autocast to {dtype} runs far "
+                f"slower than float32 here ({EMULATED_SLOWDOWN[0]:g}-{EMULATED_SLOWDOWN[1]:g}x for bfloat16 on the "
+                "reference AMD EPYC)")
+        lines.append(f"{'cpu ' + dtype:<16} {text}")
+    return lines

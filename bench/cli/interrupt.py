@@ -1,0 +1,53 @@
+"""What an interrupted command (Ctrl-C) tells the user: set by a command once it knows what it writes."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+from typing import Sequence
+
+NOTHING_WRITTEN = "interrupted: nothing was written"
+
+# The note printed on Ctrl-C, and the command line of this invocation (for the `--resume` command the note gives).
+_state: dict = {"note": NOTHING_WRITTEN, "argv": []}
+
+
+def start(argv: Sequence[str]) -> None:
+    """A new invocation with this command line: nothing written yet."""
+    _state["argv"] = list(argv)
+    _state["note"] = NOTHING_WRITTEN
+
+
+def set_note(text: str) -> None:
+    _state["note"] = text
+
+
+def note() -> str:
+    return _state["note"]
+
+
+def resume_command(path: Path) -> str:
+    """The command line of this run with `--resume path` in place of any --resume it had."""
+    kept, skip = [], False
+    for arg in _state["argv"]:
+        if skip:
+            skip = False
+            continue
+        if arg == "--resume":
+            skip = True
+            continue
+        if arg.startswith("--resume="):
+            continue
+        kept.append(arg)
+    python = Path(sys.executable)
+    try:
+        python = python.relative_to(Path.cwd())
+    except ValueError:
+        pass
+    return shlex.join([str(python), "-m", "bench", *kept, "--resume", str(path)])
+
+
+def resume_note(path: Path) -> str:
+    """The note once `path` holds a finished case: what it holds and how to run the rest."""
+    return f"interrupted: {path} holds every case that finished; to run the rest:\n  {resume_command(path)}"
