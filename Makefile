@@ -42,7 +42,7 @@ bench: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
-# The fake-CUDA run (tests_cuda_fake/, README "The CUDA path without a GPU"): membench's CUDA code path on a machine
+# The fake-CUDA run (tests_cuda_fake/, docs/testing.md "The CUDA path without a GPU"): membench's CUDA code path on a machine
 # without a GPU, in its own environment. PyPI's CUDA build of exactly $(TORCH)'s version (`===` is an exact string
 # match: `==` would take the local `+cpu` build), installed without its dependencies so that pip fetches none of
 # the 2.5 GB of nvidia libraries: torch's pure-Python dependencies and the project's are listed here instead, and

@@ -466,7 +466,8 @@ def test_the_timestamp_is_when_the_case_finished():
 # --- the first hour -----------------------------------------------------------------------------------------
 
 def _markdown_files():
-    return [ROOT / "README.md", ROOT / "results" / "README.md", ROOT / "examples" / "README.md"]
+    return [ROOT / "README.md", ROOT / "results" / "README.md", ROOT / "examples" / "README.md",
+            *sorted((ROOT / "docs").glob("*.md"))]
 
 
 @pytest.mark.parametrize("doc", _markdown_files(), ids=lambda p: str(p.relative_to(ROOT)))

@@ -8,8 +8,8 @@ rank process runs it). Asserted for FSDP2 (and its compositions with amp and che
 tensor of the steps on the GPU, this rank's 1/N of the batch, of every parameter and of the optimizer state (local
 shards of DTensors, on the GPU), autocast's dtypes and GradScaler's calls, process-wide state restored. ZeRO-1's
 optimizer sharding runs through its own hook. DistributedDataParallel (ddp, and zero1, which trains a DDP model)
-cannot run on fake tensors: `test_ddp_stops_at_its_host_bookkeeping` pins where and why (README "What it cannot
-check"). A rank process's start (`join_process_group`: its GPU, then NCCL) runs with one rank; the NCCL
+cannot run on fake tensors: `test_ddp_stops_at_its_host_bookkeeping` pins where and why (docs/testing.md "What it
+cannot check"). A rank process's start (`join_process_group`: its GPU, then NCCL) runs with one rank; the NCCL
 communicator itself, one GPU a rank and real collectives need GPUs.
 """
 
