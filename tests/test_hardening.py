@@ -20,7 +20,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from bench.analysis import explain as analysis
+from bench.analysis import fit as analysis
 from bench.cli.arguments import DEFAULT_OUT
 from bench.cli.console import Progress
 from bench.cli.main import build_parser
