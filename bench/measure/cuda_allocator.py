@@ -195,8 +195,8 @@ def thread_of(stage: str) -> str:
 
 
 def replay(events: Iterable, workspace_bytes: int = CUBLAS_DEFAULT_WORKSPACE_BYTES) -> ReplayResult:
-    """Runs a tracker's event log (`bench.measure.memory.MemoryEvent`s) through a fresh `CachingAllocatorModel`, with one
-    cuBLAS workspace of `workspace_bytes` per thread that runs a cuBLAS operator (0: none)."""
+    """Runs a tracker's event log (`bench.measure.memory.MemoryEvent`s) through a fresh `CachingAllocatorModel`,
+    with one cuBLAS workspace of `workspace_bytes` per thread that runs a cuBLAS operator (0: none)."""
     model = CachingAllocatorModel()
     blocks: dict[int, Block | None] = {}
     threads_with_workspace: set[str] = set()
