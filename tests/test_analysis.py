@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 import torch
 
-from bench.analysis import explain as analysis, predict
+from bench.analysis import fit as fitting, predict
 from bench.analysis.explain import parse_bytes
 from bench.cli.main import main
 from bench.core.errors import Unsupported, UsageError
@@ -184,7 +184,7 @@ def test_fit_finds_the_largest_verified_batch():
     low, high = tracked("baseline", "eval", 2)["peak_mem_bytes"], tracked("baseline", "eval", 3)["peak_mem_bytes"]
     assert high > low
     budget = (low + high) // 2
-    [result] = analysis.fit([], budget, "eval", "cpu", WL, "synthetic", max_batch=64, time_steps=0)
+    [result] = fitting.fit([], budget, "eval", "cpu", WL, "synthetic", max_batch=64, time_steps=0)
     assert result.strategy == "baseline" and result.verified and result.runs >= 1
     assert result.batch_size == 2 and result.peak_bytes == low <= budget
     assert high > budget  # batch + 1 does not fit (measured above)
@@ -193,10 +193,10 @@ def test_fit_finds_the_largest_verified_batch():
 def test_fit_without_meta_uses_one_line_per_stage(monkeypatch):
     # Where meta cannot run a strategy (autocast), fit models each stage's peak as a line in the batch size and
     # takes the largest: at batches 2 and 3 the train peak is Adam's step, by batch 5 it is the backward.
-    monkeypatch.setattr(analysis, "_probe_peak", lambda case, spec: None)
+    monkeypatch.setattr(fitting, "_probe_peak", lambda case, spec: None)
     four, five = tracked("baseline", "train", 4)["peak_mem_bytes"], tracked("baseline", "train", 5)["peak_mem_bytes"]
     budget = (four + five) // 2
-    result = analysis.fit_cpu("baseline", budget, "train", WL, "synthetic", max_batch=64, low=2, high=3)
+    result = fitting.fit_cpu("baseline", budget, "train", WL, "synthetic", max_batch=64, low=2, high=3)
     assert result.verified and result.batch_size == 4 and result.peak_bytes == four <= budget
     assert result.next_batch_method in ("measured", "per-stage linear model from the measured batch")
     assert result.next_batch_peak_bytes > budget
@@ -207,9 +207,9 @@ def test_fit_cli_table(capsys, tmp_path, monkeypatch):
 
     def fake_fit(specs, budget, *args, **kwargs):
         calls.append((specs, budget))
-        return [analysis.FitResult("baseline", "train", "cpu", budget, 7, 1000, True, 2000, "meta probe", 1.5, "", 1)]
+        return [fitting.FitResult("baseline", "train", "cpu", budget, 7, 1000, True, 2000, "meta probe", 1.5, "", 1)]
 
-    monkeypatch.setattr(analysis, "fit", fake_fit)
+    monkeypatch.setattr(fitting, "fit", fake_fit)
     assert main(["fit", "--budget", "300MiB", "--device", "cpu", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "largest batch" in out and "verified by a tracked run" in out

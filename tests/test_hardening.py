@@ -20,13 +20,13 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from bench.analysis import explain as analysis
+from bench.analysis import fit as analysis
 from bench.cli.arguments import DEFAULT_OUT
 from bench.cli.console import Progress
 from bench.cli.main import build_parser
 from bench.core import progress, results
 from bench.core.errors import UsageError
-from bench.report import charts
+from bench.report import line_charts as charts
 from bench.report.data import load_results, make_groups
 from bench.run import preflight
 from bench.run.isolation import RunOptions
@@ -602,7 +602,7 @@ def test_the_budget_line_never_squashes_the_batch_chart(tmp_path, monkeypatch):
     group = make_groups(load_results(REFERENCE_CSV))[0]
     highest = group.frame["peak_mem_bytes"].max()
     drawn = {}
-    monkeypatch.setattr(charts, "_save", lambda fig, path: drawn.setdefault("fig", fig) and path)
+    monkeypatch.setattr(charts, "save_figure", lambda fig, path: drawn.setdefault("fig", fig) and path)
     charts.chart_batch(group, tmp_path / "batch.png", budget_bytes=int(highest * 100))
     for ax in drawn["fig"].axes:
         if ax.get_ylabel():

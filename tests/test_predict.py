@@ -9,7 +9,7 @@ import functools
 import pytest
 import torch
 
-from bench.analysis import explain as analysis, predict
+from bench.analysis import fit as analysis, predict
 from bench.analysis.fake_engine import fake_memory_pass
 from bench.cli.main import main
 from bench.measure import cuda_allocator

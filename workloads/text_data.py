@@ -17,7 +17,9 @@ from pathlib import Path
 
 import torch
 
-CORPUS_LIMIT_BYTES = 4 * 1024 * 1024
+from bench.core.units import MiB
+
+CORPUS_LIMIT_BYTES = 4 * MiB
 PLATFORM_SPECIFIC_PREFIX = "_sysconfigdata"
 
 

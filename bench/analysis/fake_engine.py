@@ -1,4 +1,4 @@
-"""The fake-tensor engine: one tracked step on PyTorch's fake tensors, with shapes, dtypes and autocast but no arithmetic.
+"""The fake-tensor engine: one tracked step on PyTorch's fake tensors (shapes, dtypes, autocast; no arithmetic).
 
 `torch._subclasses.fake_tensor.FakeTensorMode` runs every operator's meta kernel on tensors that still say which
 device they are on, so autocast applies (meta tensors ignore it) and the exact live-tensor tracker

@@ -7,6 +7,7 @@ from dataclasses import replace
 import pandas as pd
 
 from bench.analysis import explain as analysis
+from bench.analysis import fit as fitting
 from bench.analysis import predict
 from bench.cli import interrupt
 from bench.cli.arguments import (DEFAULT_WORKLOAD, analysis_device, capability, csv_list, one_batch_size,
@@ -63,8 +64,8 @@ def cmd_explain(args) -> int:
                                   rule_of_thumb(case.workload, case.phase, case.batch_size)))
     plan = analysis.checkpoint_plan_of(strategy)
     if plan is not None and case.phase == "train":
-        baseline = analysis.measured_peak(replace(case, strategy="baseline"),
-                                          bind_case(replace(case, strategy="baseline"))[0])
+        baseline = fitting.measured_peak(replace(case, strategy="baseline"),
+                                         bind_case(replace(case, strategy="baseline"))[0])
         print(analysis.format_plan_units(*plan, analysis.plan_units(case), result["memory"]["peak_mem_bytes"],
                                          baseline))
     return 0
@@ -125,11 +126,11 @@ def cmd_fit(args) -> int:
     out = check_output_dir(args.out, "--out")
     apply_memory_limit(args.memory_limit, device)
     interrupt.set_note("interrupted: nothing was written (fit writes its table when every strategy is done)")
-    results = analysis.fit(specs, budget, phase, device, workload, data, max_batch, args.time_steps,
-                           progress=status)
+    results = fitting.fit(specs, budget, phase, device, workload, data, max_batch, args.time_steps,
+                          progress=status)
     print(f"largest batch with peak <= {args.budget} ({budget:,} B) on {device}, phase {phase}")
-    print(analysis.format_fit(results, args.time_steps))
+    print(fitting.format_fit(results, args.time_steps))
     path = out / f"fit-{new_run_id(device)}.csv"
-    write_csv_atomic(pd.DataFrame(analysis.fit_rows(results)), path)
+    write_csv_atomic(pd.DataFrame(fitting.fit_rows(results)), path)
     print(f"\nwrote {path}")
     return 0

@@ -10,6 +10,9 @@ _UNITS = {
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
+KiB = 2**10
+MiB = 2**20  # bytes in a mebibyte: the unit of every table and chart that prints memory
+
 _SIZE = re.compile(r"\s*((?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*")
 
 
@@ -55,3 +58,8 @@ def format_size(n_bytes: float) -> str:
         if abs(n_bytes) >= factor:
             return f"{n_bytes / factor:.1f} {unit}"
     return f"{int(n_bytes)} B"
+
+
+def format_mib(n_bytes: float) -> str:
+    """1572864 -> '1.5': bytes as MiB to one decimal with thousands separators, for columns headed MiB."""
+    return f"{n_bytes / MiB:,.1f}"

@@ -31,18 +31,20 @@ import re
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from bench.core.units import KiB, MiB
+
 K_MIN_BLOCK_SIZE = 512
-K_SMALL_SIZE = 1 << 20
-K_SMALL_BUFFER = 2 << 20
-K_LARGE_BUFFER = 20 << 20
-K_MIN_LARGE_ALLOC = 10 << 20
-K_ROUND_LARGE = 2 << 20
+K_SMALL_SIZE = 1 * MiB
+K_SMALL_BUFFER = 2 * MiB
+K_LARGE_BUFFER = 20 * MiB
+K_MIN_LARGE_ALLOC = 10 * MiB
+K_ROUND_LARGE = 2 * MiB
 
 # cuBLAS's workspace per (handle, stream), from aten/src/ATen/cuda/CublasHandlePool.cpp: ":4096:2:16:8" (two of
 # 4096 KiB and eight of 16 KiB) by default, 32 MiB on compute capability 9.0 (Hopper); CUBLAS_WORKSPACE_CONFIG
 # (":SIZE_KiB:COUNT" pairs) replaces it. cuBLASLt shares it (TORCH_CUBLASLT_UNIFIED_WORKSPACE, on by default).
-CUBLAS_DEFAULT_WORKSPACE_BYTES = 4096 * 1024 * 2 + 16 * 1024 * 8  # 8,519,680
-CUBLAS_HOPPER_WORKSPACE_BYTES = 4096 * 8 * 1024  # 33,554,432
+CUBLAS_DEFAULT_WORKSPACE_BYTES = 4096 * KiB * 2 + 16 * KiB * 8  # 8,519,680
+CUBLAS_HOPPER_WORKSPACE_BYTES = 4096 * KiB * 8  # 33,554,432
 # aten operators that call cuBLAS on CUDA (matrix products; convolutions go to cuDNN)
 CUBLAS_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot", "_addmm_activation",
                         "addr", "_scaled_mm"})
@@ -70,7 +72,7 @@ def cublas_workspace_bytes(capability: tuple[int, int] | None = None, config: st
     pairs = re.findall(r":([0-9]+):([0-9]+)", config or "")
     if not pairs:
         return default
-    return sum(int(size) * 1024 * int(count) for size, count in pairs)
+    return sum(int(size) * KiB * int(count) for size, count in pairs)
 
 
 @dataclass(eq=False)
@@ -195,8 +197,8 @@ def thread_of(stage: str) -> str:
 
 
 def replay(events: Iterable, workspace_bytes: int = CUBLAS_DEFAULT_WORKSPACE_BYTES) -> ReplayResult:
-    """Runs a tracker's event log (`bench.measure.memory.MemoryEvent`s) through a fresh `CachingAllocatorModel`, with one
-    cuBLAS workspace of `workspace_bytes` per thread that runs a cuBLAS operator (0: none)."""
+    """Runs a tracker's event log (`bench.measure.memory.MemoryEvent`s) through a fresh `CachingAllocatorModel`,
+    with one cuBLAS workspace of `workspace_bytes` per thread that runs a cuBLAS operator (0: none)."""
     model = CachingAllocatorModel()
     blocks: dict[int, Block | None] = {}
     threads_with_workspace: set[str] = set()

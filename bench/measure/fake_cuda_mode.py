@@ -1,4 +1,4 @@
-"""The fake-CUDA mode: membench's CUDA code path on fake tensors, in the fake-CUDA environment (`bench.measure.fake_cuda`).
+"""The fake-CUDA mode: membench's CUDA code path on fake tensors, in the fake-CUDA environment (`measure.fake_cuda`).
 
 The stub libraries of that environment (tests_cuda_fake/make_stubs.py) make torch see one CUDA device; `fake_cuda()`
 makes the tensors fake, so that no kernel runs and nothing is allocated, while CUDA's own operators decide what each
@@ -19,9 +19,9 @@ step creates (CUDA's autocast lists, cuDNN's batch norm, the fused optimizers). 
   (`foreach_on_fake_tensors`) for fake tensors.
 - a `DeviceMesh` (FSDP2's) is built outside the fake mode (`device_meshes_outside_fake_mode`): its table of ranks
   is host bookkeeping that it searches with `nonzero`, which a fake tensor cannot answer.
-`MEMBENCH_PLUGINS=bench.measure.fake_cuda_mode` with MEMBENCH_FAKE_CUDA_WORKER=1 (`bench.measure.fake_cuda.worker_environment`)
-makes an isolated worker (`python -m bench.run._worker`) run its case under the same mode: importing this module there
-enters it for the process's life.
+`MEMBENCH_PLUGINS=bench.measure.fake_cuda_mode` with MEMBENCH_FAKE_CUDA_WORKER=1
+(`bench.measure.fake_cuda.worker_environment`) makes an isolated worker (`python -m bench.run._worker`) run its case
+under the same mode: importing this module there enters it for the process's life.
 """
 
 from __future__ import annotations

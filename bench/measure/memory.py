@@ -117,7 +117,8 @@ class LiveTensorTracker(TorchDispatchMode):
         self._update_peak("")
 
     def _register(self, t: torch.Tensor, category: str) -> None:
-        t = getattr(t, "_local_tensor", t)  # a DTensor (FSDP's sharded parameters): this rank's shard is what lives here
+        # a DTensor (FSDP's sharded parameters): this rank's shard is what lives here
+        t = getattr(t, "_local_tensor", t)
         if t.device.type != self.device or (t.is_meta and self.device != "meta"):
             return
         try:

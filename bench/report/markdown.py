@@ -12,12 +12,14 @@ from pathlib import Path
 
 import pandas as pd
 
+from bench.core.results import is_pitfall
+from bench.core.units import format_mib
 from bench.report import charts
 from bench.report.data import (  # noqa: F401 - newest_csv and parse_size are part of this module's API
-    Group, MISMATCH_LABEL, STATUS_LABEL, find_timeline, format_size, load_results, make_groups, newest_csv, parse_size, row_flag, strategy_order,
-    is_checkpoint_plan, plan_label, plan_rows, settings_of, state_floor_bytes,
+    Group, MISMATCH_LABEL, STATUS_LABEL, find_timeline, format_size, load_results, make_groups, newest_csv,
+    parse_size, row_flag, strategy_order, is_checkpoint_plan, plan_label, plan_rows, settings_of, state_floor_bytes,
 )
-from bench.core.results import is_pitfall
+from bench.report.pareto_charts import pareto_front
 
 # --- markdown --------------------------------------------------------------------------------------------
 
@@ -32,7 +34,7 @@ def _pct(ratio) -> str:
 
 
 def _mib(n_bytes) -> str:
-    return "—" if pd.isna(n_bytes) else f"{n_bytes / 2**20:,.1f}"
+    return "—" if pd.isna(n_bytes) else format_mib(n_bytes)
 
 
 def _ms(row) -> str:
@@ -155,7 +157,7 @@ def plan_table(group: Group) -> list[str]:
     rows = plan_rows(group.at_batch())
     if len(rows[rows["strategy"] != "baseline"]) < 2:
         return []
-    front = {name for _, _, name in charts.pareto_front(
+    front = {name for _, _, name in pareto_front(
         [(r["step_time_ms_median"], r["peak_mem_bytes"], r["strategy"]) for _, r in rows.iterrows()])}
     lines = [f"### Checkpointing plans (train, batch {group.chosen_batch})", "",
              "| strategy | units recomputed | peak MiB | predicted MiB | mem vs baseline | step ms | time vs baseline "

@@ -1,0 +1,363 @@
+"""Fit: the largest batch whose peak stays under a memory budget, per strategy, confirmed by actual runs.
+
+On the CPU the search runs on cheap estimates (fake-tensor probes, or a per-stage linear model) and confirms the
+answer with tracked runs; on CUDA it tries real batches. `format_fit` prints the table, `fit_rows` the CSV rows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+from bench.analysis import predict
+from bench.core.errors import Unsupported
+from bench.core.units import MiB, format_mib
+from bench.run.runner import Case, bind_case, forget_traceback, is_oom, memory_pass, timing_pass
+
+
+@dataclass
+class FitResult:
+    strategy: str
+    phase: str
+    device: str
+    budget_bytes: int
+    batch_size: int  # 0: not even batch 1 fits
+    peak_bytes: int | None
+    verified: bool
+    next_batch_peak_bytes: int | None  # the peak at batch_size + 1 (probe or measured), over budget
+    next_batch_method: str
+    time_per_sample_ms: float | None
+    note: str
+    runs: int  # actual tracked (or CUDA) runs made
+
+
+def measured_peak(case, strategy) -> int:
+    """An actual run: the exact tracked peak on the CPU, max_memory_allocated on CUDA (its warm-up steps and the
+    measured one, no step after it)."""
+    memory = memory_pass(case, strategy, growth_steps=0)
+    memory.pop("_tracker", None)
+    return int(memory["peak_mem_bytes"])
+
+
+def _probe_peak(case, spec: str) -> int | None:
+    """A cheap estimate of the CPU peak: the same tracked step on fake tensors (no arithmetic), or None."""
+    try:
+        return predict.tracked_peak(case, spec, engine="fake", block_bytes=1, cuda_autocast=False)
+    except Exception as error:  # noqa: BLE001 - a strategy that fake tensors cannot run: the per-stage model
+        forget_traceback(error)
+        return None
+
+
+def stage_peaks(case, strategy) -> tuple[dict[str, int], int]:
+    """One tracked step: the peak of live bytes within each stage (forward, backward, optimizer), and the peak."""
+    memory = memory_pass(case, strategy, record_timeline=True)
+    tracker = memory.pop("_tracker")
+    peaks: dict[str, int] = {}
+    for point in tracker.timeline:
+        peaks[point.stage] = max(peaks.get(point.stage, 0), point.live_bytes)
+    return peaks, int(memory["peak_mem_bytes"])
+
+
+def _quiet(text: str) -> None:
+    pass
+
+
+def largest_under(peak_at: Callable[[int], int], budget: int, low: int, high: int, max_batch: int) -> int:
+    """The largest batch b <= max_batch with peak_at(b) <= budget (0 if none), for a peak that grows with the batch.
+
+    Secant steps from `low` and `high` (the peak is linear in the batch within a regime, so they land on the answer
+    or next to it in two or three probes), then bisection between the largest batch seen to fit and the smallest
+    seen not to, probing upward by doubling when none was seen over the budget."""
+    fits = lambda b: b == 0 or peak_at(b) <= budget  # noqa: E731
+    a, b = low, high
+    for _ in range(6):
+        slope = max((peak_at(b) - peak_at(a)) / (b - a), 1.0)
+        guess = int(min(max_batch, max(0, b + math.floor((budget - peak_at(b)) / slope))))
+        if guess in (a, b):
+            break
+        a, b = b, guess
+    seen = [0, a, b, b + 1 if b < max_batch else b]
+    fit_seen = [x for x in seen if fits(x)]
+    lo = max(fit_seen)
+    over = [x for x in seen if not fits(x)]
+    hi = min(over) if over else None
+    while hi is None:
+        candidate = min(max_batch, max(1, 2 * lo))
+        if candidate == lo:
+            return lo
+        if fits(candidate):
+            lo = candidate
+        else:
+            hi = candidate
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def peak_or_none_on_oom(case) -> int | None:
+    """The measured peak of `case`, or None when it runs out of memory (any other error propagates)."""
+    try:
+        return measured_peak(case, bind_case(case)[0])
+    except Exception as error:  # noqa: BLE001 - only an out-of-memory error is an answer here
+        if not is_oom(error):
+            raise
+        forget_traceback(error)
+        return None
+
+
+# --- fit on the CPU: estimates, then tracked runs that confirm them ------------------------------------------
+
+@dataclass
+class _TrackedRuns:
+    """The actual tracked runs of one CPU fit: the peak per batch (infinite: out of memory) and how many ran."""
+    spec: str
+    budget: int
+    case_at: Callable[[int], Case]
+    progress: Callable[[str], None]
+    peaks: dict[int, int | float] = field(default_factory=dict)
+    runs: int = 0
+
+    def peak(self, b: int) -> int | float:
+        """The measured peak at batch `b`; infinite when the CPU allocator runs out of memory (over any budget)."""
+        if b not in self.peaks:
+            case = self.case_at(b)
+            self.progress(f"fit {self.spec}: tracked run at batch {b} ...")
+            self.peaks[b] = peak_or_none_on_oom(case)
+            if self.peaks[b] is None:
+                self.peaks[b] = math.inf
+            self.runs += 1
+            self.progress(f"fit {self.spec}: batch {b}: " + ("out of memory" if self.peaks[b] == math.inf else
+                                                             f"peak {format_mib(self.peaks[b])} MiB, "
+                                                             f"budget {format_mib(self.budget)} MiB"))
+        return self.peaks[b]
+
+
+def _fake_probe_estimate(spec: str, case_at: Callable[[int], Case], low: int,
+                         progress: Callable[[str], None]) -> Callable[[int], int] | None:
+    """The peak at any batch from fake-tensor probes (each remembered), or None when fake tensors cannot run it."""
+    first_probe = _probe_peak(case_at(low), spec)
+    if first_probe is None:
+        return None
+    probes: dict[int, int] = {low: first_probe}
+
+    def estimate(b: int) -> int:
+        if b not in probes:
+            probes[b] = _probe_peak(case_at(b), spec)
+            progress(f"fit {spec}: fake-tensor probe at batch {b}: {format_mib(probes[b])} MiB")
+        return probes[b]
+
+    return estimate
+
+
+def _stage_lines(case_at: Callable[[int], Case], low: int, high: int,
+                 tracked: _TrackedRuns) -> dict[str, tuple[float, float]]:
+    """Two tracked runs, at `low` and `high`: per stage, the (intercept, slope) of its peak against the batch."""
+    (peaks_low, tracked.peaks[low]), (peaks_high, tracked.peaks[high]) = (
+        stage_peaks(case_at(b), bind_case(case_at(b))[0]) for b in (low, high))
+    tracked.runs += 2
+    lines = {}
+    for stage in peaks_low.keys() & peaks_high.keys():
+        slope_s = (peaks_high[stage] - peaks_low[stage]) / (high - low)
+        lines[stage] = (peaks_low[stage] - slope_s * low, slope_s)
+    return lines
+
+
+def _stage_line_estimate(lines: dict[str, tuple[float, float]]) -> Callable[[int], int]:
+    """The step's peak at any batch: the highest of the stage lines there."""
+    return lambda b: round(max(base_s + slope_s * b for base_s, slope_s in lines.values()))
+
+
+def _largest_on_stage_lines(lines: dict[str, tuple[float, float]], budget: int, max_batch: int) -> int:
+    """The largest batch at which every stage's line stays under the budget (0 if none)."""
+    batch = max_batch
+    for base_s, slope_s in lines.values():
+        if slope_s > 0:
+            batch = min(batch, math.floor((budget - base_s) / slope_s))
+        elif base_s > budget:
+            batch = 0
+    return max(0, batch)
+
+
+def _confirmed_batch(batch: int, tracked: _TrackedRuns, estimate: Callable[[int], int], method: str,
+                     slope: float, low: int, high: int) -> int:
+    """Steps down from `batch` while its actual tracked run is over the budget: by the fake probes shifted by the
+    offset the run measured, else by the model's slope (halving after an out-of-memory run); 0 if none fits."""
+    budget = tracked.budget
+    while batch >= 1 and tracked.peak(batch) > budget:
+        over = tracked.peak(batch) - budget
+        if over != math.inf and method == "fake probe":
+            offset = tracked.peak(batch) - estimate(batch)  # what the CPU holds that fake tensors do not
+            batch = min(batch - 1, largest_under(lambda b: estimate(b) + offset, budget, low, high, batch))
+        else:
+            batch -= max(1, batch // 2) if over == math.inf else max(1, math.ceil(over / slope))
+    return batch
+
+
+def _next_batch_peak(batch: int, tracked: _TrackedRuns, estimate: Callable[[int], int], method: str,
+                     max_batch: int) -> tuple[int | float | None, str, str]:
+    """(peak at batch + 1, how it was found, note): measured if that run was made, else the model's step."""
+    if batch + 1 in tracked.peaks:
+        if tracked.peaks[batch + 1] == math.inf:
+            return None, "measured: out of memory", ""
+        return tracked.peaks[batch + 1], "measured", ""
+    if batch >= max_batch:
+        return None, "", f"capped by --max-batch {max_batch}"
+    # the model's step from the measured peak: the model itself may be off by a few MiB at large batches
+    return tracked.peak(batch) + estimate(batch + 1) - estimate(batch), f"{method} from the measured batch", ""
+
+
+def fit_cpu(spec: str, budget: int, phase: str, workload: str, data: str, max_batch: int,
+            low: int = 16, high: int = 32, progress: Callable[[str], None] = _quiet) -> FitResult:
+    """Largest batch with peak <= budget on the CPU, confirmed by actual tracked runs.
+
+    With fake tensors (`bench.analysis.fake_engine`: the exact tracker without arithmetic, a second or so per probe
+    at any batch): `largest_under` on fake probes. Where fake tensors cannot run the strategy: the peak within each
+    stage of the step (forward, backward, optimizer) is linear in the batch size, so two tracked runs give one line
+    per stage and the step's peak is the largest of them at any batch -- which a single slope from small batches is
+    not (there the peak is Adam's step; at large ones it is the backward). Then one actual tracked run at the
+    answer (a warm-up step and the measured one), stepping down while over the budget: fake tensors differ from
+    the CPU by its loss kernels' buffers, a few hundred bytes per sample, which a step down corrects with the
+    offset measured.
+    """
+    def case_at(b: int, device: str = "cpu"):
+        return Case(workload, spec, phase, b, device, data=data, warmup=0, steps=1)
+
+    tracked = _TrackedRuns(spec, budget, case_at, progress)
+    estimate = _fake_probe_estimate(spec, case_at, low, progress)
+    if estimate is not None:
+        batch, method = largest_under(estimate, budget, low, high, max_batch), "fake probe"
+        slope = max((estimate(high) - estimate(low)) / (high - low), 1.0)
+    else:
+        lines = _stage_lines(case_at, low, high, tracked)
+        estimate = _stage_line_estimate(lines)
+        slope = max(max(slope_s for _, slope_s in lines.values()), 1.0)
+        batch, method = _largest_on_stage_lines(lines, budget, max_batch), "per-stage linear model"
+    batch = _confirmed_batch(batch, tracked, estimate, method, slope, low, high)
+    if batch < 1:
+        return FitResult(spec, phase, "cpu", budget, 0, None, False, None, "", None,
+                         "even batch 1 exceeds the budget", tracked.runs)
+    nxt, how, note = _next_batch_peak(batch, tracked, estimate, method, max_batch)
+    return FitResult(spec, phase, "cpu", budget, batch, tracked.peak(batch), True, nxt, how, None, note, tracked.runs)
+
+
+# --- fit on CUDA, and the fit of several strategies ------------------------------------------------------------
+
+def fit_cuda(spec: str, budget: int, phase: str, workload: str, data: str, max_batch: int,
+             progress: Callable[[str], None] = _quiet) -> FitResult:
+    """Largest batch on CUDA by real attempts: doubling until the peak passes the budget or an OOM, then bisection."""
+    runs = 0
+    results: dict[int, int | None] = {}
+
+    def attempt(b: int) -> int | None:
+        nonlocal runs
+        if b in results:
+            return results[b]
+        case = Case(workload, spec, phase, b, "cuda", data=data)
+        runs += 1
+        progress(f"fit {spec}: run at batch {b} ...")
+        results[b] = peak_or_none_on_oom(case)
+        return results[b]
+
+    def fits(b: int) -> bool:
+        peak = attempt(b)
+        return peak is not None and peak <= budget
+
+    good, bad = 0, None
+    b = 1
+    while b <= max_batch:
+        if fits(b):
+            good, b = b, b * 2
+        else:
+            bad = b
+            break
+    if bad is None:
+        bad = max_batch + 1
+        if good < max_batch and fits(max_batch):
+            good = max_batch
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if fits(mid) else (good, mid)
+    if good == 0:
+        return FitResult(spec, phase, "cuda", budget, 0, None, False, None, "", None, "even batch 1 does not fit", runs)
+    nxt = results.get(good + 1)
+    return FitResult(spec, phase, "cuda", budget, good, results[good], True, nxt,
+                     "measured (None = OOM)" if good + 1 in results else "", None,
+                     "" if good < max_batch else f"capped by --max-batch {max_batch}", runs)
+
+
+def time_per_sample(spec: str, phase: str, device: str, workload: str, data: str, batch: int,
+                    steps: int) -> float:
+    """Milliseconds per sample from a short timing run at `batch` (no memory tracking)."""
+    case = Case(workload, spec, phase, batch, device, data=data, warmup=0 if device == "cpu" else 1, steps=steps)
+    return timing_pass(case, bind_case(case)[0])["step_time_ms_median"] / batch
+
+
+def fit(specs: list[str], budget: int, phase: str = "train", device: str = "cpu",
+        workload: str = "captcha_resnet18", data: str = "synthetic", max_batch: int = 4096,
+        time_steps: int = 1, progress: Callable[[str], None] = _quiet) -> list[FitResult]:
+    """`fit` for each strategy (baseline first, always included); `time_steps=0` skips the timing run.
+
+    `progress` is told each run as it starts and ends (the CLI prints it on stderr)."""
+    specs = ["baseline"] + [s for s in specs if s != "baseline"]
+    results = []
+    for spec in specs:
+        strategy, context = bind_case(Case(workload, spec, phase, 1, device, data=data))
+        try:
+            strategy.check(context)
+        except Unsupported as error:
+            results.append(FitResult(strategy.spec(), phase, device, budget, 0, None, False, None, "", None,
+                                     f"unsupported: {error}", 0))
+            continue
+        finder = fit_cuda if device == "cuda" else fit_cpu
+        progress(f"fit {strategy.spec()}: searching for the largest batch under {format_mib(budget)} MiB ...")
+        try:
+            result = finder(strategy.spec(), budget, phase, workload, data, max_batch, progress=progress)
+        except Unsupported as error:  # e.g. checkpoint:budget, whose plan is chosen per case, not per batch search
+            results.append(FitResult(strategy.spec(), phase, device, budget, 0, None, False, None, "", None,
+                                     f"unsupported: {error}", 0))
+            continue
+        if result.batch_size >= 1:
+            if time_steps > 0:
+                progress(f"fit {strategy.spec()}: timing {time_steps} step(s) at batch {result.batch_size} ...")
+                result.time_per_sample_ms = time_per_sample(result.strategy, phase, device, workload, data,
+                                                            result.batch_size, time_steps)
+            else:
+                result.note = (result.note + "; " if result.note else "") + "time not measured (--time-steps 0)"
+        results.append(result)
+    return results
+
+
+def fit_rows(results: list[FitResult]) -> list[dict]:
+    return [asdict(r) for r in results]
+
+
+def mib_beside_budget(n_bytes: int, budget_bytes: int) -> str:
+    """MiB to one decimal, rounded away from the budget: a peak over the budget never prints as equal to it or
+    below it, and a peak under it never prints above it."""
+    tenths = n_bytes / MiB * 10
+    tenths = math.ceil(tenths) if n_bytes > budget_bytes else math.floor(tenths)
+    return f"{tenths / 10:,.1f}"
+
+
+def format_fit(results: list[FitResult], time_steps: int) -> str:
+    header = (f"{'strategy':<28} {'phase':<5} {'largest batch':>13} {'peak MiB':>9} {'budget MiB':>10} "
+              f"{'next MiB':>9} {'ms/sample':>9} {'runs':>4}  note")
+    lines = [header, "-" * len(header)]
+    for r in results:
+        peak = mib_beside_budget(r.peak_bytes, r.budget_bytes) if r.peak_bytes is not None else "-"
+        nxt = (mib_beside_budget(r.next_batch_peak_bytes, r.budget_bytes) if r.next_batch_peak_bytes is not None
+               else "-")
+        t = f"{r.time_per_sample_ms:.2f}" if r.time_per_sample_ms is not None else "-"
+        verified = "verified by a tracked run" if r.verified and r.device == "cpu" else \
+            ("verified by a run" if r.verified else "")
+        note = "; ".join(x for x in (verified, f"next batch by {r.next_batch_method}" if r.next_batch_method else "",
+                                       r.note) if x)
+        budget = mib_beside_budget(r.budget_bytes, r.budget_bytes)
+        lines.append(f"{r.strategy:<28} {r.phase:<5} {r.batch_size:>13} {peak:>9} {budget:>10} "
+                     f"{nxt:>9} {t:>9} {r.runs:>4}  {note}")
+    lines.append(f"(ms/sample from {time_steps} timed step(s) at the largest batch, no warm-up on the CPU)"
+                 if time_steps else "(time not measured)")
+    return "\n".join(lines)
+
