@@ -150,6 +150,15 @@ def test_explain_prints_breakdown_rule_and_modules(capsys):
         assert word in out, word
 
 
+@pytest.mark.parametrize("phase", ["train", "eval"])
+def test_explain_lists_each_module_once_the_measured_steps(capsys, phase):
+    """The module hooks stay on for the steps after the measured one: their forwards are not listed again."""
+    assert main(["explain", "--strategy", "baseline", "--batch-size", "2", "--phase", phase]) == 0
+    table = capsys.readouterr().out.split("per module")[1]
+    names = [line.split()[0] for line in table.splitlines()[3:] if line.startswith("    ") and line.split()]
+    assert names and len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+
+
 def test_tracker_rounds_storages_to_blocks():
     with LiveTensorTracker(block_bytes=512) as tracker:
         a = torch.ones(1)  # 4 -> 512

@@ -80,6 +80,10 @@ def explain(case, strategy) -> dict[str, Any]:
     memory = memory_pass(case, strategy, prepare=prepare)
     tracker = memory.pop("_tracker")
     by_index = {p.index: p.live_bytes for p in tracker.timeline}
+    # the hooks go on after the warm-up and stay on for the steps after the measured one (its growth check): only
+    # what starts before the measured step's last operator (the end of its timeline) is its forward
+    last_op = tracker.timeline[-1].index if tracker.timeline else -1
+    rows = [row for row in rows if row.start_op <= last_op]
     for row in rows:
         lives = [by_index[i] for i in range(row.start_op, row.end_op) if i in by_index]
         row.peak_within = max([row.before, row.after, *lives]) - row.before
