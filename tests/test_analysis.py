@@ -159,6 +159,15 @@ def test_explain_lists_each_module_once_the_measured_steps(capsys, phase):
     assert names and len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
 
 
+def test_explain_and_predict_take_the_workloads_own_batch_size(capsys, tmp_path):
+    """Without --batch-size, every command uses the workload's default batch (deep_mlp's 256), as compare does."""
+    small = "deep_mlp:layers=2:width=8"
+    assert main(["explain", "--strategy", "baseline", "--workload", small]) == 0
+    assert "train bs=256 cpu" in capsys.readouterr().out
+    assert main(["predict", "--device", "cpu", "--workload", small, "--phases", "train", "--out", str(tmp_path)]) == 0
+    assert pd.read_csv(next(tmp_path.glob("predict-*.csv")))["batch_size"].tolist() == [256]
+
+
 def test_tracker_rounds_storages_to_blocks():
     with LiveTensorTracker(block_bytes=512) as tracker:
         a = torch.ones(1)  # 4 -> 512

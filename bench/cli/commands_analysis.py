@@ -36,12 +36,17 @@ def _workload_and_data(args) -> tuple[str, str]:
     return workload.spec(), workload.check_data(args.data or default)
 
 
+def _batch_size_text(args) -> str:
+    """--batch-size as given, else the workload's own default batch (as `run` and `compare` take it)."""
+    return args.batch_size or str(get_workload(args.workload or DEFAULT_WORKLOAD).default_batch_size)
+
+
 def _planned_case(args) -> tuple[Case, object]:
     """`explain`'s case and its bound strategy, checked and planned; a UsageError where it cannot run here."""
     workload, data = _workload_and_data(args)
     phase = check_choice("phase", args.phase, PHASES)
     device = check_choice("device", args.device, ("cpu",))  # the breakdown needs the exact CPU tracker
-    batch = one_batch_size(args.batch_size)
+    batch = one_batch_size(_batch_size_text(args))
     strategy, context = bind_case(Case(workload, args.strategy, phase, batch, device, data=data))
     try:
         strategy.check(context)
@@ -81,7 +86,7 @@ def cmd_predict(args) -> int:
     specs = ["baseline"] + [s for s in csv_list(args.strategies or "") if s != "baseline"]
     for spec in specs:
         parse_strategy(spec)  # unknown names: exit 2 before any work
-    batches = parse_batch_sizes(args.batch_size)
+    batches = parse_batch_sizes(_batch_size_text(args))
     out = check_output_dir(args.out, "--out")
     interrupt.set_note("interrupted: nothing was written (predict writes its table at the end)")
     cases = [Case(workload, spec, phase, batch, device, data=data) for spec in specs for phase in phases

@@ -99,7 +99,7 @@ def _add_analysis_parsers(sub) -> None:
     p = _add_command(sub, "explain")
     p.add_argument("--strategy", required=True, help="one strategy spec, e.g. baseline or checkpoint+amp")
     p.add_argument("--phase", default="train", help="train or eval (default train)")
-    p.add_argument("--batch-size", default="100", help="one batch size (default 100)")
+    p.add_argument("--batch-size", default=None, help="one batch size (default: the workload's own, see `list`)")
     p.add_argument("--device", default="cpu", help="cpu, the only choice: the breakdown needs the exact CPU count "
                                                    "(default cpu)")
     p.add_argument("--data", default=None, help="a data source of the workload (default synthetic where it has one: "
@@ -109,7 +109,8 @@ def _add_analysis_parsers(sub) -> None:
     p = _add_command(sub, "predict")
     p.add_argument("--strategies", default="", help="comma list (baseline is always included; default: baseline only)")
     p.add_argument("--device", default="cuda", help="cuda (predict CUDA on any machine) or cpu (default cuda)")
-    p.add_argument("--batch-size", default="100", help="one size or a comma list (default 100)")
+    p.add_argument("--batch-size", default=None,
+                   help="one size or a comma list (default: the workload's own, see `list`)")
     p.add_argument("--phases", default="train,eval", help="train,eval, train or eval (default train,eval)")
     p.add_argument("--ranks", type=positive_int, default=1,
                    help="for the sharded strategies (ddp, zero1, fsdp): the peak of the largest of N ranks, without "
