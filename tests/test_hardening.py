@@ -438,6 +438,24 @@ def test_an_interrupt_without_a_file_says_nothing_was_written(tmp_path):
     assert not list(tmp_path.glob("*.csv"))
 
 
+@pytest.mark.parametrize("budget", ["1KiB", "100KB"])
+def test_fit_when_nothing_fits_names_the_smallest_peak_and_exits_1(budget, tmp_path):
+    """A budget below every strategy's batch-1 peak (the search once probed batch 0 and crashed on its None): one
+    line with the smallest peak reached, measured at batch 1, and exit 1; nothing else is printed or written."""
+    workload = "deep_mlp:layers=4:width=64"
+    done = _cli("fit", "--budget", budget, "--workload", workload, "--max-batch", "64", "--time-steps", "0",
+                "--strategies", "checkpoint", "--out", tmp_path)
+    assert done.returncode == 1, done.stderr
+    assert not list(tmp_path.iterdir())
+    assert "Traceback" not in done.stderr
+    [line] = done.stdout.splitlines()
+    from bench.run.runner import Case, bind_case, memory_pass
+
+    case = Case(workload, "baseline", "train", 1, "cpu", data="synthetic", warmup=0, steps=1)
+    peak = memory_pass(case, bind_case(case)[0], growth_steps=0)["peak_mem_bytes"]
+    assert line.startswith("nothing fits in ") and f"({peak:,} B), baseline at batch 1" in line
+
+
 def test_fit_never_prints_an_over_budget_peak_as_fitting():
     budget = 2**30
     over = analysis.FitResult("baseline", "train", "cpu", budget, 8, budget - 1, True, budget + 1000, "measured",

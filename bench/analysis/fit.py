@@ -12,7 +12,7 @@ from typing import Callable
 
 from bench.analysis import predict
 from bench.core.errors import Unsupported
-from bench.core.units import MiB, format_mib
+from bench.core.units import MiB, format_mib, format_size
 from bench.run.runner import Case, bind_case, forget_traceback, is_oom, memory_pass, timing_pass
 
 
@@ -73,7 +73,7 @@ def largest_under(peak_at: Callable[[int], int], budget: int, low: int, high: in
     a, b = low, high
     for _ in range(6):
         slope = max((peak_at(b) - peak_at(a)) / (b - a), 1.0)
-        guess = int(min(max_batch, max(0, b + math.floor((budget - peak_at(b)) / slope))))
+        guess = int(min(max_batch, max(1, b + math.floor((budget - peak_at(b)) / slope))))  # batch 0 is no step
         if guess in (a, b):
             break
         a, b = b, guess
@@ -235,8 +235,8 @@ def fit_cpu(spec: str, budget: int, phase: str, workload: str, data: str, max_ba
         slope = max(max(slope_s for _, slope_s in lines.values()), 1.0)
         batch, method = _largest_on_stage_lines(lines, budget, max_batch), "per-stage linear model"
     batch = _confirmed_batch(batch, tracked, estimate, method, slope, low, high)
-    if batch < 1:
-        return FitResult(spec, phase, "cpu", budget, 0, None, False, None, "", None,
+    if batch < 1:  # the next batch's peak is batch 1's, measured: the smallest this strategy reaches
+        return FitResult(spec, phase, "cpu", budget, 0, None, False, tracked.peak(1), "measured", None,
                          "even batch 1 exceeds the budget", tracked.runs)
     nxt, how, note = _next_batch_peak(batch, tracked, estimate, method, max_batch)
     return FitResult(spec, phase, "cpu", budget, batch, tracked.peak(batch), True, nxt, how, None, note, tracked.runs)
@@ -280,7 +280,8 @@ def fit_cuda(spec: str, budget: int, phase: str, workload: str, data: str, max_b
         mid = (good + bad) // 2
         good, bad = (mid, bad) if fits(mid) else (good, mid)
     if good == 0:
-        return FitResult(spec, phase, "cuda", budget, 0, None, False, None, "", None, "even batch 1 does not fit", runs)
+        return FitResult(spec, phase, "cuda", budget, 0, None, False, results.get(1), "measured (None = OOM)", None,
+                         "even batch 1 does not fit", runs)
     nxt = results.get(good + 1)
     return FitResult(spec, phase, "cuda", budget, good, results[good], True, nxt,
                      "measured (None = OOM)" if good + 1 in results else "", None,
@@ -327,6 +328,21 @@ def fit(specs: list[str], budget: int, phase: str = "train", device: str = "cpu"
                 result.note = (result.note + "; " if result.note else "") + "time not measured (--time-steps 0)"
         results.append(result)
     return results
+
+
+def nothing_fits(results: list[FitResult]) -> str | None:
+    """None when some strategy fits a batch; else one line naming the smallest peak any of them reaches (batch 1's)
+    and the strategy that reaches it."""
+    if any(r.batch_size >= 1 for r in results):
+        return None
+    budget = results[0].budget_bytes
+    reached = [r for r in results if r.next_batch_peak_bytes is not None]
+    if not reached:
+        return f"nothing fits in {format_size(budget)}: no strategy ran at batch 1 (out of memory or unsupported)"
+    smallest = min(reached, key=lambda r: r.next_batch_peak_bytes)
+    peak = smallest.next_batch_peak_bytes
+    return (f"nothing fits in {format_size(budget)} ({budget:,} B): the smallest peak is {format_size(peak)} "
+            f"({peak:,} B), {smallest.strategy} at batch 1")
 
 
 def fit_rows(results: list[FitResult]) -> list[dict]:

@@ -133,6 +133,10 @@ def cmd_fit(args) -> int:
     interrupt.set_note("interrupted: nothing was written (fit writes its table when every strategy is done)")
     results = fitting.fit(specs, budget, phase, device, workload, data, max_batch, args.time_steps,
                           progress=status)
+    failure = fitting.nothing_fits(results)
+    if failure is not None:
+        print(failure)
+        return 1
     print(f"largest batch with peak <= {args.budget} ({budget:,} B) on {device}, phase {phase}")
     print(fitting.format_fit(results, args.time_steps))
     path = out / f"fit-{new_run_id(device)}.csv"
