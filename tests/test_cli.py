@@ -111,3 +111,32 @@ def test_report_redraws_a_run_from_its_csv_alone(tmp_path, capsys):
     assert main(["report", "--budget", "4 furlongs", str(fixture)]) == 2
     assert "furlongs" in capsys.readouterr().err
     assert main(["report", "--results", str(tmp_path / "empty")]) == 2
+
+
+@pytest.mark.parametrize("command", ["explain", "predict", "fit"])
+def test_every_command_that_computes_takes_threads(command, monkeypatch, tmp_path):
+    """--threads sets torch's threads (and OMP_NUM_THREADS for a worker process) while the command computes, and
+    restores both; more threads than cores is one line and exit 2 (issue 24 §3)."""
+    import os
+
+    import torch
+
+    from bench.cli import commands_analysis
+
+    seen = {}
+
+    def record(*args, **kwargs):
+        seen["threads"], seen["omp"] = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+        raise KeyboardInterrupt  # stop before any real work: what matters is the state it ran in
+
+    target = {"explain": (commands_analysis.analysis, "explain"),
+              "predict": (commands_analysis.predict, "predict_cases"),
+              "fit": (commands_analysis.fitting, "fit")}[command]
+    monkeypatch.setattr(*target, record)
+    before, omp_before = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    args = {"explain": ["--strategy", "baseline", "--batch-size", "2"], "predict": ["--device", "cpu"],
+            "fit": ["--budget", "1GiB", "--time-steps", "0"]}[command]
+    assert main([command, *args, "--threads", "1", *(["--out", str(tmp_path)] if command != "explain" else [])]) == 130
+    assert seen == {"threads": 1, "omp": "1"}
+    assert torch.get_num_threads() == before and os.environ.get("OMP_NUM_THREADS") == omp_before
+    assert main([command, *args, "--threads", "4096"]) == 2

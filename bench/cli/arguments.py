@@ -106,6 +106,13 @@ def add_case_options(p: argparse.ArgumentParser) -> None:
     _add_sweep_options(p)
 
 
+def add_threads_option(p: argparse.ArgumentParser, recorded: str = "") -> None:
+    """--threads, for every command that computes; `recorded` names where the count is written, if anywhere."""
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="torch.set_num_threads for every case (default: torch's default here, "
+                        "usually the physical cores)" + (f"; recorded in {recorded}" if recorded else ""))
+
+
 def _add_sweep_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                    help="run each case (and each repeat) in a fresh Python process (default: on for cuda, "
@@ -113,9 +120,7 @@ def _add_sweep_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=positive_int, default=1,
                    help="repeat each case's timing and memory passes K times; adds a 95%% CI and a noisy flag "
                         "(default 1)")
-    p.add_argument("--threads", type=positive_int, default=None,
-                   help="torch.set_num_threads for every case (default: torch's default here, "
-                        "usually the physical cores); recorded in cpu_threads")
+    add_threads_option(p, recorded="cpu_threads")
     p.add_argument("--deterministic", action="store_true",
                    help="cudnn.deterministic and torch.use_deterministic_algorithms(True) for each case (default off)")
     p.add_argument("--ranks", type=positive_int, default=1,

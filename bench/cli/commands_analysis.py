@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import os
 from dataclasses import replace
+from typing import Callable, Iterator
 
 import pandas as pd
 
@@ -19,6 +23,7 @@ from bench.core.results import new_run_id, write_csv_atomic
 from bench.core.units import format_size
 from bench.measure import env
 from bench.run import preflight
+from bench.run.isolation import process_state
 from bench.run.preflight import check_choice, check_output_dir, parse_batch_sizes
 from bench.run.rule_of_thumb import rule_of_thumb
 from bench.run.runner import Case, CaseMeter, bind_case
@@ -26,6 +31,33 @@ from strategies import parse_strategy
 from workloads import get_workload
 
 PHASES = ("train", "eval")
+
+
+@contextlib.contextmanager
+def _worker_threads(threads: int | None) -> Iterator[None]:
+    """OMP_NUM_THREADS for the processes a command starts (predict's fake-CUDA worker), restored on exit."""
+    before = os.environ.get("OMP_NUM_THREADS")
+    if threads:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = before
+
+
+def uses_threads(command: Callable[..., int]) -> Callable[..., int]:
+    """Runs `command(args)` with --threads applied (torch.set_num_threads here and in the processes it starts),
+    checked first against the cores available; every process-wide flag is restored afterwards."""
+    @functools.wraps(command)
+    def with_threads(args) -> int:
+        preflight.check_threads(args.threads)
+        with process_state(threads=args.threads), _worker_threads(args.threads):
+            return command(args)
+
+    return with_threads
 
 
 def _workload_and_data(args) -> tuple[str, str]:
@@ -60,6 +92,7 @@ def _planned_case(args) -> tuple[Case, object]:
     return case, strategy
 
 
+@uses_threads
 def cmd_explain(args) -> int:
     """The peak of one case broken down (params, grads, optimizer, activations, temporaries, batch), the rule
     of thumb beside it, and memory added by each module's forward."""
@@ -76,6 +109,7 @@ def cmd_explain(args) -> int:
     return 0
 
 
+@uses_threads
 def cmd_predict(args) -> int:
     """Predicted torch.cuda.max_memory_allocated per case, without a GPU (assumptions printed); writes a CSV."""
     workload, data = _workload_and_data(args)
@@ -109,6 +143,7 @@ def cmd_predict(args) -> int:
     return 0
 
 
+@uses_threads
 def cmd_fit(args) -> int:
     """The largest batch size under a memory budget, per strategy (baseline always), each verified by a run."""
     budget = size_option(args.budget, "--budget")

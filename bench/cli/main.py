@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 from bench.cli import interrupt
 from bench.cli.arguments import (DEFAULT_OUT, WORKLOAD_HELP, add_case_options, add_memory_limit_option,
-                                 add_table_options, non_negative_int, positive_int)
+                                 add_table_options, add_threads_option, non_negative_int, positive_int)
 from bench.core.errors import UsageError
 
 DESCRIPTION = ("Measures what each PyTorch memory-saving technique saves and costs (peak memory, step time, whether "
@@ -105,6 +105,7 @@ def _add_analysis_parsers(sub) -> None:
     p.add_argument("--data", default=None, help="a data source of the workload (default synthetic where it has one: "
                                                  "memory does not depend on the values)")
     p.add_argument("--workload", default=None, help=WORKLOAD_HELP)
+    add_threads_option(p)
 
     p = _add_command(sub, "predict")
     p.add_argument("--strategies", default="", help="comma list (baseline is always included; default: baseline only)")
@@ -123,6 +124,7 @@ def _add_analysis_parsers(sub) -> None:
                    help="compute capability of the CUDA device predicted, e.g. 9.0 (sizes cuBLAS's workspace; "
                         "default: this machine's GPU, else a non-Hopper one)")
     add_table_options(p)
+    add_threads_option(p)
 
     p = _add_command(sub, "fit")
     p.add_argument("--budget", required=True, help="memory budget: 4GiB, 512MiB, 1e9 ... (required)")
@@ -134,6 +136,7 @@ def _add_analysis_parsers(sub) -> None:
                    help="timed steps at the largest batch (0: no timing; default 1)")
     add_table_options(p)
     add_memory_limit_option(p)
+    add_threads_option(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
