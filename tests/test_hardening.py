@@ -640,3 +640,61 @@ def test_the_progress_line_warns_of_a_mismatch_only(matches, warned):
     bar.case(0, 1, case, {"status": "ok", "peak_mem_bytes": 2**20, "step_time_ms_median": 1.0,
                           "measured_steps": 3, "timing_stop_reason": "fixed_steps", "matches_baseline": matches})
     assert ("DOES NOT MATCH BASELINE" in screen.getvalue()) is warned, screen.getvalue()
+
+
+DICT_MODEL_WORKLOAD = '''
+import torch
+from torch import nn
+
+from workloads import Workload
+
+
+class TakesTheDict(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 2)
+
+    def forward(self, batch):
+        return self.linear(batch["mels"])
+
+
+class DictWorkload(Workload):
+    name = "dict_model"
+    default_batch_size = 2
+    whole = False  # True: the dict is passed as one argument, as the error message says to
+
+    def build_model(self):
+        torch.manual_seed(0)
+        return TakesTheDict()
+
+    def make_batch(self, batch_size, data):
+        torch.manual_seed(1)
+        inputs = {"mels": torch.randn(batch_size, 4)}
+        return ((inputs,) if self.whole else inputs), torch.randint(0, 2, (batch_size,))
+
+    def loss(self, output, target):
+        return nn.functional.cross_entropy(output, target)
+
+
+class WholeDictWorkload(DictWorkload):
+    whole = True
+'''
+
+
+def test_a_model_that_takes_the_dict_whole_is_told_how_to_get_it(tmp_path):
+    """membench passes a dict of inputs as keyword arguments: a model whose forward takes the dict itself gets a row
+    whose message says so and how to pass it whole; done that way, the case runs (issue 24 §3)."""
+    (tmp_path / "dict_workload.py").write_text(DICT_MODEL_WORKLOAD, encoding="utf-8")
+    for name, status, code in (("DictWorkload", "error", 1), ("WholeDictWorkload", "ok", 0)):
+        out = tmp_path / name
+        done = _cli("run", "--workload", f"{tmp_path / 'dict_workload.py'}:{name}", "--strategies", "baseline",
+                    "--phases", "train", "--device", "cpu", "--steps", "1", "--warmup", "0", "--out", out)
+        assert done.returncode == code and "Traceback" not in done.stderr, done.stderr
+        [row] = pd.read_csv(next(out.glob("*.csv"))).to_dict("records")
+        assert row["status"] == status, row["message"]
+    assert "keyword argument 'mels'" in row_message(tmp_path / "DictWorkload")
+    assert "one-element tuple, `(inputs,)`" in row_message(tmp_path / "DictWorkload")
+
+
+def row_message(out: Path) -> str:
+    return pd.read_csv(next(out.glob("*.csv")))["message"].iloc[0]

@@ -90,9 +90,19 @@ class Workload:
 
     # --- used by the runner ----------------------------------------------------------------------------------
     def run_model(self, model: nn.Module, inputs: Batch) -> Any:
-        """Calls `model` on a batch's inputs: a tuple as positional arguments, a dict as keyword arguments."""
+        """Calls `model` on a batch's inputs: a tuple as positional arguments, a dict as keyword arguments (a model
+        that takes the dict itself as one argument gets it from `make_batch` returning `(inputs,)`)."""
         if isinstance(inputs, dict):
-            return model(**inputs)
+            try:
+                return model(**inputs)
+            except TypeError as error:
+                if not any(f"keyword argument '{key}'" in str(error) for key in inputs):
+                    raise
+                raise TypeError(
+                    f"{error}: membench passes a dict of inputs as keyword arguments, "
+                    f"model(**{{{', '.join(map(repr, inputs))}}}); for a model whose forward takes the dict whole, "
+                    f"make {type(self).__name__}.make_batch return the inputs as a one-element tuple, `(inputs,)`, "
+                    f"and it is passed as one positional argument") from None
         if isinstance(inputs, (tuple, list)):
             return model(*inputs)
         return model(inputs)
