@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from bench.core.errors import Unsupported, UsageError
+from bench.core.errors import Unsupported, UnsupportedValue, UsageError
 from bench.core.units import format_size, fraction_or_size, parse_positive_size
 from strategies.base import PlanMeter, Strategy, register_strategy
 
@@ -247,6 +247,15 @@ class Checkpoint(Strategy):
         if segments == "auto":
             return min(self.auto_segments, units)
         return sqrt_segments(units) if segments == "sqrt" else int(segments)
+
+    def check(self, context):
+        super().check(context)
+        segments = str(self.settings["segments"])
+        if segments.isdigit() and not self.settings["budget"] and context.workload is not None:
+            units = context.workload.checkpoint_unit_count()
+            if int(segments) > units:
+                raise UnsupportedValue(f"checkpoint:segments={segments} exceeds the {units} checkpoint units of "
+                                       f"workload {context.workload.spec()!r}")
 
     def _owner(self) -> str:
         workload = self.context.workload

@@ -25,7 +25,7 @@ from bench.cli.arguments import DEFAULT_OUT
 from bench.cli.console import Progress
 from bench.cli.main import build_parser
 from bench.core import progress, results
-from bench.core.errors import UsageError
+from bench.core.errors import UnsupportedValue, UsageError
 from bench.report import line_charts as charts
 from bench.report.data import load_results, make_groups
 from bench.run import preflight
@@ -698,3 +698,28 @@ def test_a_model_that_takes_the_dict_whole_is_told_how_to_get_it(tmp_path):
 
 def row_message(out: Path) -> str:
     return pd.read_csv(next(out.glob("*.csv")))["message"].iloc[0]
+
+
+def test_an_option_value_that_fits_no_case_stops_before_the_first(tmp_path):
+    """checkpoint:segments=999 on a 10-unit workload: one line and exit 2 before any case runs, not minutes of
+    other cases first (issue 24 §3)."""
+    done = _cli("run", "--strategies", "inplace_relu,checkpoint:segments=999", "--phases", "train", "--device", "cpu",
+                "--quick", "--out", tmp_path, timeout=120)
+    assert done.returncode == 2 and not list(tmp_path.glob("*.csv"))
+    assert done.stderr.strip().splitlines() == [
+        "error: checkpoint:segments=999 exceeds the 10 checkpoint units of workload 'captcha_resnet18': the value fits "
+        "none of this run's cases, so nothing was run"]
+
+
+def test_an_option_value_that_fits_some_cases_is_an_unsupported_row_for_the_others():
+    from bench.run.preflight import check_cases
+    from bench.run.runner import Case, bind_case
+
+    small, large = "deep_mlp:layers=4:width=8", "deep_mlp:layers=12:width=8"
+    cases = [Case(workload, "checkpoint:segments=8", "train", 2, "cpu") for workload in (small, large)]
+    check_cases(cases, bind_case)  # fits the 12-unit model: the 4-unit one's case becomes its row
+    with pytest.raises(UsageError, match="segments=8 exceeds the 4 checkpoint units"):
+        check_cases(cases[:1], bind_case)
+    strategy, context = bind_case(cases[0])
+    with pytest.raises(UnsupportedValue):
+        strategy.check(context)

@@ -34,6 +34,9 @@ register_workload = WORKLOADS.register
 Batch = Any  # a tensor, a tuple of tensors or a dict of tensors (and a target tensor)
 
 
+_UNIT_COUNTS: dict[str, int] = {}  # workload spec -> checkpoint units (Workload.checkpoint_unit_count)
+
+
 class Workload:
     """One trainable model and the data it is trained on. Override the methods; keep defaults as attributes."""
 
@@ -87,6 +90,14 @@ class Workload:
     def checkpoint_units(self, model: nn.Module) -> list[nn.Module]:
         """The ordered blocks checkpointing may recompute (default: an nn.Sequential's children, else none)."""
         return list(model.children()) if isinstance(model, nn.Sequential) else []
+
+    def checkpoint_unit_count(self) -> int:
+        """How many checkpoint units the model has; the model is built once per workload spec in this process (a
+        workload whose model is costly to build may count its units without building it)."""
+        spec = self.spec()
+        if spec not in _UNIT_COUNTS:
+            _UNIT_COUNTS[spec] = len(self.checkpoint_units(self.build_model()))
+        return _UNIT_COUNTS[spec]
 
     # --- used by the runner ----------------------------------------------------------------------------------
     def run_model(self, model: nn.Module, inputs: Batch) -> Any:

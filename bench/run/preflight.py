@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-from bench.core.errors import Unsupported, UsageError, choices_error
+from bench.core.errors import Unsupported, UnsupportedValue, UsageError, choices_error
 from bench.core.units import format_size
 
 # The steps of a case unless the suite or the command line says otherwise.
@@ -130,20 +130,29 @@ def check_cases(cases: list, bind) -> None:
     """Parses and checks every case's strategy against its workload, phase and device before any case runs.
 
     `bind(case) -> (strategy, context)`. A strategy that cannot apply to one case (Unsupported) is left to become
-    that case's row; one that cannot apply anywhere (a UsageError) stops the run here, naming the case."""
+    that case's row; one that cannot apply anywhere (a UsageError), or an option value that fits none of the run's
+    cases (UnsupportedValue in each), stops the run here, naming the case."""
     seen = set()
+    value_misfits: dict[str, UnsupportedValue] = {}  # strategy -> why its value fits no case so far
+    fitting = set()  # strategies whose values fit at least one case
     for case in cases:
-        key = (case.workload, case.strategy, case.phase, case.device)
+        key = (case.workload, case.strategy, case.phase, case.device, case.batch_size)
         if key in seen:
             continue
         seen.add(key)
         try:
             strategy, context = bind(case)
             strategy.check(context)
+            fitting.add(case.strategy)
+        except UnsupportedValue as error:
+            value_misfits.setdefault(case.strategy, error)
         except Unsupported:
-            continue
+            continue  # the case is a row that says why it cannot run (phase, device): its values say nothing
         except UsageError as error:
             raise UsageError(f"{case.strategy} on {case.workload} ({case.phase}, {case.device}): {error}") from None
+    for spec, error in value_misfits.items():
+        if spec not in fitting:
+            raise UsageError(f"{error}: the value fits none of this run's cases, so nothing was run") from None
 
 
 @dataclass(frozen=True)
