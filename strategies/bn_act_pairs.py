@@ -87,6 +87,16 @@ def _is_constant(value: Any) -> bool:
                                                   any(isinstance(v, fx.Node) for v in value))
 
 
+def require_batchnorm(name: str, workload: Any) -> None:
+    """Unsupported, in any phase, when `workload`'s model has no BatchNorm layer (checked before the phase: the
+    row then says why the strategy can never apply to it)."""
+    if workload is None:
+        return
+    if not any(type(m) in BATCHNORMS for m in workload.build_model().modules()):
+        raise Unsupported(f"{name}: workload {workload.spec()!r} has no BatchNorm layer, so no BatchNorm->activation "
+                          "pair")
+
+
 def find_pairs(model: nn.Module, owner: str) -> tuple[list[Pair], int]:
     """The model's BatchNorm -> activation pairs and its number of BatchNorm modules; Unsupported when it has no
     BatchNorm or cannot be traced. `owner` names the model in messages."""

@@ -11,7 +11,7 @@ from torch.utils.checkpoint import checkpoint
 
 from bench.core.errors import Unsupported
 from strategies.base import Strategy, register_strategy
-from strategies.bn_act_pairs import FusedPairs, Pair, find_pairs, pair_summary, require_pairs
+from strategies.bn_act_pairs import FusedPairs, Pair, find_pairs, pair_summary, require_batchnorm, require_pairs
 from strategies.checkpoint import preserved
 
 
@@ -117,6 +117,10 @@ class BNActRecompute(Strategy):
         super().__init__(**options)
         self.fused: RecomputedPairs | None = None
         self.summary: str | None = None
+
+    def check(self, context):
+        require_batchnorm(self.name, context.workload)
+        super().check(context)
 
     def _owner(self) -> str:
         workload = self.context.workload

@@ -9,7 +9,7 @@ from torch import nn
 
 from bench.core.errors import Unsupported, UsageError
 from strategies.base import Strategy, Tolerance, register_strategy
-from strategies.bn_act_pairs import FusedPairs, Pair, find_pairs, pair_summary, require_pairs
+from strategies.bn_act_pairs import FusedPairs, Pair, find_pairs, pair_summary, require_batchnorm, require_pairs
 
 DEFAULT_SLOPE = 0.01
 TINY_WEIGHT = 1e-12  # |gamma| below this is taken as this (sign kept) when the affine transform is inverted
@@ -133,6 +133,10 @@ class InPlaceABN(Strategy):
         self.fused: InPlacePairs | None = None
         self.summary: str | None = None
         self.swapped = 0
+
+    def check(self, context):
+        require_batchnorm(self.name, context.workload)
+        super().check(context)
 
     def _owner(self) -> str:
         workload = self.context.workload
