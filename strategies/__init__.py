@@ -8,7 +8,7 @@ from strategies.base import (  # noqa: F401
 # Importing a strategy module registers it; one module per strategy.
 from strategies import baseline  # noqa: E402,F401
 from strategies import (  # noqa: E402,F401
-    inplace_relu, checkpoint, amp, del_intermediates, no_grad_eval, cudnn_benchmark, selective_checkpoint,
+    inplace_relu, checkpoint, bn_act_recompute, inplace_abn, amp, del_intermediates, no_grad_eval, cudnn_benchmark, selective_checkpoint,
     offload, compile,
     grad_accumulation, optimizer_in_backward, optimizer, keep_grads, empty_cache, pinned_loader,
     pitfall_loss_sum, pitfall_retain_graph,

@@ -36,6 +36,10 @@ UNSUPPORTED = {
     ("deep_mlp", "inplace_relu"): "no ReLU-like activation",
     ("gpt_mini", "inplace_relu"): "no ReLU-like activation",
     ("timm", "inplace_relu"): "in place already",
+    ("deep_mlp", "bn_act_recompute"): "has no BatchNorm layer",
+    ("gpt_mini", "bn_act_recompute"): "has no BatchNorm layer",
+    ("deep_mlp", "inplace_abn"): "has no BatchNorm layer",
+    ("gpt_mini", "inplace_abn"): "has no BatchNorm layer",
 }
 # strategy -> phases it runs in on the CPU on any workload (cudnn_benchmark, empty_cache, pinned_loader: CUDA only)
 PHASES = {"baseline": ("train", "eval"), "inplace_relu": ("train", "eval"), "checkpoint": ("train", "eval"),
@@ -44,7 +48,8 @@ PHASES = {"baseline": ("train", "eval"), "inplace_relu": ("train", "eval"), "che
           "ddp": (), "zero1": (), "fsdp": (),  # sharded: need --ranks (tests/test_ranks.py)
           "grad_accumulation": ("train",), "optimizer_in_backward": ("train",),
           "optimizer": ("train",), "keep_grads": ("train",), "empty_cache": (), "pinned_loader": (),
-          "pitfall_loss_sum": ("train", "eval"), "pitfall_retain_graph": ("train",)}
+          "pitfall_loss_sum": ("train", "eval"), "pitfall_retain_graph": ("train",),
+          "bn_act_recompute": ("train",), "inplace_abn": ("train",)}
 # the spec a strategy runs as here where its defaults are too slow for `make test` (inductor compiles C++ for ~30 s
 # per pass on a 2-core CPU; the eager partition backend runs the same partitioned graphs)
 FAST_SPECS = {"compile": "compile:backend=aot_eager_decomp_partition"}
@@ -55,6 +60,9 @@ DIFFERS = {
     ("timm", "grad_accumulation"): "BatchNorm normalises each of the 2 micro-batches",
     ("gpt_mini", "grad_accumulation"): "dropout draws its masks per micro-batch",
     ("gpt_mini", "compile"): "another random stream than eager dropout",
+    ("captcha_resnet18", "inplace_abn"): "is a leaky ReLU of slope",
+    ("unet", "inplace_abn"): "is a leaky ReLU of slope",
+    ("timm", "inplace_abn"): "is a leaky ReLU of slope",
 }
 
 
