@@ -221,3 +221,48 @@ def test_checkpointing_plans_get_a_tradeoff_chart_and_table(tmp_path):
     assert "weights + gradients + optimizer state): 160.0 MiB" in table  # 2 x 40 MiB + 80 MiB
     assert "`checkpoint:budget=0.3`: unsupported, no plan of 17 fits; the smallest peak reachable" in table
     assert "Budget plans were searched" not in table  # the budget=0.6 row's settings hold no planning time
+
+
+@pytest.mark.parametrize("run_id", ["../../escaped", "/tmp/membench-escaped-report", "a/../../b"])
+def test_a_run_id_from_a_file_never_steers_where_the_report_writes(tmp_path, run_id):
+    """`run_id` is read from the CSV, which anyone may edit: chart names made from it stay inside --out (issue 24 §3)."""
+    results, out = tmp_path / "in" / "deep", tmp_path / "in" / "deep" / "out"
+    results.mkdir(parents=True)
+    frame = pd.read_csv(FULL)
+    frame["run_id"] = run_id
+    frame.to_csv(results / "edited.csv", index=False)
+    before = {p for p in Path("/tmp").glob("membench-escaped-report*")}
+    done = subprocess.run([sys.executable, "-m", "bench", "report", str(results / "edited.csv"), "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    written = [p for p in tmp_path.rglob("*") if p.is_file() and p.name != "edited.csv"]
+    assert written and all(out in p.parents for p in written), written
+    assert {p for p in Path("/tmp").glob("membench-escaped-report*")} == before
+    assert any(p.name.endswith(".memory.png") for p in written)
+
+
+def test_charts_and_the_report_are_written_atomically(tmp_path, monkeypatch):
+    """A report killed while it writes leaves the previous chart and REPORT.md whole, and no temporary file."""
+    from bench.core import atomic
+    from bench.report import figures, markdown
+
+    markdown.build_report([FULL], tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+
+    def dies_halfway(self, path, **kwargs):
+        Path(path).write_bytes(b"\x89PNG half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(figures.Figure, "savefig", dies_halfway)
+    with pytest.raises(KeyboardInterrupt):
+        markdown.build_report([FULL], tmp_path)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    monkeypatch.undo()
+
+    def killed_before_the_disk_has_it(fd):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(atomic.os, "fsync", killed_before_the_disk_has_it)  # REPORT.md half-written, then killed
+    with pytest.raises(KeyboardInterrupt):
+        markdown.build_report([FULL], tmp_path)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before

@@ -108,7 +108,8 @@ def _fill_relative(frame: pd.DataFrame) -> pd.DataFrame:
 def find_timeline(csv_path: Path, run_id: str) -> Path | None:
     """`<stem>.timeline.csv` (or `<run_id>.timeline.csv`) next to the results file, if it exists."""
     csv_path = Path(csv_path)
-    for name in (f"{csv_path.stem}.timeline.csv", f"{run_id}.timeline.csv"):
+    names = [f"{csv_path.stem}.timeline.csv"] + ([f"{run_id}.timeline.csv"] if safe_name(run_id) == run_id else [])
+    for name in names:
         candidate = csv_path.with_name(name)
         if candidate.is_file():
             return candidate
@@ -134,7 +135,9 @@ class Group:
 
     @property
     def stem(self) -> str:
-        return f"{self.run_id}{self.suffix}"
+        """The charts' file name stem: the run id as a plain file name (it comes from a CSV, where it may be
+        `../x` or `/tmp/x`: nothing is ever written outside the report's folder) and the group's suffix."""
+        return f"{safe_name(self.run_id)}{self.suffix}"
 
     def first(self, column: str, default: str = "?") -> str:
         values = self.frame[column].dropna().astype(str)
@@ -161,8 +164,9 @@ class Group:
                 f"torch {self.first('torch_version')}")
 
 
-def _safe(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_+-]+", "_", text).strip("_") or "x"
+def safe_name(text: str) -> str:
+    """`text` as a plain file name: letters, digits, `_`, `+` and `-` kept, every other run of characters one `_`."""
+    return re.sub(r"[^A-Za-z0-9_+-]+", "_", str(text)).strip("_") or "x"
 
 
 def make_groups(frame: pd.DataFrame) -> list[Group]:
@@ -174,7 +178,7 @@ def make_groups(frame: pd.DataFrame) -> list[Group]:
             varying.remove("device_name")  # one name per device: the device already tells the groups apart
         for key, rows in run.groupby(list(dims), sort=True):
             values = dict(zip(dims, key))
-            suffix = "".join(f".{_safe(values[d])}" for d in varying)
+            suffix = "".join(f".{safe_name(values[d])}" for d in varying)
             rows = rows.drop_duplicates(["strategy", "phase", "batch_size"], keep="last")
             groups.append(Group(str(run_id), values["device"], values["workload"], values["data"], rows, suffix))
     return groups

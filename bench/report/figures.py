@@ -14,6 +14,8 @@ import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from bench.core.atomic import atomic_path
+
 DPI = 110
 PHASES = ("train", "eval")
 PHASE_COLOR = {"train": "#1f77b4", "eval": "#ff7f0e"}
@@ -35,7 +37,9 @@ def set_titles(fig: Figure, title: str, subtitle: str) -> None:
 
 
 def save_figure(fig: Figure, path: Path) -> Path:
-    fig.savefig(path, dpi=DPI, facecolor="white")
+    """The figure as a PNG at `path`, written atomically (a killed report never leaves a truncated chart)."""
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=DPI, facecolor="white", format="png")
     return path
 
 

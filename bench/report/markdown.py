@@ -14,6 +14,7 @@ import pandas as pd
 
 from bench.core.results import is_pitfall
 from bench.core.units import format_mib
+from bench.core.atomic import write_text_atomic
 from bench.report import charts
 from bench.report.data import (  # noqa: F401 - newest_csv and parse_size are part of this module's API
     Group, MISMATCH_LABEL, STATUS_LABEL, find_timeline, format_size, load_results, make_groups, newest_csv,
@@ -303,5 +304,5 @@ def build_report(csv_paths: list[Path], out_dir: Path, budget_bytes: int | None 
         charts.draw_all(group, out_dir, budget_bytes)
 
     report = out_dir / "REPORT.md"
-    report.write_text(render_markdown(groups, out_dir, budget_bytes), encoding="utf-8")
+    write_text_atomic(report, render_markdown(groups, out_dir, budget_bytes))
     return report
