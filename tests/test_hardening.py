@@ -723,3 +723,37 @@ def test_an_option_value_that_fits_some_cases_is_an_unsupported_row_for_the_othe
     strategy, context = bind_case(cases[0])
     with pytest.raises(UnsupportedValue):
         strategy.check(context)
+
+
+ALIAS_BOMB = """
+a: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]
+b: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]
+c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]
+d: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c]
+e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d]
+f: &f [*e, *e, *e, *e, *e, *e, *e, *e, *e]
+g: &g [*f, *f, *f, *f, *f, *f, *f, *f, *f]
+h: &h [*g, *g, *g, *g, *g, *g, *g, *g, *g]
+"""
+
+
+@pytest.mark.parametrize("key", ["warmup", "data", "workload", "executor", "ray_address", "target_ci", "strategies"])
+def test_a_yaml_alias_bomb_in_a_suite_is_one_short_line(tmp_path, key):
+    """A few hundred bytes of YAML aliases that expand to 9**9 values, under any key: refused at once, in one line
+    that quotes a bounded part of the value (issue 24 §3: under a scalar key it grew to gigabytes and MemoryError)."""
+    suite = tmp_path / "bomb.yaml"
+    strategies = "" if key == "strategies" else "strategies: [baseline]\n"
+    suite.write_text(f"{ALIAS_BOMB}\n{strategies}{key}: *h\n", encoding="utf-8")
+    done = _cli("run", "--suite", suite, "--device", "cpu", "--out", tmp_path / "out", timeout=60)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    [line] = done.stderr.strip().splitlines()
+    assert len(line) < 400 and "expands to more than" in line
+
+
+def test_a_suite_error_quotes_a_bounded_part_of_a_large_value(tmp_path):
+    suite = tmp_path / "long.yaml"
+    suite.write_text("strategies: [baseline]\nexecutor: " + "x" * 100_000 + "\n", encoding="utf-8")
+    done = _cli("run", "--suite", suite, "--device", "cpu", "--out", tmp_path / "out", timeout=60)
+    assert done.returncode == 2
+    [line] = done.stderr.strip().splitlines()
+    assert "unknown executor" in line and len(line) < 400

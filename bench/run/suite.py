@@ -3,6 +3,7 @@ anything runs."""
 
 from __future__ import annotations
 
+import reprlib
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -84,34 +85,62 @@ class Suite:
         return cases
 
 
+# What a suite may hold: a file of at most this many bytes whose YAML expands (aliases followed, each time) to at most
+# this many values. A suite file lists a few dozen; an alias bomb expands a few hundred bytes to billions.
+MAX_SUITE_BYTES = 1 << 20
+MAX_SUITE_VALUES = 100_000
+_QUOTE = reprlib.Repr()
+_QUOTE.maxstring, _QUOTE.maxother, _QUOTE.maxlist, _QUOTE.maxdict, _QUOTE.maxlevel = 80, 80, 8, 8, 3
+
+
+def quoted(value: Any) -> str:
+    """`repr(value)`, shortened: a message quotes at most a line of what a file holds, however large it is."""
+    return _QUOTE.repr(value)
+
+
+def _expanded_values(value: Any, limit: int) -> int:
+    """How many values `value` holds with aliases expanded (a shared list counted each time it is reached), counting
+    no further than `limit` + 1."""
+    count, todo = 0, [value]
+    while todo and count <= limit:
+        item = todo.pop()
+        count += 1
+        if isinstance(item, dict):
+            todo.extend(item.keys())
+            todo.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            todo.extend(item)
+    return count
+
+
 def _check_list(values: dict[str, Any], key: str, where: str) -> None:
     items = values.get(key)
     if items is None:
         return
     if not items:
-        raise UsageError(f"{where}: key {key!r} must not be empty; give {_FIELDS[key][1]}")
+        raise UsageError(f"{where}: key {quoted(key)} must not be empty; give {_FIELDS[key][1]}")
     seen = set()
     for item in items:
         if key == "batch_sizes" and (not isinstance(item, int) or isinstance(item, bool) or item <= 0):
-            raise UsageError(f"{where}: key 'batch_sizes': batch size {item!r} must be a positive integer")
+            raise UsageError(f"{where}: key 'batch_sizes': batch size {quoted(item)} must be a positive integer")
         if key in ("strategies", "phases") and not isinstance(item, str):
-            raise UsageError(f"{where}: key {key!r}: entry {item!r} must be a name (a string)")
-        marker = repr(item) if isinstance(item, dict) else item
+            raise UsageError(f"{where}: key {quoted(key)}: entry {quoted(item)} must be a name (a string)")
+        marker = quoted(item) if isinstance(item, dict) else item
         if marker in seen:
-            raise UsageError(f"{where}: key {key!r}: duplicate entry {item!r}")
+            raise UsageError(f"{where}: key {quoted(key)}: duplicate entry {quoted(item)}")
         seen.add(marker)
 
 
 def _check_workload(spec, data, where: str, key: str):
     """The resolved workload of `spec`, with `data` (if given) checked against its data sources."""
     if not isinstance(spec, str):
-        raise UsageError(f"{where}: key {key!r}: entry {spec!r} must be a workload spec (a string)")
+        raise UsageError(f"{where}: key {quoted(key)}: entry {quoted(spec)} must be a workload spec (a string)")
     try:
         workload = get_workload(spec)
         if data is not None:
             workload.check_data(data)
     except UsageError as error:
-        raise UsageError(f"{where}: key {key!r}: {error}") from None
+        raise UsageError(f"{where}: key {quoted(key)}: {error}") from None
     return workload
 
 
@@ -122,10 +151,10 @@ def validate(values: dict[str, Any], where: str) -> dict[str, Any]:
     file or unknown name fails here, before anything runs) and its data source checked."""
     for key, value in values.items():
         if key not in _FIELDS:
-            raise UsageError(f"{where}: unknown key {key!r}; valid keys: {', '.join([*_FIELDS, 'devices'])}")
+            raise UsageError(f"{where}: unknown key {quoted(key)}; valid keys: {', '.join([*_FIELDS, 'devices'])}")
         kind, what = _FIELDS[key]
         if not isinstance(value, kind) or isinstance(value, bool):
-            raise UsageError(f"{where}: key {key!r} must be {what}, got {value!r}")
+            raise UsageError(f"{where}: key {quoted(key)} must be {what}, got {quoted(value)}")
     if "workload" in values and "workloads" in values:
         raise UsageError(f"{where}: give either key 'workload' or key 'workloads', not both")
     for key in ("strategies", "phases", "batch_sizes", "workloads"):
@@ -137,21 +166,21 @@ def validate(values: dict[str, Any], where: str) -> dict[str, Any]:
             raise UsageError(f"{where}: key 'strategies': {error}") from None
     for phase in values.get("phases", []):
         if phase not in PHASES:
-            raise UsageError(f"{where}: key 'phases': unknown phase {phase!r}; valid choices: {', '.join(PHASES)}")
+            raise UsageError(f"{where}: key 'phases': unknown phase {quoted(phase)}; valid choices: {', '.join(PHASES)}")
     if values.get("executor", "local") not in ("local", "ray"):
-        raise UsageError(f"{where}: key 'executor': unknown executor {values['executor']!r}; valid choices: local, ray")
+        raise UsageError(f"{where}: key 'executor': unknown executor {quoted(values['executor'])}; valid choices: local, ray")
     if values.get("warmup", 0) < 0:
-        raise UsageError(f"{where}: key 'warmup' must be a non-negative integer, got {values['warmup']!r}")
+        raise UsageError(f"{where}: key 'warmup' must be a non-negative integer, got {quoted(values['warmup'])}")
     if "steps" in values and values["steps"] <= 0:
-        raise UsageError(f"{where}: key 'steps' must be a positive integer, got {values['steps']!r}")
+        raise UsageError(f"{where}: key 'steps' must be a positive integer, got {quoted(values['steps'])}")
     for key in ("min_steps", "max_time_per_case"):
         if key in values and values[key] <= 0:
-            raise UsageError(f"{where}: key {key!r} must be {_FIELDS[key][1]}, got {values[key]!r}")
+            raise UsageError(f"{where}: key {quoted(key)} must be {_FIELDS[key][1]}, got {quoted(values[key])}")
     if "target_ci" in values and not 0 < values["target_ci"] < 1:
-        raise UsageError(f"{where}: key 'target_ci' must be {_FIELDS['target_ci'][1]}, got {values['target_ci']!r}")
+        raise UsageError(f"{where}: key 'target_ci' must be {_FIELDS['target_ci'][1]}, got {quoted(values['target_ci'])}")
     adaptive = [key for key in ADAPTIVE_KEYS if key in values]
     if "steps" in values and values["steps"] is not None and adaptive:
-        raise UsageError(f"{where}: key 'steps' fixes the number of timed steps; key {adaptive[0]!r} is for adaptive "
+        raise UsageError(f"{where}: key 'steps' fixes the number of timed steps; key {quoted(adaptive[0])} is for adaptive "
                          "timing: give one or the other")
     if "workload" in values:
         values["workloads"] = [{"workload": values.pop("workload")}]
@@ -159,14 +188,14 @@ def validate(values: dict[str, Any], where: str) -> dict[str, Any]:
     for raw in values.get("workloads", []):
         entry = {"workload": raw} if not isinstance(raw, dict) else dict(raw)
         if "workload" not in entry:
-            raise UsageError(f"{where}: key 'workloads': entry {raw!r} has no 'workload' key")
+            raise UsageError(f"{where}: key 'workloads': entry {quoted(raw)} has no 'workload' key")
         optional = entry.pop("optional", False)
         if not isinstance(optional, bool):
-            raise UsageError(f"{where}: key 'workloads': 'optional' must be true or false in entry {raw!r}")
+            raise UsageError(f"{where}: key 'workloads': 'optional' must be true or false in entry {quoted(raw)}")
         extra = {k: v for k, v in entry.items() if k != "workload"}
         bad = [k for k in extra if k not in _PER_WORKLOAD]
         if bad:
-            raise UsageError(f"{where}: key 'workloads': unknown key {bad[0]!r} in entry {raw!r}; valid keys: "
+            raise UsageError(f"{where}: key 'workloads': unknown key {quoted(bad[0])} in entry {quoted(raw)}; valid keys: "
                              f"workload, optional, {', '.join(_PER_WORKLOAD)}")
         validate(extra, f"{where} (workload {entry['workload']})")
         try:
@@ -174,7 +203,7 @@ def validate(values: dict[str, Any], where: str) -> dict[str, Any]:
         except UsageError as error:
             if not optional:
                 raise
-            print(f"warning: skipping optional workload {entry['workload']!r}: {error}", file=sys.stderr)
+            print(f"warning: skipping optional workload {quoted(entry['workload'])}: {error}", file=sys.stderr)
             continue
         entries.append({**extra, "workload": workload.spec()})
     if "workloads" in values:
@@ -186,9 +215,12 @@ def load_suite(path: Path | str, device: str) -> Suite:
     """Reads and validates a suite file, applying the overrides under `devices: {<device>: ...}`."""
     path = Path(path)
     try:
+        if path.stat().st_size > MAX_SUITE_BYTES:
+            raise UsageError(f"{path}: a suite file of {path.stat().st_size:,} bytes; suites are at most "
+                             f"{MAX_SUITE_BYTES:,} bytes")
         raw = yaml.safe_load(path.read_bytes().decode("utf-8"))
     except OSError as error:
-        raise UsageError(f"cannot read suite {str(path)!r}: {error.strerror}") from None
+        raise UsageError(f"cannot read suite {quoted(str(path))}: {error.strerror}") from None
     except UnicodeDecodeError as error:
         raise UsageError(f"{path}: malformed suite: not UTF-8 text (byte 0x{error.object[error.start]:02x} at "
                          f"offset {error.start}); a suite is a UTF-8 YAML file") from None
@@ -197,19 +229,22 @@ def load_suite(path: Path | str, device: str) -> Suite:
         at = f" at line {mark.line + 1}" if mark else ""
         problem = str(getattr(error, "problem", None) or error).splitlines()[0]  # a ReaderError spans lines
         raise UsageError(f"{path}: malformed YAML{at}: {problem}") from None
+    if _expanded_values(raw, MAX_SUITE_VALUES) > MAX_SUITE_VALUES:
+        raise UsageError(f"{path}: the suite expands to more than {MAX_SUITE_VALUES:,} values (YAML aliases "
+                         "repeated inside each other?); a suite lists a few dozen")
     if not isinstance(raw, dict):
         raise UsageError(f"{path}: a suite must be a mapping of keys ({', '.join(_FIELDS)}), got {type(raw).__name__}")
     overrides = raw.pop("devices", None) or {}
     if not isinstance(overrides, dict):
-        raise UsageError(f"{path}: key 'devices' must map {' / '.join(_DEVICE_KEYS)} to overrides, got {overrides!r}")
+        raise UsageError(f"{path}: key 'devices' must map {' / '.join(_DEVICE_KEYS)} to overrides, got {quoted(overrides)}")
     for dev in overrides:
         if dev not in _DEVICE_KEYS:
-            raise UsageError(f"{path}: key 'devices.{dev}': unknown device {dev!r}; valid choices: "
+            raise UsageError(f"{path}: key 'devices.{dev}': unknown device {quoted(dev)}; valid choices: "
                              f"{', '.join(_DEVICE_KEYS)}")
     values = validate(raw, str(path))
     for dev, extra in overrides.items():
         if not isinstance(extra, dict):
-            raise UsageError(f"{path}: key 'devices.{dev}' must be a mapping, got {extra!r}")
+            raise UsageError(f"{path}: key 'devices.{dev}' must be a mapping, got {quoted(extra)}")
         validate(extra, f"{path} (devices.{dev})")
     override = overrides.get(device, {})
     if any(key in override for key in ADAPTIVE_KEYS) and "steps" not in override:
