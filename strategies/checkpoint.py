@@ -228,7 +228,8 @@ class Checkpoint(Strategy):
     def __init__(self, **options):
         super().__init__(**options)
         segments = str(self.settings["segments"])
-        if segments not in ("auto", "sqrt") and not (segments.isdigit() and int(segments) >= 1):
+        # at most 9 digits: int() of a longer text may exceed Python's digit limit, and no model has that many units
+        if segments not in ("auto", "sqrt") and not (segments.isdigit() and len(segments) <= 9 and int(segments) >= 1):
             raise UsageError(f"checkpoint:segments={segments} must be a positive integer, sqrt or auto")
         self.budget_fraction, self.budget_bytes = (None, None)
         if self.settings["budget"]:

@@ -74,18 +74,26 @@ def _a_run(tmp_path, strategies="baseline") -> Path:
 # --- checked before anything runs ---------------------------------------------------------------------------
 
 def test_a_value_for_one_case_is_its_row_and_a_value_for_none_stops_before_the_first(tmp_path):
-    """checkpoint:segments=999 cannot apply to a 4-unit model: that case is `unsupported` and the case after it
-    still runs; segments=0 can never apply: exit 2 before any case, nothing written."""
-    csv = _a_run(tmp_path, "checkpoint:segments=999,del_intermediates")
-    frame = results.read_results(csv).set_index("strategy")
-    assert frame.loc["checkpoint:segments=999", "status"] == "unsupported"
-    assert "segments=999" in frame.loc["checkpoint:segments=999", "message"]
-    assert frame.loc["del_intermediates", "status"] == "ok"
+    """checkpoint:segments=8 cannot apply to a 4-unit model but can to a 12-unit one: in a run over both, the 4-unit
+    case is `unsupported` and the cases after it still run. A value that fits none of the run's cases
+    (segments=999 on the 4-unit model alone, segments=0 anywhere) is exit 2 before any case, nothing written."""
+    suite = tmp_path / "two.yaml"
+    suite.write_text("strategies: [del_intermediates, 'checkpoint:segments=8']\n"
+                     "workloads: ['deep_mlp:layers=4:width=8', 'deep_mlp:layers=12:width=8']\n"
+                     "phases: [eval]\nbatch_sizes: [2]\nwarmup: 0\nsteps: 1\n", encoding="utf-8")
+    done = _cli("run", "--suite", suite, "--device", "cpu", "--threads", "1", "--no-isolate", "--out", tmp_path / "run")
+    assert done.returncode == 0, done.stderr[-2000:]
+    frame = results.read_results(next((tmp_path / "run").glob("*.csv"))).set_index(["workload", "strategy"])
+    small = frame.loc[("deep_mlp:layers=4:width=8", "checkpoint:segments=8")]
+    assert small["status"] == "unsupported" and "segments=8 exceeds the 4" in small["message"]
+    assert frame.loc[("deep_mlp:layers=12:width=8", "checkpoint:segments=8"), "status"] != "unsupported"
+    assert (frame.xs("del_intermediates", level="strategy")["status"] == "ok").all()
 
-    out = tmp_path / "never"
-    done = _cli("compare", "--strategies", "del_intermediates,checkpoint:segments=0", *TINY, "--out", out)
-    _one_line_exit_2(done, "segments=0")
-    assert not list(out.glob("*.csv")) and "[1/" not in done.stderr
+    for value in ("999", "0"):
+        out = tmp_path / f"never-{value}"
+        done = _cli("compare", "--strategies", f"del_intermediates,checkpoint:segments={value}", *TINY, "--out", out)
+        _one_line_exit_2(done, f"segments={value}")
+        assert not list(out.glob("*.csv")) and "[1/" not in done.stderr
 
 
 def test_a_usage_error_raised_inside_one_case_is_its_row(temporary_strategy):
@@ -690,14 +698,20 @@ def test_a_model_that_takes_the_dict_whole_is_told_how_to_get_it(tmp_path):
         done = _cli("run", "--workload", f"{tmp_path / 'dict_workload.py'}:{name}", "--strategies", "baseline",
                     "--phases", "train", "--device", "cpu", "--steps", "1", "--warmup", "0", "--out", out)
         assert done.returncode == code and "Traceback" not in done.stderr, done.stderr
-        [row] = pd.read_csv(next(out.glob("*.csv"))).to_dict("records")
+        [row] = pd.read_csv(results_csv(out)).to_dict("records")
         assert row["status"] == status, row["message"]
     assert "keyword argument 'mels'" in row_message(tmp_path / "DictWorkload")
     assert "one-element tuple, `(inputs,)`" in row_message(tmp_path / "DictWorkload")
 
 
+def results_csv(out: Path) -> Path:
+    """The run's results file in `out` (beside it, an ok training case's `<run>.timeline.csv`)."""
+    [path] = [p for p in out.glob("*.csv") if not p.name.endswith(".timeline.csv")]
+    return path
+
+
 def row_message(out: Path) -> str:
-    return pd.read_csv(next(out.glob("*.csv")))["message"].iloc[0]
+    return pd.read_csv(results_csv(out))["message"].iloc[0]
 
 
 def test_an_option_value_that_fits_no_case_stops_before_the_first(tmp_path):
@@ -757,3 +771,20 @@ def test_a_suite_error_quotes_a_bounded_part_of_a_large_value(tmp_path):
     assert done.returncode == 2
     [line] = done.stderr.strip().splitlines()
     assert "unknown executor" in line and len(line) < 400
+
+
+TEN_THOUSAND_DIGITS = "9" * 10_000
+
+
+@pytest.mark.parametrize("args", [
+    ["compare", "--strategies", f"checkpoint:segments={TEN_THOUSAND_DIGITS}"],
+    ["compare", "--strategies", "baseline", "--steps", TEN_THOUSAND_DIGITS],
+    ["compare", "--strategies", f"grad_accumulation:micro_batches={TEN_THOUSAND_DIGITS}"],
+    ["predict", "--batch-size", TEN_THOUSAND_DIGITS],
+], ids=["strategy-option", "steps", "int-option", "batch-size"])
+def test_an_option_value_of_ten_thousand_digits_is_one_short_line(args, tmp_path):
+    """No traceback (Python refuses int() of over 4,300 digits) and no 10,000-character line (issue 24 §3)."""
+    done = _cli(*args, "--device", "cpu", "--out", tmp_path, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-1500:]
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith("error: ") and len(line) < 300 and "(10,0" in line

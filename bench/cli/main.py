@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 from bench.cli import interrupt
 from bench.cli.arguments import (DEFAULT_OUT, WORKLOAD_HELP, add_case_options, add_memory_limit_option,
                                  add_table_options, add_threads_option, non_negative_int, positive_int)
-from bench.core.errors import UsageError
+from bench.core.errors import UsageError, shortened
 
 DESCRIPTION = ("Measures what each PyTorch memory-saving technique saves and costs (peak memory, step time, whether "
                "the result still matches the baseline) on a model you choose, on this machine. Results go to "
@@ -156,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         return command_function(args.command)(args)
     except UsageError as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {shortened(str(error))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"\n{interrupt.note()}", file=sys.stderr)
