@@ -83,7 +83,7 @@ def explain(case, strategy) -> dict[str, Any]:
             module.register_forward_hook(post)
 
     memory = memory_pass(case, strategy, prepare=prepare)
-    tracker = memory.pop("_tracker")
+    tracker = memory.tracker
     by_index = {p.index: p.live_bytes for p in tracker.timeline}
     for row in rows:
         lives = [by_index[i] for i in range(row.start_op, row.end_op) if i in by_index]
@@ -132,13 +132,17 @@ class UnitRow:
 
 
 def checkpoint_plan_of(strategy) -> tuple[str, list[tuple[int, ...]]] | None:
-    """(kind, plan) of the checkpointing member of `strategy` once its model was prepared: `checkpoint` with the
-    units each checkpoint recomputes, or `selective_checkpoint:<policy>` with every unit; None for the others."""
+    """(kind, plan) of the checkpointing member of `strategy` once its model was prepared, as the member declares
+    it (`Strategy.recomputed_groups()`): a plan of whole units (kind: its name, `checkpoint`) with the units each
+    checkpoint recomputes, or one that recomputes within every unit (kind: its name and settings,
+    `selective_checkpoint:policy=compute`) with no groups; None for the others."""
     for member in getattr(strategy, "members", [strategy]):
-        if getattr(member, "plan_used", None) is not None:
-            return "checkpoint", [tuple(group) for group in member.plan_used]
-        if member.name == "selective_checkpoint":
-            return f"selective_checkpoint:policy={member.settings['policy']}", []
+        groups = member.recomputed_groups()
+        if groups is None:
+            continue
+        if member.recompute_plan_kind == "operators":
+            return ":".join([member.name, *(f"{k}={v}" for k, v in member.settings.items())]), []
+        return member.name, groups
     return None
 
 
@@ -163,7 +167,7 @@ def plan_units(case) -> list[UnitRow]:
             unit.register_forward_pre_hook(before)
             unit.register_forward_hook(after)
 
-    memory_pass(baseline, strategy, prepare=prepare).pop("_tracker")
+    memory_pass(baseline, strategy, prepare=prepare)
     flops = CaseMeter(baseline).unit_flops()
     return [UnitRow(i, names[i], "", flops[i], kept.get(i, 0)) for i in range(len(names))]
 
@@ -215,9 +219,7 @@ class FitResult:
 def measured_peak(case, strategy) -> int:
     """An actual run: the exact tracked peak on the CPU, max_memory_allocated on CUDA (its warm-up steps and the
     measured one, no step after it)."""
-    memory = memory_pass(case, strategy, growth_steps=0)
-    memory.pop("_tracker", None)
-    return int(memory["peak_mem_bytes"])
+    return int(memory_pass(case, strategy, growth_steps=0)["peak_mem_bytes"])
 
 
 def _probe_peak(case, spec: str) -> int | None:
@@ -232,7 +234,7 @@ def _probe_peak(case, spec: str) -> int | None:
 def stage_peaks(case, strategy) -> tuple[dict[str, int], int]:
     """One tracked step: the peak of live bytes within each stage (forward, backward, optimizer), and the peak."""
     memory = memory_pass(case, strategy, record_timeline=True)
-    tracker = memory.pop("_tracker")
+    tracker = memory.tracker
     peaks: dict[str, int] = {}
     for point in tracker.timeline:
         peaks[point.stage] = max(peaks.get(point.stage, 0), point.live_bytes)

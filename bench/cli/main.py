@@ -505,8 +505,6 @@ def format_table(frame) -> str:
     pitfalls (and the baseline's eval, autograd left on) apart, with the memory each adds per step."""
     import pandas as pd
 
-    from bench.core.results import is_pitfall
-
     header = f"{'strategy':<32} {'phase':<5} {'batch':>5} {'peak MiB':>9} {'vs base':>7} " \
              f"{'step ms':>9} {'± IQR':>7} {'95% CI ms':>15} {'vs base':>7} {'matches':>7}  status"
     lines = []
@@ -515,7 +513,7 @@ def format_table(frame) -> str:
         if lines:
             lines.append("")
         lines += [f"workload {workload} (data {data})", header, "-" * len(header)]
-        pitfall = rows["strategy"].map(is_pitfall)
+        pitfall = rows["strategy_role"] == "pitfall"  # as the strategy declared it
         for _, r in rows[~pitfall].iterrows():
             line, noisy = _table_line(r)
             lines.append(line)
@@ -606,7 +604,6 @@ def _noise_threshold() -> float:
 
 def cmd_list(args) -> int:
     """Workloads, strategies and pitfalls with one-line descriptions."""
-    from bench.core.results import is_pitfall
     from strategies import STRATEGIES
     from workloads import WORKLOADS, workload_names
 
@@ -617,8 +614,8 @@ def cmd_list(args) -> int:
         if cls.options:
             details.append("options: " + ", ".join(f"{k}={v}" for k, v in cls.options.items()))
         print(f"  {name:<20} {cls.description} [{'; '.join(details)}]")
-    techniques = [name for name in STRATEGIES if not is_pitfall(name)]
-    pitfalls = [name for name in STRATEGIES if is_pitfall(name)]
+    techniques = [name for name in STRATEGIES if not STRATEGIES.get(name).pitfall]
+    pitfalls = [name for name in STRATEGIES if STRATEGIES.get(name).pitfall]
     print("strategies (combine with +, options with name:option=value):")
     _list_strategies(techniques)
     print("pitfalls (habits the articles warn about, run to show what they cost; the baseline's eval, autograd on "

@@ -18,7 +18,7 @@ from matplotlib.patches import Patch
 from matplotlib.transforms import Bbox, blended_transform_factory
 
 from bench.report.data import (
-    MISMATCH_LABEL, STATUS_LABEL, Group, format_size, plan_label, plan_rows, row_flag, state_floor_bytes, strategy_order,
+    MISMATCH_LABEL, STATUS_LABEL, Group, format_size, pitfall_strategies, plan_label, plan_rows, row_flag, state_floor_bytes, strategy_order,
 )
 
 MiB = 2**20
@@ -345,7 +345,7 @@ def chart_tradeoff(group: Group, path: Path) -> Path:
             zorder=1, label="Pareto front")
     for _, r in rows.iterrows():
         on_front = r["strategy"] in front_names
-        marker = "*" if r["strategy"] == "baseline" else ("s" if r["strategy"].startswith("selective") else "o")
+        marker = "*" if r["strategy"] == "baseline" else ("s" if r["recompute_plan_kind"] == "operators" else "o")
         ax.scatter(r["step_time_ms_median"], r["peak_mem_bytes"] / MiB, s=120 if marker == "*" else 55,
                    marker=marker, color=PHASE_COLOR["train"] if on_front else "#9ecae1",
                    edgecolors="black" if on_front else "none", linewidths=1.2, zorder=3)
@@ -494,7 +494,7 @@ def _stage_spans(rows: pd.DataFrame) -> list[tuple[str, float, float]]:
 
 
 def chart_timeline(group: Group, path: Path, tl: pd.DataFrame, batch: int | None) -> Path:
-    order = [s for s in strategy_order(tl) if s in set(tl["strategy"])]
+    order = [s for s in strategy_order(tl, pitfall_strategies(group.frame)) if s in set(tl["strategy"])]
     colors = strategy_colors(strategy_order(group.frame) + [s for s in order if s not in set(group.frame["strategy"])])
     ncols = 1 if len(order) <= 3 else 2
     nrows = -(-len(order) // ncols)
