@@ -18,7 +18,8 @@ from matplotlib.patches import Patch
 from matplotlib.transforms import Bbox, blended_transform_factory
 
 from bench.report.data import (
-    MISMATCH_LABEL, STATUS_LABEL, Group, format_size, pitfall_strategies, plan_label, plan_rows, row_flag, state_floor_bytes, strategy_order,
+    MISMATCH_LABEL, STATUS_LABEL, Group, format_size, pitfall_strategies, plan_label, plan_rows, row_flag,
+    state_floor_bytes, strategy_order,
 )
 
 MiB = 2**20

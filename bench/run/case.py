@@ -24,10 +24,10 @@ from workloads import get_workload
 class Case:
     """One measured configuration. `workload` is a workload spec (`deep_mlp:layers=100`, `file.py:NAME`).
 
-    `strategy` may be given as text (`checkpoint+amp`): it is parsed once, here, into a `strategies.StrategySpec`,
-    which is still that text (a case prints, compares and hashes as before: it is a dict and lru_cache key) and
-    builds the case's strategy without parsing it again (`bind_case`); `case.strategy.spec()` is its canonical
-    spelling. Unknown names and bad options raise UsageError here. `to_json()` is what crosses to a worker process.
+    `strategy` may be given as text (`checkpoint+amp`): it becomes a `strategies.StrategySpec`, which is still that
+    text (a case prints, compares and hashes as before: it is a dict and lru_cache key), is parsed once, on first
+    use, and builds the case's strategy without parsing it again (`bind_case`); `case.strategy.spec()` is its
+    canonical spelling. `to_json()` is what crosses to a worker process.
     """
 
     workload: str

@@ -7,8 +7,8 @@ mode, thread count), so that even a strategy that forgets to restore a flag cann
 What the guard cannot undo: the CUDA caching allocator's pool, cuDNN's autotuner cache, autocast caches, and
 anything a strategy builds in C++. Hence `isolate=True` (the default on CUDA): each case -- and each repeat --
 runs in a fresh `python -m bench.run._worker` process, which gets the case as JSON on stdin and prints its result
-(row and side data, `bench.run.result.CaseResult`) as JSON on stdout. A worker that dies (non-zero exit, a signal, no row) becomes an `error` row naming the exit
-code and the last line of its stderr, and the sweep goes on.
+(row and side data, `bench.run.result.CaseResult`) as JSON on stdout. A worker that dies (non-zero exit, a signal,
+no row) becomes an `error` row naming the exit code and the last line of its stderr, and the sweep goes on.
 """
 
 from __future__ import annotations

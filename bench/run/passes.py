@@ -74,9 +74,9 @@ def step_times(case: Case, strategy: Strategy) -> timing.TimingStats:
 def timing_pass(case: Case, strategy: Strategy, repeats: int = 1) -> TimingResult:
     """`repeats` repeats of warm-up + timed steps, with nothing tracking memory; all steps pooled.
 
-    Besides the timing columns (see bench.measure.stats for the confidence interval and the noise flag) and those that say
-    how the steps were counted (`timing_columns`), the result holds `step_times_ms`, the raw times of each repeat,
-    so that repeats run elsewhere can be pooled."""
+    Besides the timing columns (see bench.measure.stats for the confidence interval and the noise flag) and those
+    that say how the steps were counted (`timing_columns`), the result holds `step_times_ms`, the raw times of each
+    repeat, so that repeats run elsewhere can be pooled."""
     started = time.perf_counter()
     per_repeat = [step_times(case, strategy) for _ in range(repeats)]
     times = [stats.times_ms for stats in per_repeat]
