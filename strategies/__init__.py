@@ -1,8 +1,8 @@
 """Memory-saving strategies, registered by name; `parse_strategy("checkpoint+amp")` composes them."""
 
 from strategies.base import (  # noqa: F401
-    EXACT, PHASES, STRATEGIES, Composite, StepContext, Strategy, Tolerance, bind_strategy, parse_strategy,
-    register_strategy,
+    EXACT, PHASES, STRATEGIES, Composite, StepContext, Strategy, StrategySpec, Tolerance, bind_strategy,
+    parse_strategy, register_strategy,
 )
 
 # Importing a strategy module registers it; one module per strategy.

@@ -17,10 +17,15 @@ A strategy is applied only to the stage it concerns (the pyperf hook pattern):
                    under a memory budget), through the `PlanMeter` the runner gives it;
 - `describe()`, `differs_by_design()`  the settings it ran with (the row's `strategy_settings`), and why its
                    result cannot be the baseline's;
-- `columns()`      figures it measured itself (compilation time, host memory), written into the row's columns.
+- `columns()`      figures it measured itself (compilation time, host memory), written into the row's columns;
+                   it declares them in `row_columns` (columns of `bench.core.results.STRATEGY_COLUMNS`).
 
-A strategy named `pitfall_...` is a habit the articles warn about, measured to show what it costs
-(`bench.core.results.is_pitfall`); listings, tables and the report put those apart.
+What the report needs to know of a strategy it reads from the row, where the strategy put it: `pitfall = True`
+(a habit the articles warn about, measured to show what it costs; listings, tables and the report put those
+apart) gives the row's `strategy_role`, and a checkpointing plan declares `recompute_plan_kind` and says what it
+recomputes in `recompute_plan()`.
+
+A spec (`checkpoint:segments=4+amp`) is parsed once into a `StrategySpec`, which builds fresh instances.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from torch import nn
 from bench.core.errors import Unsupported, UsageError, choices_error
 from bench.core.options import changed_options, check_option_names, parse_option_parts
 from bench.core.registry import Registry
-from bench.core.results import is_pitfall
+from bench.core.results import Role
 
 PHASES = ("train", "eval")
 DEVICES = ("cpu", "cuda")
@@ -113,6 +118,11 @@ class Strategy:
     # How its CPU memory pass counts: "live_tensors" (the exact tracker, a TorchDispatchMode), or
     # "allocator_events" (torch.profiler's allocator events) for steps a dispatch mode would change (torch.compile)
     cpu_memory_count = "live_tensors"
+    pitfall = False  # a habit the articles warn about, measured to show what it costs (not a technique)
+    row_columns: tuple[str, ...] = ()  # the columns its `columns()` fills (of bench.core.results.STRATEGY_COLUMNS)
+    # a checkpointing plan on its own (`bench.core.results.RECOMPUTE_PLAN_KINDS`): "units" recomputes whole
+    # checkpoint units, "operators" the cheap operators of each unit, "none" nothing; None: not a plan
+    recompute_plan_kind: str | None = None
 
     def __init__(self, **options):
         check_option_names("strategy", self.name, options, self.options)
@@ -138,10 +148,19 @@ class Strategy:
         """Returns the model to train (may be `model` changed in place, or a wrapper sharing its parameters)."""
         return model
 
-    @property
-    def pitfall(self) -> bool:
-        """Whether this is a habit the articles warn about (its name starts with `pitfall_`), not a technique."""
-        return is_pitfall(self.name)
+    def role(self) -> str:
+        """The row's `strategy_role` (`bench.core.results.Role`): a pitfall, or a technique."""
+        return Role.PITFALL.value if self.pitfall else Role.TECHNIQUE.value
+
+    def recompute_plan(self) -> str | None:
+        """For a checkpointing plan (`recompute_plan_kind`), what it recomputes, as the plan chart labels it (known
+        once its model was prepared; None before); None for any other strategy."""
+        return None
+
+    def recomputed_groups(self) -> list[tuple[int, ...]] | None:
+        """For a checkpointing plan, the checkpoint units each checkpoint recomputes (known once its model was
+        prepared); empty for a plan that recomputes within every unit; None for any other strategy."""
+        return None
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer:
         """Returns the optimizer to train with: `optimizer` (the workload's, over `model`) or one replacing it."""
@@ -202,8 +221,9 @@ class Strategy:
     def differs_by_design(self) -> str | None:
         """Why, in the bound case, this strategy cannot give the baseline's result (None: it must match it)."""
         return None
+
     def columns(self) -> dict[str, Any]:
-        """Figures this strategy measured itself, as `column -> value` (columns of `bench.core.results.COLUMNS`)."""
+        """Figures this strategy measured itself, as `column -> value` (only the columns of `row_columns`)."""
         return {}
 
     def spec(self) -> str:
@@ -234,6 +254,8 @@ class Composite(Strategy):
                 raise UsageError(f"strategies {owners[0]!r} and {owners[1]!r} cannot be combined: both replace {hook}")
         self.name = "+".join(names)
         self.distributed = any(m.distributed for m in self.members)
+        self.pitfall = any(m.pitfall for m in self.members)
+        self.row_columns = tuple(column for m in self.members for column in m.row_columns)
         counts = {m.cpu_memory_count for m in self.members} - {"live_tensors"}
         self.cpu_memory_count = counts.pop() if counts else "live_tensors"
         self.description = "; ".join(m.description for m in self.members)
@@ -286,6 +308,7 @@ class Composite(Strategy):
 
     def micro_batches(self, inputs, target):
         return self._owner("micro_batches").micro_batches(inputs, target)
+
     def reduce_loss(self, loss):
         return self._owner("reduce_loss").reduce_loss(loss)
 
@@ -312,6 +335,10 @@ class Composite(Strategy):
     def differs_by_design(self):
         reasons = [reason for m in self.members if (reason := m.differs_by_design())]
         return "; ".join(reasons) or None
+
+    def recomputed_groups(self):
+        return next((groups for m in self.members if (groups := m.recomputed_groups()) is not None), None)
+
     def plan(self, meter):
         for m in self.members:
             m.plan(_MemberMeter(meter, self, m))
@@ -356,18 +383,104 @@ class _MemberMeter(PlanMeter):
         return self.meter.unit_flops()
 
 
-def parse_one(text: str) -> Strategy:
-    """`name` or `name:opt=value:opt=value` -> a Strategy instance."""
+def _parse_member(text: str) -> tuple[type[Strategy], tuple[tuple[str, Any], ...]]:
+    """`name` or `name:opt=value:opt=value` -> the strategy's class and its options."""
     name, *parts = text.strip().split(":")
     cls = STRATEGIES.get(name)
-    return cls(**parse_option_parts("strategy", name, parts, cls.options, text))
+    return cls, tuple(parse_option_parts("strategy", name, parts, cls.options, text).items())
+
+
+@dataclass(frozen=True)
+class _ParsedSpec:
+    members: tuple[tuple[type[Strategy], tuple[tuple[str, Any], ...]], ...]
+    canonical: str
+    role: str
+    recompute_plan_kind: str | None
+
+
+class StrategySpec(str):
+    """A strategy spec (`a`, `a:opt=v`, `a+b+c`) parsed once: it is the text as given, and holds each member's
+    class and options once parsed, so that `build()` makes fresh instances without parsing the text again.
+
+    A `str`, so that a case holding one (`bench.run.case.Case.strategy`) still prints, compares, hashes and
+    serialises as its text; `spec()` is the canonical spelling rows use (members in composition order, options
+    at their default left out). It is parsed on first use, not when made: a strategy that a plugin registers in
+    worker processes only ($MEMBENCH_PLUGINS) is unknown to the process that starts them, which only passes the
+    text on. There `build()` raises UsageError, `spec()` is the text and `role`/`recompute_plan_kind` are None
+    (the worker's row has them)."""
+
+    _parsed: _ParsedSpec | None
+
+    def __new__(cls, text: str) -> "StrategySpec":
+        if isinstance(text, StrategySpec):
+            return text
+        self = super().__new__(cls, text)
+        self._parsed = None
+        return self
+
+    def parsed(self) -> _ParsedSpec:
+        """The members' classes and options, the canonical spelling and what the strategy declares; UsageError for
+        an unknown name or a bad option."""
+        if self._parsed is None:
+            parts = [p for p in self.split("+") if p.strip()]
+            if not parts:
+                raise choices_error("strategy", str(self), STRATEGIES.names())
+            members = tuple(_parse_member(part) for part in parts)
+            built = _build(members)  # also checks the composition (conflicts, a strategy named twice)
+            self._parsed = _ParsedSpec(members, built.spec(), built.role(), built.recompute_plan_kind)
+        return self._parsed
+
+    def build(self) -> Strategy:
+        """A fresh, unbound instance (a Composite for several members)."""
+        return _build(self.parsed().members)
+
+    def _known(self) -> _ParsedSpec | None:
+        try:
+            return self.parsed()
+        except UsageError:
+            return None
+
+    def spec(self) -> str:
+        known = self._known()
+        return str(self) if known is None else known.canonical
+
+    @property
+    def role(self) -> str | None:
+        """The strategy's `role()` (`bench.core.results.Role`), None where it is unknown to this process."""
+        known = self._known()
+        return None if known is None else known.role
+
+    @property
+    def recompute_plan_kind(self) -> str | None:
+        known = self._known()
+        return None if known is None else known.recompute_plan_kind
+
+    def __reduce__(self):
+        return StrategySpec, (str(self),)
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+def _build(members: tuple[tuple[type[Strategy], tuple[tuple[str, Any], ...]], ...]) -> Strategy:
+    strategies = [cls(**dict(options)) for cls, options in members]
+    return strategies[0] if len(strategies) == 1 else Composite(strategies)
+
+
+def parse_one(text: str) -> Strategy:
+    """`name` or `name:opt=value:opt=value` -> a Strategy instance."""
+    cls, options = _parse_member(text)
+    return cls(**dict(options))
 
 
 def bind_strategy(spec: str, phase: str, device: str, workload: Any = None,
                   batch_size: int | None = None, ranks: int = 1) -> tuple[Strategy, StepContext]:
-    """`parse_strategy(spec)` bound to the case's phase, device, workload, batch size and the run's ranks (not yet
-    checked)."""
-    strategy = parse_strategy(spec)
+    """A fresh instance of `spec` (a StrategySpec, or text parsed here) bound to the case's phase, device, workload,
+    batch size and the run's ranks (not yet checked)."""
+    strategy = StrategySpec(spec).build()
     context = StepContext(phase, device, workload, batch_size, ranks)
     strategy.bind(context)
     return strategy, context
@@ -375,8 +488,4 @@ def bind_strategy(spec: str, phase: str, device: str, workload: Any = None,
 
 def parse_strategy(spec: str) -> Strategy:
     """`a`, `a:opt=v` or `a+b+c` -> a Strategy (a Composite for several); unknown names raise UsageError."""
-    parts = [p for p in spec.split("+") if p.strip()]
-    if not parts:
-        raise choices_error("strategy", spec, STRATEGIES.names())
-    members = [parse_one(p) for p in parts]
-    return members[0] if len(members) == 1 else Composite(members)
+    return StrategySpec(spec).build()

@@ -1,5 +1,6 @@
 """The article's training and validation code as it is."""
 
+from bench.core.results import Role
 from strategies.base import Strategy, register_strategy
 
 
@@ -9,3 +10,10 @@ class Baseline(Strategy):
 
     name = "baseline"
     description = "the article's code as it is: fp32, autograd on in eval, outputs kept until the next step"
+    recompute_plan_kind = "none"  # the plan that recomputes nothing, the first point of the plan chart
+
+    def role(self):
+        return Role.BASELINE.value
+
+    def recompute_plan(self):
+        return "none"

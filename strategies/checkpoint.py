@@ -220,6 +220,8 @@ class Checkpoint(Strategy):
     """
 
     name = "checkpoint"
+    row_columns = ("predicted_peak_bytes",)
+    recompute_plan_kind = "units"
     description = "activation checkpointing of the workload's checkpoint units (non-reentrant, BatchNorm statistics kept once)"
     options = {"segments": "auto", "budget": "", "reentrant": False, "bn_fix": True}
     auto_segments = 6
@@ -333,6 +335,12 @@ class Checkpoint(Strategy):
             described["checkpoint.recompute_flops"] = self.recompute_flops
             described["checkpoint.planning_s"] = None if self.planning_s is None else round(self.planning_s, 2)
         return described
+
+    def recompute_plan(self):
+        return None if self.plan_used is None else format_plan(self.plan_used)
+
+    def recomputed_groups(self):
+        return None if self.plan_used is None else [tuple(group) for group in self.plan_used]
 
     def columns(self):
         return {"predicted_peak_bytes": self.predicted_peak_bytes} if self.predicted_peak_bytes is not None else {}

@@ -64,6 +64,7 @@ class Compile(Strategy):
     """
 
     name = "compile"
+    row_columns = ("compile_time_ms",)
     description = "torch.compile with AOTAutograd's activation_memory_budget (the partitioner recomputes to fit)"
     options = {"budget": 1.0, "backend": "inductor"}
     phases = ("train",)

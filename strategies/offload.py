@@ -62,6 +62,7 @@ class Offload(Strategy):
     Exact: the saved values come back unchanged."""
 
     name = "offload"
+    row_columns = ("offload_host_peak_bytes",)
     description = "activations saved for backward kept in pinned host memory (save_on_cpu), CUDA only"
     phases = ("train",)
     devices = ("cuda",)

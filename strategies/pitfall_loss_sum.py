@@ -20,6 +20,7 @@ class PitfallLossSum(Strategy):
     """
 
     name = "pitfall_loss_sum"
+    pitfall = True
     description = "total += loss across steps (not loss.item()): every step's graph stays referenced"
     priority = 70
 

@@ -13,6 +13,7 @@ class PitfallRetainGraph(Strategy):
     """
 
     name = "pitfall_retain_graph"
+    pitfall = True
     description = "loss.backward(retain_graph=True) with no second backward: saved activations kept"
     phases = ("train",)
 

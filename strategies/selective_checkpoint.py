@@ -62,6 +62,7 @@ class SelectiveCheckpoint(Strategy):
     """
 
     name = "selective_checkpoint"
+    recompute_plan_kind = "operators"
     description = "selective activation checkpointing of each checkpoint unit: save matmul/conv/attention outputs, recompute the rest"
     options = {"policy": "compute"}
     phases = ("train",)
@@ -86,3 +87,9 @@ class SelectiveCheckpoint(Strategy):
         for unit in units:
             checkpointer.install([unit])
         return model
+
+    def recompute_plan(self):
+        return f"each unit, saving {self.settings['policy']}"
+
+    def recomputed_groups(self):
+        return []  # each unit is its own checkpoint; the policy decides what within it is recomputed

@@ -42,9 +42,7 @@ def applicable_or_skip(strategy: str, phase: str, device: str):
 def tracked(strategy: str, phase: str, batch: int) -> dict:
     """One exact CPU memory pass (cached: the tests share it)."""
     strat, _ = bind_case(case(strategy, phase, batch))
-    memory = memory_pass(case(strategy, phase, batch), strat)
-    memory.pop("_tracker")
-    return memory
+    return dict(memory_pass(case(strategy, phase, batch), strat))  # the columns, without the tracker
 
 
 # --- parse_bytes ----------------------------------------------------------------------------------------

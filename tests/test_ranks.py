@@ -9,7 +9,9 @@ import pytest
 
 from bench.analysis.predict import predict_case
 from bench.run.isolation import RunOptions
+from bench.core.results import new_row
 from bench.run.ranks import merge_rank_rows
+from bench.run.result import CaseResult
 from bench.run.runner import Case, run_case
 
 WORKLOAD = "gpt_mini:layers=2:width=32:heads=2:seq_len=16:dropout=0.0"  # no BatchNorm: sharding must match
@@ -69,8 +71,8 @@ def test_predict_per_rank_without_starting_ranks_agrees_with_the_measured_rank_p
 def test_merged_row_takes_the_largest_rank_and_its_breakdown():
     rows = [{"status": "ok", "peak_mem_bytes": 100, "peak_params_bytes": 60, "step_time_ms_median": 5.0},
             {"status": "ok", "peak_mem_bytes": 120, "peak_params_bytes": 70, "step_time_ms_median": 6.0}]
-    merged = merge_rank_rows(rows)
+    merged = merge_rank_rows([CaseResult(new_row(r)) for r in rows]).row
     assert merged["peak_mem_bytes"] == 120 and merged["peak_params_bytes"] == 70 and merged["ranks"] == 2
     assert merged["rank_peak_min_bytes"] == 100 and merged["step_time_ms_median"] == 5.0  # rank 0's time
-    failed = merge_rank_rows([rows[0], {"status": "error", "message": "boom"}])
+    failed = merge_rank_rows([CaseResult(new_row(rows[0])), CaseResult.failed("boom")]).row
     assert failed["status"] == "error" and failed["message"] == "boom"

@@ -199,15 +199,20 @@ def test_checkpointing_plans_get_a_tradeoff_chart_and_table(tmp_path):
 
     path = tmp_path / "20250301T120000Z-plan.csv"
     write_rows([
-        row("baseline", "", 700, 100),
-        row("checkpoint:segments=2", "checkpoint.segments=2;checkpoint.plan=0-4", 600, 110),
-        row("checkpoint:segments=3", "checkpoint.segments=3;checkpoint.plan=0-2 3-5", 650, 120),  # dominated
+        # a plan's `recompute_plan_kind` and `recompute_plan`, as the run writes them from the strategy
+        row("baseline", "", 700, 100, recompute_plan_kind="none", recompute_plan="none"),
+        row("checkpoint:segments=2", "checkpoint.segments=2;checkpoint.plan=0-4", 600, 110,
+            recompute_plan_kind="units", recompute_plan="0-4"),
+        row("checkpoint:segments=3", "checkpoint.segments=3;checkpoint.plan=0-2 3-5", 650, 120,  # dominated
+            recompute_plan_kind="units", recompute_plan="0-2 3-5"),
         row("checkpoint:budget=0.6", "checkpoint.segments=budget;checkpoint.plan=0-1 2-3 4-5 6-7", 420, 130,
-            predicted_peak_bytes=410 * 2**20),
-        row("selective_checkpoint", "selective_checkpoint.policy=compute", 650, 104),
+            predicted_peak_bytes=410 * 2**20, recompute_plan_kind="units", recompute_plan="0-1 2-3 4-5 6-7"),
+        row("selective_checkpoint", "selective_checkpoint.policy=compute", 650, 104,
+            recompute_plan_kind="operators", recompute_plan="each unit, saving compute"),
         row("amp", "amp.dtype=bfloat16", 500, 50),  # not a checkpointing plan: not on this chart
         row("checkpoint:budget=0.3", "checkpoint.segments=budget;checkpoint.planning_s=None", None, None,
-            status="unsupported", message="no plan of 17 fits; the smallest peak reachable is 415.0 MiB"),
+            status="unsupported", message="no plan of 17 fits; the smallest peak reachable is 415.0 MiB",
+            recompute_plan_kind="units"),
     ], path)
     report = build_report([path], tmp_path).read_text(encoding="utf-8")
     assert (tmp_path / "20250301T120000Z-plan.tradeoff.png").is_file()

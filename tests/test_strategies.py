@@ -8,14 +8,17 @@ Figures quoted below were measured at batch 8, synthetic data, torch 2.13 CPU.
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import pytest
 import torch
 
+from bench.core import results
 from bench.core.errors import UsageError
+from bench.core.schema import UndeclaredColumn
 from bench.run import runner
 from bench.run.runner import Case, memory_pass, run_case, verify
-from strategies import Composite, STRATEGIES, Strategy, parse_strategy
+from strategies import Composite, STRATEGIES, Strategy, StrategySpec, parse_strategy
 from workloads import get_workload
 
 WORKLOAD = "captcha_resnet18"
@@ -314,3 +317,25 @@ def test_run_case_row_end_to_end():
     assert row["matches_baseline"] and row["peak_mem_bytes"] > 0
     assert row["strategy"] == "checkpoint+no_grad_eval+del_intermediates"
     assert "checkpoint.segments=6" in row["strategy_settings"]
+
+
+README = (Path(__file__).resolve().parent.parent / "results" / "README.md").read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("name", STRATEGIES.names())
+def test_a_strategy_declares_its_columns_and_the_results_table_documents_them(name):
+    """What a strategy adds to a row is declared on its class, is a column of the results table, and is described
+    in results/README.md; so are the kind of checkpointing plan and the role it declares."""
+    cls = STRATEGIES.get(name)
+    assert set(cls.row_columns) <= set(results.STRATEGY_COLUMNS), cls.row_columns
+    assert all(f"`{column}`" in README for column in cls.row_columns)
+    assert cls.recompute_plan_kind in (None, *results.RECOMPUTE_PLAN_KINDS)
+    assert StrategySpec(name).role in {role.value for role in results.Role}
+
+
+def test_a_row_refuses_a_column_nobody_declared():
+    row = results.new_row(status="ok")
+    with pytest.raises(UndeclaredColumn):
+        row["my_figure"] = 1
+    with pytest.raises(UndeclaredColumn):
+        row.update(_peaks=[1])

@@ -13,11 +13,11 @@ import torch
 
 from bench.cli.console import format_table
 from bench.core.errors import UsageError
-from bench.core.results import is_pitfall, to_frame
+from bench.core.results import to_frame
 from bench.measure import memory
 from bench.report.markdown import pitfall_table
 from bench.run.runner import Case, Session, bind_case, memory_pass, run_case, verify
-from strategies import STRATEGIES, Strategy, parse_strategy
+from strategies import STRATEGIES, Strategy, StrategySpec, parse_strategy
 from workloads import get_workload
 
 MLP = "deep_mlp:layers=24:width=8"
@@ -180,14 +180,17 @@ def test_pitfalls_are_named_and_listed_apart():
     pitfalls = [name for name in STRATEGIES.names() if parse_strategy(name).pitfall]
     assert pitfalls == [name for name in STRATEGIES.names() if name.startswith("pitfall_")]
     assert set(pitfalls) >= {"pitfall_loss_sum", "pitfall_retain_graph"}
-    assert is_pitfall("checkpoint+pitfall_retain_graph") and parse_strategy("checkpoint+pitfall_loss_sum").pitfall
-    assert not is_pitfall("baseline") and not is_pitfall("checkpoint+amp")
+    assert StrategySpec("checkpoint+pitfall_retain_graph").role == "pitfall"
+    assert parse_strategy("checkpoint+pitfall_loss_sum").pitfall
+    assert StrategySpec("baseline").role == "baseline" and StrategySpec("checkpoint+amp").role == "technique"
 
 
 def _rows_for_tables() -> pd.DataFrame:
     common = {"workload": "deep_mlp", "data": "synthetic", "device": "cpu", "batch_size": 8, "status": "ok",
               "message": "", "matches_baseline": True, "step_time_ms_median": 1.0}
-    rows = [{**common, "strategy": s, "phase": p, "peak_mem_bytes": peak, "mem_growth_bytes_per_step": growth}
+    # the role a run writes into each row, from the strategy's declaration
+    rows = [{**common, "strategy": s, "strategy_role": StrategySpec(s).role, "phase": p, "peak_mem_bytes": peak,
+             "mem_growth_bytes_per_step": growth}
             for s, p, peak, growth in [("baseline", "train", 100, 0), ("baseline", "eval", 80, 0),
                                        ("checkpoint", "train", 90, 0), ("pitfall_loss_sum", "eval", 90, 4096),
                                        ("pitfall_retain_graph", "train", 150, 0)]]

@@ -78,7 +78,7 @@ def explain(case, strategy) -> dict[str, Any]:
             module.register_forward_hook(post)
 
     memory = memory_pass(case, strategy, prepare=prepare)
-    tracker = memory.pop("_tracker")
+    tracker = memory.tracker
     by_index = {p.index: p.live_bytes for p in tracker.timeline}
     # the hooks go on after the warm-up and stay on for the steps after the measured one (its growth check): only
     # what starts before the measured step's last operator (the end of its timeline) is its forward
@@ -132,14 +132,19 @@ class UnitRow:
     kept_bytes: int  # live bytes its forward adds in the baseline: what it keeps for backward (and its output)
 
 
-def checkpoint_plan_of(strategy) -> tuple[str, list[tuple[int, ...]]] | None:
-    """(kind, plan) of the checkpointing member of `strategy` once its model was prepared: `checkpoint` with the
-    units each checkpoint recomputes, or `selective_checkpoint:<policy>` with every unit; None for the others."""
+def checkpoint_plan_of(strategy) -> tuple[str, list[tuple[int, ...]], str] | None:
+    """(label, plan, kind) of the checkpointing member of `strategy` once its model was prepared, as the member
+    declares it (`Strategy.recomputed_groups()`, `recompute_plan_kind`): a plan of whole units (kind `units`,
+    labelled with its name, `checkpoint`) with the units each checkpoint recomputes, or one that recomputes within
+    every unit (kind `operators`, labelled with its name and settings, `selective_checkpoint:policy=compute`) with
+    no groups; None for the others."""
     for member in getattr(strategy, "members", [strategy]):
-        if getattr(member, "plan_used", None) is not None:
-            return "checkpoint", [tuple(group) for group in member.plan_used]
-        if member.name == "selective_checkpoint":
-            return f"selective_checkpoint:policy={member.settings['policy']}", []
+        groups = member.recomputed_groups()
+        if groups is None:
+            continue
+        if member.recompute_plan_kind == "operators":
+            return ":".join([member.name, *(f"{k}={v}" for k, v in member.settings.items())]), [], "operators"
+        return member.name, groups, member.recompute_plan_kind
     return None
 
 
@@ -164,23 +169,23 @@ def plan_units(case) -> list[UnitRow]:
             unit.register_forward_pre_hook(before)
             unit.register_forward_hook(after)
 
-    memory_pass(baseline, strategy, prepare=prepare).pop("_tracker")
+    memory_pass(baseline, strategy, prepare=prepare)
     flops = CaseMeter(baseline).unit_flops()
     return [UnitRow(i, names[i], "", flops[i], kept.get(i, 0)) for i in range(len(names))]
 
 
-def format_plan_units(kind: str, plan: list[tuple[int, ...]], units: list[UnitRow], peak: int,
+def format_plan_units(label: str, plan: list[tuple[int, ...]], kind: str, units: list[UnitRow], peak: int,
                       baseline_peak: int) -> str:
     """The plan unit by unit: which units are recomputed in backward and what each one's forward keeps in the
     baseline, which is what recomputing it can save."""
     for group in plan:
-        label = f"{group[0]}-{group[-1]}" if len(group) > 1 else f"{group[0]}"
+        span = f"{group[0]}-{group[-1]}" if len(group) > 1 else f"{group[0]}"
         for index in group:
-            units[index].checkpoint = label
-    selective = kind.startswith("selective")
+            units[index].checkpoint = span
+    selective = kind == "operators"  # recomputed within every unit, not whole units
     total_flops = sum(u.forward_flops for u in units) or 1
     recomputed = [u for u in units if u.checkpoint or selective]
-    lines = ["", f"checkpointing plan ({kind}): peak {format_mib(peak)} MiB "
+    lines = ["", f"checkpointing plan ({label}): peak {format_mib(peak)} MiB "
                  f"against the baseline's {format_mib(baseline_peak)} MiB",
              ("  every unit is its own checkpoint; in backward only its cheap ops are recomputed (the policy keeps the "
               "outputs of its expensive ones)") if selective else

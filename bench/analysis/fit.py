@@ -35,9 +35,7 @@ class FitResult:
 def measured_peak(case, strategy) -> int:
     """An actual run: the exact tracked peak on the CPU, max_memory_allocated on CUDA (its warm-up steps and the
     measured one, no step after it)."""
-    memory = memory_pass(case, strategy, growth_steps=0)
-    memory.pop("_tracker", None)
-    return int(memory["peak_mem_bytes"])
+    return int(memory_pass(case, strategy, growth_steps=0)["peak_mem_bytes"])
 
 
 def _probe_peak(case, spec: str) -> int | None:
@@ -52,7 +50,7 @@ def _probe_peak(case, spec: str) -> int | None:
 def stage_peaks(case, strategy) -> tuple[dict[str, int], int]:
     """One tracked step: the peak of live bytes within each stage (forward, backward, optimizer), and the peak."""
     memory = memory_pass(case, strategy, record_timeline=True)
-    tracker = memory.pop("_tracker")
+    tracker = memory.tracker
     peaks: dict[str, int] = {}
     for point in tracker.timeline:
         peaks[point.stage] = max(peaks.get(point.stage, 0), point.live_bytes)

@@ -14,7 +14,7 @@ from bench.cli.arguments import EXECUTORS, csv_list, size_option
 from bench.cli.console import Progress, announce, finish_run
 from bench.core import progress
 from bench.core.errors import UsageError
-from bench.core.results import is_pitfall, new_run_id, to_frame
+from bench.core.results import new_run_id, to_frame
 from bench.core.units import fraction_or_size
 from bench.measure import env
 from bench.run import preflight
@@ -162,8 +162,8 @@ def cmd_list(args) -> int:
         if cls.options:
             details.append("options: " + ", ".join(f"{k}={v}" for k, v in cls.options.items()))
         print(f"  {name:<20} {cls.description} [{'; '.join(details)}]")
-    techniques = [name for name in STRATEGIES if not is_pitfall(name)]
-    pitfalls = [name for name in STRATEGIES if is_pitfall(name)]
+    techniques = [name for name in STRATEGIES if not STRATEGIES.get(name).pitfall]
+    pitfalls = [name for name in STRATEGIES if STRATEGIES.get(name).pitfall]
     print("strategies (combine with +, options with name:option=value):")
     _list_strategies(techniques)
     print("pitfalls (habits the articles warn about, run to show what they cost; the baseline's eval, autograd on "

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pandas as pd
 
-from bench.core.results import is_pitfall
 from bench.measure.stats import NOISE_THRESHOLD
 from bench.run.eta import duration, emulation_warning
 
@@ -43,7 +42,7 @@ def format_table(frame) -> str:
         if lines:
             lines.append("")
         lines += [f"workload {workload} (data {data})", header, "-" * len(header)]
-        pitfall = rows["strategy"].map(is_pitfall)
+        pitfall = rows["strategy_role"] == "pitfall"  # as the strategy declared it
         for _, r in rows[~pitfall].iterrows():
             line, noisy = _table_line(r)
             lines.append(line)

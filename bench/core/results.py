@@ -1,14 +1,18 @@
-"""The results table: its columns (units in their names), schema version, and atomic CSV writes."""
+"""The results table: its declared columns (units in their names), schema version, and atomic CSV writes."""
 
 from __future__ import annotations
 
 import os
+import secrets
 import tempfile
 from datetime import datetime, timezone
+from enum import Enum
 from pathlib import Path
-import secrets
 
 import pandas as pd
+
+from bench.core.errors import UsageError
+from bench.core.schema import Row, Table, columns
 
 # 2: workload_settings, output_rel_diff; `workload` holds the workload spec (name and options)
 # 3: max_param_rel_diff (the weights after one optimizer step), mem_growth_bytes_per_step; STRATEGY_COLUMNS
@@ -16,68 +20,105 @@ import pandas as pd
 #    rank_peak_max_bytes, rank_peak_min_bytes
 # 4: adaptive timing: measured_steps is the count actually timed; TIMING_COLUMNS (the options and why timing stopped);
 #    cpu_capability, cpu_bf16_native, cpu_fp16_native, emulated_16bit
-SCHEMA_VERSION = 4
-STATUSES = ("ok", "oom", "unsupported", "error")
+# 5: ROLE_COLUMNS: what the strategy declares of itself (strategy_role, recompute_plan, recompute_plan_kind), so
+#    that the report groups rows without knowing any strategy by name
+SCHEMA_VERSION = 5
 
-# Every results file has these columns, in this order; a test checks it.
-COLUMNS = [
-    "schema_version", "run_id", "timestamp",
+
+class Status(str, Enum):
+    """How a case ended: measured, out of memory, not applicable to the case, or failed."""
+
+    OK = "ok"
+    OOM = "oom"
+    UNSUPPORTED = "unsupported"
+    ERROR = "error"
+
+
+STATUSES = tuple(status.value for status in Status)
+
+
+class Role(str, Enum):
+    """What a row's strategy is (`strategy_role`): the baseline, a technique, or a pitfall (a habit the articles
+    warn about, measured to show its cost; a composition with a pitfall member is a pitfall)."""
+
+    BASELINE = "baseline"
+    TECHNIQUE = "technique"
+    PITFALL = "pitfall"
+
+
+# The columns every results file has, in this order (RESULTS below); a test checks it.
+_CORE = [
+    *columns("int", "schema_version"), *columns("text", "run_id timestamp"),
     # the case
-    "workload", "workload_settings", "strategy", "strategy_settings", "phase", "device", "device_name", "host_name",
-    "batch_size", "data",
-    "warmup_steps", "measured_steps",
+    *columns("text", "workload workload_settings strategy strategy_settings phase device device_name host_name"),
+    *columns("int", "batch_size"), *columns("text", "data"), *columns("int", "warmup_steps measured_steps"),
     # timing pass
-    "step_time_ms_median", "step_time_ms_iqr", "step_time_ms_min", "samples_per_s",
+    *columns("float", "step_time_ms_median step_time_ms_iqr step_time_ms_min samples_per_s"),
     # memory pass
-    "peak_mem_bytes", "peak_reserved_bytes", "memory_method", "peak_stage", "mem_growth_bytes_per_step",
+    *columns("int", "peak_mem_bytes peak_reserved_bytes"), *columns("text", "memory_method peak_stage"),
+    *columns("float", "mem_growth_bytes_per_step"),
     # relative to the baseline row of the same workload, phase, batch size, device and data
-    "mem_vs_baseline", "time_vs_baseline",
+    *columns("float", "mem_vs_baseline time_vs_baseline"),
     # verification against the baseline on the same weights and batch
-    "matches_baseline", "loss_rel_diff", "max_abs_grad_diff", "max_grad_rel_diff", "params_without_grad",
-    "bn_stats_match", "output_rel_diff", "max_param_rel_diff",
-    "status", "message",
+    *columns("bool", "matches_baseline"), *columns("float", "loss_rel_diff max_abs_grad_diff max_grad_rel_diff"),
+    *columns("int", "params_without_grad"), *columns("bool", "bn_stats_match"),
+    *columns("float", "output_rel_diff max_param_rel_diff"),
+    *columns("text", "status message"),
     # environment
-    "torch_version", "cuda_version", "cudnn_version", "cpu_threads", "git_commit", "python_version", "platform",
+    *columns("text", "torch_version cuda_version cudnn_version"), *columns("int", "cpu_threads"),
+    *columns("text", "git_commit python_version platform"),
     # what the host CPU computes natively in 16 bits (bench.measure.env.cpu_16bit_support), and whether this case ran
     # 16-bit autocast emulated on a CPU without it
-    "cpu_capability", "cpu_bf16_native", "cpu_fp16_native", "emulated_16bit",
+    *columns("text", "cpu_capability"), *columns("bool", "cpu_bf16_native cpu_fp16_native emulated_16bit"),
     # breakdown of the peak (CPU tracker only; they add up to peak_mem_bytes) and the article's rule of thumb
-    "peak_params_bytes", "peak_grads_bytes", "peak_optimizer_bytes", "peak_activations_bytes", "peak_temp_bytes",
-    "peak_batch_bytes", "rule_of_thumb_bytes",
+    *columns("int", "peak_params_bytes peak_grads_bytes peak_optimizer_bytes peak_activations_bytes peak_temp_bytes "
+                    "peak_batch_bytes rule_of_thumb_bytes"),
 ]
 
-# Figures a strategy measures itself (`Strategy.columns()`), empty for the others.
-STRATEGY_COLUMNS = ["predicted_peak_bytes", "compile_time_ms", "offload_host_peak_bytes"]
-COLUMNS += STRATEGY_COLUMNS
+# Figures a strategy measures itself (`Strategy.columns()`; each strategy declares the ones it fills in its
+# `row_columns`), empty for the others.
+_STRATEGY = [*columns("int", "predicted_peak_bytes"), *columns("float", "compile_time_ms"),
+                    *columns("int", "offload_host_peak_bytes")]
 
 # How the timing pass chose its number of steps (bench.measure.timing.TimingPolicy): the options (empty where
 # `timing_fixed_steps` fixed the count), why it stopped, the interval the rule looked at, and the pass's seconds.
-TIMING_COLUMNS = [
-    "timing_fixed_steps", "timing_min_steps", "timing_max_time_s", "timing_target_ci_rel", "timing_stop_reason",
-    "timing_ci_rel", "timing_pass_s",
+_TIMING = [
+    *columns("int", "timing_fixed_steps timing_min_steps"),
+    *columns("float", "timing_max_time_s timing_target_ci_rel"), *columns("text", "timing_stop_reason"),
+    *columns("float", "timing_ci_rel timing_pass_s"),
 ]
-COLUMNS += TIMING_COLUMNS
 
 # Sweep columns (bench.run.isolation, bench.measure.stats), appended after the core ones: how the case was run and how
 # far its figures can be trusted. `cpu_threads` above is the thread count the case ran with (--threads).
-SWEEP_COLUMNS = [
-    "isolated", "executor", "ranks", "rank_peak_max_bytes", "rank_peak_min_bytes", "deterministic", "repeats",
-    "step_time_ms_ci95_low", "step_time_ms_ci95_high", "noisy", "peak_mem_spread_bytes",
+_SWEEP = [
+    *columns("bool", "isolated"), *columns("text", "executor"),
+    *columns("int", "ranks rank_peak_max_bytes rank_peak_min_bytes"), *columns("bool", "deterministic"),
+    *columns("int", "repeats"), *columns("float", "step_time_ms_ci95_low step_time_ms_ci95_high"),
+    *columns("bool", "noisy"), *columns("int", "peak_mem_spread_bytes"),
 ]
-COLUMNS += SWEEP_COLUMNS
 
-# A strategy whose name (or one of whose `+` members) starts with this is a pitfall: a habit the articles warn
-# about, measured to show its cost. A naming rule, so that the report sees it in a CSV without the registry.
-PITFALL_PREFIX = "pitfall_"
+# What the strategy declares of itself (`Strategy.pitfall`, `recompute_plan_kind`, `recompute_plan()`), so that a
+# reader of the CSV (the report) needs no registry: its Role, and for a checkpointing plan on its own (the baseline
+# included) what it recomputes, for the plan chart's label, and the kind of plan (RECOMPUTE_PLAN_KINDS).
+_ROLE = columns("text", "strategy_role recompute_plan recompute_plan_kind")
+RECOMPUTE_PLAN_KINDS = ("none", "units", "operators")  # nothing recomputed; whole units; operators within units
+
+# the sweep columns stay last, as they have been since version 3
+RESULTS = Table("results", SCHEMA_VERSION, _CORE + _STRATEGY + _TIMING + _ROLE + _SWEEP)
+COLUMNS = RESULTS.names
+STRATEGY_COLUMNS, TIMING_COLUMNS, ROLE_COLUMNS, SWEEP_COLUMNS = (
+    [column.name for column in group] for group in (_STRATEGY, _TIMING, _ROLE, _SWEEP))
 
 
-def is_pitfall(strategy: str) -> bool:
-    """Whether a strategy spec (`pitfall_loss_sum`, `checkpoint+pitfall_retain_graph:...`) includes a pitfall."""
-    return any(part.strip().startswith(PITFALL_PREFIX) for part in str(strategy).split("+"))
+def new_row(values: dict | None = None, **more) -> Row:
+    """A row of the results table: only its declared columns, `schema_version` set."""
+    return RESULTS.row(values, **more)
 
 
 CASE_KEY = ["workload", "strategy", "phase", "device", "batch_size", "data"]
 BASELINE_KEY = ["workload", "phase", "device", "batch_size", "data"]
+# relative column -> the column it divides by the baseline's
+RELATIVE_COLUMNS = {"mem_vs_baseline": "peak_mem_bytes", "time_vs_baseline": "step_time_ms_median"}
 
 
 def new_run_id(device: str = "") -> str:
@@ -90,20 +131,27 @@ def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def add_relative_columns(frame: pd.DataFrame) -> pd.DataFrame:
-    """Fills `mem_vs_baseline` and `time_vs_baseline` from the ok baseline row with the same key."""
+def add_relative_columns(frame: pd.DataFrame, key: list[str] = BASELINE_KEY, keep_present: bool = False
+                         ) -> pd.DataFrame:
+    """`mem_vs_baseline` and `time_vs_baseline` of each ok row: its figure over that of the ok baseline row with
+    the same `key` (the last one); empty on the other rows. `keep_present`: a value already in the frame is kept
+    and only missing ones are computed (the report, reading what the run wrote)."""
     frame = frame.copy()
-    base = frame[(frame["strategy"] == "baseline") & (frame["status"] == "ok")]
-    base = base.drop_duplicates(BASELINE_KEY, keep="last").set_index(BASELINE_KEY)
-    for column, source in (("mem_vs_baseline", "peak_mem_bytes"), ("time_vs_baseline", "step_time_ms_median")):
-        ref = frame.join(base[[source]].rename(columns={source: "_ref"}), on=BASELINE_KEY)["_ref"]
-        values = pd.to_numeric(frame[source], errors="coerce") / pd.to_numeric(ref, errors="coerce")
-        frame[column] = values.where(frame["status"] == "ok")
+    ok = frame["status"] == Status.OK.value
+    base = frame[(frame["strategy"] == "baseline") & ok]
+    base = base.drop_duplicates(key, keep="last").set_index(key)
+    for column, source in RELATIVE_COLUMNS.items():
+        ref = frame.join(base[[source]].rename(columns={source: "_ref"}), on=key)["_ref"]
+        computed = (pd.to_numeric(frame[source], errors="coerce") / pd.to_numeric(ref, errors="coerce")).where(ok)
+        if keep_present:
+            computed = frame[column].where(frame[column].notna(), computed).where(ok)
+        frame[column] = computed
     return frame
 
 
 def to_frame(rows: list[dict]) -> pd.DataFrame:
-    """Rows -> a frame with exactly COLUMNS (extra keys are kept after them)."""
+    """Rows -> a frame with exactly COLUMNS (the extra columns of a row read back from an older file are kept
+    after them)."""
     frame = pd.DataFrame(rows)
     for column in COLUMNS:
         if column not in frame:
@@ -138,6 +186,17 @@ def write_rows(rows: list[dict], path: Path) -> pd.DataFrame:
     return frame
 
 
+def write_table(table: Table, rows: list[dict], path: Path) -> pd.DataFrame:
+    """Rows of another declared table (predict, fit) as a CSV at `path` (atomically), its columns in order."""
+    for row in rows:
+        table.check(row)
+    frame = pd.DataFrame(rows, columns=table.names)
+    if "schema_version" in table.kinds:
+        frame["schema_version"] = table.version
+    write_csv_atomic(frame, path)
+    return frame
+
+
 # columns whose values look like numbers but are text: a commit such as `50685e286372` would be read as infinity
 TEXT_COLUMNS = ["run_id", "git_commit", "host_name", "workload", "workload_settings", "strategy", "strategy_settings",
                 "torch_version", "cuda_version", "cudnn_version", "python_version"]
@@ -146,7 +205,6 @@ TEXT_COLUMNS = ["run_id", "git_commit", "host_name", "workload", "workload_setti
 def read_results(path: Path) -> pd.DataFrame:
     """A results CSV back as a frame, text columns as text."""
     return pd.read_csv(path, dtype={column: str for column in TEXT_COLUMNS})
-
 
 # Columns a results file must have to be resumed (the case key), and to be reported on (what the report draws;
 # the rest it recomputes or leaves out). The other CSVs membench writes lack some of them.
@@ -164,8 +222,6 @@ def read_results_file(path: Path | str, purpose: str, required: list[str] = RESU
 
     Anything else -- a missing, empty or binary file, text that is not UTF-8, a file that is not CSV, or another
     of membench's tables (fit, predict, timeline) -- is a UsageError of one line that says what the file is."""
-    from bench.core.errors import UsageError
-
     path = Path(path)
     where = f"{purpose} {str(path)!r}"
     if not path.is_file():

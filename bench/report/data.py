@@ -1,6 +1,8 @@
 """Results files read for the report and the charts: finding, loading and normalising CSVs, and grouping rows.
 
-Like the report, this reads nothing but CSV files: no torch, runner, strategies or workloads.
+Like the report, this reads nothing but CSV files: no torch, runner, strategies or workloads. What it needs to know
+of a strategy (a pitfall? a checkpointing plan, and what it recomputes?) the strategy declared into its rows
+(`strategy_role`, `recompute_plan_kind`, `recompute_plan`).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from bench.core.results import REPORT_COLUMNS, is_pitfall, read_results_file
+from bench.core.results import REPORT_COLUMNS, Role, add_relative_columns, read_results_file
 from bench.core.units import format_size, parse_size  # noqa: F401 - the report's and the charts' size helpers
 
 DEFAULT_BATCH_SIZE = 100
@@ -61,6 +63,9 @@ NUMERIC = ["batch_size", "step_time_ms_median", "step_time_ms_iqr", "step_time_m
            "mem_growth_bytes_per_step", "max_param_rel_diff", "predicted_peak_bytes"]
 TEXT = ["run_id", "workload", "strategy", "phase", "device", "device_name", "data", "status", "message",
         "torch_version", "cuda_version", "cpu_threads", "git_commit"]
+# what the strategy declared of itself (schema 5): empty in an older file, whose rows are then neither pitfalls nor
+# plans
+ROLE = ["strategy_role", "recompute_plan", "recompute_plan_kind"]
 
 
 
@@ -73,7 +78,7 @@ def load_results(csv_path: Path) -> pd.DataFrame:
     """One results CSV as a frame with the columns the report reads always present and normalised."""
     csv_path = Path(csv_path)
     frame = read_results_file(csv_path, "cannot report on", REPORT_COLUMNS)
-    for column in TEXT:
+    for column in TEXT + ROLE:
         if column not in frame:
             frame[column] = None
     for column in NUMERIC:
@@ -86,23 +91,12 @@ def load_results(csv_path: Path) -> pd.DataFrame:
     frame["matches_baseline"] = [_to_bool(v) for v in frame.get("matches_baseline", [None] * len(frame))]
     if "noisy" in frame:
         frame["noisy"] = [_to_bool(v) for v in frame["noisy"]]
-    for column in ("workload", "device", "device_name", "data", "phase", "strategy", "message"):
+    for column in ("workload", "device", "device_name", "data", "phase", "strategy", "message", *ROLE):
         frame[column] = _text(frame[column])
     frame["_source"] = str(csv_path)
-    frame = _fill_relative(frame)
-    return frame
-
-
-def _fill_relative(frame: pd.DataFrame) -> pd.DataFrame:
-    """(Re)computes mem/time vs baseline for ok rows whose value is missing, from the ok baseline of the case."""
-    key = ["run_id", "workload", "phase", "device", "batch_size", "data"]
-    base = frame[(frame["strategy"] == "baseline") & (frame["status"] == "ok")].drop_duplicates(key, keep="last")
-    base = base.set_index(key)
-    for column, source in (("mem_vs_baseline", "peak_mem_bytes"), ("time_vs_baseline", "step_time_ms_median")):
-        ref = frame.join(base[[source]].rename(columns={source: "_ref"}), on=key)["_ref"]
-        computed = (frame[source] / ref).where(frame["status"] == "ok")
-        frame[column] = frame[column].where(frame[column].notna(), computed).where(frame["status"] == "ok")
-    return frame
+    # the values the run wrote are kept; the missing ones computed, from the baseline of the same run
+    return add_relative_columns(frame, ["run_id", "workload", "phase", "device", "batch_size", "data"],
+                                keep_present=True)
 
 
 def find_timeline(csv_path: Path, run_id: str) -> Path | None:
@@ -184,12 +178,19 @@ def make_groups(frame: pd.DataFrame) -> list[Group]:
     return groups
 
 
-def strategy_order(frame: pd.DataFrame) -> list[str]:
-    """Baseline first, then single techniques, then compositions, then pitfalls, each in the order they appear."""
+def pitfall_strategies(frame: pd.DataFrame) -> set[str]:
+    """The strategies whose rows say they are pitfalls (`strategy_role`)."""
+    return set(frame.loc[frame["strategy_role"] == Role.PITFALL.value, "strategy"])
+
+
+def strategy_order(frame: pd.DataFrame, pitfalls: set[str] | None = None) -> list[str]:
+    """Baseline first, then single techniques, then compositions, then pitfalls, each in the order they appear;
+    `pitfalls` for a frame without `strategy_role` (a step timeline: its results file's `pitfall_strategies`)."""
     seen = list(dict.fromkeys(frame["strategy"]))
-    rest = [s for s in seen if s != "baseline" and not is_pitfall(s)]
+    pitfalls = pitfall_strategies(frame) if pitfalls is None else pitfalls
+    rest = [s for s in seen if s != "baseline" and s not in pitfalls]
     return (["baseline"] if "baseline" in seen else []) + [s for s in rest if "+" not in s] + \
-        [s for s in rest if "+" in s] + [s for s in seen if is_pitfall(s)]
+        [s for s in rest if "+" in s] + [s for s in seen if s in pitfalls]
 
 
 def row_flag(row) -> str | None:
@@ -205,12 +206,10 @@ def row_flag(row) -> str | None:
 
 # --- checkpointing plans -----------------------------------------------------------------------------------
 
-PLAN_STRATEGIES = ("checkpoint", "selective_checkpoint")  # each spelling of these is one plan of what to recompute
-
-
-def is_checkpoint_plan(strategy: str) -> bool:
-    """The baseline (nothing recomputed) or one checkpointing strategy on its own, with any options."""
-    return strategy == "baseline" or ("+" not in strategy and strategy.split(":")[0] in PLAN_STRATEGIES)
+def is_checkpoint_plan(rows: pd.DataFrame) -> pd.Series:
+    """Which rows are plans of what to recompute: the baseline (nothing) or one checkpointing strategy on its own,
+    with any options, as the strategy declared (`recompute_plan_kind`)."""
+    return rows["recompute_plan_kind"] != ""
 
 
 def settings_of(row) -> dict[str, str]:
@@ -222,18 +221,14 @@ def settings_of(row) -> dict[str, str]:
 
 
 def plan_label(row) -> str:
-    """What a plan recomputes, for a chart label: the checkpointed units (`0-2 3-5`), a selective policy, or none."""
-    if row["strategy"] == "baseline":
-        return "none"
-    settings = settings_of(row)
-    if "selective_checkpoint.policy" in settings:
-        return f"each unit, saving {settings['selective_checkpoint.policy']}"
-    return settings.get("checkpoint.plan", "")
+    """What a plan recomputes, for a chart label: the checkpointed units (`0-2 3-5`), a selective policy, or none
+    (the strategy's `recompute_plan`)."""
+    return row["recompute_plan"]
 
 
 def plan_rows(rows: pd.DataFrame) -> pd.DataFrame:
     """The ok training rows that are checkpointing plans, the baseline included, and that match the baseline."""
-    mask = rows["strategy"].map(is_checkpoint_plan) & (rows["phase"] == "train") & (rows["status"] == "ok")
+    mask = is_checkpoint_plan(rows) & (rows["phase"] == "train") & (rows["status"] == "ok")
     mask &= rows["matches_baseline"].map(lambda v: v is not False)
     return rows[mask & rows["peak_mem_bytes"].notna() & rows["step_time_ms_median"].notna()]
 

@@ -165,7 +165,7 @@ def _stage_spans(rows: pd.DataFrame) -> list[tuple[str, float, float]]:
 
 
 def chart_timeline(group: Group, path: Path, tl: pd.DataFrame, batch: int | None) -> Path:
-    order = [s for s in strategy_order(tl) if s in set(tl["strategy"])]
+    order = [s for s in strategy_order(tl, pitfall_strategies(group.frame)) if s in set(tl["strategy"])]
     colors = strategy_colors(strategy_order(group.frame) + [s for s in order if s not in set(group.frame["strategy"])])
     ncols = 1 if len(order) <= 3 else 2
     nrows = -(-len(order) // ncols)

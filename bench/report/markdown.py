@@ -12,13 +12,12 @@ from pathlib import Path
 
 import pandas as pd
 
-from bench.core.results import is_pitfall
 from bench.core.units import format_mib
 from bench.core.atomic import write_text_atomic
 from bench.report import charts
 from bench.report.data import (  # noqa: F401 - newest_csv and parse_size are part of this module's API
     Group, MISMATCH_LABEL, STATUS_LABEL, find_timeline, format_size, load_results, make_groups, newest_csv,
-    parse_size, row_flag, strategy_order, is_checkpoint_plan, plan_label, plan_rows, settings_of, state_floor_bytes,
+    parse_size, row_flag, strategy_order, is_checkpoint_plan, pitfall_strategies, plan_label, plan_rows, settings_of, state_floor_bytes,
 )
 from bench.report.pareto_charts import pareto_front
 
@@ -102,7 +101,7 @@ def pitfall_table(rows: pd.DataFrame, order: list[str]) -> list[str]:
     lines = ["| pitfall | status | peak MiB | mem vs baseline | growth B/step | time vs baseline | matches baseline "
              "| note |",
              "|---|---|---:|---:|---:|---:|---|---|"]
-    picked = [(s, None) for s in order if is_pitfall(s)]
+    picked = [(s, None) for s in order if s in pitfall_strategies(rows)]
     if (rows["phase"] == "eval").all():
         picked.insert(0, ("baseline", EVAL_BASELINE_PITFALL))
     for strategy, note in picked:
@@ -178,7 +177,7 @@ def plan_table(group: Group) -> list[str]:
         lines += ["Budget plans were searched on the meta device and confirmed by a measured step "
                   "(`checkpoint.planning_s` in the CSV's `strategy_settings`)."]
     at_batch = group.at_batch()
-    refused = at_batch[at_batch["strategy"].map(is_checkpoint_plan) & (at_batch["phase"] == "train")
+    refused = at_batch[is_checkpoint_plan(at_batch) & (at_batch["phase"] == "train")
                        & (at_batch["status"] == "unsupported")]
     lines += [f"`{row['strategy']}`: unsupported, {row['message']}" for _, row in refused.iterrows()]
     return lines + [""]
@@ -241,7 +240,7 @@ def render_markdown(groups: list[Group], out_dir: Path, budget_bytes: int | None
         lines += [f"## {title}", "", "### Environment", "", *_env_lines(group), ""]
         order = strategy_order(group.frame)
         rows = group.at_batch()
-        techniques = [s for s in order if not is_pitfall(s)]
+        techniques = [s for s in order if s not in pitfall_strategies(group.frame)]
         for phase in ("train", "eval"):
             phase_rows = rows[rows["phase"] == phase]
             if phase_rows.empty:

@@ -148,7 +148,7 @@ def chart_tradeoff(group: Group, path: Path) -> Path:
             zorder=1, label="Pareto front")
     for _, r in rows.iterrows():
         on_front = r["strategy"] in front_names
-        marker = "*" if r["strategy"] == "baseline" else ("s" if r["strategy"].startswith("selective") else "o")
+        marker = "*" if r["strategy"] == "baseline" else ("s" if r["recompute_plan_kind"] == "operators" else "o")
         ax.scatter(r["step_time_ms_median"], r["peak_mem_bytes"] / MiB, s=120 if marker == "*" else 55,
                    marker=marker, color=PHASE_COLOR["train"] if on_front else "#9ecae1",
                    edgecolors="black" if on_front else "none", linewidths=1.2, zorder=3)

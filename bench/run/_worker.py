@@ -1,8 +1,9 @@
 """`python -m bench.run._worker`: runs one repeat of one case in this fresh process (see bench.run.isolation).
 
-Reads {"case", "env", "options", "verify"} as JSON on stdin; prints the row as one `MEMBENCH_ROW {json}` line on
-stdout (other output of the case may precede it). Modules named in $MEMBENCH_PLUGINS are imported first, so
-strategies registered outside the `strategies` package exist here too.
+Reads {"case", "env", "options", "verify"} as JSON on stdin; prints the case's result (its row's columns and its
+side data, `bench.run.result.CaseResult.to_json`) as one `MEMBENCH_ROW {json}` line on stdout (other output of the
+case may precede it). Modules named in $MEMBENCH_PLUGINS are imported first, so strategies registered outside the
+`strategies` package exist here too.
 """
 
 from __future__ import annotations
@@ -20,14 +21,15 @@ def import_plugins() -> None:
 
 
 def run_job(job: dict) -> dict:
-    """One repeat of one case, as described by `job` (see the module docstring); returns its row.
+    """One repeat of one case, as described by `job` (see the module docstring); returns its result as JSON values.
 
     Also the body of a Ray task (bench.run.ray_executor). `job["workload_files"]` maps the path of a user's workload
     file, as the spec names it, to its source, for a process that does not have the file (another machine)."""
+    # imported here, after the plugins: a plugin registers strategies that the case's spec may name
     import_plugins()
 
     from bench.run.isolation import RunOptions
-    from bench.run.runner import Case, run_case
+    from bench.run.runner import Case, measure_case
     from workloads.loader import ship_file
 
     for path, source in (job.get("workload_files") or {}).items():
@@ -41,16 +43,16 @@ def run_job(job: dict) -> dict:
         import torch
 
         torch.cuda.set_per_process_memory_fraction(options.memory_fraction)
-    row = run_case(Case(**job["case"]), job["env"], options, verify_result=job["verify"])
-    row["isolated"] = True
-    return row
+    result = measure_case(Case(**job["case"]), job["env"], options, verify_result=job["verify"])
+    result.row["isolated"] = True
+    return result.to_json()
 
 
 def main() -> int:
     from bench.run.isolation import ROW_MARKER
 
-    row = run_job(json.loads(sys.stdin.read()))
-    sys.stdout.write(ROW_MARKER + json.dumps(row, default=str) + "\n")
+    result = run_job(json.loads(sys.stdin.read()))
+    sys.stdout.write(ROW_MARKER + json.dumps(result, default=str) + "\n")
     sys.stdout.flush()
     return 0
 

@@ -6,9 +6,9 @@ flip (cuDNN benchmark/deterministic/enabled/TF32, deterministic algorithms, floa
 mode, thread count), so that even a strategy that forgets to restore a flag cannot change the next case.
 What the guard cannot undo: the CUDA caching allocator's pool, cuDNN's autotuner cache, autocast caches, and
 anything a strategy builds in C++. Hence `isolate=True` (the default on CUDA): each case -- and each repeat --
-runs in a fresh `python -m bench.run._worker` process, which gets the case as JSON on stdin and prints its row as
-JSON on stdout. A worker that dies (non-zero exit, a signal, no row) becomes an `error` row naming the exit
-code and the last line of its stderr, and the sweep goes on.
+runs in a fresh `python -m bench.run._worker` process, which gets the case as JSON on stdin and prints its result
+(row and side data, `bench.run.result.CaseResult`) as JSON on stdout. A worker that dies (non-zero exit, a signal,
+no row) becomes an `error` row naming the exit code and the last line of its stderr, and the sweep goes on.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+
+from bench.run.result import CaseResult
 
 ROOT = Path(__file__).resolve().parents[2]
 ROW_MARKER = "MEMBENCH_ROW "
@@ -114,27 +116,26 @@ def crash_message(returncode: int, stderr: str) -> str:
 
 
 def run_in_worker(case, env: dict | None, options: RunOptions, verify: bool = True,
-                  timeout: float | None = None) -> dict[str, Any]:
-    """Runs `run_case(case, env, options, verify_result=verify)` (one repeat) in a fresh Python process; returns its row.
+                  timeout: float | None = None) -> CaseResult:
+    """Runs `measure_case(case, env, options, verify_result=verify)` (one repeat) in a fresh Python process; returns
+    its result.
 
-    A worker that crashes returns an error row (`worker_exit_code` holds its exit code, negative for a signal).
+    A worker that crashes returns an error result (`worker_exit_code` holds its exit code, negative for a signal).
     A worker ended by SIGINT (Ctrl-C reaching the process group) raises KeyboardInterrupt here, so that an
     interrupted case leaves no row and `--resume` runs it again.
     """
-    job = {"case": asdict(case), "env": env, "options": asdict(options), "verify": verify}
+    job = {"case": case.to_json(), "env": env, "options": asdict(options), "verify": verify}
     try:
         done = subprocess.run([sys.executable, "-m", "bench.run._worker"], input=json.dumps(job), text=True,
                               capture_output=True, env=worker_env(), timeout=timeout)
     except subprocess.TimeoutExpired as error:
-        return {"status": "error", "message": f"worker timed out after {error.timeout:.0f} s",
-                "worker_exit_code": None}
+        return CaseResult.failed(f"worker timed out after {error.timeout:.0f} s")
     if done.returncode in (-signal.SIGINT, 130):
         raise KeyboardInterrupt
-    row = None
+    result = None
     for line in done.stdout.splitlines():
         if line.startswith(ROW_MARKER):
-            row = json.loads(line[len(ROW_MARKER):])
-    if done.returncode != 0 or row is None:
-        return {"status": "error", "message": crash_message(done.returncode, done.stderr),
-                "worker_exit_code": done.returncode}
-    return row
+            result = CaseResult.from_json(json.loads(line[len(ROW_MARKER):]))
+    if done.returncode != 0 or result is None:
+        return CaseResult.failed(crash_message(done.returncode, done.stderr), done.returncode)
+    return result

@@ -20,9 +20,10 @@ import sys
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 from bench.run.isolation import ROW_MARKER, RunOptions, crash_message, worker_env
+from bench.run.result import CaseResult
 
 RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 BREAKDOWN_PREFIX = "peak_"
@@ -69,10 +70,10 @@ def _free_port() -> int:
 
 
 def run_on_ranks(case, env: dict | None, options: RunOptions, verify: bool = True,
-                 timeout: float | None = None) -> dict[str, Any]:
-    """The case as `options.ranks` processes; the merged row (see the module docstring)."""
+                 timeout: float | None = None) -> CaseResult:
+    """The case as `options.ranks` processes; the merged result (see the module docstring)."""
     ranks = options.ranks
-    job = json.dumps({"case": asdict(case), "env": env, "options": asdict(options), "verify": verify})
+    job = json.dumps({"case": case.to_json(), "env": env, "options": asdict(options), "verify": verify})
     port = str(_free_port())
     with tempfile.TemporaryDirectory(prefix="membench-ranks-") as folder:
         processes = []
@@ -85,37 +86,40 @@ def run_on_ranks(case, env: dict | None, options: RunOptions, verify: bool = Tru
             process.stdin.write(job)
             process.stdin.close()
             processes.append((process, out, err))
-        rows = []
+        results = []
         for rank, (process, out, err) in enumerate(processes):
             try:
                 code = process.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 for other, _, _ in processes:
                     other.kill()
-                return {"status": "error", "message": f"rank {rank} timed out after {timeout:.0f} s"}
+                return CaseResult.failed(f"rank {rank} timed out after {timeout:.0f} s")
             out.close()
             err.close()
             text = (Path(folder) / f"{rank}.out").read_text()
-            row = next((json.loads(line[len(ROW_MARKER):]) for line in text.splitlines()
-                        if line.startswith(ROW_MARKER)), None)
-            if code != 0 or row is None:
+            result = next((CaseResult.from_json(json.loads(line[len(ROW_MARKER):])) for line in text.splitlines()
+                           if line.startswith(ROW_MARKER)), None)
+            if code != 0 or result is None:
                 for other, _, _ in processes:
                     other.kill()
                 message = crash_message(code, (Path(folder) / f"{rank}.err").read_text())
-                return {"status": "error", "message": f"rank {rank}: {message}"[:500], "ranks": ranks}
-            rows.append(row)
-    return merge_rank_rows(rows)
+                return CaseResult.failed(f"rank {rank}: {message}"[:500], ranks=ranks)
+            results.append(result)
+    return merge_rank_rows(results)
 
 
-def merge_rank_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Rank 0's row, with the largest rank's peak and breakdown and the spread of peaks across ranks."""
-    failed = next((r for r in rows if r.get("status") != "ok"), None)
-    merged = dict(failed or rows[0])
-    merged["ranks"] = len(rows)
+def merge_rank_rows(results: list[CaseResult]) -> CaseResult:
+    """Rank 0's result, with the largest rank's peak and breakdown and the spread of peaks across ranks (the
+    case's one peak is the largest rank's); a rank that did not end ok is the case's result."""
+    failed = next((r for r in results if r.row.get("status") != "ok"), None)
+    first = failed or results[0]
+    merged = CaseResult(first.row.copy(), first.step_times_ms, first.peaks, first.timeline, first.worker_exit_code)
+    merged.row["ranks"] = len(results)
     if failed:
         return merged
-    peaks = [int(r["peak_mem_bytes"]) for r in rows]
-    largest = rows[peaks.index(max(peaks))]
-    merged.update({k: v for k, v in largest.items() if k.startswith(BREAKDOWN_PREFIX) and k.endswith("_bytes")})
-    merged.update(rank_peak_max_bytes=max(peaks), rank_peak_min_bytes=min(peaks), _peaks=[max(peaks)])
+    peaks = [int(r.row["peak_mem_bytes"]) for r in results]
+    largest = results[peaks.index(max(peaks))].row
+    merged.row.update({k: v for k, v in largest.items() if k.startswith(BREAKDOWN_PREFIX) and k.endswith("_bytes")})
+    merged.row.update(rank_peak_max_bytes=max(peaks), rank_peak_min_bytes=min(peaks))
+    merged.peaks = [max(peaks)]
     return merged

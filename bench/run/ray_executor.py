@@ -24,7 +24,8 @@ from typing import Callable, Iterator
 from bench.core.errors import UsageError
 from bench.run._worker import run_job
 from bench.run.isolation import ROOT, RunOptions
-from bench.run.runner import Case, base_row, pool_repeats
+from bench.run.result import CaseResult
+from bench.run.runner import Case, pool_repeats, with_base_row
 from workloads.loader import file_reference
 
 INSTALL_HINT = "pip install 'membench[ray]' (in a checkout: make install)"
@@ -64,11 +65,10 @@ def runtime_env(remote: bool) -> dict:
     return env
 
 
-def _failure_row(case: Case, options: RunOptions, error: BaseException) -> dict:
+def _failure(case: Case, options: RunOptions, error: BaseException) -> CaseResult:
     message = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
-    row = base_row(case, None, options)
-    row.update(status="error", message=f"Ray task failed ({type(error).__name__}): {message.strip()}"[:500])
-    return row
+    failed = CaseResult.failed(f"Ray task failed ({type(error).__name__}): {message.strip()}"[:500])
+    return with_base_row(case, None, options, failed)
 
 
 class RayExecutor:
@@ -98,7 +98,7 @@ class RayExecutor:
             raise UsageError("--device cuda: the Ray cluster has no GPU")
 
     def __call__(self, cases: list[Case], options: RunOptions,
-                 started: Callable[[int, Case], None]) -> Iterator[tuple[int, Case, dict]]:
+                 started: Callable[[int, Case], None]) -> Iterator[tuple[int, Case, CaseResult]]:
         """Submits every case's repeats at once (Ray schedules them on free resources) and yields each case as
         its last repeat finishes; `started` is not called: when a task starts is Ray's business."""
         ray = import_ray()
@@ -111,19 +111,19 @@ class RayExecutor:
             for index, case in enumerate(cases):
                 needs = {"num_gpus": 1, "num_cpus": 1} if case.device == "cuda" else {"num_cpus": options.threads}
                 for repeat in range(options.repeats):
-                    job = {"case": asdict(case), "env": None, "options": asdict(options), "verify": repeat == 0,
+                    job = {"case": case.to_json(), "env": None, "options": asdict(options), "verify": repeat == 0,
                            "workload_files": files}
                     pending[task.options(**needs).remote(job)] = (index, repeat)
-            repeats: dict[int, list[dict]] = {}
+            repeats: dict[int, list[CaseResult]] = {}
             while pending:
                 [ref], _ = ray.wait(list(pending), num_returns=1)
                 index, _repeat = pending.pop(ref)
                 case = cases[index]
                 try:
-                    row = {**base_row(case, {}, options), **ray.get(ref)}
+                    result = with_base_row(case, {}, options, CaseResult.from_json(ray.get(ref)))
                 except ray.exceptions.RayError as error:
-                    row = _failure_row(case, options, error)
-                repeats.setdefault(index, []).append(row)
+                    result = _failure(case, options, error)
+                repeats.setdefault(index, []).append(result)
                 if len(repeats[index]) == options.repeats:
                     yield index, case, pool_repeats(case, repeats.pop(index), options)
         finally:

@@ -41,16 +41,6 @@ def _key(values) -> tuple:
     return tuple(str(values[k]) for k in CASE_KEY)
 
 
-def _canonical(spec: str) -> str:
-    """The strategy as rows spell it (`Strategy.spec()`: members sorted, default options left out)."""
-    from strategies import parse_strategy
-
-    try:
-        return parse_strategy(spec).spec()
-    except Exception:  # noqa: BLE001 - an unknown name cannot match a finished row; it fails later, as a row
-        return spec
-
-
 def _stored(frame: pd.DataFrame, column: str):
     """The single value of `column` in the file (None when absent or empty)."""
     if column not in frame:
@@ -112,7 +102,8 @@ def load_resume(path: Path | str, cases: list, options: RunOptions) -> Resumed:
     rows = [{k: (None if isinstance(v, float) and v != v else v) for k, v in r.items()}
             for r in finished.to_dict("records")]
     done = {_key(r) for r in rows}
-    remaining = [c for c in cases if _key({"workload": c.workload, "strategy": _canonical(c.strategy),
+    # the strategy as rows spell it: the case's parsed spec, canonical (members sorted, default options left out)
+    remaining = [c for c in cases if _key({"workload": c.workload, "strategy": c.strategy.spec(),
                                            "phase": c.phase, "device": c.device, "batch_size": c.batch_size,
                                            "data": c.data}) not in done]
     return Resumed(path, run_id, rows, remaining)

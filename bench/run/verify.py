@@ -1,0 +1,160 @@
+"""Verification: a strategy's loss, gradients, stepped weights and BatchNorm statistics against the baseline's,
+from the same seeded start."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import is_fake
+from torch.utils._pytree import tree_map
+
+from bench.core import progress
+from bench.measure.fake_cuda_mode import clear_on_fake_mode_change
+from bench.run.case import Case, bind_case
+from bench.run.session import Session
+from strategies import Strategy
+from workloads.base import tensors_of
+
+
+@dataclass
+class Snapshot:
+    """The result of one forward (and in training backward and one optimizer step) from the seeded start."""
+
+    loss: float
+    outputs: list[torch.Tensor]
+    grads: dict[str, torch.Tensor | None]
+    buffers: dict[str, torch.Tensor]
+    stepped: dict[str, torch.Tensor] = field(default_factory=dict)  # the weights after the optimizer step
+
+
+def snapshot(case: Case, strategy: Strategy) -> Snapshot:
+    """Forward, loss and (in training) backward and one optimizer step from a fresh session.
+
+    Gradients are brought to true scale; a gradient that a strategy frees as soon as it exists (a step taken in
+    backward) is the one seen when it was accumulated. Outputs of micro-batches are joined along the batch.
+    """
+    accumulated: dict[int, torch.Tensor] = {}  # by id: a parameter as a key would make a cycle through its hook
+
+    def keep_grad(param: torch.Tensor) -> None:
+        accumulated[id(param)] = param.grad.detach().float().cpu().clone()
+
+    session = Session(case, strategy, observe_grads=True)
+    session.watch_grads(keep_grad)
+    grads: dict[str, torch.Tensor | None] = {}
+    stepped: dict[str, torch.Tensor] = {}
+    with strategy.session():
+        if case.phase == "train":
+            parts: list[list[torch.Tensor]] = []
+            losses: list[float] = []
+
+            def seen(output: Any, micro_loss: torch.Tensor) -> None:
+                parts.append(tensors_of(_detached(output)))
+                losses.append(float(micro_loss.detach()))
+
+            session.forward_backward(seen=seen)
+            loss = sum(losses)
+            outputs = [torch.cat(pieces) if len(pieces) > 1 else pieces[0] for pieces in zip(*parts)]
+            strategy.unscale_grads(session.optimizer)
+            grads = {name: accumulated.get(id(p)) if p.grad is None else whole(p.grad).detach().float().cpu().clone()
+                     for name, p in session.base_model.named_parameters()}
+            strategy.optimizer_step(session.optimizer)
+            stepped = {name: whole(p).detach().float().cpu().clone()
+                       for name, p in session.base_model.named_parameters()}
+        else:
+            inputs, _ = session.batch()
+            output = session.forward(inputs)
+            loss = float(session.loss(output).detach())
+            outputs = tensors_of(_detached(output))
+    buffers = {name: b.detach().cpu().clone() for name, b in session.base_model.named_buffers()}
+    outputs = [t.float() for t in outputs if t.is_floating_point()]
+    return Snapshot(strategy.reduce_loss(loss), outputs, grads, buffers, stepped)
+
+
+def _detached(output: Any) -> Any:
+    return tree_map(lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t, output)
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """The full tensor of a sharded one (a DTensor gathered from every rank: every rank must call this)."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+@functools.lru_cache(maxsize=16)
+def baseline_snapshot(case: Case) -> Snapshot:
+    """The baseline's snapshot for the case's workload, phase, batch, device and data."""
+    case = replace(case, strategy="baseline", warmup=0, steps=0)
+    return snapshot(case, bind_case(case)[0])
+
+
+
+clear_on_fake_mode_change(baseline_snapshot.cache_clear)
+
+
+def compare(result: Snapshot, reference: Snapshot, strategy: Strategy) -> dict[str, Any]:
+    """Loss, gradients and BatchNorm statistics against the baseline, and whether all are within tolerance."""
+    tol = strategy.tolerance
+    loss_rel_diff = abs(result.loss - reference.loss) / max(abs(reference.loss), 1e-12)
+    max_abs, max_rel, missing = 0.0, 0.0, 0
+    for name, ref in reference.grads.items():
+        got = result.grads.get(name)
+        if ref is None:
+            continue
+        if got is None:
+            missing += 1
+            continue
+        diff = (got - ref).abs()
+        max_abs = max(max_abs, float(diff.max()))
+        max_rel = max(max_rel, float((got - ref).norm() / ref.norm().clamp_min(1e-12)))
+    bn_match = True
+    for name, ref in reference.buffers.items():
+        got = result.buffers[name]
+        if ref.dtype in (torch.int64, torch.int32):
+            bn_match &= bool(torch.equal(got, ref))  # num_batches_tracked: a second update shows here
+        else:
+            bn_match &= bool(torch.allclose(got, ref, rtol=tol.grad_rtol, atol=tol.output_atol))
+    output_rel_diff = _output_rel_diff(result.outputs, reference.outputs, tol.output_atol)
+    output_match = output_rel_diff <= tol.output_rtol
+    param_rel = max((float((result.stepped[name] - ref).norm() / ref.norm().clamp_min(1e-12))
+                     for name, ref in reference.stepped.items()), default=0.0)
+    matches = (loss_rel_diff <= tol.loss_rtol and max_rel <= tol.grad_rtol and missing == 0 and bn_match
+               and param_rel <= tol.step_rtol and (output_match or bool(reference.grads)))
+    return {
+        "matches_baseline": bool(matches),
+        "loss_rel_diff": loss_rel_diff,
+        "max_abs_grad_diff": max_abs if reference.grads else None,
+        "max_grad_rel_diff": max_rel if reference.grads else None,
+        "params_without_grad": missing,
+        "bn_stats_match": bool(bn_match),
+        "output_rel_diff": output_rel_diff,
+        "max_param_rel_diff": param_rel if reference.stepped else None,
+    }
+
+
+def _output_rel_diff(outputs: list[torch.Tensor], references: list[torch.Tensor], atol: float) -> float:
+    """The largest |out - ref| / |ref| (norms) over the output tensors; 0 for one within `atol` element by
+    element; infinite when the outputs differ in number or shape."""
+    if len(outputs) != len(references) or any(o.shape != r.shape for o, r in zip(outputs, references)):
+        return float("inf")
+    worst = 0.0
+    for got, ref in zip(outputs, references):
+        if not torch.allclose(got, ref, rtol=0, atol=atol):
+            worst = max(worst, float((got - ref).norm() / ref.norm().clamp_min(1e-12)))
+    return worst
+
+
+def verify(case: Case, strategy: Strategy) -> dict[str, Any]:
+    """The verification columns of the row, and in `message` why the strategy cannot match, if it cannot; on fake
+    tensors (the fake-CUDA run) nothing is compared, since they have no values: `matches_baseline` is empty."""
+    progress.report("verification", 0, 1)
+    result = snapshot(case, strategy)
+    values = (*result.outputs, *result.buffers.values(), *result.grads.values())
+    if any(is_fake(t) for t in values if t is not None):
+        return {"matches_baseline": None, "message": "not verified: the step ran on fake tensors, which have no values"}
+    columns = compare(result, baseline_snapshot(case), strategy)
+    reason = strategy.differs_by_design()
+    if reason:
+        columns["message"] = f"does not match the baseline by design: {reason}"
+    return columns
