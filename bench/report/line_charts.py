@@ -12,7 +12,7 @@ from matplotlib.patches import Patch
 from matplotlib.transforms import Transform, blended_transform_factory
 
 from bench.core.units import MiB
-from bench.report.data import MISMATCH_LABEL, STATUS_LABEL, Group, format_size, strategy_order
+from bench.report.data import MISMATCH_LABEL, STATUS_LABEL, Group, format_size, pitfall_strategies, strategy_order
 from bench.report.figures import new_figure, note_below, phases_in, save_figure, set_titles, strategy_colors
 
 STAGE_COLOR = {"setup": "#d9d9d9", "forward": "#c6dbef", "backward": "#fdd0a2", "optimizer": "#c7e9c0"}
