@@ -32,11 +32,12 @@ then says, in one line, how to install it.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -104,6 +105,29 @@ def _auto_classes(transformers) -> dict[str, Any]:
             "masked_lm": (transformers.AutoModelForMaskedLM, auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES),
             "seq_cls": (transformers.AutoModelForSequenceClassification,
                         auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)}
+
+
+@contextlib.contextmanager
+def sequences_not_packed() -> Iterator[None]:
+    """Inside, transformers' causal masks take every batch row as one sequence, without looking at the data.
+
+    Given no attention mask, transformers 5 checks the position ids for several sequences packed into one row
+    (`masking_utils.find_packed_sequence_indices`): `(...).all()` on a tensor, a host-side read of its value. On the
+    meta device that read fails; on fake tensors (predict's engines) it is skipped and the check answers "packed",
+    so a full (batch, 1, seq, seq) mask is built where the CPU and CUDA run SDPA with `is_causal` and no mask. This
+    workload's rows are never packed (positions 0..seq_len-1 in each), so the answer is given instead of read: the
+    step is the same on the CPU, on meta and on fake tensors, and what it runs is what transformers runs on a real
+    unpadded batch. Restored on exit; a transformers without that function is left alone."""
+    masking_utils = sys.modules.get("transformers.masking_utils")
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None:
+        yield
+        return
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
 
 
 # --- the configuration ---------------------------------------------------------------------------------------
@@ -226,7 +250,8 @@ class HfWorkload(Workload):
 
     def run_model(self, model: nn.Module, inputs) -> torch.Tensor:
         """The logits: transformers' models return a ModelOutput, the loss is computed here (see `loss`)."""
-        output = model(**inputs)
+        with sequences_not_packed():
+            output = model(**inputs)
         return output.logits if hasattr(output, "logits") else output
 
     def make_batch(self, batch_size: int, data: str = "text") -> tuple[dict[str, torch.Tensor], torch.Tensor]:

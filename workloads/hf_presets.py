@@ -76,6 +76,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
         "vocab_size": 512, "n_positions": 128, "n_embd": 32, "n_layer": 2, "n_head": 2,
         "activation_function": "gelu_new", "resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1,
+        "bos_token_id": 511, "eos_token_id": 511,  # GPT2Config's default 50256 is outside this vocabulary
     },
     "tiny-llama": {
         "model_type": "llama", "architectures": ["LlamaForCausalLM"],
