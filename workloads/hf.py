@@ -1,4 +1,4 @@
-"""`hf:<preset>` and `hf:path/to/config.json`: a Hugging Face transformers model with random weights, nothing downloaded.
+"""`hf:<preset>`, `hf:path/to/config.json`: a Hugging Face transformers model, random weights, nothing downloaded.
 
 The model is built from transformers' configuration classes: from a preset's published numbers
 (`workloads.hf_presets`: gpt2, bert-base-uncased, llama-3.2-1b, llama-3.1-8b, mistral-7b, qwen2.5-7b, and small
@@ -93,7 +93,8 @@ def import_transformers():
     except ModuleNotFoundError as error:
         if error.name in (None, "transformers"):
             raise UsageError(f"workload 'hf' needs the transformers package, not installed: {INSTALL_HINT}") from None
-        raise UsageError(f"transformers is installed but its dependency {error.name!r} is not: {INSTALL_HINT}") from None
+        raise UsageError(f"transformers is installed but its dependency {error.name!r} is not: "
+                         f"{INSTALL_HINT}") from None
     return transformers
 
 
