@@ -68,7 +68,7 @@ def test_a_preset_builds_at_full_size_with_its_published_numbers_and_parameter_c
             assert getattr(config, attribute) == published, attribute
     assert sum(p.numel() for p in model.parameters()) == PUBLISHED_PARAMETERS[preset]
     assert next(model.parameters()).dtype == torch.float32 and config.use_cache is False
-    assert len(workload.checkpoint_units(model)) == config.num_hidden_layers
+    assert len(workload.checkpoint_units(model)) == config.num_hidden_layers == workload.checkpoint_unit_count()
 
 
 @needs_hf

@@ -298,6 +298,10 @@ class HfWorkload(Workload):
                 return list(module)
         return []
 
+    def checkpoint_unit_count(self) -> int:
+        """The configuration's layer count: building an 8B model on the CPU to count its layers would take 32 GB."""
+        return self.config().num_hidden_layers
+
     def describe(self) -> dict[str, Any]:
         config = self.config()
         shape = {key: getattr(config, key, None) for key in ("hidden_size", "num_hidden_layers", "num_attention_heads",
