@@ -21,6 +21,7 @@ from workloads import WORKLOADS, Workload, get_workload, workload_names
 from workloads.loader import resolve_workload
 
 HAS_TIMM = importlib.util.find_spec("timm") is not None
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 
 # workload name -> a small spec and batch size for the grid (the workload's own tests check its defaults)
 SMALL = {
@@ -29,6 +30,7 @@ SMALL = {
     "unet": ("unet:depth=2:base_channels=4:image_size=32x16", 2),
     "gpt_mini": ("gpt_mini:layers=2:width=32:heads=2:seq_len=16", 2),
     "timm": ("timm:test_resnet:img_size=64", 4),  # at 32x32 and batch 2 the last BatchNorms see 2 values: bf16 diverges
+    "hf": ("hf:tiny-llama:seq_len=16", 2),  # the llama presets' architecture at a tiny width
 }
 
 # (workload, strategy) -> the reason the strategy cannot apply to the workload on the CPU, in any phase
@@ -40,6 +42,9 @@ UNSUPPORTED = {
     ("gpt_mini", "bn_act_recompute"): "has no BatchNorm layer",
     ("deep_mlp", "inplace_abn"): "has no BatchNorm layer",
     ("gpt_mini", "inplace_abn"): "has no BatchNorm layer",
+    ("hf", "inplace_relu"): "no ReLU-like activation",  # SiLU (llama), GELU (gpt2, bert)
+    ("hf", "bn_act_recompute"): "has no BatchNorm layer",  # LayerNorm, RMSNorm
+    ("hf", "inplace_abn"): "has no BatchNorm layer",
 }
 # strategy -> phases it runs in on the CPU on any workload (cudnn_benchmark, empty_cache, pinned_loader: CUDA only)
 PHASES = {"baseline": ("train", "eval"), "inplace_relu": ("train", "eval"), "checkpoint": ("train", "eval"),
@@ -72,6 +77,8 @@ def _case(workload: str, strategy: str, phase: str, batch: int | None = None) ->
 
 
 def _needs(workload: str):
+    if workload == "hf":
+        return pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed")
     return pytest.mark.skipif(workload == "timm" and not (HAS_TIMM and "timm" in workload_names()),
                               reason="timm is not installed")
 

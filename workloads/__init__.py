@@ -4,7 +4,7 @@ from workloads.base import WORKLOADS, Workload, register_workload
 from workloads.loader import load_entry_points, resolve_workload
 
 # Importing a workload module registers it; one module per workload.
-from workloads import captcha_resnet18, deep_mlp, unet, gpt_mini, timm_models  # noqa: E402,F401
+from workloads import captcha_resnet18, deep_mlp, unet, gpt_mini, timm_models, hf  # noqa: E402,F401
 
 __all__ = ["WORKLOADS", "Workload", "register_workload", "get_workload", "workload_names"]
 

@@ -1,8 +1,8 @@
 """From a workload spec to a Workload: registered names with options, the user's files and modules, entry points.
 
 Accepted wherever a workload is named (command line, suite files):
-- `captcha_resnet18`, `deep_mlp:layers=100:width=10`, `timm:resnet18` (a registered name, its options, and the
-  bare value of its `positional_option`);
+- `captcha_resnet18`, `deep_mlp:layers=100:width=10`, `timm:resnet18`, `hf:llama-3.2-1b:layers=2`,
+  `hf:path/to/config.json` (a registered name, its options, and the bare value of its `positional_option`);
 - `path/to/file.py:NAME[:opt=value...]` and `package.module:NAME[:opt=value...]`, where NAME is a Workload
   subclass or a function that returns one (a subclass or an instance);
 - names that installed packages register through the entry point group `membench.workloads`.

@@ -1,0 +1,310 @@
+"""`hf:<preset>`, `hf:path/to/config.json`: a Hugging Face transformers model, random weights, nothing downloaded.
+
+The model is built from transformers' configuration classes: from a preset's published numbers
+(`workloads.hf_presets`: gpt2, bert-base-uncased, llama-3.2-1b, llama-3.1-8b, mistral-7b, qwen2.5-7b, and small
+`tiny-*` shapes), or from the `config.json` of a model folder the user has, read locally. Weights come from the
+model's own initialisation, seeded; no tokenizer, no weights and no hub access are ever needed.
+
+Options (`hf:llama-3.2-1b:layers=2:seq_len=256:attn=eager`):
+- `layers`: the number of decoder/encoder layers (0: the model's own), to measure a big model's step on a CPU;
+- `seq_len`: tokens per sequence (at most the model's `max_position_embeddings`);
+- `attn`: transformers' `attn_implementation`, `sdpa` (the default) or `eager`;
+- `task`: `causal_lm` for decoders; `masked_lm` or `seq_cls` (sequence classification, the config's
+  `num_labels` classes) for encoders; `auto` picks the first of these that the architecture has.
+
+Data: `text`, the standard library's source (`workloads.text_data`) mapped into the vocabulary without a
+tokenizer: each token is two consecutive bytes, `(256 * first + second) % vocab_size`, deterministic; or
+`synthetic`, token ids drawn uniformly from the vocabulary with the workload's seed. The loss is computed here, not
+by transformers, so that `loss(output, target)` gets the logits like any workload: causal LM, cross-entropy
+against the next token (what transformers' `labels=` computes after its shift); masked LM, 15% of each sequence's
+positions replaced by the mask token and predicted (-100 elsewhere, as transformers' data collator marks them);
+classification, one label per sequence.
+
+Checkpoint units: the model's decoder/encoder layers (the ModuleList of `num_hidden_layers` blocks). They do not
+chain in membench's sense (the model passes each one the attention mask and rotary embeddings as arguments), so
+each is checkpointed on its own.
+
+Limitations: float32 weights (the published `torch_dtype` is left to strategies); `use_cache` is off (a training
+step keeps no key/value cache); no padding, no attention mask (every sequence is full length).
+transformers is an optional dependency (`membench[hf]`): this module imports without it, and naming the workload
+then says, in one line, how to install it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import json
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from bench.core.errors import UsageError
+from workloads import text_data
+from workloads.base import Workload, register_workload
+from workloads.hf_presets import MASK_TOKEN_IDS, PRESETS
+
+INSTALL_HINT = "pip install 'membench[hf]' (in a checkout: make install)"
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
+TASKS = ("causal_lm", "masked_lm", "seq_cls")
+MASKED_FRACTION = 0.15  # BERT's: the share of positions a masked-LM batch predicts
+IGNORE_INDEX = -100  # transformers' label for positions without a loss
+FILE_FORM = "path/to/config.json"
+
+_torchvision_stand_ins: list[torch.library.Library] = []  # kept alive: a Library's definitions die with it
+
+
+# --- importing transformers ----------------------------------------------------------------------------------
+
+def _import_torchvision_without_ops() -> None:
+    """Makes torchvision's Python code importable when its compiled operators do not load.
+
+    transformers imports torchvision when it is installed. PyPI's x86_64 torchvision is a CUDA build whose
+    operators do not load beside a CPU torch of the same release ("operator torchvision::nms does not exist", see
+    `workloads.timm_models`); declaring the two operators its import registers fake kernels for lets it import.
+    No-op where torchvision is absent or imports (also after timm's workload has done the same)."""
+    try:
+        import torchvision  # noqa: F401
+        return
+    except ImportError:
+        return
+    except RuntimeError as error:
+        if "torchvision::" not in str(error):
+            raise
+    for name in [n for n in sys.modules if n.split(".")[0] == "torchvision"]:
+        del sys.modules[name]  # the halves of the failed import
+    library = torch.library.Library("torchvision", "DEF")
+    for op in ("nms", "qnms"):
+        library.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+    _torchvision_stand_ins.append(library)
+    import torchvision  # noqa: F401,F811
+
+
+def import_transformers():
+    """The transformers module; a one-line UsageError naming the extra to install when it is missing."""
+    try:
+        _import_torchvision_without_ops()
+        import transformers
+        from transformers import CONFIG_MAPPING  # noqa: F401 - fails here, not later, when the install is broken
+    except ModuleNotFoundError as error:
+        if error.name in (None, "transformers"):
+            raise UsageError(f"workload 'hf' needs the transformers package, not installed: {INSTALL_HINT}") from None
+        raise UsageError(f"transformers is installed but its dependency {error.name!r} is not: "
+                         f"{INSTALL_HINT}") from None
+    return transformers
+
+
+def _auto_classes(transformers) -> dict[str, Any]:
+    """task -> (transformers' Auto class, its mapping from model_type to architecture name)."""
+    from transformers.models.auto import modeling_auto as auto
+
+    return {"causal_lm": (transformers.AutoModelForCausalLM, auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
+            "masked_lm": (transformers.AutoModelForMaskedLM, auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES),
+            "seq_cls": (transformers.AutoModelForSequenceClassification,
+                        auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)}
+
+
+@contextlib.contextmanager
+def sequences_not_packed() -> Iterator[None]:
+    """Inside, transformers' causal masks take every batch row as one sequence, without looking at the data.
+
+    Given no attention mask, transformers 5 checks the position ids for several sequences packed into one row
+    (`masking_utils.find_packed_sequence_indices`): `(...).all()` on a tensor, a host-side read of its value. On the
+    meta device that read fails; on fake tensors (predict's engines) it is skipped and the check answers "packed",
+    so a full (batch, 1, seq, seq) mask is built where the CPU and CUDA run SDPA with `is_causal` and no mask. This
+    workload's rows are never packed (positions 0..seq_len-1 in each), so the answer is given instead of read: the
+    step is the same on the CPU, on meta and on fake tensors, and what it runs is what transformers runs on a real
+    unpadded batch. Restored on exit; a transformers without that function is left alone."""
+    masking_utils = sys.modules.get("transformers.masking_utils")
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None:
+        yield
+        return
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+
+
+# --- the configuration ---------------------------------------------------------------------------------------
+
+def is_file_reference(model: str) -> bool:
+    """Whether `model` names a config file or a model folder rather than a preset."""
+    return model.endswith(".json") or "/" in model or "\\" in model or Path(model).is_dir()
+
+
+def read_config_file(model: str) -> dict[str, Any]:
+    """The dictionary of a local `config.json` (or of the one in the folder `model`); a UsageError otherwise."""
+    path = Path(model)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise UsageError(f"hf: configuration file {str(path)!r} does not exist; expected a preset "
+                         f"({', '.join(PRESETS)}) or {FILE_FORM}")
+    try:
+        values = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise UsageError(f"hf: {str(path)!r} is not a readable JSON file: {error}") from None
+    if not isinstance(values, dict) or "model_type" not in values:
+        raise UsageError(f"hf: {str(path)!r} has no 'model_type'; expected a transformers config.json")
+    return values
+
+
+def config_values(model: str) -> dict[str, Any]:
+    """The configuration dictionary `model` names: a preset's, or a local config file's."""
+    if is_file_reference(model):
+        return read_config_file(model)
+    if model not in PRESETS:
+        close = difflib.get_close_matches(model, PRESETS, n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise UsageError(f"unknown hf preset {model!r}{hint}; valid choices: {', '.join(PRESETS)}, {FILE_FORM}")
+    return dict(PRESETS[model])
+
+
+def make_config(transformers, values: dict[str, Any], layers: int):
+    """The transformers configuration object of `values`, with `layers` layers (0: its own) and no KV cache."""
+    model_type = values["model_type"]
+    if model_type not in transformers.CONFIG_MAPPING:
+        raise UsageError(f"hf: model_type {model_type!r} is not known to transformers {transformers.__version__}")
+    values = {key: value for key, value in values.items() if key not in ("torch_dtype", "dtype")}
+    config = transformers.CONFIG_MAPPING[model_type].from_dict(values)
+    if layers:
+        config.num_hidden_layers = layers
+        if isinstance(getattr(config, "layer_types", None), list):  # per-layer attention kinds (Qwen2, Mistral...)
+            config.layer_types = config.layer_types[:layers]
+    config.use_cache = False
+    return config
+
+
+def tasks_of(transformers, model_type: str) -> list[str]:
+    """The tasks a model type supports here: causal LM for decoders, masked LM and classification for encoders."""
+    classes = _auto_classes(transformers)
+    if model_type in classes["masked_lm"][1]:  # an encoder (BERT also has a causal head, as a decoder: not ours)
+        return [task for task in ("masked_lm", "seq_cls") if model_type in classes[task][1]]
+    return ["causal_lm"] if model_type in classes["causal_lm"][1] else []
+
+
+def token_windows(batch_size: int, tokens: int, vocab_size: int, seed: int) -> torch.Tensor:
+    """`batch_size` windows of `tokens` token ids from the standard library's source, at seeded offsets: each id
+    two consecutive bytes, `(256 * first + second) % vocab_size`."""
+    inputs, target = text_data.next_token_windows(batch_size, 2 * tokens - 1, seed)
+    data = torch.cat([inputs, target[:, -1:]], dim=1).view(batch_size, tokens, 2)
+    return (256 * data[..., 0] + data[..., 1]) % vocab_size
+
+
+# --- the workload --------------------------------------------------------------------------------------------
+
+@register_workload
+class HfWorkload(Workload):
+    """A transformers model from a preset's or a config file's numbers, random weights; AdamW as HF's Trainer."""
+
+    name = "hf"
+    description = ("a Hugging Face transformers model (hf:<preset> or hf:path/to/config.json), random weights, "
+                   "stdlib source text as tokens, cross-entropy, AdamW")
+    default_batch_size = 4
+    seed = 0
+    data_sources = ("text", "synthetic")
+    positional_option = "model"
+    options = {"model": "gpt2", "layers": 0, "seq_len": 128, "attn": "sdpa", "task": "auto"}
+    units_chain = False  # each layer gets the attention mask and rotary embeddings as arguments besides its input
+    learning_rate = 5e-5  # transformers' Trainer defaults: AdamW, lr 5e-5, no weight decay
+    weight_decay = 0.0
+
+    def configure(self) -> None:
+        s = self.settings
+        transformers = import_transformers()  # here, so that a missing extra or a bad value fails before any run
+        if s["attn"] not in ATTENTION_IMPLEMENTATIONS:
+            raise UsageError(f"unknown hf attn {s['attn']!r}; valid choices: {', '.join(ATTENTION_IMPLEMENTATIONS)}")
+        values = config_values(str(s["model"]))
+        full = make_config(transformers, values, 0)
+        if s["layers"] < 0 or s["layers"] > full.num_hidden_layers:
+            raise UsageError(f"hf:{s['model']}:layers={s['layers']} must be between 1 and "
+                             f"{full.num_hidden_layers} (the model's own; 0 for all)")
+        self.model_type = values["model_type"]
+        tasks = tasks_of(transformers, self.model_type)
+        if not tasks:
+            raise UsageError(f"hf: model_type {self.model_type!r} has no causal or masked language-model class in "
+                             f"transformers {transformers.__version__}")
+        if s["task"] != "auto" and s["task"] not in tasks:
+            raise UsageError(f"unknown task {s['task']!r} for hf:{s['model']} ({self.model_type}); valid choices: "
+                             f"{', '.join(['auto', *tasks])}")
+        self.task = tasks[0] if s["task"] == "auto" else s["task"]
+        self._values = values
+        positions = getattr(full, "max_position_embeddings", None)
+        if s["seq_len"] < 1 or (positions and s["seq_len"] > positions):
+            raise UsageError(f"hf:{s['model']}:seq_len={s['seq_len']} must be between 1 and {positions} "
+                             "(the model's max_position_embeddings)")
+
+    def config(self):
+        """The transformers configuration this workload builds its model from (a new object each call)."""
+        return make_config(import_transformers(), self._values, self.settings["layers"])
+
+    def build_model(self) -> nn.Module:
+        auto_class, _ = _auto_classes(import_transformers())[self.task]
+        torch.manual_seed(self.seed)
+        return auto_class.from_config(self.config(), attn_implementation=self.settings["attn"], dtype=torch.float32)
+
+    def run_model(self, model: nn.Module, inputs) -> torch.Tensor:
+        """The logits: transformers' models return a ModelOutput, the loss is computed here (see `loss`)."""
+        with sequences_not_packed():
+            output = model(**inputs)
+        return output.logits if hasattr(output, "logits") else output
+
+    def make_batch(self, batch_size: int, data: str = "text") -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        config, seq_len = self.config(), self.settings["seq_len"]
+        causal = self.task == "causal_lm"
+        tokens = seq_len + 1 if causal else seq_len
+        gen = torch.Generator().manual_seed(self.seed)
+        if self.check_data(data) == "text":
+            ids = token_windows(batch_size, tokens, config.vocab_size, self.seed)
+        else:
+            ids = torch.randint(config.vocab_size, (batch_size, tokens), generator=gen)
+        if causal:
+            return {"input_ids": ids[:, :-1].contiguous()}, ids[:, 1:].contiguous()
+        if self.task == "seq_cls":
+            return {"input_ids": ids}, torch.randint(config.num_labels, (batch_size,), generator=gen)
+        return self._masked(ids, config.vocab_size, gen)
+
+    def _masked(self, ids: torch.Tensor, vocab_size: int, gen: torch.Generator):
+        """Masked-LM inputs and targets: a fixed share of each row's positions, drawn with `gen`, replaced by the
+        mask token (the preset tokenizer's, else the vocabulary's last id) and predicted; -100 elsewhere."""
+        batch_size, seq_len = ids.shape
+        count = max(1, round(MASKED_FRACTION * seq_len))
+        chosen = torch.stack([torch.randperm(seq_len, generator=gen)[:count] for _ in range(batch_size)])
+        masked = torch.zeros_like(ids, dtype=torch.bool).scatter_(1, chosen, True)
+        mask_id = MASK_TOKEN_IDS.get(str(self.settings["model"]), vocab_size - 1)
+        inputs = ids.masked_fill(masked, mask_id)
+        return {"input_ids": inputs}, ids.masked_fill(~masked, IGNORE_INDEX)
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self.task == "seq_cls":
+            return F.cross_entropy(output, target)
+        # reshape, not view: a strategy may hand back a non-contiguous output
+        return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1), ignore_index=IGNORE_INDEX)
+
+    def make_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(model.parameters(), lr=self.learning_rate, weight_decay=self.weight_decay)
+
+    def checkpoint_units(self, model: nn.Module) -> list[nn.Module]:
+        """The model's decoder/encoder layers: the ModuleList of `num_hidden_layers` blocks."""
+        layers = getattr(getattr(model, "config", None), "num_hidden_layers", None) or self.config().num_hidden_layers
+        for module in model.modules():
+            if isinstance(module, nn.ModuleList) and len(module) == layers:
+                return list(module)
+        return []
+
+    def checkpoint_unit_count(self) -> int:
+        """The configuration's layer count: building an 8B model on the CPU to count its layers would take 32 GB."""
+        return self.config().num_hidden_layers
+
+    def describe(self) -> dict[str, Any]:
+        config = self.config()
+        shape = {key: getattr(config, key, None) for key in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                                             "num_key_value_heads", "intermediate_size", "vocab_size")}
+        return {**self.settings, "task": self.task, "model_type": self.model_type,
+                **{key: value for key, value in shape.items() if value is not None}}
