@@ -149,6 +149,18 @@ def validate(values: dict[str, Any], where: str) -> dict[str, Any]:
 
     `workload` (one spec) is turned into `workloads` (a list of entries); every workload is resolved (a missing
     file or unknown name fails here, before anything runs) and its data source checked."""
+    _check_types(values, where)
+    _check_names(values, where)
+    _check_ranges(values, where)
+    if "workload" in values:
+        values["workloads"] = [{"workload": values.pop("workload")}]
+    if "workloads" in values:
+        values["workloads"] = _workload_entries(values, where)
+    return values
+
+
+def _check_types(values: dict[str, Any], where: str) -> None:
+    """Every key known, every value of its type; the lists non-empty and without duplicates."""
     for key, value in values.items():
         if key not in _FIELDS:
             raise UsageError(f"{where}: unknown key {quoted(key)}; valid keys: {', '.join([*_FIELDS, 'devices'])}")
@@ -159,6 +171,10 @@ def validate(values: dict[str, Any], where: str) -> dict[str, Any]:
         raise UsageError(f"{where}: give either key 'workload' or key 'workloads', not both")
     for key in ("strategies", "phases", "batch_sizes", "workloads"):
         _check_list(values, key, where)
+
+
+def _check_names(values: dict[str, Any], where: str) -> None:
+    """Strategies, phases and the executor are ones membench knows."""
     for spec in values.get("strategies", []):
         try:
             parse_strategy(str(spec))
@@ -166,9 +182,15 @@ def validate(values: dict[str, Any], where: str) -> dict[str, Any]:
             raise UsageError(f"{where}: key 'strategies': {error}") from None
     for phase in values.get("phases", []):
         if phase not in PHASES:
-            raise UsageError(f"{where}: key 'phases': unknown phase {quoted(phase)}; valid choices: {', '.join(PHASES)}")
+            raise UsageError(f"{where}: key 'phases': unknown phase {quoted(phase)}; valid choices: "
+                             f"{', '.join(PHASES)}")
     if values.get("executor", "local") not in ("local", "ray"):
-        raise UsageError(f"{where}: key 'executor': unknown executor {quoted(values['executor'])}; valid choices: local, ray")
+        raise UsageError(f"{where}: key 'executor': unknown executor {quoted(values['executor'])}; valid choices: "
+                         "local, ray")
+
+
+def _check_ranges(values: dict[str, Any], where: str) -> None:
+    """Step counts, times and the interval target in range, and fixed or adaptive timing, not both."""
     if values.get("warmup", 0) < 0:
         raise UsageError(f"{where}: key 'warmup' must be a non-negative integer, got {quoted(values['warmup'])}")
     if "steps" in values and values["steps"] <= 0:
@@ -177,15 +199,19 @@ def validate(values: dict[str, Any], where: str) -> dict[str, Any]:
         if key in values and values[key] <= 0:
             raise UsageError(f"{where}: key {quoted(key)} must be {_FIELDS[key][1]}, got {quoted(values[key])}")
     if "target_ci" in values and not 0 < values["target_ci"] < 1:
-        raise UsageError(f"{where}: key 'target_ci' must be {_FIELDS['target_ci'][1]}, got {quoted(values['target_ci'])}")
+        raise UsageError(f"{where}: key 'target_ci' must be {_FIELDS['target_ci'][1]}, "
+                         f"got {quoted(values['target_ci'])}")
     adaptive = [key for key in ADAPTIVE_KEYS if key in values]
     if "steps" in values and values["steps"] is not None and adaptive:
-        raise UsageError(f"{where}: key 'steps' fixes the number of timed steps; key {quoted(adaptive[0])} is for adaptive "
-                         "timing: give one or the other")
-    if "workload" in values:
-        values["workloads"] = [{"workload": values.pop("workload")}]
+        raise UsageError(f"{where}: key 'steps' fixes the number of timed steps; key {quoted(adaptive[0])} is for "
+                         "adaptive timing: give one or the other")
+
+
+def _workload_entries(values: dict[str, Any], where: str) -> list[dict[str, Any]]:
+    """The `workloads` entries, each resolved to its canonical spec with its own keys validated; an optional one
+    that cannot be resolved is skipped with a warning."""
     entries = []
-    for raw in values.get("workloads", []):
+    for raw in values["workloads"]:
         entry = {"workload": raw} if not isinstance(raw, dict) else dict(raw)
         if "workload" not in entry:
             raise UsageError(f"{where}: key 'workloads': entry {quoted(raw)} has no 'workload' key")
@@ -195,8 +221,8 @@ def validate(values: dict[str, Any], where: str) -> dict[str, Any]:
         extra = {k: v for k, v in entry.items() if k != "workload"}
         bad = [k for k in extra if k not in _PER_WORKLOAD]
         if bad:
-            raise UsageError(f"{where}: key 'workloads': unknown key {quoted(bad[0])} in entry {quoted(raw)}; valid keys: "
-                             f"workload, optional, {', '.join(_PER_WORKLOAD)}")
+            raise UsageError(f"{where}: key 'workloads': unknown key {quoted(bad[0])} in entry {quoted(raw)}; "
+                             f"valid keys: workload, optional, {', '.join(_PER_WORKLOAD)}")
         validate(extra, f"{where} (workload {entry['workload']})")
         try:
             workload = _check_workload(entry["workload"], extra.get("data", values.get("data")), where, "workloads")
@@ -206,9 +232,7 @@ def validate(values: dict[str, Any], where: str) -> dict[str, Any]:
             print(f"warning: skipping optional workload {quoted(entry['workload'])}: {error}", file=sys.stderr)
             continue
         entries.append({**extra, "workload": workload.spec()})
-    if "workloads" in values:
-        values["workloads"] = entries
-    return values
+    return entries
 
 
 def load_suite(path: Path | str, device: str) -> Suite:
@@ -236,7 +260,8 @@ def load_suite(path: Path | str, device: str) -> Suite:
         raise UsageError(f"{path}: a suite must be a mapping of keys ({', '.join(_FIELDS)}), got {type(raw).__name__}")
     overrides = raw.pop("devices", None) or {}
     if not isinstance(overrides, dict):
-        raise UsageError(f"{path}: key 'devices' must map {' / '.join(_DEVICE_KEYS)} to overrides, got {quoted(overrides)}")
+        raise UsageError(f"{path}: key 'devices' must map {' / '.join(_DEVICE_KEYS)} to overrides, "
+                         f"got {quoted(overrides)}")
     for dev in overrides:
         if dev not in _DEVICE_KEYS:
             raise UsageError(f"{path}: key 'devices.{dev}': unknown device {quoted(dev)}; valid choices: "
