@@ -227,6 +227,11 @@ class Strategy:
         """Figures this strategy measured itself, as `column -> value` (only the columns of `row_columns`)."""
         return {}
 
+    def model_owner(self) -> str:
+        """How a message names the model this strategy is bound to: `workload 'spec'`, or `the model`."""
+        workload = self.context.workload if self.context is not None else None
+        return f"workload {workload.spec()!r}" if workload is not None else "the model"
+
     def spec(self) -> str:
         """The canonical spelling: `name` or `name:opt=value` for options that differ from the default."""
         return ":".join([self.name, *changed_options(self.settings, self.options)])

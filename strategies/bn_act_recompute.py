@@ -122,13 +122,9 @@ class BNActRecompute(Strategy):
         require_batchnorm(self.name, context.workload)
         super().check(context)
 
-    def _owner(self) -> str:
-        workload = self.context.workload
-        return f"workload {workload.spec()!r}" if workload is not None else "the model"
-
     def prepare_model(self, model, units):
-        pairs, batchnorms = find_pairs(model, f"{self.name}: {self._owner()}")
-        require_pairs(pairs, batchnorms, self._owner(), self.name)
+        pairs, batchnorms = find_pairs(model, f"{self.name}: {self.model_owner()}")
+        require_pairs(pairs, batchnorms, self.model_owner(), self.name)
         self.summary = pair_summary(pairs, batchnorms)
         self.fused = RecomputedPairs(pairs)
         return model

@@ -260,10 +260,6 @@ class Checkpoint(Strategy):
                 raise UnsupportedValue(f"checkpoint:segments={segments} exceeds the {units} checkpoint units of "
                                        f"workload {context.workload.spec()!r}")
 
-    def _owner(self) -> str:
-        workload = self.context.workload
-        return f"workload {workload.spec()!r}" if workload is not None else "the model"
-
     def _chain(self) -> bool:
         workload = self.context.workload
         return workload.units_chain if workload is not None else True
@@ -284,7 +280,7 @@ class Checkpoint(Strategy):
         started = time.perf_counter()
         units = len(self.context.workload.checkpoint_units(self.context.workload.build_model()))
         if units < 2:
-            raise Unsupported(f"checkpoint needs at least 2 checkpoint units; {self._owner()} names {units}")
+            raise Unsupported(f"checkpoint needs at least 2 checkpoint units; {self.model_owner()} names {units}")
         if self.budget_bytes is None:
             self.budget_bytes = int(self.budget_fraction * meter.baseline_peak())
         flops = meter.unit_flops()
@@ -307,7 +303,7 @@ class Checkpoint(Strategy):
 
     def prepare_model(self, model, units):
         if len(units) < 2:
-            raise Unsupported(f"checkpoint needs at least 2 checkpoint units; {self._owner()} names {len(units)}")
+            raise Unsupported(f"checkpoint needs at least 2 checkpoint units; {self.model_owner()} names {len(units)}")
         if self.plan_used is None:
             if self.settings["budget"]:
                 raise Unsupported("checkpoint:budget chooses its plan per case before the case runs "
@@ -315,7 +311,7 @@ class Checkpoint(Strategy):
             segments = self.segments_for(len(units))
             if segments > len(units):
                 raise Unsupported(f"checkpoint:segments={segments} exceeds the {len(units)} checkpoint units of "
-                                  f"{self._owner()}")
+                                  f"{self.model_owner()}")
             self.plan_used = segment_plan(len(units), segments, self._chain())
             self.segments_used = segments
         checkpointer = UnitCheckpointer(model, reentrant=self.settings["reentrant"], bn_fix=self.settings["bn_fix"])

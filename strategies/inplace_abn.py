@@ -138,19 +138,15 @@ class InPlaceABN(Strategy):
         require_batchnorm(self.name, context.workload)
         super().check(context)
 
-    def _owner(self) -> str:
-        workload = self.context.workload
-        return f"workload {workload.spec()!r}" if workload is not None else "the model"
-
     def prepare_model(self, model, units):
-        found, batchnorms = find_pairs(model, f"{self.name}: {self._owner()}")
+        found, batchnorms = find_pairs(model, f"{self.name}: {self.model_owner()}")
         pairs = [p for p in found if p.negative_slope() is not None and p.negative_slope() >= 0
                  and p.bn.affine and p.bn.track_running_stats]
         if found and not pairs:
-            raise Unsupported(f"{self.name}: the {len(found)} BatchNorm->activation pairs of {self._owner()} use "
+            raise Unsupported(f"{self.name}: the {len(found)} BatchNorm->activation pairs of {self.model_owner()} use "
                               "activations InPlace-ABN cannot invert (only ReLU, swapped for a leaky ReLU, or a "
                               "leaky ReLU)")
-        require_pairs(pairs, batchnorms, self._owner(), self.name)
+        require_pairs(pairs, batchnorms, self.model_owner(), self.name)
         slope = float(self.settings["slope"])
         slopes = [p.negative_slope() or slope for p in pairs]
         self.swapped = sum(p.negative_slope() == 0 for p in pairs)

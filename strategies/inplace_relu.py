@@ -45,8 +45,7 @@ class InplaceReLU(Strategy):
 
     def prepare_model(self, model, units):
         found, switched = make_relus_inplace(model)
-        workload = self.context.workload
-        owner = f"workload {workload.spec()!r}" if workload is not None else "the model"
+        owner = self.model_owner()
         if not found:
             raise Unsupported(f"inplace_relu: {owner} has no ReLU-like activation module to switch")
         if not switched:

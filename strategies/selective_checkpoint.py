@@ -80,8 +80,7 @@ class SelectiveCheckpoint(Strategy):
 
     def prepare_model(self, model, units):
         if not units:
-            workload = self.context.workload
-            owner = f"workload {workload.spec()!r}" if workload is not None else "the model"
+            owner = self.model_owner()
             raise Unsupported(f"selective_checkpoint needs checkpoint units; {owner} names none")
         checkpointer = UnitCheckpointer(model, context_fn=self._contexts)
         for unit in units:
