@@ -145,7 +145,7 @@ FIT = Table("fit", FIT_SCHEMA_VERSION, [
 # 5: its files carried the results table's version (5) with these columns until it had its own; it moves on its own
 # from here. `schema_version` stays last, where those files had it.
 PREDICTION_CHECK_SCHEMA_VERSION = 5
-PREDICTION_CHECK = Table("prediction check", PREDICTION_CHECK_SCHEMA_VERSION, [
+PREDICTION_CHECK = Table("prediction-check", PREDICTION_CHECK_SCHEMA_VERSION, [
     *columns("text", "workload strategy phase"), *columns("int", "batch_size measured_bytes predicted_bytes"),
     *columns("float", "error_pct"), *columns("int", "measured_reserved_bytes predicted_reserved_bytes"),
     *columns("float", "reserved_error_pct"), *columns("int", "cublas_workspace_bytes"), *columns("text", "engine"),
