@@ -14,6 +14,7 @@ from bench.analysis import fit as fitting, predict
 from bench.analysis.explain import parse_bytes
 from bench.cli.main import main
 from bench.core.errors import Unsupported, UsageError
+from bench.core.results import FIT, FIT_SCHEMA_VERSION
 from bench.measure import breakdown
 from bench.measure.breakdown import BREAKDOWN_COLUMNS
 from bench.measure.memory import LiveTensorTracker
@@ -230,7 +231,24 @@ def test_fit_cli_table(capsys, tmp_path, monkeypatch):
     out = capsys.readouterr().out
     assert "largest batch" in out and "verified by a tracked run" in out
     assert calls == [([], 300 * 2**20)]
-    assert pd.read_csv(next(tmp_path.glob("fit-*.csv"))).loc[0, "batch_size"] == 7
+    frame = pd.read_csv(next(tmp_path.glob("fit-*.csv")))
+    assert frame.loc[0, "batch_size"] == 7
+    assert list(frame.columns) == FIT.names and (frame["schema_version"] == FIT_SCHEMA_VERSION).all()
+
+
+def test_fit_rows_are_rows_of_the_fit_table_and_an_out_of_memory_peak_is_empty():
+    import dataclasses
+    import math
+
+    from bench.core.schema import Row
+
+    out_of_memory = fitting.FitResult("pitfall", "train", "cpu", 2**20, 0, None, False, math.inf, "measured", None,
+                                      "even batch 1 exceeds the budget", 1)
+    [row] = fitting.fit_rows([out_of_memory])
+    assert isinstance(row, Row) and row.table is FIT and row["schema_version"] == FIT_SCHEMA_VERSION
+    assert row["next_batch_peak_bytes"] is None and row["budget_bytes"] == 2**20
+    # every field of FitResult is a declared column, and every declared column is a field (or the version)
+    assert [f.name for f in dataclasses.fields(fitting.FitResult)] == [c for c in FIT.names if c != "schema_version"]
 
 
 @pytest.mark.parametrize("argv", [

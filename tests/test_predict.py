@@ -12,6 +12,8 @@ import torch
 from bench.analysis import fit as analysis, predict
 from bench.analysis.fake_engine import fake_memory_pass
 from bench.cli.main import main
+from bench.core.results import PREDICT, PREDICT_SCHEMA_VERSION
+from bench.core.schema import Row
 from bench.measure import cuda_allocator
 from bench.measure.cuda_allocator import CachingAllocatorModel, replay
 from bench.measure.memory import LiveTensorTracker, MemoryEvent
@@ -219,6 +221,8 @@ def test_predict_cli_prints_both_figures_and_the_engine(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "reserved MiB" in out and "cuBLAS MiB" in out and "fake" in out
     frame = pd.read_csv(next(tmp_path.glob("predict-*.csv")))
+    assert list(frame.columns) == PREDICT.names  # the declared columns, in the order the files always had
+    assert (frame["schema_version"] == PREDICT_SCHEMA_VERSION).all()
     assert set(frame["engine"]) == {"fake"}
     assert (frame["predicted_reserved_bytes"] >= frame["predicted_bytes"]).all()
 
@@ -281,6 +285,42 @@ def test_largest_under_finds_the_boundary_in_few_probes():
     assert len(set(calls)) <= 5
     assert analysis.largest_under(peak, 999_999, 16, 32, 4096) == 0
     assert analysis.largest_under(peak, 10**12, 16, 32, 300) == 300
+
+
+def test_a_prediction_is_a_row_of_the_predict_table_with_every_column_even_when_refused():
+    ok = predict.predict_case(Case(MLP, "baseline", "eval", 2, "cpu", data="synthetic"))
+    refused = predict.predict_case(Case(MLP, "inplace_relu", "train", 2, "cpu", data="synthetic"))
+    for row in (ok, refused):
+        assert isinstance(row, Row) and row.table is PREDICT and list(row) == PREDICT.names
+        assert row["schema_version"] == PREDICT_SCHEMA_VERSION
+    assert ok["predicted_mib"] == round(ok["predicted_bytes"] / MIB, 1) and refused["predicted_mib"] is None
+    with pytest.raises(KeyError, match="not a column of the predict table"):
+        ok["predicted_gb"] = 1
+
+
+def test_rows_from_the_fake_cuda_environment_come_back_as_rows_of_the_predict_table(monkeypatch, tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from bench.measure import fake_cuda
+
+    sent = {"workload": MLP, "strategy": "baseline", "phase": "eval", "batch_size": 2, "device": "cuda",
+            "predicted_bytes": 1024, "engine": "fake-cuda", "status": "ok", "message": "", "schema_version": 1}
+
+    def worker(argv, **kwargs):  # what `python -m bench.analysis._predict_worker REQUEST ROWS` leaves
+        Path(argv[-1]).write_text(json.dumps({"rows": [sent]}))
+        return subprocess.CompletedProcess(argv, 0)
+
+    monkeypatch.setattr(fake_cuda, "environment_python", lambda venv=None: Path(sys.executable))
+    monkeypatch.setattr(predict.subprocess, "run", worker)
+    monkeypatch.setattr(predict.torch.cuda, "is_available", lambda: False)
+    [row] = predict.predict_cases([Case(MLP, "baseline", "eval", 2, "cuda", data="synthetic")])
+    assert isinstance(row, Row) and row.table is PREDICT and row["predicted_bytes"] == 1024
+    sent["predicted_gib"] = 1  # a worker of another version, with a column this one does not declare: refused
+    with pytest.raises(KeyError, match="predicted_gib"):
+        predict.predict_cases([Case(MLP, "baseline", "eval", 2, "cuda", data="synthetic")])
 
 
 def test_predict_marks_a_strategy_the_model_refuses_unsupported():

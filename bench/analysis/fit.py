@@ -1,7 +1,8 @@
 """Fit: the largest batch whose peak stays under a memory budget, per strategy, confirmed by actual runs.
 
 On the CPU the search runs on cheap estimates (fake-tensor probes, or a per-stage linear model) and confirms the
-answer with tracked runs; on CUDA it tries real batches. `format_fit` prints the table, `fit_rows` the CSV rows.
+answer with tracked runs; on CUDA it tries real batches. `format_fit` prints the table, `fit_rows` the rows of the
+declared fit table (`bench.core.results.FIT`) that `python -m bench fit` writes.
 """
 
 from __future__ import annotations
@@ -12,12 +13,17 @@ from typing import Callable
 
 from bench.analysis import predict
 from bench.core.errors import Unsupported
+from bench.core.results import FIT
+from bench.core.schema import Row
 from bench.core.units import MiB, format_mib, format_size
 from bench.run.runner import Case, bind_case, forget_traceback, is_oom, memory_pass, timing_pass
 
 
 @dataclass
 class FitResult:
+    """The answer of fit for one strategy: its fields are the columns of the fit table (`bench.core.results.FIT`,
+    documented in results/README.md), which `fit_rows` writes; a field the table does not declare is an error there."""
+
     strategy: str
     phase: str
     device: str
@@ -343,8 +349,11 @@ def nothing_fits(results: list[FitResult]) -> str | None:
             f"({peak:,} B), {smallest.strategy} at batch 1")
 
 
-def fit_rows(results: list[FitResult]) -> list[dict]:
-    return [asdict(r) for r in results]
+def fit_rows(results: list[FitResult]) -> list[Row]:
+    """The rows of the fit table, one per result; a peak of `math.inf` (a tracked run out of memory) is left
+    empty, as a peak nobody measured."""
+    return [FIT.row({name: None if isinstance(value, float) and math.isinf(value) and name.endswith("_bytes")
+                     else value for name, value in asdict(result).items()}) for result in results]
 
 
 def mib_beside_budget(n_bytes: int, budget_bytes: int) -> str:

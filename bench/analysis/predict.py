@@ -5,8 +5,9 @@ The step runs under the exact live-tensor tracker on an engine: `fake-cuda` (CUD
 in the fake-CUDA environment's Python, `bench.measure.fake_cuda`: a subprocess when this Python is another), `fake`
 (PyTorch's fake tensors with the CPU's operators: shapes, dtypes and autocast, no arithmetic; seconds at any batch
 size), `meta` (shapes only; no autocast) or `cpu` (a real step). For CUDA the tracker's log of allocations and frees
-is replayed through a model of the caching allocator (`bench.measure.cuda_allocator`), with cuBLAS's workspaces. What the
-prediction assumes, per engine used, is `assumptions()`, printed by `python -m bench predict --device cuda`.
+is replayed through a model of the caching allocator (`bench.measure.cuda_allocator`), with cuBLAS's workspaces.
+What the prediction assumes, per engine used, is `assumptions()`, printed by `python -m bench predict --device cuda`.
+Each case is one row of the declared predict table (`bench.core.results.PREDICT`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ import torch
 
 from bench.analysis.fake_engine import fake_memory_pass
 from bench.core.errors import Unsupported, UsageError
+from bench.core.results import PREDICT, Status
+from bench.core.schema import Row
+from bench.core.units import MiB
 from bench.measure import cuda_allocator, fake_cuda, memory
 from bench.measure.fake_cuda_mode import FakeAllocator, fake_cuda as fake_cuda_tensors, is_fake_device
 from bench.run.ranks import fake_process_group, in_rank_process
@@ -153,7 +157,8 @@ def tracked_step(case, spec: str, engine: str = "fake", block_bytes: int = 1, cu
         return max(steps, key=lambda step: step.peak_bytes)
     if cuda_autocast and engine != "fake-cuda":
         strategy.forward = _cuda_like_forward(strategy, engine)
-    tracker = memory.LiveTensorTracker("meta" if engine == "meta" else device, block_bytes=block_bytes, record_events=record_events)
+    tracker = memory.LiveTensorTracker("meta" if engine == "meta" else device, block_bytes=block_bytes,
+                                       record_events=record_events)
     # the peak only: no step after the measured one (mem_growth_bytes_per_step is not predicted)
     options = {"warmup_steps": warmup_steps, "growth_steps": 0}
     if engine == "fake-cuda":
@@ -204,7 +209,7 @@ def cudnn_workspace_cap() -> int | None:
     """The cap on each cuDNN convolution workspace that CUDNN_CONV_WSCAP_DBG (MiB, PyTorch's documented debug
     variable) sets, in bytes; None when it is not set or not a number."""
     text = os.environ.get("CUDNN_CONV_WSCAP_DBG", "")
-    return int(text) * 2**20 if text.isdigit() else None
+    return int(text) * MiB if text.isdigit() else None
 
 
 def _engines(engine: str, cuda: bool) -> list[str]:
@@ -226,84 +231,135 @@ class PredictionMeter(CaseMeter):
         return self.predicted_peak(strategy)
 
 
-def predict_case(case, engine: str = "auto", ranks: int = 1, capability: tuple[int, int] | None = None) -> dict:
-    """One prediction row: strategy, phase, batch, the predicted peak (`predicted_bytes`: max_memory_allocated on
-    CUDA, exact live bytes on the CPU), on CUDA `predicted_reserved_bytes` (max_memory_reserved) and the cuBLAS
-    workspace counted, the engine used, status and message; for a sharded strategy the largest of `ranks` ranks.
-    `capability` is the CUDA device's compute capability (default: this machine's, else not Hopper)."""
-    row = {"workload": case.workload, "strategy": case.strategy, "phase": case.phase,
-           "batch_size": case.batch_size, "device": case.device, "predicted_bytes": None,
-           "predicted_mib": None, "predicted_reserved_bytes": None, "predicted_reserved_mib": None,
-           "cublas_workspace_bytes": None, "cudnn_workspace_bound_bytes": None, "engine": None, "status": "ok",
-           "message": "", "ranks": 1}
+class _NoPrediction(Exception):
+    """Why a case gets no predicted figure: the status and message of its row."""
+
+    def __init__(self, status: Status, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+def predict_case(case, engine: str = "auto", ranks: int = 1, capability: tuple[int, int] | None = None) -> Row:
+    """One row of the predict table (`bench.core.results.PREDICT`): strategy, phase, batch, the predicted peak
+    (`predicted_bytes`: max_memory_allocated on CUDA, exact live bytes on the CPU), on CUDA
+    `predicted_reserved_bytes` (max_memory_reserved) and the cuBLAS workspace counted, the engine used, status and
+    message; for a sharded strategy the largest of `ranks` ranks. `capability` is the CUDA device's compute
+    capability (default: this machine's, else not Hopper).
+
+    The steps: bind and check the strategy, plan it on each engine's device, run one tracked step on the first
+    engine that can, and turn the step into the row's figures (on CUDA, through the caching allocator's model)."""
+    row = _empty_row(case)
+    strategy, context = _bound_strategy(case, ranks)
+    row["strategy"] = strategy.spec()
+    try:
+        _check(strategy, context)
+        engines = _engines(engine, case.device == "cuda")
+        if strategy.distributed:  # the ranks run in turn in this process, on real CPU tensors or on fake CUDA ones
+            engines = [name for name in engines if name != "fake"] or ["cpu"]
+        planned = _planned_strategies(case, engines, ranks)
+        notes = _notes_before_the_step(strategy, planned, ranks)
+        if strategy.distributed:
+            row["ranks"] = ranks
+        row["message"] = "; ".join(notes)
+        name, step = _first_engine_that_runs(case, row["strategy"], engines, planned, ranks, notes)
+        row.update(engine=name, message="; ".join(notes))
+        _fill_figures(row, step, capability, notes)
+    except _NoPrediction as refusal:
+        row.update(status=refusal.status.value, message=refusal.message)
+    return row
+
+
+def _empty_row(case) -> Row:
+    """The predict row of `case` before anything ran: every figure empty, status ok."""
+    row = PREDICT.row({name: None for name in PREDICT.names if name != "schema_version"})
+    row.update(workload=case.workload, strategy=case.strategy, phase=case.phase, batch_size=case.batch_size,
+               device=case.device, status=Status.OK.value, message="", ranks=1)
+    return row
+
+
+def _bound_strategy(case, ranks: int):
+    """(strategy, context): the case's strategy bound to its device, which may be CUDA on a machine without it."""
     with warnings.catch_warnings():
         # binding a strategy to `cuda` on a machine without CUDA: predict only reads its spec and checks it, and
         # runs it on the CPU; a GradScaler's "CUDA is not available. Disabling." is about a scaler never used
         warnings.filterwarnings("ignore", message=".*GradScaler is enabled, but CUDA is not available.*")
-        strategy, context = bind_case(case, ranks)
-    row["strategy"] = strategy.spec()
+        return bind_case(case, ranks)
+
+
+def _check(strategy, context) -> None:
+    """_NoPrediction when the strategy does not apply to the case (`Strategy.check`)."""
     try:
         strategy.check(context)
     except Unsupported as error:
-        row.update(status="unsupported", message=str(error))
-        return row
-    cuda = case.device == "cuda"
-    engines = _engines(engine, cuda)
-    if strategy.distributed:  # the ranks run in turn in this process, on real CPU tensors or on fake CUDA ones
-        engines = [name for name in engines if name != "fake"] or ["cpu"]
-    planned = {}  # the strategy each engine's step runs, bound to its device and planned
+        raise _NoPrediction(Status.UNSUPPORTED, str(error)) from None
+
+
+def _planned_strategies(case, engines: list[str], ranks: int) -> dict:
+    """The strategy each engine's step runs, by device: bound to that device and planned (a checkpoint:budget
+    chooses its plan on predicted peaks alone); _NoPrediction when no plan can be made."""
+    planned = {}
     try:
         for device in dict.fromkeys(bound_device(name) for name in engines):
             planned[device] = bind_case(replace(case, device=device), ranks)[0]
-            planned[device].plan(PredictionMeter(case))  # a checkpoint:budget chooses its plan, on predictions alone
+            planned[device].plan(PredictionMeter(case))
     except Unsupported as error:
-        row.update(status="unsupported", message=str(error))
-        return row
-    if any("checkpoint.planning_s" in s.describe() for s in planned.values()):
-        row["message"] = "plan chosen on predicted peaks, not confirmed by a run"
+        raise _NoPrediction(Status.UNSUPPORTED, str(error)) from None
+    return planned
+
+
+def _notes_before_the_step(strategy, planned: dict, ranks: int) -> list[str]:
+    """What the row's message says before any step runs (a plan chosen on predictions, or the sharded ranks: the
+    latter replaces the former); _NoPrediction for a compiled step, which the exact tracker cannot see."""
     if strategy.cpu_memory_count != "live_tensors":
-        row.update(status="unsupported", message=f"{row['strategy']}: predict runs the step under the exact tracker, a "
-                   "dispatch mode under which dynamo runs the model eagerly, so the compiled step's memory cannot be "
-                   "predicted; measure it (`compare --device cpu` counts it at the CPU allocator)")
-        return row
+        raise _NoPrediction(Status.UNSUPPORTED, f"{strategy.spec()}: predict runs the step under the exact tracker, "
+                            "a dispatch mode under which dynamo runs the model eagerly, so the compiled step's memory "
+                            "cannot be predicted; measure it (`compare --device cpu` counts it at the CPU allocator)")
     if strategy.distributed:
-        row.update(ranks=ranks, message=f"largest rank of {ranks}, fake process group")
-    notes = [row["message"]] if row["message"] else []
+        return [f"largest rank of {ranks}, fake process group"]
+    if any("checkpoint.planning_s" in s.describe() for s in planned.values()):
+        return ["plan chosen on predicted peaks, not confirmed by a run"]
+    return []
+
+
+def _first_engine_that_runs(case, spec: str, engines: list[str], planned: dict, ranks: int,
+                            notes: list[str]) -> tuple[str, TrackedStep]:
+    """(engine, its tracked step) of the first of `engines` that runs the case, each failure before it added to
+    `notes`; _NoPrediction when the strategy does not fit the model (no engine can run it) or the last one fails."""
+    cuda = case.device == "cuda"
     for name in engines:
         try:
-            step = tracked_step(case, row["strategy"], name, 1, cuda_autocast=cuda, ranks=ranks, record_events=cuda,
-                                warmup_steps=MEMORY_WARMUP_STEPS["cuda"] if cuda else None,
-                                planned=planned[bound_device(name)])
+            return name, tracked_step(case, spec, name, 1, cuda_autocast=cuda, ranks=ranks, record_events=cuda,
+                                      warmup_steps=MEMORY_WARMUP_STEPS["cuda"] if cuda else None,
+                                      planned=planned[bound_device(name)])
         except Unsupported as error:  # found when the strategy meets the model (no ReLU to switch): no engine can
-            row.update(status="unsupported", message=str(error))
-            return row
+            raise _NoPrediction(Status.UNSUPPORTED, str(error)) from None
         except Exception as error:  # noqa: BLE001 - an engine may not run a strategy; the next one is the fallback
             forget_traceback(error)
-            why = "autocast" if isinstance(error, _UsesAutocast) else type(error).__name__
             if name == engines[-1]:
-                row.update(status="error", message=f"{type(error).__name__}: {error}".splitlines()[0][:300])
-                return row
+                raise _NoPrediction(Status.ERROR, f"{type(error).__name__}: {error}".splitlines()[0][:300]) from None
+            why = "autocast" if isinstance(error, _UsesAutocast) else type(error).__name__
             notes.append(f"{name} engine failed ({why}): ran on the {engines[engines.index(name) + 1]}")
-            continue
-        row.update(engine=name, message="; ".join(notes))
-        if cuda:
-            workspace = cublas_workspace(capability or device_capability())
-            replayed = cuda_allocator.replay(step.events, workspace)
-            row.update(predicted_bytes=replayed.max_allocated_bytes,
-                       predicted_reserved_bytes=replayed.max_reserved_bytes,
-                       predicted_reserved_mib=round(replayed.max_reserved_bytes / 2**20, 1),
-                       cublas_workspace_bytes=replayed.cublas_workspaces * workspace)
-            if any(e.kind == "op" and e.op.startswith(CONVOLUTION_OPS) for e in step.events):
-                row["cudnn_workspace_bound_bytes"] = cudnn_workspace_cap()
-                cap = row["cudnn_workspace_bound_bytes"]
-                bound = f" (<= {cap / 2**20:,.0f} MiB more)" if cap else ""
-                notes.append(f"cuDNN conv workspace not modelled{bound}")
-                row["message"] = "; ".join(notes)
-        else:
-            row["predicted_bytes"] = step.peak_bytes
-        row["predicted_mib"] = round(row["predicted_bytes"] / 2**20, 1)
-        return row
-    return row
+    raise AssertionError("no engine to run")  # `_engines` never returns an empty list
+
+
+def _fill_figures(row: Row, step: TrackedStep, capability: tuple[int, int] | None, notes: list[str]) -> None:
+    """The row's figures from the tracked step: on the CPU its peak; on CUDA its events replayed through the
+    caching allocator's model with cuBLAS's workspaces, and what cuDNN's convolution workspaces may add."""
+    if row["device"] != "cuda":
+        row["predicted_bytes"] = step.peak_bytes
+        row["predicted_mib"] = round(step.peak_bytes / MiB, 1)
+        return
+    workspace = cublas_workspace(capability or device_capability())
+    replayed = cuda_allocator.replay(step.events, workspace)
+    row.update(predicted_bytes=replayed.max_allocated_bytes, predicted_mib=round(replayed.max_allocated_bytes / MiB, 1),
+               predicted_reserved_bytes=replayed.max_reserved_bytes,
+               predicted_reserved_mib=round(replayed.max_reserved_bytes / MiB, 1),
+               cublas_workspace_bytes=replayed.cublas_workspaces * workspace)
+    if any(e.kind == "op" and e.op.startswith(CONVOLUTION_OPS) for e in step.events):
+        cap = row["cudnn_workspace_bound_bytes"] = cudnn_workspace_cap()
+        bound = f" (<= {cap / MiB:,.0f} MiB more)" if cap else ""
+        notes.append(f"cuDNN conv workspace not modelled{bound}")
+        row["message"] = "; ".join(notes)
 
 
 def progress_line(index: int, total: int, case, where: str = "") -> str:
@@ -312,13 +368,13 @@ def progress_line(index: int, total: int, case, where: str = "") -> str:
 
 
 def predict_cases(cases: list, engine: str = "auto", ranks: int = 1, capability: tuple[int, int] | None = None,
-                  on_case: Callable[[int, object], None] | None = None) -> list[dict]:
+                  on_case: Callable[[int, object], None] | None = None) -> list[Row]:
     """`predict_case` for each case, in order; `on_case(index, case)` is called before each.
 
     CUDA cases on `auto` or `fake-cuda` run on CUDA's own operators: in this process where its torch sees a CUDA
     device (a GPU, or the fake-CUDA environment's stubs), else in a subprocess of the fake-CUDA environment's Python
-    (`bench.measure.fake_cuda`), which predicts them all and falls back, case by case, to the fake and cpu engines as this
-    process would. Where that environment does not exist, `auto` is the fake engine and `fake-cuda` a UsageError
+    (`bench.measure.fake_cuda`), which predicts them all and falls back, case by case, to the fake and cpu engines as
+    this process would. Where that environment does not exist, `auto` is the fake engine and `fake-cuda` a UsageError
     saying why; where the subprocess fails, the cases are predicted here and each row says why."""
     if engine in CUDA_ONLY_ENGINES and any(case.device != "cuda" for case in cases):
         raise UsageError(f"--engine {engine}: predicts CUDA only; with --device cpu choose one of "
@@ -347,9 +403,10 @@ def predict_cases(cases: list, engine: str = "auto", ranks: int = 1, capability:
 
 
 def _predict_in_fake_cuda_environment(python: Path, cases: list, engine: str, ranks: int,
-                                      capability: tuple[int, int] | None) -> tuple[list[dict] | None, str]:
-    """The cases' rows predicted by `python -m bench.analysis._predict_worker` in the fake-CUDA environment (its progress on
-    this process's stderr), or (None, why) when that process fails."""
+                                      capability: tuple[int, int] | None) -> tuple[list[Row] | None, str]:
+    """The cases' rows predicted by `python -m bench.analysis._predict_worker` in the fake-CUDA environment (its
+    progress on this process's stderr), made back into rows of the predict table, or (None, why) when that process
+    fails."""
     request = {"cases": [asdict(case) for case in cases], "engine": engine, "ranks": ranks,
                "capability": list(capability) if capability else None}
     with tempfile.TemporaryDirectory(prefix="membench-predict-") as folder:
@@ -359,7 +416,7 @@ def _predict_in_fake_cuda_environment(python: Path, cases: list, engine: str, ra
                               env=fake_cuda.python_environment(), stdout=subprocess.DEVNULL)
         answer = json.loads(rows_file.read_text()) if rows_file.exists() else {}
     if done.returncode == 0 and "rows" in answer:
-        return answer["rows"], ""
+        return [PREDICT.row(values) for values in answer["rows"]], ""
     why = answer.get("error") or f"its Python exited with code {done.returncode}"
     return None, f"the fake-CUDA environment failed ({why[:200]}): predicted here"
 
@@ -378,7 +435,7 @@ def format_predictions(rows: list[dict]) -> str:
             reserved = r.get("predicted_reserved_mib")
             workspace = r.get("cublas_workspace_bytes")
             extra = (f"{reserved:>12.1f} " if reserved is not None else f"{'-':>12} ") + \
-                    (f"{workspace / 2**20:>10.1f} " if workspace is not None else f"{'-':>10} ")
+                    (f"{workspace / MiB:>10.1f} " if workspace is not None else f"{'-':>10} ")
         note = r["status"] if r["status"] != "ok" else ""
         note = "; ".join(x for x in (note, r["message"]) if x)
         lines.append(f"{r['strategy']:<28} {r['phase']:<5} {r['batch_size']:>5} {b:>16} {m:>9} {extra}"

@@ -1,4 +1,5 @@
-"""Predicted against measured CUDA memory: one row per case, and the CSV and markdown table a GPU run leaves in results/.
+"""Predicted against measured CUDA memory: one row per case, and the CSV and markdown table a GPU run leaves in
+results/cuda_prediction/ (the CSV a declared table, `bench.core.results.PREDICTION_CHECK`).
 
 The `cuda`-marked tests (tests/test_cuda_prediction.py) measure each case with `bench.run.runner.memory_pass` on the
 GPU, predict it with `bench.analysis.predict.predict_case`, and hand both to `comparison_row`; at the end of the session
@@ -11,17 +12,15 @@ from pathlib import Path
 
 import pandas as pd
 
-from bench.core.results import SCHEMA_VERSION, new_run_id, now_iso, write_csv_atomic
+from bench.core.results import PREDICTION_CHECK, new_run_id, now_iso, write_table
+from bench.core.schema import Row
+from bench.core.units import format_mib
 
 # The largest relative error of predicted max_memory_allocated that the cuda tests accept.
 TOLERANCE = 0.10
 
-COMPARISON_COLUMNS = [
-    "workload", "strategy", "phase", "batch_size", "measured_bytes", "predicted_bytes", "error_pct",
-    "measured_reserved_bytes", "predicted_reserved_bytes", "reserved_error_pct", "cublas_workspace_bytes", "engine",
-    "within_tolerance", "message", "device_name", "torch_version", "cuda_version", "cudnn_version", "timestamp",
-    "schema_version",
-]
+# the columns of the CSV, in order: declared once, in bench.core.results.PREDICTION_CHECK
+COMPARISON_COLUMNS = PREDICTION_CHECK.names
 
 
 def relative_error_pct(predicted: int | None, measured: int | None) -> float | None:
@@ -31,11 +30,12 @@ def relative_error_pct(predicted: int | None, measured: int | None) -> float | N
     return round(100.0 * (predicted - measured) / measured, 2)
 
 
-def comparison_row(prediction: dict, measured: dict, env: dict) -> dict:
-    """One row: a `predict_case` row, a CUDA `memory_pass` result (`peak_mem_bytes`, `peak_reserved_bytes`) and the
-    environment (`bench.measure.env.environment("cuda")`)."""
+def comparison_row(prediction: dict, measured: dict, env: dict) -> Row:
+    """One row of the prediction-check table (`bench.core.results.PREDICTION_CHECK`) from a `predict_case` row, a
+    CUDA `memory_pass` result (`peak_mem_bytes`, `peak_reserved_bytes`) and the environment
+    (`bench.measure.env.environment("cuda")`)."""
     error = relative_error_pct(prediction.get("predicted_bytes"), measured.get("peak_mem_bytes"))
-    return {
+    return PREDICTION_CHECK.row({
         "workload": prediction["workload"], "strategy": prediction["strategy"], "phase": prediction["phase"],
         "batch_size": prediction["batch_size"],
         "measured_bytes": measured.get("peak_mem_bytes"), "predicted_bytes": prediction.get("predicted_bytes"),
@@ -49,12 +49,12 @@ def comparison_row(prediction: dict, measured: dict, env: dict) -> dict:
         "message": prediction.get("message", ""),
         "device_name": env.get("device_name"), "torch_version": env.get("torch_version"),
         "cuda_version": env.get("cuda_version"), "cudnn_version": env.get("cudnn_version"),
-        "timestamp": now_iso(), "schema_version": SCHEMA_VERSION,
-    }
+        "timestamp": now_iso(),
+    })
 
 
 def _mib(value) -> str:
-    return "-" if value is None or pd.isna(value) else f"{value / 2**20:,.1f}"
+    return "-" if value is None or pd.isna(value) else format_mib(value)
 
 
 def _pct(value) -> str:
@@ -70,8 +70,8 @@ def markdown_table(rows: list[dict]) -> str:
              f"{first['device_name']}, torch {first['torch_version']}, CUDA {first['cuda_version']}, cuDNN "
              f"{first['cudnn_version']}. Measured: `torch.cuda.max_memory_allocated` / `max_memory_reserved` of one "
              f"steady-state step (`bench.run.runner.memory_pass`); predicted: `python -m bench predict` "
-             f"(`bench.analysis.predict.predict_case`). Error = (predicted - measured) / measured; the tests fail beyond "
-             f"{100 * TOLERANCE:.0f}% on allocated.", "",
+             f"(`bench.analysis.predict.predict_case`). Error = (predicted - measured) / measured; the tests fail "
+             f"beyond {100 * TOLERANCE:.0f}% on allocated.", "",
              "| workload | strategy | phase | batch | measured MiB | predicted MiB | error | measured reserved MiB "
              "| predicted reserved MiB | reserved error | engine | within |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
@@ -91,7 +91,7 @@ def write_comparison(rows: list[dict], folder: Path, run_id: str | None = None) 
     run_id = run_id or new_run_id("cuda")
     folder = Path(folder)
     csv_path, md_path = folder / f"{run_id}.csv", folder / f"{run_id}.md"
-    write_csv_atomic(pd.DataFrame(rows, columns=COMPARISON_COLUMNS), csv_path)
+    write_table(PREDICTION_CHECK, rows, csv_path)
     tmp = md_path.with_name(f".{md_path.name}.tmp")
     tmp.write_text(markdown_table(rows), encoding="utf-8")
     tmp.replace(md_path)

@@ -8,8 +8,6 @@ import os
 from dataclasses import replace
 from typing import Callable, Iterator
 
-import pandas as pd
-
 from bench.analysis import explain as analysis
 from bench.analysis import fit as fitting
 from bench.analysis import predict
@@ -19,7 +17,7 @@ from bench.cli.arguments import (DEFAULT_WORKLOAD, analysis_device, capability, 
 from bench.cli.commands_run import apply_memory_limit
 from bench.cli.console import status
 from bench.core.errors import Unsupported, UsageError
-from bench.core.results import new_run_id, write_csv_atomic
+from bench.core.results import FIT, PREDICT, new_run_id, write_table
 from bench.core.units import format_size
 from bench.measure import env
 from bench.run import preflight
@@ -138,7 +136,7 @@ def cmd_predict(args) -> int:
         for line in predict.assumptions(row["engine"] for row in rows):
             print(f"  - {line}")
     path = out / f"predict-{new_run_id(device)}.csv"
-    write_csv_atomic(pd.DataFrame(rows), path)
+    write_table(PREDICT, rows, path)
     print(f"\nwrote {path}")
     return 0
 
@@ -175,6 +173,6 @@ def cmd_fit(args) -> int:
     print(f"largest batch with peak <= {args.budget} ({budget:,} B) on {device}, phase {phase}")
     print(fitting.format_fit(results, args.time_steps))
     path = out / f"fit-{new_run_id(device)}.csv"
-    write_csv_atomic(pd.DataFrame(fitting.fit_rows(results)), path)
+    write_table(FIT, fitting.fit_rows(results), path)
     print(f"\nwrote {path}")
     return 0

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from bench.core.units import MiB
 from bench.measure.stats import NOISE_THRESHOLD
 from bench.run.eta import duration, emulation_warning
 
@@ -85,8 +86,8 @@ def _rank_lines(frame) -> list[str]:
     for _, r in frame[(pd_num(frame["ranks"]) > 1) & (frame["status"] == "ok")].iterrows():
         parts = [r.get(f"peak_{name}_bytes") for name in RANK_BREAKDOWN]
         lines.append(f"{r['strategy']:<32} {r['phase']:<5} {int(r['ranks']):>5} "
-                     f"{r['rank_peak_max_bytes'] / 2**20:>9.1f} {r['rank_peak_min_bytes'] / 2**20:>9.1f}  "
-                     + " ".join(f"{(v or 0) / 2**20:>11.1f}" for v in parts))
+                     f"{r['rank_peak_max_bytes'] / MiB:>9.1f} {r['rank_peak_min_bytes'] / MiB:>9.1f}  "
+                     + " ".join(f"{(v or 0) / MiB:>11.1f}" for v in parts))
     return lines
 
 
@@ -94,7 +95,7 @@ def _table_line(r) -> tuple[str, bool]:
     """One case's line of the console table, and whether its step time is noisy."""
     def num(value, fmt):
         return fmt.format(value) if value == value and value is not None else "-"
-    mib = r["peak_mem_bytes"] / 2**20 if r["status"] == "ok" else float("nan")
+    mib = r["peak_mem_bytes"] / MiB if r["status"] == "ok" else float("nan")
     match = {True: "yes", False: "NO"}.get(r["matches_baseline"], "-")
     status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r['message']}"
     noisy = r.get("noisy") is True or str(r.get("noisy")).lower() == "true"
@@ -191,7 +192,7 @@ class Progress:
         if row["status"] != "ok":
             self._print(f"{self.prefix}: {row['status']} {row['message']}{timing}")
             return
-        mib = row["peak_mem_bytes"] / 2**20
+        mib = row["peak_mem_bytes"] / MiB
         match = "  DOES NOT MATCH BASELINE" if row.get("matches_baseline") is False else ""
         steps = f" ({row['measured_steps']} steps, {row['timing_stop_reason']})" if row.get("timing_stop_reason") \
             else ""

@@ -115,6 +115,49 @@ def new_row(values: dict | None = None, **more) -> Row:
     return RESULTS.row(values, **more)
 
 
+# The other tables membench writes, each with its own schema version: a table's version says when *its* layout
+# changed, so a predict file is not bumped by a column the results table gains (results/README.md, "Other files").
+# Their columns keep the order the files had before they were declared; `schema_version` comes first, as in RESULTS.
+
+# `python -m bench predict`: one row per case (bench.analysis.predict.predict_case)
+# 1: the columns of the first undeclared files, and schema_version
+PREDICT_SCHEMA_VERSION = 1
+PREDICT = Table("predict", PREDICT_SCHEMA_VERSION, [
+    *columns("int", "schema_version"),
+    *columns("text", "workload strategy phase"), *columns("int", "batch_size"), *columns("text", "device"),
+    *columns("int", "predicted_bytes"), *columns("float", "predicted_mib"),
+    *columns("int", "predicted_reserved_bytes"), *columns("float", "predicted_reserved_mib"),
+    *columns("int", "cublas_workspace_bytes cudnn_workspace_bound_bytes"),
+    *columns("text", "engine status message"), *columns("int", "ranks"),
+])
+
+# `python -m bench fit`: one row per strategy (bench.analysis.fit.fit_rows, the fields of FitResult)
+# 1: the columns of the first undeclared files, and schema_version
+FIT_SCHEMA_VERSION = 1
+FIT = Table("fit", FIT_SCHEMA_VERSION, [
+    *columns("int", "schema_version"),
+    *columns("text", "strategy phase device"), *columns("int", "budget_bytes batch_size peak_bytes"),
+    *columns("bool", "verified"), *columns("int", "next_batch_peak_bytes"), *columns("text", "next_batch_method"),
+    *columns("float", "time_per_sample_ms"), *columns("text", "note"), *columns("int", "runs"),
+])
+
+# The `cuda` tests' predicted-against-measured table (bench.analysis.prediction_check, results/cuda_prediction/).
+# 5: its files carried the results table's version (5) with these columns until it had its own; it moves on its own
+# from here. `schema_version` stays last, where those files had it.
+PREDICTION_CHECK_SCHEMA_VERSION = 5
+PREDICTION_CHECK = Table("prediction-check", PREDICTION_CHECK_SCHEMA_VERSION, [
+    *columns("text", "workload strategy phase"), *columns("int", "batch_size measured_bytes predicted_bytes"),
+    *columns("float", "error_pct"), *columns("int", "measured_reserved_bytes predicted_reserved_bytes"),
+    *columns("float", "reserved_error_pct"), *columns("int", "cublas_workspace_bytes"), *columns("text", "engine"),
+    *columns("bool", "within_tolerance"),
+    *columns("text", "message device_name torch_version cuda_version cudnn_version timestamp"),
+    *columns("int", "schema_version"),
+])
+
+# every table membench writes, by name (a test checks results/README.md documents each column and version)
+TABLES = {table.name: table for table in (RESULTS, PREDICT, FIT, PREDICTION_CHECK)}
+
+
 CASE_KEY = ["workload", "strategy", "phase", "device", "batch_size", "data"]
 BASELINE_KEY = ["workload", "phase", "device", "batch_size", "data"]
 # relative column -> the column it divides by the baseline's
@@ -186,13 +229,26 @@ def write_rows(rows: list[dict], path: Path) -> pd.DataFrame:
     return frame
 
 
-def write_table(table: Table, rows: list[dict], path: Path) -> pd.DataFrame:
-    """Rows of another declared table (predict, fit) as a CSV at `path` (atomically), its columns in order."""
+def table_frame(table: Table, rows: list[dict]) -> pd.DataFrame:
+    """Rows of `table` as a frame of its columns in order, `schema_version` set, each column of its declared kind:
+    an int column stays whole numbers with empty cells (`1234`, not `1234.0`), a bool column `True`/`False`.
+    Raises UndeclaredColumn for a key the table does not declare."""
     for row in rows:
         table.check(row)
-    frame = pd.DataFrame(rows, columns=table.names)
+    frame = pd.DataFrame(list(rows), columns=table.names)
     if "schema_version" in table.kinds:
         frame["schema_version"] = table.version
+    for column in table.names_of("int"):
+        frame[column] = frame[column].astype("Int64")
+    for column in table.names_of("bool"):
+        frame[column] = frame[column].astype("boolean")
+    return frame
+
+
+def write_table(table: Table, rows: list[dict], path: Path) -> pd.DataFrame:
+    """Rows of another declared table (predict, fit, the prediction check) as a CSV at `path`, atomically
+    (`table_frame`: its columns in order, of their kinds); returns the frame written."""
+    frame = table_frame(table, rows)
     write_csv_atomic(frame, path)
     return frame
 
