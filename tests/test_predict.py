@@ -9,7 +9,7 @@ import functools
 import pytest
 import torch
 
-from bench.analysis import fit as analysis, predict
+from bench.analysis import fit as analysis, predict, predict_assumptions
 from bench.analysis.fake_engine import fake_memory_pass
 from bench.cli.main import main
 from bench.core.results import PREDICT, PREDICT_SCHEMA_VERSION
@@ -196,19 +196,20 @@ def test_predict_cuda_on_hopper_counts_its_32mib_workspace():
 
 
 def test_assumptions_name_the_engines_used_and_only_those():
-    fake_only = predict.assumptions(["fake", "fake", None])
-    assert fake_only[:2] == predict.ENGINE_ASSUMPTIONS["fake"] and fake_only[2:] == predict.ASSUMPTIONS
+    per_engine, every = predict_assumptions.ENGINE_ASSUMPTIONS, predict_assumptions.ASSUMPTIONS
+    fake_only = predict_assumptions.assumptions(["fake", "fake", None])
+    assert fake_only[:2] == per_engine["fake"] and fake_only[2:] == every
     assert not any("fake-cuda" in line or line.startswith("engine cpu") for line in fake_only)
-    both = predict.assumptions(["cpu", "fake-cuda"])
-    assert both == predict.ENGINE_ASSUMPTIONS["fake-cuda"] + predict.ENGINE_ASSUMPTIONS["cpu"] + predict.ASSUMPTIONS
+    both = predict_assumptions.assumptions(["cpu", "fake-cuda"])
+    assert both == per_engine["fake-cuda"] + per_engine["cpu"] + every
     assert "CUDA's autocast op lists" in both[0] and "cuDNN's batch norm" in both[0]
 
 
 def test_assumptions_count_the_cublas_workspace_and_name_what_is_not_modelled():
-    text = " ".join(predict.ASSUMPTIONS)
-    counted = next(a for a in predict.ASSUMPTIONS if a.startswith("counted"))
+    text = " ".join(predict_assumptions.ASSUMPTIONS)
+    counted = next(a for a in predict_assumptions.ASSUMPTIONS if a.startswith("counted"))
     assert "cuBLAS" in counted and "8,519,680" in counted
-    not_modelled = next(a for a in predict.ASSUMPTIONS if a.startswith("not modelled"))
+    not_modelled = next(a for a in predict_assumptions.ASSUMPTIONS if a.startswith("not modelled"))
     assert "cuDNN" in not_modelled and "cudnn.benchmark" in not_modelled
     assert "reserved" in text and "2 MiB" in text and "20 MiB" in text
 

@@ -10,7 +10,7 @@ from typing import Callable, Iterator
 
 from bench.analysis import explain as analysis
 from bench.analysis import fit as fitting
-from bench.analysis import predict
+from bench.analysis import predict, predict_assumptions
 from bench.cli import interrupt
 from bench.cli.arguments import (DEFAULT_WORKLOAD, analysis_device, capability, csv_list, one_batch_size,
                                  size_option)
@@ -133,7 +133,7 @@ def cmd_predict(args) -> int:
     print(predict.format_predictions(rows))
     if device == "cuda":
         print("\nassumptions:")
-        for line in predict.assumptions(row["engine"] for row in rows):
+        for line in predict_assumptions.assumptions(row["engine"] for row in rows):
             print(f"  - {line}")
     path = out / f"predict-{new_run_id(device)}.csv"
     write_table(PREDICT, rows, path)

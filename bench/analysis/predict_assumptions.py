@@ -1,0 +1,65 @@
+"""What a prediction assumes, as `predict` prints it under its table: each engine's own lines, then those of every
+CUDA prediction (the allocator model, what max_memory_allocated counts and what nothing models)."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+# What each engine assumes (printed for the engines a table used), then what every CUDA prediction assumes.
+ENGINE_ASSUMPTIONS = {
+    "fake-cuda": [
+        "engine fake-cuda: the step (after CUDA's 2 warm-up steps) runs CUDA's own operators on PyTorch's fake"
+        " tensors, under the exact live-tensor tracker, in a CUDA build of torch (on a machine without a GPU the"
+        " fake-CUDA environment's, .venv-cuda-fake, whose CUDA libraries are stubs): CUDA's autocast op lists in"
+        " float16, cuDNN's batch norm, GradScaler's unscaling, the optimizers' multi-tensor (foreach)"
+        " implementations and their temporaries; no kernel runs, so choices a kernel or library makes at run time"
+        " are not seen, and choices that depend on the GPU model (the attention backend of"
+        " scaled_dot_product_attention) are made for the device that torch sees (the stubs' is an H100-like"
+        " compute capability 9.0), whatever --capability says",
+    ],
+    "fake": [
+        "engine fake: the step (after CUDA's 2 warm-up steps) runs under the exact live-tensor tracker on PyTorch's"
+        " fake tensors with the CPU's operators (no arithmetic); the CPU and CUDA kernels are assumed to return"
+        " tensors of the same sizes (on the CPU a loss returns its scalar in a buffer of the loss's elements, on"
+        " CUDA in a 512-byte block: fake tensors follow CUDA); the optimizers run their CPU implementation (Adam's"
+        " per-parameter loop, where CUDA's foreach implementation holds a temporary of every parameter at once:"
+        " when the optimizer step is the peak, as at small batches, CUDA's is higher)",
+        "engine fake: autocast runs in float16 (CUDA's default) instead of the CPU's bfloat16, but with the CPU's op"
+        " lists: ops that CUDA's autocast keeps in float32 and the CPU's does not (or the reverse) are off by their"
+        " output size",
+    ],
+    "cpu": [
+        "engine cpu: the step (after CUDA's 2 warm-up steps) runs for real on the CPU under the exact live-tensor"
+        " tracker (where fake tensors cannot run the strategy, or for a sharded strategy's ranks), with autocast in"
+        " float16 and the CPU's op lists; the CPU's kernels are assumed to return tensors of CUDA's sizes",
+    ],
+    "meta": [
+        "engine meta: the step runs on meta tensors (shapes only) under the exact live-tensor tracker; autocast"
+        " cannot run there (such a strategy is an error row)",
+    ],
+}
+
+ASSUMPTIONS = [
+    "allocated and reserved replay the tracker's exact sequence of allocations and frees through a model of CUDA's"
+    " caching allocator with default settings (no PYTORCH_CUDA_ALLOC_CONF): 512-byte rounding, requests up to 1 MiB"
+    " from 2 MiB segments, larger ones from 20 MiB segments (under 10 MiB) or rounded to 2 MiB, best fit, blocks"
+    " split when the rest is >= 512 B (small) or > 1 MiB (large), an unsplit block counted whole; one stream, no"
+    " empty_cache",
+    "counted, as max_memory_allocated counts them: cuBLAS's workspace (8,519,680 B per thread that runs a matrix"
+    " product, 32 MiB on compute capability 9.0, or as CUBLAS_WORKSPACE_CONFIG says), one for the forward's thread"
+    " and one for autograd's backward thread",
+    "not modelled: cuDNN's convolution workspaces (allocated through the caching allocator for the duration of each"
+    " convolution, freed after it): max_memory_allocated can exceed the prediction by the workspace of the"
+    " convolution running at the peak, typically a few MiB and unbounded in principle; larger with cudnn.benchmark,"
+    " whose autotuning in the warm-up steps can also leave its trial workspaces' segments in max_memory_reserved;"
+    " CUDNN_CONV_WSCAP_DBG=<MiB> caps each one",
+    "not counted, as max_memory_allocated does not count them: the CUDA context and kernels' own buffers outside"
+    " the caching allocator",
+]
+
+
+def assumptions(engines: Iterable[str | None]) -> list[str]:
+    """What a CUDA prediction made on `engines` (the rows' engine column) assumes: each engine's own lines, then
+    those of every CUDA prediction (`ASSUMPTIONS`)."""
+    used = [name for name in ENGINE_ASSUMPTIONS if name in set(engines)]
+    return [line for name in used for line in ENGINE_ASSUMPTIONS[name]] + ASSUMPTIONS
