@@ -34,7 +34,7 @@ from bench.run.rows import (  # noqa: F401
     workload_columns,
 )
 from bench.run.session import Session  # noqa: F401
-from bench.run.verify import baseline_snapshot, compare, snapshot, verify  # noqa: F401
+from bench.run.verify import NonFiniteLoss, baseline_snapshot, compare, snapshot, verify  # noqa: F401
 from strategies import Strategy
 
 
@@ -72,6 +72,8 @@ def measure_case(case: Case, env: dict | None = None, options: RunOptions | None
             # a value the pre-run checks (bench.run.preflight) let through that this one case cannot take: its row
             # says so and the sweep goes on with the unrelated cases after it
             row.update(status=Status.UNSUPPORTED.value, message=str(error))
+        except NonFiniteLoss as error:  # the figures of a step on NaNs are not the workload's: none are kept
+            row.update(status=Status.ERROR.value, message=str(error)[:500])
         except Exception as error:  # noqa: BLE001 - any failure becomes a row and the sweep goes on
             row.update(status=(Status.OOM if is_oom(error) else Status.ERROR).value,
                        message=f"{type(error).__name__}: {error}".splitlines()[0][:500])
