@@ -872,3 +872,64 @@ def test_a_row_that_does_not_match_says_which_check_by_how_much_and_against_whic
     assert amp["message"].startswith("differs from the baseline: ") and match, amp["message"]
     assert float(match.group(1)) == pytest.approx(amp["output_rel_diff"], rel=1e-2)
     assert pd.isna(frame.loc["baseline", "message"])
+
+
+SLEEPY_WORKLOAD = '''
+import time
+
+import torch
+from torch import nn
+
+from workloads import Workload
+
+
+class NeverReturns(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 2)
+
+    def forward(self, x):
+        while True:  # stuck in Python, as a model waiting on something that never comes
+            time.sleep(0.05)
+
+
+class Sleepy(Workload):
+    name = "sleepy"
+    default_batch_size = 2
+
+    def build_model(self):
+        torch.manual_seed(0)
+        return NeverReturns()
+
+    def make_batch(self, batch_size, data):
+        torch.manual_seed(1)
+        return torch.randn(batch_size, 4), torch.randn(batch_size, 2)
+
+    def loss(self, output, target):
+        return nn.functional.mse_loss(output, target)
+'''
+
+
+def test_a_model_that_never_returns_is_a_timeout_row_and_the_sweep_goes_on(tmp_path):
+    """--case-timeout 5: the case whose forward never returns is killed at its deadline, its row says `timeout` and
+    where it was, and the next case runs (issue 24 §3: the run hung with no output). The pre-flight memory estimate
+    runs the forward too, bounded by the same limit, so the row comes within two limits and the workers' start."""
+    (tmp_path / "sleepy.py").write_text(SLEEPY_WORKLOAD, encoding="utf-8")
+    limit, out = 5, tmp_path / "out"
+    started = time.monotonic()
+    done = _cli("run", "--strategies", "baseline", "--workload", f"{tmp_path / 'sleepy.py'}:Sleepy,deep_mlp:layers=4",
+                "--phases", "eval", "--batch-size", "2", "--device", "cpu", "--warmup", "0", "--steps", "1",
+                "--threads", "1", "--case-timeout", limit, "--out", out, timeout=180)
+    elapsed = time.monotonic() - started
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    sleepy, mlp = pd.read_csv(results_csv(out)).to_dict("records")
+    assert sleepy["status"] == "timeout" and mlp["status"] == "ok", (sleepy, mlp)
+    assert sleepy["message"] == (f"the case did not finish within --case-timeout {limit} s; its worker "
+                                 "was killed during verification"), sleepy["message"]
+    assert sleepy["isolated"] and mlp["isolated"]
+    assert elapsed < 2 * limit + 60, elapsed
+
+
+def test_a_case_timeout_in_this_process_is_refused_in_one_line():
+    done = _main("run", "--strategies", "baseline", *TINY, "--case-timeout", "5")  # TINY says --no-isolate
+    _one_line_exit_2(done, "--case-timeout 5", "--no-isolate")
