@@ -122,8 +122,8 @@ def compare(result: Snapshot, reference: Snapshot, strategy: Strategy) -> dict[s
             missing += 1
             continue
         diff = (got - ref).abs()
-        max_abs = max(max_abs, float(diff.max()))
-        max_rel = max(max_rel, float((got - ref).norm() / ref.norm().clamp_min(1e-12)))
+        max_abs = _worst(max_abs, float(diff.max()))
+        max_rel = _worst(max_rel, float((got - ref).norm() / ref.norm().clamp_min(1e-12)))
     bn_match = True
     for name, ref in reference.buffers.items():
         got = result.buffers[name]
@@ -133,8 +133,8 @@ def compare(result: Snapshot, reference: Snapshot, strategy: Strategy) -> dict[s
             bn_match &= bool(torch.allclose(got, ref, rtol=tol.grad_rtol, atol=tol.output_atol))
     output_rel_diff = _output_rel_diff(result.outputs, reference.outputs, tol.output_atol)
     output_match = output_rel_diff <= tol.output_rtol
-    param_rel = max((float((result.stepped[name] - ref).norm() / ref.norm().clamp_min(1e-12))
-                     for name, ref in reference.stepped.items()), default=0.0)
+    param_rel = functools.reduce(_worst, (float((result.stepped[name] - ref).norm() / ref.norm().clamp_min(1e-12))
+                                          for name, ref in reference.stepped.items()), 0.0)
     matches = (loss_rel_diff <= tol.loss_rtol and max_rel <= tol.grad_rtol and missing == 0 and bn_match
                and param_rel <= tol.step_rtol and (output_match or bool(reference.grads)))
     failed = _failed_checks(tol, loss_rel_diff, max_rel, missing, bn_match, param_rel, output_rel_diff,
@@ -179,6 +179,11 @@ def _failed_checks(tol, loss_rel_diff: float, grad_rel: float, missing: int, bn_
     return failed
 
 
+def _worst(a: float, b: float) -> float:
+    """The larger difference, NaN if either is (Python's max would drop a NaN, and a NaN gradient would match)."""
+    return a + b if math.isnan(a) or math.isnan(b) else max(a, b)
+
+
 def _output_rel_diff(outputs: list[torch.Tensor], references: list[torch.Tensor], atol: float) -> float:
     """The largest |out - ref| / |ref| (norms) over the output tensors; 0 for one within `atol` element by
     element; infinite when the outputs differ in number or shape."""
@@ -187,7 +192,7 @@ def _output_rel_diff(outputs: list[torch.Tensor], references: list[torch.Tensor]
     worst = 0.0
     for got, ref in zip(outputs, references):
         if not torch.allclose(got, ref, rtol=0, atol=atol):
-            worst = max(worst, float((got - ref).norm() / ref.norm().clamp_min(1e-12)))
+            worst = _worst(worst, float((got - ref).norm() / ref.norm().clamp_min(1e-12)))
     return worst
 
 
