@@ -124,8 +124,9 @@ def _add_sweep_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--case-timeout", type=non_negative_float, default=None, metavar="SECONDS",
                    help=f"wall-clock limit per case (all its repeats): a case still running then is killed, its row "
                         f"says `timeout` and the sweep goes on; 0 for none. A stuck forward cannot be stopped inside "
-                        f"this process, so a limit runs each case isolated (--no-isolate refuses it). Default: "
-                        f"{DEFAULT_ISOLATED_CASE_TIMEOUT_S:g} where cases run isolated, none in this process")
+                        f"this process, so a limit runs each case isolated (--no-isolate refuses it) (default "
+                        f"{DEFAULT_ISOLATED_CASE_TIMEOUT_S:g} where cases run isolated, none where they run in this "
+                        f"process)")
     p.add_argument("--repeats", type=positive_int, default=1,
                    help="repeat each case's timing and memory passes K times; adds a 95%% CI and a noisy flag "
                         "(default 1)")
