@@ -788,3 +788,148 @@ def test_an_option_value_of_ten_thousand_digits_is_one_short_line(args, tmp_path
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-1500:]
     [line] = done.stderr.strip().splitlines()
     assert line.startswith("error: ") and len(line) < 300 and "(10,0" in line
+
+
+# --- issue 24 §3: a loss that is not finite, a mismatch that says by how much, a model that never returns -----------
+
+NON_FINITE_WORKLOAD = '''
+import torch
+from torch import nn
+
+from workloads import Workload
+
+
+class NanLoss(Workload):
+    """A loss that is NaN from the seeded start."""
+
+    name = "nan_loss"
+    default_batch_size = 2
+
+    def build_model(self):
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+
+    def make_batch(self, batch_size, data):
+        torch.manual_seed(1)
+        return torch.randn(batch_size, 4), torch.randn(batch_size, 2)
+
+    def loss(self, output, target):
+        return nn.functional.mse_loss(output, target) * float("nan")
+
+    def checkpoint_units(self, model):
+        return list(model)
+
+
+class Diverges(NanLoss):
+    """Finite at the seeded start; SGD's huge step overflows the weights, so the loss is not finite from step 2."""
+
+    def loss(self, output, target):
+        return (output - target).pow(2).mean()
+
+    def make_optimizer(self, model):
+        return torch.optim.SGD(model.parameters(), lr=1e30)
+'''
+
+
+def _non_finite_run(tmp_path, name: str, command: str, *args) -> tuple[subprocess.CompletedProcess, pd.DataFrame]:
+    (tmp_path / "non_finite.py").write_text(NON_FINITE_WORKLOAD, encoding="utf-8")
+    out = tmp_path / name
+    done = _cli(command, *TINY, "--phases", "train", "--workload", f"{tmp_path / 'non_finite.py'}:{name}", *args,
+                "--out", out)
+    return done, pd.read_csv(results_csv(out))
+
+
+def test_a_loss_that_is_not_finite_is_an_error_row_that_says_so_and_not_a_mismatch(tmp_path):
+    """NaN from the first step: every row, the baseline's included, is an `error` saying the loss is not finite and
+    where, never an `ok` row whose baseline does not match itself (issue 24 §3)."""
+    done, frame = _non_finite_run(tmp_path, "NanLoss", "compare", "--strategies", "checkpoint")
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert list(frame["status"]) == ["error", "error"], frame[["strategy", "status", "message"]]
+    assert not (frame["matches_baseline"] == False).any()  # noqa: E712 - a column of True/False/NaN
+    baseline, checkpoint = frame["message"]
+    assert baseline == "loss is not finite (nan) at step 1 (verification, from the seeded start)"
+    assert checkpoint.startswith(baseline) and "the baseline's is nan too: the workload's loss" in checkpoint
+
+
+def test_a_loss_that_stops_being_finite_later_is_an_error_row_naming_the_step(tmp_path):
+    """Finite at the verified first step, not by the timing pass's last: the check after the timed steps."""
+    done, frame = _non_finite_run(tmp_path, "Diverges", "run", "--strategies", "baseline", "--steps", "2")
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    [row] = frame.to_dict("records")
+    assert row["status"] == "error", row
+    assert re.fullmatch(r"loss is not finite \((nan|inf)\) at step 2 \(the last of the timing pass\)", row["message"])
+
+
+def test_a_row_that_does_not_match_says_which_check_by_how_much_and_against_which_tolerance(tmp_path):
+    """`compare --workload deep_mlp --strategies amp` in eval: matches_baseline False and, in `message`, the check,
+    the measured relative difference and the tolerance it exceeds (issue 24 §3: the message was empty)."""
+    done = _cli("compare", "--strategies", "amp", *TINY, "--workload", "deep_mlp", "--out", tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    frame = pd.read_csv(results_csv(tmp_path)).set_index("strategy")
+    amp = frame.loc["amp"]
+    assert amp["matches_baseline"] == False, amp  # noqa: E712
+    match = re.search(r"output rel diff ([0-9.e+-]+) > output_rtol 0.05", amp["message"])
+    assert amp["message"].startswith("differs from the baseline: ") and match, amp["message"]
+    assert float(match.group(1)) == pytest.approx(amp["output_rel_diff"], rel=1e-2)
+    assert pd.isna(frame.loc["baseline", "message"])
+
+
+SLEEPY_WORKLOAD = '''
+import time
+
+import torch
+from torch import nn
+
+from workloads import Workload
+
+
+class NeverReturns(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 2)
+
+    def forward(self, x):
+        while True:  # stuck in Python, as a model waiting on something that never comes
+            time.sleep(0.05)
+
+
+class Sleepy(Workload):
+    name = "sleepy"
+    default_batch_size = 2
+
+    def build_model(self):
+        torch.manual_seed(0)
+        return NeverReturns()
+
+    def make_batch(self, batch_size, data):
+        torch.manual_seed(1)
+        return torch.randn(batch_size, 4), torch.randn(batch_size, 2)
+
+    def loss(self, output, target):
+        return nn.functional.mse_loss(output, target)
+'''
+
+
+def test_a_model_that_never_returns_is_a_timeout_row_and_the_sweep_goes_on(tmp_path):
+    """--case-timeout 5: the case whose forward never returns is killed at its deadline, its row says `timeout` and
+    where it was, and the next case runs (issue 24 §3: the run hung with no output). The pre-flight memory estimate
+    runs the forward too, bounded by the same limit, so the row comes within two limits and the workers' start."""
+    (tmp_path / "sleepy.py").write_text(SLEEPY_WORKLOAD, encoding="utf-8")
+    limit, out = 5, tmp_path / "out"
+    started = time.monotonic()
+    done = _cli("run", "--strategies", "baseline", "--workload", f"{tmp_path / 'sleepy.py'}:Sleepy,deep_mlp:layers=4",
+                "--phases", "eval", "--batch-size", "2", "--device", "cpu", "--warmup", "0", "--steps", "1",
+                "--threads", "1", "--case-timeout", limit, "--out", out, timeout=180)
+    elapsed = time.monotonic() - started
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    sleepy, mlp = pd.read_csv(results_csv(out)).to_dict("records")
+    assert sleepy["status"] == "timeout" and mlp["status"] == "ok", (sleepy, mlp)
+    assert sleepy["message"] == (f"the case did not finish within --case-timeout {limit} s; its worker "
+                                 "was killed during verification"), sleepy["message"]
+    assert sleepy["isolated"] and mlp["isolated"]
+    assert elapsed < 2 * limit + 60, elapsed
+
+
+def test_a_case_timeout_in_this_process_is_refused_in_one_line():
+    done = _main("run", "--strategies", "baseline", *TINY, "--case-timeout", "5")  # TINY says --no-isolate
+    _one_line_exit_2(done, "--case-timeout 5", "--no-isolate")

@@ -96,3 +96,24 @@ def test_memory_pass_counts_the_steady_state_step():
 def test_registry_rejects_duplicates():
     with pytest.raises(ValueError, match="duplicate strategy name 'baseline'"):
         STRATEGIES.register(type("Again", (Strategy,), {"name": "baseline"}))
+
+
+def test_a_mismatch_names_each_failed_check_its_measured_difference_and_its_tolerance():
+    """compare's `message` (issue 24 §3): only the checks that failed, a NaN difference failing as well."""
+    import torch
+
+    from bench.run.verify import Snapshot, compare
+    from strategies.base import Tolerance
+
+    class Strict:
+        tolerance = Tolerance(loss_rtol=1e-3)
+
+    one = torch.ones(4)
+    reference = Snapshot(1.0, [one], {"w": one, "b": one}, {}, {"w": one, "b": one})
+    result = Snapshot(1.01, [one], {"w": one * 2, "b": None}, {}, {"w": one, "b": one * float("nan")})
+    columns = compare(result, reference, Strict())
+    assert columns["matches_baseline"] is False
+    assert columns["message"] == ("differs from the baseline: loss rel diff 0.01 > loss_rtol 0.001; gradient rel diff "
+                                  "1 > grad_rtol 0.0001; weights after one step rel diff nan > step_rtol 0.0001; 1 "
+                                  "parameter(s) got no gradient where the baseline's did")
+    assert "message" not in compare(reference, reference, Strict())

@@ -20,6 +20,9 @@ WORKLOAD_HELP = ("a registered workload with options (see `list`; e.g. deep_mlp:
 # results/reference/ and are never a default output, so that no command of a user rewrites them.
 DEFAULT_OUT = "results"
 EXECUTORS = ("local", "ray")
+# --case-timeout where cases run isolated and none is given: generous (a case's timing stops after
+# --max-time-per-case), so that only a case that never returns reaches it
+DEFAULT_ISOLATED_CASE_TIMEOUT_S = 3600.0
 
 
 def number_type(convert: Callable[[str], Any], valid: Callable[[Any], bool], expected: str) -> Callable[[str], Any]:
@@ -40,6 +43,7 @@ positive_int = number_type(int, lambda v: v > 0, "a positive integer")
 positive_float = number_type(float, lambda v: 0 < v < float("inf"), "a positive number of seconds")
 fraction = number_type(float, lambda v: 0 < v < 1, "a fraction between 0 and 1 (e.g. 0.05)")  # --target-ci
 non_negative_int = number_type(int, lambda v: v >= 0, "0 or a positive integer")
+non_negative_float = number_type(float, lambda v: 0 <= v < float("inf"), "0 or a positive number of seconds")
 
 
 def csv_list(text: str) -> list[str]:
@@ -117,6 +121,12 @@ def _add_sweep_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                    help="run each case (and each repeat) in a fresh Python process (default: on for cuda, "
                         "off for cpu); --no-isolate runs in this process with process-wide flags restored")
+    p.add_argument("--case-timeout", type=non_negative_float, default=None, metavar="SECONDS",
+                   help=f"wall-clock limit per case (all its repeats): a case still running then is killed, its row "
+                        f"says `timeout` and the sweep goes on; 0 for none. A stuck forward cannot be stopped inside "
+                        f"this process, so a limit runs each case isolated (--no-isolate refuses it) (default "
+                        f"{DEFAULT_ISOLATED_CASE_TIMEOUT_S:g} where cases run isolated, none where they run in this "
+                        f"process)")
     p.add_argument("--repeats", type=positive_int, default=1,
                    help="repeat each case's timing and memory passes K times; adds a 95%% CI and a noisy flag "
                         "(default 1)")

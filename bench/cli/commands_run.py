@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -10,7 +12,7 @@ import torch
 
 from bench.analysis import predict
 from bench.cli import interrupt
-from bench.cli.arguments import EXECUTORS, csv_list, size_option
+from bench.cli.arguments import DEFAULT_ISOLATED_CASE_TIMEOUT_S, EXECUTORS, csv_list, size_option
 from bench.cli.console import Progress, announce, finish_run
 from bench.core import progress
 from bench.core.errors import UsageError
@@ -26,6 +28,10 @@ from bench.run.runner import Case, bind_case, local_executor, run_cases
 from bench.run.suite import Suite, SuiteOverrides, suite_for_command_line
 from strategies import STRATEGIES
 from workloads import WORKLOADS, workload_names
+
+# The most the pre-flight's memory estimate of one workload may take under --case-timeout (it only decides whether
+# to warn; a model slower than this on the meta device is run unchecked)
+PREFLIGHT_LIMIT_S = 30.0
 
 
 def cmd_run(args) -> int:
@@ -65,9 +71,47 @@ def _run_options(args, device: str, suite: Suite, memory_fraction: float | None)
     `memory_fraction`: the cap `--memory-limit` set here (`apply_memory_limit`), for the worker processes."""
     executor = preflight.check_choice("executor", args.executor or suite.executor or "local", EXECUTORS)
     isolate = args.isolate if args.isolate is not None else device == "cuda"
-    return RunOptions(isolate=isolate or executor == "ray", repeats=args.repeats, threads=args.threads,
-                      deterministic=args.deterministic, executor=executor, ranks=args.ranks,
-                      memory_fraction=memory_fraction)
+    timeout = _case_timeout(args, executor, isolate or executor == "ray")
+    return RunOptions(isolate=isolate or executor == "ray" or timeout is not None, repeats=args.repeats,
+                      threads=args.threads, deterministic=args.deterministic, executor=executor, ranks=args.ranks,
+                      memory_fraction=memory_fraction, case_timeout_s=timeout)
+
+
+def _case_timeout(args, executor: str, isolated: bool) -> float | None:
+    """The per-case limit in seconds, or None: `--case-timeout` (0 for none), else a generous default where the
+    local executor runs cases isolated; refused where it cannot be enforced (in this process, on Ray)."""
+    limit = getattr(args, "case_timeout", None)
+    if limit is None:
+        return DEFAULT_ISOLATED_CASE_TIMEOUT_S if isolated and executor == "local" else None
+    if limit == 0:
+        return None
+    if args.isolate is False:
+        raise UsageError(f"--case-timeout {limit:g} needs each case in a worker process that can be killed (a "
+                         "forward stuck in Python cannot be stopped in this one): drop --no-isolate")
+    if executor == "ray":
+        raise UsageError(f"--case-timeout {limit:g} is not enforced on --executor ray: drop one of them")
+    return limit
+
+
+def _bounded(seconds: float | None, estimate):
+    """`estimate(*args)` (the pre-flight's meta-device peak, which runs the model's forward in this process) raising
+    TimeoutError after `seconds`, so that a model that never returns cannot hang the run before its first case;
+    the pre-flight skips a case whose estimate raises. SIGALRM: the main thread of a POSIX process only."""
+    if not seconds or not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
+        return estimate
+
+    def expire(signum, frame):
+        raise TimeoutError(f"the pre-flight memory estimate took over {seconds:g} s")
+
+    def bounded(*args):
+        previous = signal.signal(signal.SIGALRM, expire)
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+        try:
+            return estimate(*args)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+    return bounded
 
 
 def _executor(args, options: RunOptions, suite: Suite):
@@ -116,7 +160,8 @@ def _run_suite(args, suite: Suite, device: str, options: RunOptions, overrides: 
                   file=sys.stderr, flush=True)
             cases = resumed.remaining
         if device == "cpu":
-            preflight.check_memory(cases, _meta_baseline_peak)
+            limit = options.case_timeout_s and min(options.case_timeout_s, PREFLIGHT_LIMIT_S)
+            preflight.check_memory(cases, _bounded(limit, _meta_baseline_peak))
         announce(cases, out_path, bool(args.resume))
         interrupt.set_note(interrupt.resume_note(out_path) if args.resume else
                            f"interrupted before the first case finished: nothing was written (the results would "

@@ -26,12 +26,13 @@ SCHEMA_VERSION = 5
 
 
 class Status(str, Enum):
-    """How a case ended: measured, out of memory, not applicable to the case, or failed."""
+    """How a case ended: measured, out of memory, not applicable to the case, failed, or stopped at its time limit."""
 
     OK = "ok"
     OOM = "oom"
     UNSUPPORTED = "unsupported"
     ERROR = "error"
+    TIMEOUT = "timeout"  # --case-timeout: the case's worker process was killed at the deadline
 
 
 STATUSES = tuple(status.value for status in Status)

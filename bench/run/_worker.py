@@ -49,9 +49,20 @@ def run_job(job: dict) -> dict:
 
 
 def main() -> int:
-    from bench.run.isolation import ROW_MARKER
+    from bench.core import progress
+    from bench.run.isolation import ROW_MARKER, STAGE_MARKER
 
-    result = run_job(json.loads(sys.stdin.read()))
+    stages: list[str] = []
+
+    def stage(what: str, done: int, total: int) -> None:
+        """Each stage once, on stderr: the parent names it in the row of a case it had to kill (--case-timeout)."""
+        if not stages or stages[-1] != what:
+            stages.append(what)
+            sys.stderr.write(f"{STAGE_MARKER}{what}\n")
+            sys.stderr.flush()
+
+    with progress.listening(stage):
+        result = run_job(json.loads(sys.stdin.read()))
     sys.stdout.write(ROW_MARKER + json.dumps(result, default=str) + "\n")
     sys.stdout.flush()
     return 0

@@ -9,6 +9,9 @@ anything a strategy builds in C++. Hence `isolate=True` (the default on CUDA): e
 runs in a fresh `python -m bench.run._worker` process, which gets the case as JSON on stdin and prints its result
 (row and side data, `bench.run.result.CaseResult`) as JSON on stdout. A worker that dies (non-zero exit, a signal,
 no row) becomes an `error` row naming the exit code and the last line of its stderr, and the sweep goes on.
+A worker still running at the case's deadline (`RunOptions.case_timeout_s`) is killed: the case is a `timeout` row
+naming the stage it was in (the worker reports each stage on stderr), and the sweep goes on. A model that never
+returns cannot be stopped safely inside this process, hence the limit exists for isolated cases only.
 """
 
 from __future__ import annotations
@@ -25,10 +28,12 @@ from typing import Any, Iterator
 
 import torch
 
+from bench.core.results import Status, new_row
 from bench.run.result import CaseResult
 
 ROOT = Path(__file__).resolve().parents[2]
 ROW_MARKER = "MEMBENCH_ROW "
+STAGE_MARKER = "MEMBENCH_STAGE "  # a worker's stderr line when a case enters a stage (verification, timing, ...)
 PLUGINS_ENV = "MEMBENCH_PLUGINS"  # comma list of modules a worker imports first (e.g. to register strategies)
 
 
@@ -49,6 +54,9 @@ class RunOptions:
     # `--memory-limit` as a fraction of the GPU's memory (torch.cuda.set_per_process_memory_fraction): a limit
     # of the process that set it, so each worker process sets it again (bench.run._worker)
     memory_fraction: float | None = None
+    # `--case-timeout`: wall-clock seconds a case (all its repeats) may take before its worker is killed and its row
+    # says `timeout`; None for no limit. Only isolated cases can be stopped (bench.run.runner.run_case_isolated).
+    case_timeout_s: float | None = None
 
     def resolved(self) -> "RunOptions":
         return replace(self, threads=self.threads or torch.get_num_threads())
@@ -115,12 +123,27 @@ def crash_message(returncode: int, stderr: str) -> str:
     return (f"worker crashed ({how})" + (f": {last}" if last else ""))[:500]
 
 
+def last_stage(stderr: str | bytes | None) -> str:
+    """The stage a worker last reported on its stderr (`STAGE_MARKER` lines), or `setup` before any."""
+    text = stderr.decode(errors="replace") if isinstance(stderr, bytes) else stderr or ""
+    stages = [line[len(STAGE_MARKER):].strip() for line in text.splitlines() if line.startswith(STAGE_MARKER)]
+    return stages[-1] if stages else "setup (building the model and batch)"
+
+
+def timed_out(limit_s: float, stderr: str | bytes | None) -> CaseResult:
+    """The `timeout` result of a case whose worker was killed at its deadline, `limit_s` after the case began."""
+    message = (f"the case did not finish within --case-timeout {limit_s:g} s; its worker was killed "
+               f"during {last_stage(stderr)}")
+    return CaseResult(new_row(status=Status.TIMEOUT.value, message=message))
+
+
 def run_in_worker(case, env: dict | None, options: RunOptions, verify: bool = True,
                   timeout: float | None = None) -> CaseResult:
     """Runs `measure_case(case, env, options, verify_result=verify)` (one repeat) in a fresh Python process; returns
     its result.
 
     A worker that crashes returns an error result (`worker_exit_code` holds its exit code, negative for a signal).
+    A worker still running after `timeout` seconds is killed and returns a `timeout` result (see `timed_out`).
     A worker ended by SIGINT (Ctrl-C reaching the process group) raises KeyboardInterrupt here, so that an
     interrupted case leaves no row and `--resume` runs it again.
     """
@@ -128,8 +151,8 @@ def run_in_worker(case, env: dict | None, options: RunOptions, verify: bool = Tr
     try:
         done = subprocess.run([sys.executable, "-m", "bench.run._worker"], input=json.dumps(job), text=True,
                               capture_output=True, env=worker_env(), timeout=timeout)
-    except subprocess.TimeoutExpired as error:
-        return CaseResult.failed(f"worker timed out after {error.timeout:.0f} s")
+    except subprocess.TimeoutExpired as error:  # subprocess.run has killed the worker and waited for it
+        return timed_out(options.case_timeout_s or error.timeout, error.stderr)
     if done.returncode in (-signal.SIGINT, 130):
         raise KeyboardInterrupt
     result = None

@@ -8,11 +8,13 @@ timing pass each repeat's step times, the memory pass its tracker (and through i
 from __future__ import annotations
 
 import gc
+import math
 import time
 from dataclasses import replace
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils.flop_counter import FlopCounterMode
 
 from bench.core import progress
@@ -20,6 +22,7 @@ from bench.measure import breakdown, memory, timing
 from bench.measure.stats import summarize_timing
 from bench.run.case import Case, bind_case
 from bench.run.session import Session
+from bench.run.verify import non_finite_loss
 from strategies import Strategy
 from strategies.base import PlanMeter
 from workloads.base import tensors_of
@@ -65,10 +68,20 @@ class MemoryResult(PassResult):
 
 
 def step_times(case: Case, strategy: Strategy) -> timing.TimingStats:
-    """One repeat: a fresh session, warm-up steps, then steps timed one by one as `case.timing_policy()` says."""
+    """One repeat: a fresh session, warm-up steps, then steps timed one by one as `case.timing_policy()` says.
+
+    A training loss that has become NaN or infinite by the last step raises NonFiniteLoss (checked once, after
+    the timed steps: a diverging run, which the verification's single step from the seeded start cannot see)."""
     session = Session(case, strategy)
     with strategy.session():
-        return timing.time_steps(session.step, case.timing_policy(), case.device)
+        stats = timing.time_steps(session.step, case.timing_policy(), case.device)
+    loss = session.kept.get("loss")
+    if isinstance(loss, torch.Tensor) and not is_fake(loss) and loss.numel() == 1:
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            steps = case.timing_policy().warmup + len(stats.times_ms)
+            raise non_finite_loss(value, f"at step {steps} (the last of the timing pass)")
+    return stats
 
 
 def timing_pass(case: Case, strategy: Strategy, repeats: int = 1) -> TimingResult:

@@ -9,6 +9,7 @@ from here too.
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Iterator
@@ -34,7 +35,7 @@ from bench.run.rows import (  # noqa: F401
     workload_columns,
 )
 from bench.run.session import Session  # noqa: F401
-from bench.run.verify import baseline_snapshot, compare, snapshot, verify  # noqa: F401
+from bench.run.verify import NonFiniteLoss, baseline_snapshot, compare, snapshot, verify  # noqa: F401
 from strategies import Strategy
 
 
@@ -72,6 +73,8 @@ def measure_case(case: Case, env: dict | None = None, options: RunOptions | None
             # a value the pre-run checks (bench.run.preflight) let through that this one case cannot take: its row
             # says so and the sweep goes on with the unrelated cases after it
             row.update(status=Status.UNSUPPORTED.value, message=str(error))
+        except NonFiniteLoss as error:  # the figures of a step on NaNs are not the workload's: none are kept
+            row.update(status=Status.ERROR.value, message=str(error)[:500])
         except Exception as error:  # noqa: BLE001 - any failure becomes a row and the sweep goes on
             row.update(status=(Status.OOM if is_oom(error) else Status.ERROR).value,
                        message=f"{type(error).__name__}: {error}".splitlines()[0][:500])
@@ -114,11 +117,14 @@ def run_case_isolated(case: Case, env: dict | None, options: RunOptions) -> Case
     """`measure_case` with each of the K repeats in a fresh worker process; the repeats' figures pooled.
 
     The first repeat also verifies against the baseline. A repeat that does not end `ok` (a crashed worker
-    included) ends the case, and its row is the case's row.
+    included) ends the case, and its row is the case's row. With `options.case_timeout_s` all repeats share one
+    deadline: the worker running at it is killed and the case is a `timeout` row.
     """
     repeats = []
+    deadline = None if options.case_timeout_s is None else time.monotonic() + options.case_timeout_s
     for index in range(options.repeats):
-        result = with_base_row(case, env, options, run_in_worker(case, env, options, verify=index == 0))
+        left = None if deadline is None else max(deadline - time.monotonic(), 0.1)
+        result = with_base_row(case, env, options, run_in_worker(case, env, options, verify=index == 0, timeout=left))
         if result.row["status"] != Status.OK.value:
             return pool_repeats(case, [result], options)
         repeats.append(result)

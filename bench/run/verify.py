@@ -4,6 +4,7 @@ from the same seeded start."""
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -17,6 +18,21 @@ from bench.run.case import Case, bind_case
 from bench.run.session import Session
 from strategies import Strategy
 from workloads.base import tensors_of
+
+
+class NonFiniteLoss(Exception):
+    """The case's loss is NaN or infinite: its row is an `error` that says where, and no figure is measured
+    (a step on non-finite values may skip work -- GradScaler skips the optimizer step -- and measure less)."""
+
+
+def non_finite_loss(loss: float, where: str, reference: float | None = None) -> NonFiniteLoss:
+    """The error of a case whose loss is `loss` (not finite) `where`; `reference` is the baseline's at the same
+    point, when known, so that the message says whether the workload or the strategy made it."""
+    text = f"loss is not finite ({loss}) {where}"
+    if reference is not None:
+        text += (f"; the baseline's is {reference} too: the workload's loss, not the strategy"
+                 if not math.isfinite(reference) else f"; the baseline's is finite ({reference:.6g})")
+    return NonFiniteLoss(text)
 
 
 @dataclass
@@ -106,8 +122,8 @@ def compare(result: Snapshot, reference: Snapshot, strategy: Strategy) -> dict[s
             missing += 1
             continue
         diff = (got - ref).abs()
-        max_abs = max(max_abs, float(diff.max()))
-        max_rel = max(max_rel, float((got - ref).norm() / ref.norm().clamp_min(1e-12)))
+        max_abs = _worst(max_abs, float(diff.max()))
+        max_rel = _worst(max_rel, float((got - ref).norm() / ref.norm().clamp_min(1e-12)))
     bn_match = True
     for name, ref in reference.buffers.items():
         got = result.buffers[name]
@@ -117,11 +133,13 @@ def compare(result: Snapshot, reference: Snapshot, strategy: Strategy) -> dict[s
             bn_match &= bool(torch.allclose(got, ref, rtol=tol.grad_rtol, atol=tol.output_atol))
     output_rel_diff = _output_rel_diff(result.outputs, reference.outputs, tol.output_atol)
     output_match = output_rel_diff <= tol.output_rtol
-    param_rel = max((float((result.stepped[name] - ref).norm() / ref.norm().clamp_min(1e-12))
-                     for name, ref in reference.stepped.items()), default=0.0)
+    param_rel = functools.reduce(_worst, (float((result.stepped[name] - ref).norm() / ref.norm().clamp_min(1e-12))
+                                          for name, ref in reference.stepped.items()), 0.0)
     matches = (loss_rel_diff <= tol.loss_rtol and max_rel <= tol.grad_rtol and missing == 0 and bn_match
                and param_rel <= tol.step_rtol and (output_match or bool(reference.grads)))
-    return {
+    failed = _failed_checks(tol, loss_rel_diff, max_rel, missing, bn_match, param_rel, output_rel_diff,
+                            reference)
+    columns = {
         "matches_baseline": bool(matches),
         "loss_rel_diff": loss_rel_diff,
         "max_abs_grad_diff": max_abs if reference.grads else None,
@@ -131,6 +149,39 @@ def compare(result: Snapshot, reference: Snapshot, strategy: Strategy) -> dict[s
         "output_rel_diff": output_rel_diff,
         "max_param_rel_diff": param_rel if reference.stepped else None,
     }
+    if failed:
+        columns["message"] = "differs from the baseline: " + "; ".join(failed)
+    return columns
+
+
+def _failed_checks(tol, loss_rel_diff: float, grad_rel: float, missing: int, bn_match: bool, param_rel: float,
+                   output_rel_diff: float, reference: Snapshot) -> list[str]:
+    """Each check of `compare` that failed, as `what: measured > tolerance name and value` (a NaN fails too)."""
+    failed = []
+
+    def over(what: str, value: float, name: str) -> None:
+        limit = getattr(tol, name)
+        if not value <= limit:
+            failed.append(f"{what} rel diff {value:.3g} > {name} {limit:g}")
+
+    over("loss", loss_rel_diff, "loss_rtol")
+    if reference.grads:
+        over("gradient", grad_rel, "grad_rtol")
+    else:  # in training the outputs are judged through the loss and gradients (see compare)
+        over("output", output_rel_diff, "output_rtol")
+    if reference.stepped:
+        over("weights after one step", param_rel, "step_rtol")
+    if missing:
+        failed.append(f"{missing} parameter(s) got no gradient where the baseline's did")
+    if not bn_match:
+        failed.append(f"BatchNorm statistics differ (rtol grad_rtol {tol.grad_rtol:g}, atol output_atol "
+                      f"{tol.output_atol:g}; or a second update of num_batches_tracked)")
+    return failed
+
+
+def _worst(a: float, b: float) -> float:
+    """The larger difference, NaN if either is (Python's max would drop a NaN, and a NaN gradient would match)."""
+    return a + b if math.isnan(a) or math.isnan(b) else max(a, b)
 
 
 def _output_rel_diff(outputs: list[torch.Tensor], references: list[torch.Tensor], atol: float) -> float:
@@ -141,20 +192,32 @@ def _output_rel_diff(outputs: list[torch.Tensor], references: list[torch.Tensor]
     worst = 0.0
     for got, ref in zip(outputs, references):
         if not torch.allclose(got, ref, rtol=0, atol=atol):
-            worst = max(worst, float((got - ref).norm() / ref.norm().clamp_min(1e-12)))
+            worst = _worst(worst, float((got - ref).norm() / ref.norm().clamp_min(1e-12)))
     return worst
 
 
 def verify(case: Case, strategy: Strategy) -> dict[str, Any]:
-    """The verification columns of the row, and in `message` why the strategy cannot match, if it cannot; on fake
-    tensors (the fake-CUDA run) nothing is compared, since they have no values: `matches_baseline` is empty."""
+    """The verification columns of the row, and in `message` which check failed, by how much and against which
+    tolerance, and why the strategy cannot match, if it cannot; on fake tensors (the fake-CUDA run) nothing is
+    compared, since they have no values: `matches_baseline` is empty.
+
+    A loss that is not finite raises NonFiniteLoss (the case's row is an `error`); where only the baseline's is not
+    finite there is nothing to compare with: `matches_baseline` is empty and `message` says why."""
     progress.report("verification", 0, 1)
     result = snapshot(case, strategy)
     values = (*result.outputs, *result.buffers.values(), *result.grads.values())
     if any(is_fake(t) for t in values if t is not None):
         return {"matches_baseline": None, "message": "not verified: the step ran on fake tensors, which have no values"}
-    columns = compare(result, baseline_snapshot(case), strategy)
+    reference = baseline_snapshot(case)
+    where = "at step 1 (verification, from the seeded start)"
+    if not math.isfinite(result.loss):
+        raise non_finite_loss(result.loss, where, None if strategy.spec() == "baseline" else reference.loss)
+    if not math.isfinite(reference.loss):
+        return {"matches_baseline": None,
+                "message": f"not verified: the baseline's loss is not finite ({reference.loss}) {where}"}
+    columns = compare(result, reference, strategy)
     reason = strategy.differs_by_design()
     if reason:
-        columns["message"] = f"does not match the baseline by design: {reason}"
+        measured = columns.pop("message", "").replace("differs from the baseline: ", "")
+        columns["message"] = f"does not match the baseline by design: {reason}" + (f" ({measured})" if measured else "")
     return columns
