@@ -84,12 +84,12 @@ def _stored_run(path, statuses, warmup=0, steps=1, threads=1):
 
 
 def test_resume_skips_finished_cases_and_reruns_errors(tmp_path):
-    path = _stored_run(tmp_path / "r1.csv", [(1, "ok"), (2, "error"), (3, "unsupported")])
-    cases = [_case(batch_size=bs) for bs in (1, 2, 3, 4)]
+    path = _stored_run(tmp_path / "r1.csv", [(1, "ok"), (2, "error"), (3, "unsupported"), (5, "timeout")])
+    cases = [_case(batch_size=bs) for bs in (1, 2, 3, 4, 5)]
     resumed = load_resume(path, cases, ONE_THREAD)
     assert resumed.run_id == "r1"
-    assert [c.batch_size for c in resumed.remaining] == [2, 4]
-    assert sorted(r["batch_size"] for r in resumed.rows) == [1, 3]
+    assert [c.batch_size for c in resumed.remaining] == [2, 4]  # a timed-out case is not walked back into
+    assert sorted(r["batch_size"] for r in resumed.rows) == [1, 3, 5]
 
 
 @pytest.mark.parametrize("change, named", [

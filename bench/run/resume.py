@@ -1,8 +1,9 @@
 """`run --resume results/<run>.csv`: the finished cases of an interrupted run, and which cases are left.
 
 A case is identified by `results.CASE_KEY` (workload, strategy, phase, device, batch_size, data). Rows with
-status ok, oom or unsupported are finished and kept; `error` rows (a crashed worker, a transient failure)
-are dropped and their cases run again, so the file ends with each case exactly once.
+status ok, oom, unsupported or timeout are finished and kept (a case stopped at --case-timeout would only spend the
+limit again: resuming never walks back into a case that does not return); `error` rows (a crashed worker, a
+transient failure) are dropped and their cases run again, so the file ends with each case exactly once.
 
 Consistency: a resumed run must measure the remaining cases the way the finished ones were measured, or its
 rows would not be comparable. So the options that change the figures -- warm-up steps, the timing
@@ -21,10 +22,10 @@ from pathlib import Path
 import pandas as pd
 
 from bench.core.errors import UsageError
-from bench.core.results import CASE_KEY, read_results_file
+from bench.core.results import CASE_KEY, Status, read_results_file
 from bench.run.isolation import RunOptions
 
-FINISHED = ("ok", "oom", "unsupported")
+FINISHED = tuple(status.value for status in (Status.OK, Status.OOM, Status.UNSUPPORTED, Status.TIMEOUT))
 
 
 @dataclass
