@@ -162,7 +162,7 @@ def _run_suite(args, suite: Suite, device: str, options: RunOptions, overrides: 
         if device == "cpu":
             limit = options.case_timeout_s and min(options.case_timeout_s, PREFLIGHT_LIMIT_S)
             preflight.check_memory(cases, _bounded(limit, _meta_baseline_peak))
-        announce(cases, out_path, bool(args.resume))
+        announce(cases, out_path, bool(args.resume), quick_overridden_by(args))
         interrupt.set_note(interrupt.resume_note(out_path) if args.resume else
                            f"interrupted before the first case finished: nothing was written (the results would "
                            f"have gone to {out_path})")
@@ -177,6 +177,15 @@ def _run_suite(args, suite: Suite, device: str, options: RunOptions, overrides: 
             rows = run_cases(cases, out_path, progress=on_case, options=options, previous_rows=previous,
                              run_id=run_id, executor=executor)
     return to_frame(rows), out_path
+
+
+def quick_overridden_by(args) -> tuple[str, ...]:
+    """The adaptive-timing options given beside --quick: they win over its 3 fixed steps (bench.run.suite)."""
+    if not getattr(args, "quick", False):
+        return ()
+    given = (("--min-steps", args.min_steps), ("--max-time-per-case", args.max_time_per_case),
+             ("--target-ci", args.target_ci))
+    return tuple(option for option, value in given if value is not None)
 
 
 def apply_memory_limit(limit: str | None, device: str) -> float | None:
