@@ -48,6 +48,8 @@ def cmd_compare(args) -> int:
 
 def _run_and_print(args, strategies: list[str] | None) -> int:
     """`run` and `compare`: the suite with the command line's values over it, run into a CSV, then the table."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError(preflight.no_cuda_message(torch.__version__, torch.version.cuda, _python()))
     device = env.resolve_device(args.device)
     fraction = apply_memory_limit(getattr(args, "memory_limit", None), device)
     overrides = _suite_overrides(args, strategies)
@@ -55,6 +57,15 @@ def _run_and_print(args, strategies: list[str] | None) -> int:
     options = _run_options(args, device, suite, fraction)
     frame, path = _run_suite(args, suite, device, options, overrides)
     return finish_run(frame, path)
+
+
+def _python() -> str:
+    """This Python as a user would type it: relative where it lives below the current folder (.venv/bin/python)."""
+    executable = Path(sys.executable)
+    try:
+        return str(executable.relative_to(Path.cwd()))
+    except ValueError:
+        return str(executable)
 
 
 def _suite_overrides(args, strategies: list[str] | None) -> SuiteOverrides:
