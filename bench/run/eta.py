@@ -86,7 +86,7 @@ def first_case_note(case: Case, step_seconds: Callable[[int], float]) -> tuple[s
     low = case_steps(case, step_s) * step_s
     high = low * FIRST_STEPS_FACTOR
     text = (f"the first case ({case.label()}) will take about {duration(low)} to {duration(high)} (a step at batch "
-            f"{case.batch_size} calibrated at {step_s:.2f} s here)")
+            f"{case.batch_size} calibrated at {step_s * 1e3:.1f} ms here)")
     if high <= 60:
         return text, False
     quick = replace(case, batch_size=min(case.batch_size, 8), warmup=1, steps=3)
