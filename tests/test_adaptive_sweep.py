@@ -116,3 +116,19 @@ def test_the_table_says_which_times_are_emulated(monkeypatch):
     assert [row["emulated_16bit"] for row in rows] == [False, True, False]
     table = format_table(results.to_frame(rows))
     assert table.splitlines()[-1].startswith("amp: 16-bit autocast that this CPU emulates in float32")
+
+
+def test_the_header_says_how_long_the_first_case_takes_and_how_to_be_quicker():
+    """A CPU sweep's header gives the first case's duration from a calibrated step time, and --quick --batch-size 8
+    where that may be over a minute (issue 25 §2: a first result within a minute)."""
+    measured = {4: 0.086, 8: 0.128}  # captcha_resnet18's baseline steps on a 2-thread Xeon, seconds
+    step_s = eta.calibrated_step_seconds(Case("captcha_resnet18", "checkpoint", "train", 100, "cpu"),
+                                         measure=lambda case: measured[case.batch_size])
+    assert step_s(4) == pytest.approx(0.086) and step_s(100) == pytest.approx(0.086 + 96 * 0.0105)
+    slow = Case("captcha_resnet18", "baseline", "train", 100, "cpu", warmup=3, steps=None, min_steps=5,
+                max_time_s=30.0)
+    text, over_a_minute = eta.first_case_note(slow, step_s)
+    assert over_a_minute and "will take about 38s to 1m17s" in text and "--quick --batch-size 8" in text
+    quick = Case(TINY, "baseline", "train", 2, "cpu", warmup=1, steps=3)
+    text, over_a_minute = eta.first_case_note(quick, lambda batch_size: 0.01)
+    assert not over_a_minute and "--quick" not in text and "about 0s to 0s" in text

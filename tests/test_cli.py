@@ -140,3 +140,34 @@ def test_every_command_that_computes_takes_threads(command, monkeypatch, tmp_pat
     assert seen == {"threads": 1, "omp": "1"}
     assert torch.get_num_threads() == before and os.environ.get("OMP_NUM_THREADS") == omp_before
     assert main([command, *args, "--threads", "4096"]) == 2
+
+
+def test_quick_with_adaptive_timing_says_which_wins_and_compare_says_how_to_draw_the_charts(tmp_path, capsys):
+    """--quick beside --max-time-per-case: one stderr line before the first case says the adaptive option wins over
+    --quick's 3 steps; the run ends with the command that draws its charts (issue 25 §2)."""
+    assert main(["compare", "--strategies", "baseline", "--workload", "deep_mlp:layers=2:width=8", "--device", "cpu",
+                 "--batch-size", "2", "--phases", "train", "--quick", "--max-time-per-case", "0.5",
+                 "--out", str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    [note] = [line for line in err.splitlines() if "--quick" in line]
+    assert "--max-time-per-case wins over --quick's 3 measured steps" in note and "after 0.5 s" in note
+    assert err.index(note) < err.index("[1/1]")
+    [csv] = [p for p in tmp_path.glob("*.csv") if not p.name.endswith(".timeline.csv")]
+    assert out.splitlines()[-1] == f"charts: python -m bench report {csv}"
+    assert main(["compare", "--strategies", "baseline", "--workload", "deep_mlp:layers=2:width=8", "--device", "cpu",
+                 "--batch-size", "2", "--phases", "train", "--quick", "--out", str(tmp_path)]) == 0
+    assert "wins over --quick" not in capsys.readouterr().err
+
+
+def test_cuda_without_gpu_says_how_to_install_a_cuda_build(monkeypatch, capsys):
+    """`make bench DEVICE=cuda` on a machine without a GPU: one line, exit 2, and with a CPU-only torch the pip
+    command for PyPI's CUDA build of the same release (issue 25 §2)."""
+    from bench.run.preflight import no_cuda_message
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert main(["run", "--suite", str(ROOT / "bench" / "suites" / "default.yaml"), "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no CUDA device" in err and "-m pip install 'torch===" in err
+    assert "pip install 'torch===2.13.0'" in no_cuda_message("2.13.0+cpu", None)
+    assert "nvidia-smi" in no_cuda_message("2.13.0+cu128", "12.8") and "pip" not in no_cuda_message("2.13.0", "12.8")

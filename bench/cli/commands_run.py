@@ -20,7 +20,7 @@ from bench.core.results import new_run_id, to_frame
 from bench.core.units import fraction_or_size
 from bench.measure import env
 from bench.run import preflight
-from bench.run.eta import EMULATED_SLOWDOWN, sweep_estimate
+from bench.run.eta import EMULATED_SLOWDOWN, calibrated_step_seconds, first_case_note, sweep_estimate
 from bench.run.isolation import RunOptions
 from bench.run.ray_executor import RayExecutor, import_ray
 from bench.run.resume import load_resume
@@ -48,6 +48,8 @@ def cmd_compare(args) -> int:
 
 def _run_and_print(args, strategies: list[str] | None) -> int:
     """`run` and `compare`: the suite with the command line's values over it, run into a CSV, then the table."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError(preflight.no_cuda_message(torch.__version__, torch.version.cuda, _python()))
     device = env.resolve_device(args.device)
     fraction = apply_memory_limit(getattr(args, "memory_limit", None), device)
     overrides = _suite_overrides(args, strategies)
@@ -55,6 +57,15 @@ def _run_and_print(args, strategies: list[str] | None) -> int:
     options = _run_options(args, device, suite, fraction)
     frame, path = _run_suite(args, suite, device, options, overrides)
     return finish_run(frame, path)
+
+
+def _python() -> str:
+    """This Python as a user would type it: relative where it lives below the current folder (.venv/bin/python)."""
+    executable = Path(sys.executable)
+    try:
+        return str(executable.relative_to(Path.cwd()))
+    except ValueError:
+        return str(executable)
 
 
 def _suite_overrides(args, strategies: list[str] | None) -> SuiteOverrides:
@@ -162,7 +173,7 @@ def _run_suite(args, suite: Suite, device: str, options: RunOptions, overrides: 
         if device == "cpu":
             limit = options.case_timeout_s and min(options.case_timeout_s, PREFLIGHT_LIMIT_S)
             preflight.check_memory(cases, _bounded(limit, _meta_baseline_peak))
-        announce(cases, out_path, bool(args.resume))
+        announce(cases, out_path, bool(args.resume), quick_overridden_by(args), _first_case_note(cases))
         interrupt.set_note(interrupt.resume_note(out_path) if args.resume else
                            f"interrupted before the first case finished: nothing was written (the results would "
                            f"have gone to {out_path})")
@@ -177,6 +188,26 @@ def _run_suite(args, suite: Suite, device: str, options: RunOptions, overrides: 
             rows = run_cases(cases, out_path, progress=on_case, options=options, previous_rows=previous,
                              run_id=run_id, executor=executor)
     return to_frame(rows), out_path
+
+
+def _first_case_note(cases: list[Case]) -> str | None:
+    """On the CPU: how long the first case will take, from two real baseline steps at small batches (a second or
+    so); None where that calibration fails (the case's own row will say why)."""
+    if not cases or cases[0].device != "cpu":
+        return None
+    try:
+        return first_case_note(cases[0], calibrated_step_seconds(cases[0]))[0]
+    except Exception:  # noqa: BLE001 - an estimate only: the case runs and fails as a row of its own
+        return None
+
+
+def quick_overridden_by(args) -> tuple[str, ...]:
+    """The adaptive-timing options given beside --quick: they win over its 3 fixed steps (bench.run.suite)."""
+    if not getattr(args, "quick", False):
+        return ()
+    given = (("--min-steps", args.min_steps), ("--max-time-per-case", args.max_time_per_case),
+             ("--target-ci", args.target_ci))
+    return tuple(option for option, value in given if value is not None)
 
 
 def apply_memory_limit(limit: str | None, device: str) -> float | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -29,6 +30,7 @@ def finish_run(frame, path: Path) -> int:
         print(f"error: no case succeeded ({counts or 'no rows'}); the message column of {path} says why",
               file=sys.stderr)
         return 1
+    print(f"charts: python -m bench report {shlex.quote(str(path))}")
     return 0
 
 
@@ -201,8 +203,11 @@ class Progress:
 
 
 
-def announce(cases, out_path: Path, resumed: bool) -> None:
-    """Before the first case: how many cases, how many steps each, where the results go, and how to be quick."""
+def announce(cases, out_path: Path, resumed: bool, quick_with: tuple[str, ...] = (),
+             first_case: str | None = None) -> None:
+    """Before the first case: how many cases, how many steps each, where the results go, and how to be quick.
+    `quick_with`: the adaptive-timing options given beside --quick, which replace its 3 fixed measured steps;
+    `first_case`: how long the first case will take (bench.run.eta.first_case_note), if known."""
     if not cases:
         print(f"nothing left to run in {out_path}", file=sys.stderr, flush=True)
         return
@@ -211,7 +216,14 @@ def announce(cases, out_path: Path, resumed: bool) -> None:
     print(f"{'resuming' if resumed else 'running'} {len(cases)} case(s) of {', '.join(workloads)} on "
           f"{cases[0].device}, {per_case} (plus a verification and a memory pass), into "
           f"{out_path}", file=sys.stderr, flush=True)
-    if cases[0].device == "cpu" and any((c.steps or c.min_steps) > 3 or c.warmup > 1 for c in cases):
+    if quick_with:
+        print(f"  note: {' and '.join(quick_with)} win{'s' if len(quick_with) == 1 else ''} over --quick's 3 "
+              f"measured steps: {timing_text(cases[0])}; drop {' and '.join(quick_with)} for --quick's 3 steps",
+              file=sys.stderr, flush=True)
+    if first_case:
+        print(f"  {first_case}", file=sys.stderr, flush=True)
+    elif not quick_with and cases[0].device == "cpu" and any((c.steps or c.min_steps) > 3 or c.warmup > 1
+                                                             for c in cases):
         print("  a CPU step at a full batch can take seconds: --quick (1 warm-up + 3 measured steps) or a "
               "smaller --batch-size gives a first look in minutes; the time left is shown after each case",
               file=sys.stderr, flush=True)

@@ -9,9 +9,11 @@ step time times the slowdown such emulation showed on the reference machine.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Callable
 
 from bench.measure import env
+from bench.run.passes import step_times
 from bench.run.runner import Case, MEMORY_GROWTH_STEPS, MEMORY_WARMUP_STEPS, autocast_dtype, bind_case
 
 # bfloat16 autocast emulated on a CPU without bfloat16 instructions, against the float32 baseline, 2 threads, AMD
@@ -46,6 +48,50 @@ def emulation_warning(case: Case, dtype: str, cpu: str, baseline_step_ms: float 
         return text + "; no baseline time yet to estimate this case from"
     low, high = emulated_case_seconds(case, baseline_step_ms)
     return text + f"; this case: about {duration(low)} to {duration(high)}"
+
+
+# The batch sizes of the calibration before a CPU sweep's first case: two real baseline steps each, about a second in
+# all for captcha_resnet18 (43 ms + 10.7 ms a sample on a 2-thread Xeon); a line through them gives the full batch.
+CALIBRATION_BATCHES = (4, 8)
+# The first steps of a case (verification, warm-up, the memory pass's) run slower than the steady step the line
+# predicts (first touches of the batch's memory): captcha_resnet18 at batch 100 on the CPU took 57 s against the
+# 39 s of its steady steps. The estimate is given as a range up to this factor.
+FIRST_STEPS_FACTOR = 2.0
+# The form a note suggests for a first row within a minute on the CPU
+QUICK_FORM = "--quick --batch-size 8"
+
+
+def calibrated_step_seconds(case: Case, measure: Callable[[Case], float] | None = None) -> Callable[[int], float]:
+    """Seconds per steady step of `case`'s baseline as a function of the batch size: a line through two real
+    steps at each of CALIBRATION_BATCHES (`measure(case)`: a case's median step in seconds; default a timing pass).
+
+    Limitations: a line through small batches misses cache effects at large ones (a quarter low at batch 100)."""
+    measure = measure or _median_step_seconds
+    low, high = CALIBRATION_BATCHES
+    at = {bs: measure(replace(case, strategy="baseline", batch_size=bs, warmup=1, steps=2, min_steps=1))
+          for bs in (low, high)}
+    per_sample = max((at[high] - at[low]) / (high - low), 0.0)
+    return lambda batch_size: max(at[low] + per_sample * (batch_size - low), 1e-6)
+
+
+def _median_step_seconds(case: Case) -> float:
+    times = sorted(step_times(case, bind_case(case)[0]).times_ms)
+    return times[len(times) // 2] / 1e3
+
+
+def first_case_note(case: Case, step_seconds: Callable[[int], float]) -> tuple[str, bool]:
+    """The header's line on how long the first case will take (`step_seconds(batch)`: calibrated_step_seconds'),
+    and whether that may be over a minute (then the line also gives QUICK_FORM and how long it would take)."""
+    step_s = step_seconds(case.batch_size)
+    low = case_steps(case, step_s) * step_s
+    high = low * FIRST_STEPS_FACTOR
+    text = (f"the first case ({case.label()}) will take about {duration(low)} to {duration(high)} (a step at batch "
+            f"{case.batch_size} calibrated at {step_s * 1e3:.1f} ms here)")
+    if high <= 60:
+        return text, False
+    quick = replace(case, batch_size=min(case.batch_size, 8), warmup=1, steps=3)
+    quick_s = case_steps(quick, step_seconds(quick.batch_size)) * step_seconds(quick.batch_size) * FIRST_STEPS_FACTOR
+    return text + f"; {QUICK_FORM} gives a first row after about {duration(quick_s)} of steps", True
 
 
 def duration(seconds: float) -> str:

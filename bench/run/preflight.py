@@ -45,6 +45,18 @@ def check_choice(kind: str, value: str, choices: Sequence[str], option: str | No
     return value
 
 
+def no_cuda_message(torch_version: str, cuda_build: str | None, python: str = "python") -> str:
+    """The one line for `--device cuda` where torch sees no CUDA device: with a CPU-only build of torch, how to
+    install PyPI's CUDA build of the same version (the `===` exact match: `==` would keep the local `+cpu` one)."""
+    if cuda_build:
+        return (f"--device cuda: torch {torch_version} is a CUDA {cuda_build} build but sees no CUDA device (no GPU, "
+                "or no driver: check nvidia-smi); valid choices here: auto, cpu")
+    release = torch_version.split("+")[0]
+    return (f"--device cuda: there is no CUDA device, and torch {torch_version} is a CPU-only build; on a machine "
+            f"with an NVIDIA GPU install a CUDA build with `{python} -m pip install 'torch==={release}'` (PyPI's "
+            "Linux x86_64 wheel; or --index-url https://download.pytorch.org/whl/<cuda version>)")
+
+
 def parse_batch_sizes(text: str, option: str = "--batch-size") -> list[int]:
     """`100` or `25,50,100` -> positive integers; anything else is a UsageError naming the bad part."""
     sizes = []
