@@ -933,3 +933,41 @@ def test_a_model_that_never_returns_is_a_timeout_row_and_the_sweep_goes_on(tmp_p
 def test_a_case_timeout_in_this_process_is_refused_in_one_line():
     done = _main("run", "--strategies", "baseline", *TINY, "--case-timeout", "5")  # TINY says --no-isolate
     _one_line_exit_2(done, "--case-timeout 5", "--no-isolate")
+
+
+# --- a hand-edited results file: judged by the one validator, the same way by report and --resume (issue 24 §3) ---
+
+def _edited(tmp_path, edit: str) -> Path:
+    """The reference run with one hand edit: text in a number cell, a word in a True/False cell, a renamed column."""
+    frame = pd.read_csv(REFERENCE_CSV, dtype=str, keep_default_na=False)
+    if edit == "renamed":
+        frame = frame.rename(columns={"peak_mem_bytes": "peak_mem"})
+    else:
+        column, value = edit.split("=")
+        frame[column] = frame[column].astype(object)
+        frame.loc[2, column] = value
+    path = tmp_path / "edited.csv"
+    frame.to_csv(path, index=False)
+    return path
+
+
+@pytest.mark.parametrize("command", ["report", "resume"])
+@pytest.mark.parametrize("edit, names", [
+    ("peak_mem_bytes=abc", ["row 3", "'peak_mem_bytes'", "'abc'"]),
+    ("batch_size=big", ["row 3", "'batch_size'", "'big'"]),  # the report dropped this row without a word
+    ("step_time_ms_median=fast", ["row 3", "'step_time_ms_median'", "'fast'"]),
+    ("matches_baseline=maybe", ["row 3", "'matches_baseline'", "'maybe'"]),
+    ("renamed", ["no column 'peak_mem_bytes'", "'peak_mem'"]),
+])
+def test_a_hand_edited_results_file_is_one_line_naming_the_row_and_column_for_report_and_resume(
+        tmp_path, command, edit, names):
+    path = _edited(tmp_path, edit)
+    before = path.read_bytes()
+    if command == "report":
+        done = _cli("report", path, "--out", tmp_path / "report")
+        assert not (tmp_path / "report" / "REPORT.md").exists()
+    else:
+        done = _cli("compare", "--strategies", "baseline", *TINY, "--resume", path)
+    _one_line_exit_2(done, str(path), *names)
+    assert ("cannot report on" if command == "report" else "cannot resume") in done.stderr
+    assert path.read_bytes() == before
