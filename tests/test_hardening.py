@@ -971,3 +971,45 @@ def test_a_hand_edited_results_file_is_one_line_naming_the_row_and_column_for_re
     _one_line_exit_2(done, str(path), *names)
     assert ("cannot report on" if command == "report" else "cannot resume") in done.stderr
     assert path.read_bytes() == before
+
+
+# --- a full disk while writing the results (issue 24 §3) -----------------------------------------------------
+
+FILE_SIZE_LIMIT = textwrap.dedent('''
+    """`python limit.py BYTES ARGS...`: `python -m bench ARGS...` under a file-size limit (as a full disk fails)."""
+    import resource, runpy, sys
+    limit = int(sys.argv[1])
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    sys.argv = ["bench", *sys.argv[2:]]
+    runpy.run_module("bench", run_name="__main__", alter_sys=True)
+''')
+
+
+def _under_size_limit(tmp_path, limit: int, *args) -> subprocess.CompletedProcess:
+    script = tmp_path / "limit.py"
+    script.write_text(FILE_SIZE_LIMIT, encoding="utf-8")
+    return subprocess.run([sys.executable, str(script), str(limit), *map(str, args)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_a_full_disk_while_writing_the_results_says_the_file_is_whole_and_how_to_resume(tmp_path):
+    """The resumed run's second row makes the file larger than the limit: one line, exit 1, that says the file is
+    still valid (the write is atomic) and gives the exact `--resume` command; the file is byte for byte the same."""
+    csv = _a_run(tmp_path)
+    before = csv.read_bytes()
+    args = ["compare", "--strategies", "baseline,del_intermediates", *TINY, "--resume", csv]
+    done = _under_size_limit(tmp_path, len(before) + 50, *args)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    [line] = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert f"{csv} is still a valid results file" in line and "File too large" in line, line
+    assert line.endswith(f"-m bench {' '.join(map(str, args))}"), line
+    assert csv.read_bytes() == before
+    assert sorted(p.name for p in csv.parent.iterdir()) == [csv.name]  # no temporary file left behind
+
+
+def test_a_full_disk_at_the_first_write_says_nothing_was_written(tmp_path):
+    done = _under_size_limit(tmp_path, 500, "compare", "--strategies", "baseline", *TINY, "--out", tmp_path / "out")
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    [line] = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert "nothing was written" in line and "--resume" not in line, line
+    assert not [p for p in (tmp_path / "out").iterdir() if p.suffix == ".csv" or p.name.endswith(".tmp")]

@@ -15,6 +15,7 @@ from bench.cli import interrupt
 from bench.cli.arguments import DEFAULT_ISOLATED_CASE_TIMEOUT_S, EXECUTORS, csv_list, size_option
 from bench.cli.console import Progress, announce, finish_run
 from bench.core import progress
+from bench.core.atomic import WriteFailed
 from bench.core.errors import UsageError
 from bench.core.results import new_run_id, to_frame
 from bench.core.units import fraction_or_size
@@ -53,8 +54,27 @@ def _run_and_print(args, strategies: list[str] | None) -> int:
     overrides = _suite_overrides(args, strategies)
     suite = suite_for_command_line(getattr(args, "suite", None), device, overrides)
     options = _run_options(args, device, suite, fraction)
-    frame, path = _run_suite(args, suite, device, options, overrides)
+    try:
+        frame, path = _run_suite(args, suite, device, options, overrides)
+    except WriteFailed as error:
+        print(f"error: {write_failed_line(error)}", file=sys.stderr)
+        return 1
     return finish_run(frame, path)
+
+
+def write_failed_line(error: WriteFailed) -> str:
+    """What a run says when writing its results failed (a full disk, a file-size limit): the write is atomic, so
+    the results file is the last one written whole (or absent), and the `--resume` command that finishes the run."""
+    results = Path(_state["out_path"] or error.path)
+    done = f"could not write {error.path} ({error.strerror})"
+    if not results.is_file():
+        return f"{done}: nothing was written; make room and run again"
+    return (f"{done}; {results} is still a valid results file, with every case written before (each write replaces "
+            f"it whole or not at all); make room, then run the rest: {interrupt.resume_command(results)}")
+
+
+# the results file of the run under way, for write_failed_line
+_state: dict = {"out_path": None}
 
 
 def _suite_overrides(args, strategies: list[str] | None) -> SuiteOverrides:
@@ -152,6 +172,7 @@ def _run_suite(args, suite: Suite, device: str, options: RunOptions, overrides: 
     preflight.check_cases(cases, bind_case)
     previous, run_id = None, None
     out_path = _output_path(args, device)
+    _state["out_path"] = out_path
     with preflight.RunLock(out_path):
         if args.resume:
             resumed = load_resume(args.resume, cases, options)  # read under the lock: another run may have written it

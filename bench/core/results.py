@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 import secrets
-import tempfile
 from datetime import datetime, timezone
 from enum import Enum
 from pathlib import Path
 
 import pandas as pd
 
+from bench.core.atomic import atomic_path
 from bench.core.errors import UsageError
 from bench.core.schema import Row, Table, columns
 
@@ -205,22 +205,15 @@ def to_frame(rows: list[dict]) -> pd.DataFrame:
 
 
 def write_csv_atomic(frame: pd.DataFrame, path: Path) -> None:
-    """Writes to a temporary file in the same folder, then renames it over `path`: never a half-written CSV."""
+    """Writes to a temporary file in the same folder, then renames it over `path`: never a half-written CSV. A write
+    that fails (a full disk) raises WriteFailed and leaves the previous file whole."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes the file private; a results file is as readable as any other
-    try:
-        with os.fdopen(fd, "w", newline="") as f:
+    with atomic_path(path) as tmp:
+        with open(tmp, "w", newline="") as f:
             frame.to_csv(f, index=False)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def write_rows(rows: list[dict], path: Path) -> pd.DataFrame:
