@@ -1013,3 +1013,18 @@ def test_a_full_disk_at_the_first_write_says_nothing_was_written(tmp_path):
     [line] = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert "nothing was written" in line and "--resume" not in line, line
     assert not [p for p in (tmp_path / "out").iterdir() if p.suffix == ".csv" or p.name.endswith(".tmp")]
+
+
+def test_resume_through_a_symbolic_link_writes_to_its_target_and_keeps_the_link(tmp_path):
+    """The atomic rename would replace the link with a regular file: the run writes through to the link's target
+    instead, and says so in one line (issue 24 §3, "Files")."""
+    target = _a_run(tmp_path)
+    frame = results.read_results(target)
+    link = tmp_path / "latest.csv"
+    link.symlink_to(target)
+    done = _cli("compare", "--strategies", "baseline,del_intermediates", *TINY, "--resume", link)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"--resume {link} is a symbolic link: writing to its target {target}" in done.stderr
+    assert link.is_symlink() and link.resolve() == target
+    assert sorted(results.read_results(target)["strategy"]) == ["baseline", "del_intermediates"]
+    assert len(frame) == 1 and not list(target.parent.glob(".*.tmp"))

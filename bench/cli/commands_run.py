@@ -147,9 +147,14 @@ def _executor(args, options: RunOptions, suite: Suite):
 def _output_path(args, device: str) -> Path:
     """The results file: the one `--resume` names, or a new one under `--out`; checked writable."""
     if args.resume:
-        if not Path(args.resume).is_file():
+        path = Path(args.resume)
+        if not path.is_file():
             raise UsageError(f"--resume {str(args.resume)!r}: no such results file")
-        return preflight.check_output_file(args.resume, "--resume")
+        if path.is_symlink():  # the atomic rename would replace the link with a regular file: write through it
+            path = path.resolve()
+            print(f"--resume {args.resume} is a symbolic link: writing to its target {path} (the link stays)",
+                  file=sys.stderr)
+        return preflight.check_output_file(path, "--resume")
     return preflight.check_output_dir(args.out, "--out") / f"{new_run_id(device)}.csv"
 
 
@@ -175,7 +180,7 @@ def _run_suite(args, suite: Suite, device: str, options: RunOptions, overrides: 
     _state["out_path"] = out_path
     with preflight.RunLock(out_path):
         if args.resume:
-            resumed = load_resume(args.resume, cases, options)  # read under the lock: another run may have written it
+            resumed = load_resume(out_path, cases, options)  # read under the lock: another run may have written it
             previous, run_id = resumed.rows, resumed.run_id
             print(f"resuming {out_path}: {len(previous)} finished, {len(resumed.remaining)} to run",
                   file=sys.stderr, flush=True)
