@@ -1028,3 +1028,39 @@ def test_resume_through_a_symbolic_link_writes_to_its_target_and_keeps_the_link(
     assert link.is_symlink() and link.resolve() == target
     assert sorted(results.read_results(target)["strategy"]) == ["baseline", "del_intermediates"]
     assert len(frame) == 1 and not list(target.parent.glob(".*.tmp"))
+
+
+# --- Ray addresses (issue 24 §3): named in one line, before anything starts; no cluster is started here -----------
+
+@pytest.mark.parametrize("address", ["garbage", "head:", "head:port", "ray://head", "http://head:6379", "head:99999",
+                                     "ray://:10001", "a b:6379"])
+def test_a_ray_address_of_no_valid_form_is_one_line_naming_the_forms(address):
+    done = _cli("compare", "--strategies", "baseline", *TINY[:-1], "--executor", "ray", "--ray-address", address,
+                timeout=60)
+    _one_line_exit_2(done, repr(address), "auto", "host:port", "ray://host:port")
+
+
+def test_a_ray_client_address_without_the_client_package_is_one_line():
+    import importlib.util
+
+    if importlib.util.find_spec("grpc") is not None:
+        pytest.skip("the Ray client's package (grpcio) is installed here")
+    done = _cli("compare", "--strategies", "baseline", *TINY[:-1], "--executor", "ray", "--ray-address",
+                "ray://127.0.0.1:10001", timeout=60)
+    _one_line_exit_2(done, "ray://127.0.0.1:10001", "ray[client]")
+
+
+def test_a_ray_address_where_nothing_answers_is_one_line_within_seconds():
+    """A port on this machine that nothing listens on (bound, never listening): refused at once, not after Ray's
+    30 s of retries."""
+    pytest.importorskip("ray")
+    import socket
+
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{unused.getsockname()[1]}"
+        started = time.monotonic()
+        done = _cli("compare", "--strategies", "baseline", *TINY[:-1], "--executor", "ray", "--ray-address", address,
+                    timeout=60)
+    _one_line_exit_2(done, address, "cannot reach")
+    assert time.monotonic() - started < 20

@@ -23,7 +23,7 @@ from bench.measure import env
 from bench.run import preflight
 from bench.run.eta import EMULATED_SLOWDOWN, sweep_estimate
 from bench.run.isolation import RunOptions
-from bench.run.ray_executor import RayExecutor, import_ray
+from bench.run.ray_executor import RayExecutor, check_address, import_ray, probe_address
 from bench.run.resume import load_resume
 from bench.run.runner import Case, bind_case, local_executor, run_cases
 from bench.run.suite import Suite, SuiteOverrides, suite_for_command_line
@@ -140,8 +140,14 @@ def _executor(args, options: RunOptions, suite: Suite):
         if args.ray_address:
             raise UsageError("--ray-address needs --executor ray")
         return local_executor
+    address = args.ray_address or suite.ray_address
+    option = "--ray-address" if args.ray_address else "the suite's ray_address"
+    if address:
+        check_address(address, option)  # its form first: a typo is named before Ray is even imported
     import_ray()  # a missing package is an error before any case
-    return RayExecutor(args.ray_address or suite.ray_address)
+    if address:
+        probe_address(address, option)  # seconds, not Ray's retries, to learn that nothing answers there
+    return RayExecutor(address)
 
 
 def _output_path(args, device: str) -> Path:
