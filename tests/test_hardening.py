@@ -933,3 +933,134 @@ def test_a_model_that_never_returns_is_a_timeout_row_and_the_sweep_goes_on(tmp_p
 def test_a_case_timeout_in_this_process_is_refused_in_one_line():
     done = _main("run", "--strategies", "baseline", *TINY, "--case-timeout", "5")  # TINY says --no-isolate
     _one_line_exit_2(done, "--case-timeout 5", "--no-isolate")
+
+
+# --- a hand-edited results file: judged by the one validator, the same way by report and --resume (issue 24 §3) ---
+
+def _edited(tmp_path, edit: str) -> Path:
+    """The reference run with one hand edit: text in a number cell, a word in a True/False cell, a renamed column."""
+    frame = pd.read_csv(REFERENCE_CSV, dtype=str, keep_default_na=False)
+    if edit == "renamed":
+        frame = frame.rename(columns={"peak_mem_bytes": "peak_mem"})
+    else:
+        column, value = edit.split("=")
+        frame[column] = frame[column].astype(object)
+        frame.loc[2, column] = value
+    path = tmp_path / "edited.csv"
+    frame.to_csv(path, index=False)
+    return path
+
+
+@pytest.mark.parametrize("command", ["report", "resume"])
+@pytest.mark.parametrize("edit, names", [
+    ("peak_mem_bytes=abc", ["row 3", "'peak_mem_bytes'", "'abc'"]),
+    ("batch_size=big", ["row 3", "'batch_size'", "'big'"]),  # the report dropped this row without a word
+    ("step_time_ms_median=fast", ["row 3", "'step_time_ms_median'", "'fast'"]),
+    ("matches_baseline=maybe", ["row 3", "'matches_baseline'", "'maybe'"]),
+    ("renamed", ["no column 'peak_mem_bytes'", "'peak_mem'"]),
+])
+def test_a_hand_edited_results_file_is_one_line_naming_the_row_and_column_for_report_and_resume(
+        tmp_path, command, edit, names):
+    path = _edited(tmp_path, edit)
+    before = path.read_bytes()
+    if command == "report":
+        done = _cli("report", path, "--out", tmp_path / "report")
+        assert not (tmp_path / "report" / "REPORT.md").exists()
+    else:
+        done = _cli("compare", "--strategies", "baseline", *TINY, "--resume", path)
+    _one_line_exit_2(done, str(path), *names)
+    assert ("cannot report on" if command == "report" else "cannot resume") in done.stderr
+    assert path.read_bytes() == before
+
+
+# --- a full disk while writing the results (issue 24 §3) -----------------------------------------------------
+
+FILE_SIZE_LIMIT = textwrap.dedent('''
+    """`python limit.py BYTES ARGS...`: `python -m bench ARGS...` under a file-size limit (as a full disk fails)."""
+    import resource, runpy, sys
+    limit = int(sys.argv[1])
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    sys.argv = ["bench", *sys.argv[2:]]
+    runpy.run_module("bench", run_name="__main__", alter_sys=True)
+''')
+
+
+def _under_size_limit(tmp_path, limit: int, *args) -> subprocess.CompletedProcess:
+    script = tmp_path / "limit.py"
+    script.write_text(FILE_SIZE_LIMIT, encoding="utf-8")
+    return subprocess.run([sys.executable, str(script), str(limit), *map(str, args)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_a_full_disk_while_writing_the_results_says_the_file_is_whole_and_how_to_resume(tmp_path):
+    """The resumed run's second row makes the file larger than the limit: one line, exit 1, that says the file is
+    still valid (the write is atomic) and gives the exact `--resume` command; the file is byte for byte the same."""
+    csv = _a_run(tmp_path)
+    before = csv.read_bytes()
+    args = ["compare", "--strategies", "baseline,del_intermediates", *TINY, "--resume", csv]
+    done = _under_size_limit(tmp_path, len(before) + 50, *args)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    [line] = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert f"{csv} is still a valid results file" in line and "File too large" in line, line
+    assert line.endswith(f"-m bench {' '.join(map(str, args))}"), line
+    assert csv.read_bytes() == before
+    assert sorted(p.name for p in csv.parent.iterdir()) == [csv.name]  # no temporary file left behind
+
+
+def test_a_full_disk_at_the_first_write_says_nothing_was_written(tmp_path):
+    done = _under_size_limit(tmp_path, 500, "compare", "--strategies", "baseline", *TINY, "--out", tmp_path / "out")
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    [line] = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert "nothing was written" in line and "--resume" not in line, line
+    assert not [p for p in (tmp_path / "out").iterdir() if p.suffix == ".csv" or p.name.endswith(".tmp")]
+
+
+def test_resume_through_a_symbolic_link_writes_to_its_target_and_keeps_the_link(tmp_path):
+    """The atomic rename would replace the link with a regular file: the run writes through to the link's target
+    instead, and says so in one line (issue 24 §3, "Files")."""
+    target = _a_run(tmp_path)
+    frame = results.read_results(target)
+    link = tmp_path / "latest.csv"
+    link.symlink_to(target)
+    done = _cli("compare", "--strategies", "baseline,del_intermediates", *TINY, "--resume", link)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"--resume {link} is a symbolic link: writing to its target {target}" in done.stderr
+    assert link.is_symlink() and link.resolve() == target
+    assert sorted(results.read_results(target)["strategy"]) == ["baseline", "del_intermediates"]
+    assert len(frame) == 1 and not list(target.parent.glob(".*.tmp"))
+
+
+# --- Ray addresses (issue 24 §3): named in one line, before anything starts; no cluster is started here -----------
+
+@pytest.mark.parametrize("address", ["garbage", "head:", "head:port", "ray://head", "http://head:6379", "head:99999",
+                                     "ray://:10001", "a b:6379"])
+def test_a_ray_address_of_no_valid_form_is_one_line_naming_the_forms(address):
+    done = _cli("compare", "--strategies", "baseline", *TINY[:-1], "--executor", "ray", "--ray-address", address,
+                timeout=60)
+    _one_line_exit_2(done, repr(address), "auto", "host:port", "ray://host:port")
+
+
+def test_a_ray_client_address_without_the_client_package_is_one_line():
+    import importlib.util
+
+    if importlib.util.find_spec("grpc") is not None:
+        pytest.skip("the Ray client's package (grpcio) is installed here")
+    done = _cli("compare", "--strategies", "baseline", *TINY[:-1], "--executor", "ray", "--ray-address",
+                "ray://127.0.0.1:10001", timeout=60)
+    _one_line_exit_2(done, "ray://127.0.0.1:10001", "ray[client]")
+
+
+def test_a_ray_address_where_nothing_answers_is_one_line_within_seconds():
+    """A port on this machine that nothing listens on (bound, never listening): refused at once, not after Ray's
+    30 s of retries."""
+    pytest.importorskip("ray")
+    import socket
+
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{unused.getsockname()[1]}"
+        started = time.monotonic()
+        done = _cli("compare", "--strategies", "baseline", *TINY[:-1], "--executor", "ray", "--ray-address", address,
+                    timeout=60)
+    _one_line_exit_2(done, address, "cannot reach")
+    assert time.monotonic() - started < 20

@@ -15,6 +15,7 @@ from bench.cli import interrupt
 from bench.cli.arguments import DEFAULT_ISOLATED_CASE_TIMEOUT_S, EXECUTORS, csv_list, size_option
 from bench.cli.console import Progress, announce, finish_run
 from bench.core import progress
+from bench.core.atomic import WriteFailed
 from bench.core.errors import UsageError
 from bench.core.results import new_run_id, to_frame
 from bench.core.units import fraction_or_size
@@ -22,7 +23,7 @@ from bench.measure import env
 from bench.run import preflight
 from bench.run.eta import EMULATED_SLOWDOWN, calibrated_step_seconds, first_case_note, sweep_estimate
 from bench.run.isolation import RunOptions
-from bench.run.ray_executor import RayExecutor, import_ray
+from bench.run.ray_executor import RayExecutor, check_address, import_ray, probe_address
 from bench.run.resume import load_resume
 from bench.run.runner import Case, bind_case, local_executor, run_cases
 from bench.run.suite import Suite, SuiteOverrides, suite_for_command_line
@@ -55,7 +56,11 @@ def _run_and_print(args, strategies: list[str] | None) -> int:
     overrides = _suite_overrides(args, strategies)
     suite = suite_for_command_line(getattr(args, "suite", None), device, overrides)
     options = _run_options(args, device, suite, fraction)
-    frame, path = _run_suite(args, suite, device, options, overrides)
+    try:
+        frame, path = _run_suite(args, suite, device, options, overrides)
+    except WriteFailed as error:
+        print(f"error: {write_failed_line(error)}", file=sys.stderr)
+        return 1
     return finish_run(frame, path)
 
 
@@ -66,6 +71,21 @@ def _python() -> str:
         return str(executable.relative_to(Path.cwd()))
     except ValueError:
         return str(executable)
+
+
+def write_failed_line(error: WriteFailed) -> str:
+    """What a run says when writing its results failed (a full disk, a file-size limit): the write is atomic, so
+    the results file is the last one written whole (or absent), and the `--resume` command that finishes the run."""
+    results = Path(_state["out_path"] or error.path)
+    done = f"could not write {error.path} ({error.strerror})"
+    if not results.is_file():
+        return f"{done}: nothing was written; make room and run again"
+    return (f"{done}; {results} is still a valid results file, with every case written before (each write replaces "
+            f"it whole or not at all); make room, then run the rest: {interrupt.resume_command(results)}")
+
+
+# the results file of the run under way, for write_failed_line
+_state: dict = {"out_path": None}
 
 
 def _suite_overrides(args, strategies: list[str] | None) -> SuiteOverrides:
@@ -131,16 +151,27 @@ def _executor(args, options: RunOptions, suite: Suite):
         if args.ray_address:
             raise UsageError("--ray-address needs --executor ray")
         return local_executor
+    address = args.ray_address or suite.ray_address
+    option = "--ray-address" if args.ray_address else "the suite's ray_address"
+    if address:
+        check_address(address, option)  # its form first: a typo is named before Ray is even imported
     import_ray()  # a missing package is an error before any case
-    return RayExecutor(args.ray_address or suite.ray_address)
+    if address:
+        probe_address(address, option)  # seconds, not Ray's retries, to learn that nothing answers there
+    return RayExecutor(address)
 
 
 def _output_path(args, device: str) -> Path:
     """The results file: the one `--resume` names, or a new one under `--out`; checked writable."""
     if args.resume:
-        if not Path(args.resume).is_file():
+        path = Path(args.resume)
+        if not path.is_file():
             raise UsageError(f"--resume {str(args.resume)!r}: no such results file")
-        return preflight.check_output_file(args.resume, "--resume")
+        if path.is_symlink():  # the atomic rename would replace the link with a regular file: write through it
+            path = path.resolve()
+            print(f"--resume {args.resume} is a symbolic link: writing to its target {path} (the link stays)",
+                  file=sys.stderr)
+        return preflight.check_output_file(path, "--resume")
     return preflight.check_output_dir(args.out, "--out") / f"{new_run_id(device)}.csv"
 
 
@@ -163,9 +194,10 @@ def _run_suite(args, suite: Suite, device: str, options: RunOptions, overrides: 
     preflight.check_cases(cases, bind_case)
     previous, run_id = None, None
     out_path = _output_path(args, device)
+    _state["out_path"] = out_path
     with preflight.RunLock(out_path):
         if args.resume:
-            resumed = load_resume(args.resume, cases, options)  # read under the lock: another run may have written it
+            resumed = load_resume(out_path, cases, options)  # read under the lock: another run may have written it
             previous, run_id = resumed.rows, resumed.run_id
             print(f"resuming {out_path}: {len(previous)} finished, {len(resumed.remaining)} to run",
                   file=sys.stderr, flush=True)

@@ -10,21 +10,35 @@ from pathlib import Path
 from typing import Iterator
 
 
+class WriteFailed(OSError):
+    """An atomic write of `path` that failed (a full disk, a file-size limit, a quota): the temporary file is removed
+    and `path` is as it was before -- the previous file whole, or no file."""
+
+    def __init__(self, path: Path, error: OSError):
+        super().__init__(error.errno, error.strerror or str(error), str(path))
+        self.path = Path(path)
+
+
 @contextlib.contextmanager
 def atomic_path(path: Path | str) -> Iterator[Path]:
     """Yields a temporary path in `path`'s folder to write to; on success it replaces `path` (with the permissions
-    of a new file), on an exception it is removed and `path` is left as it was."""
+    of a new file), on an exception it is removed and `path` is left as it was (an OSError is raised as
+    WriteFailed, which says so)."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes the file private; ours are as readable as any other file
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        os.close(fd)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes the file private; ours are as readable as any other file
         yield Path(tmp)
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+    except BaseException as error:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        if isinstance(error, OSError) and not isinstance(error, WriteFailed):
+            raise WriteFailed(path, error) from error
         raise
 
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 import secrets
-import tempfile
 from datetime import datetime, timezone
 from enum import Enum
 from pathlib import Path
 
 import pandas as pd
 
+from bench.core.atomic import atomic_path
 from bench.core.errors import UsageError
 from bench.core.schema import Row, Table, columns
 
@@ -205,22 +205,15 @@ def to_frame(rows: list[dict]) -> pd.DataFrame:
 
 
 def write_csv_atomic(frame: pd.DataFrame, path: Path) -> None:
-    """Writes to a temporary file in the same folder, then renames it over `path`: never a half-written CSV."""
+    """Writes to a temporary file in the same folder, then renames it over `path`: never a half-written CSV. A write
+    that fails (a full disk) raises WriteFailed and leaves the previous file whole."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes the file private; a results file is as readable as any other
-    try:
-        with os.fdopen(fd, "w", newline="") as f:
+    with atomic_path(path) as tmp:
+        with open(tmp, "w", newline="") as f:
             frame.to_csv(f, index=False)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def write_rows(rows: list[dict], path: Path) -> pd.DataFrame:
@@ -263,10 +256,11 @@ def read_results(path: Path) -> pd.DataFrame:
     """A results CSV back as a frame, text columns as text."""
     return pd.read_csv(path, dtype={column: str for column in TEXT_COLUMNS})
 
-# Columns a results file must have to be resumed (the case key), and to be reported on (what the report draws;
-# the rest it recomputes or leaves out). The other CSVs membench writes lack some of them.
-RESUME_COLUMNS = ["run_id", "status", *CASE_KEY]
+# Columns a results file must have to be reported on (what the report draws; the rest it recomputes or leaves out),
+# and to be resumed (those, so that the rows written back keep their figures, and the whole case key). The other
+# CSVs membench writes lack some of them.
 REPORT_COLUMNS = ["strategy", "phase", "device", "batch_size", "status", "peak_mem_bytes"]
+RESUME_COLUMNS = ["run_id", *REPORT_COLUMNS, *(c for c in CASE_KEY if c not in REPORT_COLUMNS)]
 # a column that only one of the other tables has -> what that table is, for the error message
 OTHER_TABLES = {"predicted_bytes": "a `predict` table", "budget_bytes": "a `fit` table",
                 "live_bytes": "a step timeline (<run>.timeline.csv)"}
@@ -277,8 +271,10 @@ def read_results_file(path: Path | str, purpose: str, required: list[str] = RESU
     """A results CSV handed to us by the user (`purpose`: "cannot resume", "cannot report on"), checked to be one
     with the `required` columns.
 
-    Anything else -- a missing, empty or binary file, text that is not UTF-8, a file that is not CSV, or another
-    of membench's tables (fit, predict, timeline) -- is a UsageError of one line that says what the file is."""
+    Anything else -- a missing, empty or binary file, text that is not UTF-8, a file that is not CSV, another
+    of membench's tables (fit, predict, timeline), a required column missing (renamed), or a cell whose value is not
+    of its column's declared kind (text in `peak_mem_bytes`) -- is a UsageError of one line that says what the file
+    is, or names the row and the column. `run --resume` and `report` both judge a file here, the same way."""
     path = Path(path)
     where = f"{purpose} {str(path)!r}"
     if not path.is_file():
@@ -305,7 +301,44 @@ def read_results_file(path: Path | str, purpose: str, required: list[str] = RESU
             raise UsageError(f"{where}: this is {kind}, not a results file of `run` or `compare`")
     missing = [c for c in required if c not in frame.columns]
     if missing:
-        raise UsageError(f"{where}: not a membench results file (no column {missing[0]!r})")
+        unknown = [c for c in frame.columns if c not in RESULTS.kinds]
+        renamed = f"; it has {unknown[0]!r}, which is not a results column: renamed?" if len(unknown) == 1 else ""
+        raise UsageError(f"{where}: not a membench results file (no column {missing[0]!r}{renamed})")
     if frame.empty:
         raise UsageError(f"{where}: the file has a header but no rows")
+    bad = _first_bad_cell(frame)
+    if bad:
+        row, column, value, kind = bad
+        raise UsageError(f"{where}: row {row} (line {row + 1}), column {column!r}: {value!r} is not "
+                         f"{_KIND_WORDS[kind]}; fix or empty the cell")
     return frame
+
+
+_KIND_WORDS = {"int": "a whole number", "float": "a number", "bool": "True or False"}
+_BOOL_TEXT = {"true", "false", "1", "0", "1.0", "0.0", "yes", "no"}
+
+
+def _first_bad_cell(frame: pd.DataFrame) -> tuple[int, str, str, str] | None:
+    """The first cell (by row, then column order) whose value is not of its declared column's kind -- text in a
+    number column, a fraction in a whole-number one, a word in a True/False one -- as (row number counted from 1
+    after the header, column, the cell's text, kind); None when every cell is of its kind. Empty cells are allowed
+    (a figure that does not apply), and columns the table does not declare (an older file's) are not checked."""
+    worst = None
+    for column in frame.columns:
+        kind = RESULTS.kinds.get(column)
+        if kind not in _KIND_WORDS:
+            continue
+        cells = frame[column]
+        present = cells.notna()
+        if kind == "bool":
+            bad = present & ~cells.astype(str).str.strip().str.lower().isin(_BOOL_TEXT)
+        else:
+            numbers = pd.to_numeric(cells, errors="coerce")
+            bad = present & numbers.isna()
+            if kind == "int":
+                bad |= numbers.notna() & (numbers % 1 != 0)
+        if bad.any():
+            index = int(bad.to_numpy().argmax())
+            if worst is None or index < worst[0]:
+                worst = (index, column, str(cells.iloc[index]), kind)
+    return None if worst is None else (worst[0] + 1, *worst[1:])

@@ -15,8 +15,11 @@ The driver receives rows as tasks finish and the runner writes them as always: a
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
+import re
+import socket
 from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Iterator
@@ -42,6 +45,47 @@ def import_ray():
     except ModuleNotFoundError:
         raise UsageError(f"--executor ray needs the ray package, not installed: {INSTALL_HINT}") from None
     return ray
+
+
+ADDRESS_FORMS = ("auto (the cluster this machine belongs to), host:port (a head node's GCS, port 6379), "
+                 "ray://host:port (the Ray client, port 10001)")
+CLIENT_HINT = "pip install 'ray[client]'"
+CONNECT_TIMEOUT_S = 5.0  # the most a sweep waits to find out that its cluster cannot be reached
+_HOST_PORT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.-]*):([0-9]{1,5})")
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    """(host, port) of `host:port` or `ray://host:port` (an IPv6 host in brackets), None for any other text."""
+    match = _HOST_PORT.fullmatch(address.removeprefix("ray://"))
+    if not match or not 0 < int(match.group(2)) < 65536:
+        return None
+    return match.group(1).strip("[]"), int(match.group(2))
+
+
+def check_address(address: str, option: str = "--ray-address") -> None:
+    """A one-line UsageError unless `address` has one of the forms Ray takes (ADDRESS_FORMS) and, for `ray://`, the
+    Ray client's package is installed: checked before anything starts, instead of Ray's traceback after 30 s."""
+    if address == "auto":
+        return
+    if _host_port(address) is None:
+        raise UsageError(f"{option} {address!r} is not a Ray address; valid forms: {ADDRESS_FORMS}")
+    if address.startswith("ray://") and importlib.util.find_spec("grpc") is None:
+        raise UsageError(f"{option} {address}: the Ray client (ray://) needs ray[client], not installed: {CLIENT_HINT}")
+
+
+def probe_address(address: str, option: str = "--ray-address", timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """A one-line UsageError when nothing answers at `address`'s host and port within `timeout_s` (a typo in the
+    host, a head that is down), instead of Ray's retries; `auto` is left to Ray, which fails at once without a
+    cluster. Limitations: it only opens a TCP connection, so a port that answers but is not Ray's passes."""
+    where = _host_port(address)
+    if where is None:
+        return
+    try:
+        socket.create_connection(where, timeout=timeout_s).close()
+    except OSError as error:
+        reason = "no answer" if isinstance(error, TimeoutError) else (error.strerror or str(error))
+        raise UsageError(f"{option} {address}: cannot reach {where[0]}:{where[1]} within {timeout_s:g} s ({reason}); "
+                         "is the Ray head running there?") from None
 
 
 def workload_files(cases: list[Case]) -> dict[str, str]:
@@ -84,7 +128,11 @@ class RayExecutor:
         common = dict(runtime_env=runtime_env(remote=self.address is not None), include_dashboard=False,
                       log_to_driver=False, logging_level=logging.WARNING)  # the progress lines are ours
         if self.address:
-            ray.init(address=self.address, **common)
+            try:
+                ray.init(address=self.address, **common)
+            except (ConnectionError, RuntimeError) as error:  # a probe passed, yet Ray could not connect
+                first = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
+                raise UsageError(f"cannot connect to the Ray cluster at {self.address}: {first.strip()}") from None
         else:
             ray.init(num_cpus=max(os.cpu_count() or 1, options.threads or 1), _node_ip_address="127.0.0.1",
                      **common)
