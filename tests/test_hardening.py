@@ -539,7 +539,8 @@ def test_a_run_says_before_it_starts_how_much_it_runs_and_how_to_be_quick(tmp_pa
     assert done.returncode == 0, done.stderr[-2000:]
     first = done.stderr.splitlines()[0]
     assert first.startswith("running 1 case(s)") and "3 warm-up + 4 measured" in first and str(tmp_path) in first
-    assert "--quick" in done.stderr and "elapsed" in done.stderr
+    # how long the first case takes (the quick form too, where that is over a minute: tests/test_adaptive_sweep.py)
+    assert "the first case (" in done.stderr and "elapsed" in done.stderr
 
 
 def test_progress_shows_the_step_within_a_case():
@@ -927,7 +928,7 @@ def test_a_model_that_never_returns_is_a_timeout_row_and_the_sweep_goes_on(tmp_p
     assert sleepy["message"] == (f"the case did not finish within --case-timeout {limit} s; its worker "
                                  "was killed during verification"), sleepy["message"]
     assert sleepy["isolated"] and mlp["isolated"]
-    assert elapsed < 2 * limit + 60, elapsed
+    assert elapsed < 3 * limit + 60, elapsed  # the pre-flight estimate and the header's calibration are bounded too
 
 
 def test_a_case_timeout_in_this_process_is_refused_in_one_line():

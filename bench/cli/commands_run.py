@@ -33,6 +33,9 @@ from workloads import WORKLOADS, workload_names
 # The most the pre-flight's memory estimate of one workload may take under --case-timeout (it only decides whether
 # to warn; a model slower than this on the meta device is run unchecked)
 PREFLIGHT_LIMIT_S = 30.0
+# The most the header's calibration of the first case (two real steps at small batches, a second or so) may take:
+# it only informs, and a model that never returns must not hang the run before its first case
+CALIBRATION_LIMIT_S = 10.0
 
 
 def cmd_run(args) -> int:
@@ -205,7 +208,9 @@ def _run_suite(args, suite: Suite, device: str, options: RunOptions, overrides: 
         if device == "cpu":
             limit = options.case_timeout_s and min(options.case_timeout_s, PREFLIGHT_LIMIT_S)
             preflight.check_memory(cases, _bounded(limit, _meta_baseline_peak))
-        announce(cases, out_path, bool(args.resume), quick_overridden_by(args), _first_case_note(cases))
+        calibration_limit = min(options.case_timeout_s or CALIBRATION_LIMIT_S, CALIBRATION_LIMIT_S)
+        announce(cases, out_path, bool(args.resume), quick_overridden_by(args),
+                 _bounded(calibration_limit, _first_case_note)(cases))
         interrupt.set_note(interrupt.resume_note(out_path) if args.resume else
                            f"interrupted before the first case finished: nothing was written (the results would "
                            f"have gone to {out_path})")
@@ -229,7 +234,7 @@ def _first_case_note(cases: list[Case]) -> str | None:
         return None
     try:
         return first_case_note(cases[0], calibrated_step_seconds(cases[0]))[0]
-    except Exception:  # noqa: BLE001 - an estimate only: the case runs and fails as a row of its own
+    except Exception:  # noqa: BLE001 - an estimate only (or TimeoutError, see _bounded): the case says it as a row
         return None
 
 
