@@ -10,7 +10,10 @@ workload only says *what* to train:
                          (keyword arguments), the same for the same `n`, `data` and `seed`;
 - `loss(output, target)` the training loss, always given the output in float32;
 - `make_optimizer(model)`;
-- `checkpoint_units(model)` the ordered blocks that activation checkpointing may recompute.
+- `checkpoint_units(model)` the ordered blocks that activation checkpointing may recompute;
+- `output_head(model)`, `hidden_states(model, inputs)` (optional) a language model's separable head: the final
+  Linear to the vocabulary and what feeds it, for strategies that compute the head and the loss by chunks of tokens
+  (`strategies.chunked_loss`); `loss` then takes a `DeferredHead` in place of the logits as well.
 
 Options work as for strategies: `options = {"layers": 1000}` declares `deep_mlp:layers=100`; the values the
 instance runs with are in `self.settings`.
@@ -18,7 +21,7 @@ instance runs with are in `self.settings`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -31,6 +34,7 @@ from bench.core.registry import Registry
 WORKLOADS: Registry[type["Workload"]] = Registry("workload")
 register_workload = WORKLOADS.register
 
+IGNORE_INDEX = -100  # the target of a token without a loss (F.cross_entropy's default, transformers' label)
 Batch = Any  # a tensor, a tuple of tensors or a dict of tensors (and a target tensor)
 
 
@@ -99,6 +103,16 @@ class Workload:
             _UNIT_COUNTS[spec] = len(self.checkpoint_units(self.build_model()))
         return _UNIT_COUNTS[spec]
 
+    def output_head(self, model: nn.Module) -> nn.Linear | None:
+        """The output head of `model`: the final Linear to the vocabulary whose output is the model's output, when
+        `loss` is the mean cross-entropy of each token's logits against its target (targets equal to IGNORE_INDEX
+        left out) and returns `output.loss(target)` for a `DeferredHead`; None (the default): no separable head."""
+        return None
+
+    def hidden_states(self, model: nn.Module, inputs: Batch) -> torch.Tensor:
+        """What `model` feeds its `output_head` on a batch's inputs: its forward without the head."""
+        raise NotImplementedError(f"{type(self).__name__} declares no output head")
+
     # --- used by the runner ----------------------------------------------------------------------------------
     def run_model(self, model: nn.Module, inputs: Batch) -> Any:
         """Calls `model` on a batch's inputs: a tuple as positional arguments, a dict as keyword arguments (a model
@@ -139,6 +153,18 @@ class Workload:
 
     def __repr__(self) -> str:
         return f"<workload {self.spec()}>"
+
+
+class DeferredHead:
+    """What a model whose output head is deferred returns in place of its logits (`strategies.chunked_loss`): the
+    hidden states that feed the head, and how the token cross-entropy is computed from them and the target."""
+
+    def __init__(self, hidden: torch.Tensor, loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+        self.hidden = hidden
+        self.loss_of = loss_of
+
+    def loss(self, target: torch.Tensor) -> torch.Tensor:
+        return self.loss_of(self.hidden, target)
 
 
 def to_device(batch: Any, device: str | torch.device) -> Any:
