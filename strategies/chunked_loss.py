@@ -107,15 +107,18 @@ class ChunkedLoss(Strategy):
             raise UsageError(f"chunked_loss:chunks={self.settings['chunks']} must be at least 1")
 
     def check(self, context) -> None:
-        super().check(context)
+        # the workload first: a model without a head is unsupported in either phase, for that reason
         workload = context.workload
         if workload is not None and type(workload).output_head is Workload.output_head:
-            raise Unsupported(f"chunked_loss: {self.model_owner()} has no separable output head (a final Linear to "
-                              "a vocabulary under a token cross-entropy, declared by Workload.output_head)")
+            raise Unsupported(f"chunked_loss computes a language model's output head and loss by chunks in train; "
+                              f"{self.model_owner()} has no separable output head (a final Linear to a vocabulary "
+                              "under a token cross-entropy, declared by Workload.output_head)")
+        super().check(context)
 
     def prepare_model(self, model: nn.Module, units: list[nn.Module]) -> nn.Module:
         head = self.context.workload.output_head(model)
         if head is None:
-            raise Unsupported(f"chunked_loss: {self.model_owner()} has no separable output head "
-                              f"({getattr(self.context.workload, 'task', 'this task')} declares none)")
+            raise Unsupported(f"chunked_loss computes a language model's output head and loss by chunks in train; "
+                              f"{self.model_owner()} has no separable output head (its task declares none: a "
+                              "causal LM's head only)")
         return HeadlessModel(model, self.context.workload, head, self.settings["chunks"])
