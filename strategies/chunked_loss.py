@@ -28,7 +28,9 @@ from torch.utils.checkpoint import checkpoint
 
 from bench.core.errors import Unsupported, UsageError
 from strategies.base import Strategy, Tolerance, register_strategy
-from workloads.base import IGNORE_INDEX, DeferredHead, Workload
+
+
+IGNORE_INDEX = -100  # the target of a token without a loss (F.cross_entropy's default, transformers' label)
 
 
 def _inputs_of(args: tuple, kwargs: dict):
@@ -39,7 +41,8 @@ def _inputs_of(args: tuple, kwargs: dict):
 
 
 class HeadlessModel(nn.Module):
-    """`model` run without its output head: it returns a `DeferredHead`, whose loss applies the head by chunks."""
+    """`model` run without its output head: it returns the workload's `DeferredHead`, whose loss applies the head
+    by chunks."""
 
     def __init__(self, model: nn.Module, workload, head: nn.Linear, chunks: int):
         super().__init__()
@@ -48,13 +51,13 @@ class HeadlessModel(nn.Module):
         self.workload = workload
         self.chunks = chunks
 
-    def forward(self, *args, **kwargs) -> DeferredHead:
+    def forward(self, *args, **kwargs):
         hidden = self.workload.hidden_states(self.model, _inputs_of(args, kwargs))
         # the head runs where the loss runs (outside the strategies' forward contexts), so the autocast state the
         # baseline's head ran under is taken here and re-entered around each chunk's head
         device_type = hidden.device.type
         autocast = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
-        return DeferredHead(hidden, lambda h, target: self.chunked_cross_entropy(h, target, device_type, *autocast))
+        return self.workload.deferred_head(hidden, lambda h, target: self.chunked_cross_entropy(h, target, device_type, *autocast))
 
     def chunked_cross_entropy(self, hidden: torch.Tensor, target: torch.Tensor, device_type: str,
                               autocast_enabled: bool, autocast_dtype: torch.dtype) -> torch.Tensor:
@@ -109,16 +112,15 @@ class ChunkedLoss(Strategy):
     def check(self, context) -> None:
         # the workload first: a model without a head is unsupported in either phase, for that reason
         workload = context.workload
-        if workload is not None and type(workload).output_head is Workload.output_head:
-            raise Unsupported(f"chunked_loss computes a language model's output head and loss by chunks in train; "
-                              f"{self.model_owner()} has no separable output head (a final Linear to a vocabulary "
-                              "under a token cross-entropy, declared by Workload.output_head)")
+        if workload is not None and not workload.has_output_head():
+            raise Unsupported(f"chunked_loss has nothing to chunk in {context.phase}: {self.model_owner()} has no "
+                              "separable output head (a final Linear to a vocabulary under a token cross-entropy, "
+                              "declared by Workload.output_head)")
         super().check(context)
 
     def prepare_model(self, model: nn.Module, units: list[nn.Module]) -> nn.Module:
         head = self.context.workload.output_head(model)
         if head is None:
-            raise Unsupported(f"chunked_loss computes a language model's output head and loss by chunks in train; "
-                              f"{self.model_owner()} has no separable output head (its task declares none: a "
-                              "causal LM's head only)")
+            raise Unsupported(f"chunked_loss has nothing to chunk in {self.context.phase}: {self.model_owner()} has no "
+                              "separable output head")
         return HeadlessModel(model, self.context.workload, head, self.settings["chunks"])

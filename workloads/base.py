@@ -11,7 +11,7 @@ workload only says *what* to train:
 - `loss(output, target)` the training loss, always given the output in float32;
 - `make_optimizer(model)`;
 - `checkpoint_units(model)` the ordered blocks that activation checkpointing may recompute;
-- `output_head(model)`, `hidden_states(model, inputs)` (optional) a language model's separable head: the final
+- `has_output_head()`, `output_head(model)`, `hidden_states(model, inputs)` (optional) a language model's separable head: the final
   Linear to the vocabulary and what feeds it, for strategies that compute the head and the loss by chunks of tokens
   (`strategies.chunked_loss`); `loss` then takes a `DeferredHead` in place of the logits as well.
 
@@ -34,7 +34,6 @@ from bench.core.registry import Registry
 WORKLOADS: Registry[type["Workload"]] = Registry("workload")
 register_workload = WORKLOADS.register
 
-IGNORE_INDEX = -100  # the target of a token without a loss (F.cross_entropy's default, transformers' label)
 Batch = Any  # a tensor, a tuple of tensors or a dict of tensors (and a target tensor)
 
 
@@ -103,15 +102,25 @@ class Workload:
             _UNIT_COUNTS[spec] = len(self.checkpoint_units(self.build_model()))
         return _UNIT_COUNTS[spec]
 
+    def has_output_head(self) -> bool:
+        """Whether the model has a separable output head (`output_head`), known without building it."""
+        return False
+
     def output_head(self, model: nn.Module) -> nn.Linear | None:
         """The output head of `model`: the final Linear to the vocabulary whose output is the model's output, when
-        `loss` is the mean cross-entropy of each token's logits against its target (targets equal to IGNORE_INDEX
-        left out) and returns `output.loss(target)` for a `DeferredHead`; None (the default): no separable head."""
+        `loss` is the mean cross-entropy of each token's logits against its target (targets of -100 left out, as
+        F.cross_entropy's default) and returns `output.loss(target)` for a `DeferredHead`; None: no such head."""
         return None
 
     def hidden_states(self, model: nn.Module, inputs: Batch) -> torch.Tensor:
         """What `model` feeds its `output_head` on a batch's inputs: its forward without the head."""
         raise NotImplementedError(f"{type(self).__name__} declares no output head")
+
+    def deferred_head(self, hidden: torch.Tensor,
+                      loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> "DeferredHead":
+        """The output of a model run without its head, which `loss` turns into the loss by `loss_of(hidden,
+        target)` (made here: strategies do not import workloads, they are one layer)."""
+        return DeferredHead(hidden, loss_of)
 
     # --- used by the runner ----------------------------------------------------------------------------------
     def run_model(self, model: nn.Module, inputs: Batch) -> Any:

@@ -153,6 +153,9 @@ class GptMiniWorkload(Workload):
     def checkpoint_units(self, model: nn.Module) -> list[nn.Module]:
         return list(model.blocks)
 
+    def has_output_head(self) -> bool:
+        return True
+
     def output_head(self, model: nn.Module) -> nn.Linear:
         return model.lm_head
 

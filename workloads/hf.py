@@ -281,6 +281,9 @@ class HfWorkload(Workload):
         inputs = ids.masked_fill(masked, mask_id)
         return {"input_ids": inputs}, ids.masked_fill(~masked, IGNORE_INDEX)
 
+    def has_output_head(self) -> bool:
+        return self.task == "causal_lm"
+
     def output_head(self, model: nn.Module) -> nn.Linear | None:
         """A causal LM's `lm_head` (gpt2's tied to the token embedding); None for a masked LM, whose head is a
         transform (dense, activation, LayerNorm) before the decoder, and for sequence classification."""
