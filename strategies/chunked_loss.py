@@ -57,7 +57,8 @@ class HeadlessModel(nn.Module):
         # baseline's head ran under is taken here and re-entered around each chunk's head
         device_type = hidden.device.type
         autocast = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
-        return self.workload.deferred_head(hidden, lambda h, target: self.chunked_cross_entropy(h, target, device_type, *autocast))
+        return self.workload.deferred_head(
+            hidden, lambda h, target: self.chunked_cross_entropy(h, target, device_type, *autocast))
 
     def chunked_cross_entropy(self, hidden: torch.Tensor, target: torch.Tensor, device_type: str,
                               autocast_enabled: bool, autocast_dtype: torch.dtype) -> torch.Tensor:

@@ -11,9 +11,9 @@ workload only says *what* to train:
 - `loss(output, target)` the training loss, always given the output in float32;
 - `make_optimizer(model)`;
 - `checkpoint_units(model)` the ordered blocks that activation checkpointing may recompute;
-- `has_output_head()`, `output_head(model)`, `hidden_states(model, inputs)` (optional) a language model's separable head: the final
-  Linear to the vocabulary and what feeds it, for strategies that compute the head and the loss by chunks of tokens
-  (`strategies.chunked_loss`); `loss` then takes a `DeferredHead` in place of the logits as well.
+- `has_output_head()`, `output_head(model)`, `hidden_states(model, inputs)` (optional) a language model's
+  separable head: the final Linear to the vocabulary and what feeds it, for strategies that compute the head and
+  the loss by chunks of tokens (`strategies.chunked_loss`); `loss` then takes a `DeferredHead` for the logits too.
 
 Options work as for strategies: `options = {"layers": 1000}` declares `deep_mlp:layers=100`; the values the
 instance runs with are in `self.settings`.
