@@ -77,6 +77,9 @@ EXPECTATIONS = {
     "bn_act_recompute": {"phases": ("train",), "matches": True, "memory": {"train": (0.93, 0.97)}},
     # Train 221,420,444 -> 211,344,028 (0.954); ReLU swapped for leaky ReLU: differs by design (tests/test_bn_act.py).
     "inplace_abn": {"phases": ("train",), "matches": False, "memory": {"train": (0.93, 0.97)}},
+    # captcha_resnet18 has no output head to chunk: unsupported in both phases (tests/test_chunked_loss.py runs it on
+    # gpt_mini and hf:tiny-gpt2, and pins its memory there).
+    "chunked_loss": {"phases": (), "matches": True, "memory": {}},
 }
 
 def _case(spec: str, phase: str, batch: int = BATCH, **kw) -> Case:

@@ -45,6 +45,10 @@ UNSUPPORTED = {
     ("hf", "inplace_relu"): "no ReLU-like activation",  # SiLU (llama), GELU (gpt2, bert)
     ("hf", "bn_act_recompute"): "has no BatchNorm layer",  # LayerNorm, RMSNorm
     ("hf", "inplace_abn"): "has no BatchNorm layer",
+    ("captcha_resnet18", "chunked_loss"): "has no separable output head",
+    ("deep_mlp", "chunked_loss"): "has no separable output head",
+    ("unet", "chunked_loss"): "has no separable output head",
+    ("timm", "chunked_loss"): "has no separable output head",
 }
 # strategy -> phases it runs in on the CPU on any workload (cudnn_benchmark, empty_cache, pinned_loader: CUDA only)
 PHASES = {"baseline": ("train", "eval"), "inplace_relu": ("train", "eval"), "checkpoint": ("train", "eval"),
@@ -54,7 +58,7 @@ PHASES = {"baseline": ("train", "eval"), "inplace_relu": ("train", "eval"), "che
           "grad_accumulation": ("train",), "optimizer_in_backward": ("train",),
           "optimizer": ("train",), "keep_grads": ("train",), "empty_cache": (), "pinned_loader": (),
           "pitfall_loss_sum": ("train", "eval"), "pitfall_retain_graph": ("train",),
-          "bn_act_recompute": ("train",), "inplace_abn": ("train",)}
+          "bn_act_recompute": ("train",), "inplace_abn": ("train",), "chunked_loss": ("train",)}
 # the spec a strategy runs as here where its defaults are too slow for `make test` (inductor compiles C++ for ~30 s
 # per pass on a 2-core CPU; the eager partition backend runs the same partitioned graphs)
 FAST_SPECS = {"compile": "compile:backend=aot_eager_decomp_partition"}

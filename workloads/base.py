@@ -10,7 +10,10 @@ workload only says *what* to train:
                          (keyword arguments), the same for the same `n`, `data` and `seed`;
 - `loss(output, target)` the training loss, always given the output in float32;
 - `make_optimizer(model)`;
-- `checkpoint_units(model)` the ordered blocks that activation checkpointing may recompute.
+- `checkpoint_units(model)` the ordered blocks that activation checkpointing may recompute;
+- `has_output_head()`, `output_head(model)`, `hidden_states(model, inputs)` (optional) a language model's
+  separable head: the final Linear to the vocabulary and what feeds it, for strategies that compute the head and
+  the loss by chunks of tokens (`strategies.chunked_loss`); `loss` then takes a `DeferredHead` for the logits too.
 
 Options work as for strategies: `options = {"layers": 1000}` declares `deep_mlp:layers=100`; the values the
 instance runs with are in `self.settings`.
@@ -18,7 +21,7 @@ instance runs with are in `self.settings`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -99,6 +102,26 @@ class Workload:
             _UNIT_COUNTS[spec] = len(self.checkpoint_units(self.build_model()))
         return _UNIT_COUNTS[spec]
 
+    def has_output_head(self) -> bool:
+        """Whether the model has a separable output head (`output_head`), known without building it."""
+        return False
+
+    def output_head(self, model: nn.Module) -> nn.Linear | None:
+        """The output head of `model`: the final Linear to the vocabulary whose output is the model's output, when
+        `loss` is the mean cross-entropy of each token's logits against its target (targets of -100 left out, as
+        F.cross_entropy's default) and returns `output.loss(target)` for a `DeferredHead`; None: no such head."""
+        return None
+
+    def hidden_states(self, model: nn.Module, inputs: Batch) -> torch.Tensor:
+        """What `model` feeds its `output_head` on a batch's inputs: its forward without the head."""
+        raise NotImplementedError(f"{type(self).__name__} declares no output head")
+
+    def deferred_head(self, hidden: torch.Tensor,
+                      loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> "DeferredHead":
+        """The output of a model run without its head, which `loss` turns into the loss by `loss_of(hidden,
+        target)` (made here: strategies do not import workloads, they are one layer)."""
+        return DeferredHead(hidden, loss_of)
+
     # --- used by the runner ----------------------------------------------------------------------------------
     def run_model(self, model: nn.Module, inputs: Batch) -> Any:
         """Calls `model` on a batch's inputs: a tuple as positional arguments, a dict as keyword arguments (a model
@@ -139,6 +162,18 @@ class Workload:
 
     def __repr__(self) -> str:
         return f"<workload {self.spec()}>"
+
+
+class DeferredHead:
+    """What a model whose output head is deferred returns in place of its logits (`strategies.chunked_loss`): the
+    hidden states that feed the head, and how the token cross-entropy is computed from them and the target."""
+
+    def __init__(self, hidden: torch.Tensor, loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+        self.hidden = hidden
+        self.loss_of = loss_of
+
+    def loss(self, target: torch.Tensor) -> torch.Tensor:
+        return self.loss_of(self.hidden, target)
 
 
 def to_device(batch: Any, device: str | torch.device) -> Any:

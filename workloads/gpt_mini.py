@@ -20,7 +20,7 @@ from torch.nn import functional as F
 
 from bench.core.errors import UsageError
 from workloads import text_data
-from workloads.base import Workload, register_workload
+from workloads.base import DeferredHead, Workload, register_workload
 
 VOCAB_SIZE = 256  # bytes
 INIT_STD = 0.02  # GPT-2
@@ -104,6 +104,10 @@ class GptMini(nn.Module):
             nn.init.zeros_(module.bias)
 
     def forward(self, tokens):
+        return self.lm_head(self.hidden_states(tokens))
+
+    def hidden_states(self, tokens):
+        """The final LayerNorm's output (B, T, width): what the LM head maps to the vocabulary."""
         seq_len = tokens.shape[1]
         if seq_len > self.seq_len:
             raise ValueError(f"sequence of {seq_len} tokens is longer than the model's seq_len {self.seq_len}")
@@ -111,7 +115,7 @@ class GptMini(nn.Module):
         x = self.embedding_dropout(self.token_embedding(tokens) + self.position_embedding(positions))
         for block in self.blocks:
             x = block(x)
-        return self.lm_head(self.ln_final(x))
+        return self.ln_final(x)
 
 
 @register_workload
@@ -149,7 +153,18 @@ class GptMiniWorkload(Workload):
     def checkpoint_units(self, model: nn.Module) -> list[nn.Module]:
         return list(model.blocks)
 
-    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def has_output_head(self) -> bool:
+        return True
+
+    def output_head(self, model: nn.Module) -> nn.Linear:
+        return model.lm_head
+
+    def hidden_states(self, model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+        return model.hidden_states(inputs)
+
+    def loss(self, output: torch.Tensor | DeferredHead, target: torch.Tensor) -> torch.Tensor:
+        if isinstance(output, DeferredHead):  # the head and this loss computed by chunks (strategies.chunked_loss)
+            return output.loss(target)
         # reshape, not view: a strategy may hand back a non-contiguous output
         return F.cross_entropy(output.reshape(-1, VOCAB_SIZE), target.reshape(-1))
 

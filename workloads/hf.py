@@ -45,7 +45,7 @@ from torch.nn import functional as F
 
 from bench.core.errors import UsageError
 from workloads import text_data
-from workloads.base import Workload, register_workload
+from workloads.base import DeferredHead, Workload, register_workload
 from workloads.hf_presets import MASK_TOKEN_IDS, PRESETS
 
 INSTALL_HINT = "pip install 'membench[hf]' (in a checkout: make install)"
@@ -281,7 +281,23 @@ class HfWorkload(Workload):
         inputs = ids.masked_fill(masked, mask_id)
         return {"input_ids": inputs}, ids.masked_fill(~masked, IGNORE_INDEX)
 
-    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def has_output_head(self) -> bool:
+        return self.task == "causal_lm"
+
+    def output_head(self, model: nn.Module) -> nn.Linear | None:
+        """A causal LM's `lm_head` (gpt2's tied to the token embedding); None for a masked LM, whose head is a
+        transform (dense, activation, LayerNorm) before the decoder, and for sequence classification."""
+        head = model.get_output_embeddings() if self.task == "causal_lm" else None
+        return head if isinstance(head, nn.Linear) else None
+
+    def hidden_states(self, model: nn.Module, inputs) -> torch.Tensor:
+        """The base model's last hidden state (after its final norm): what the causal LM's head takes."""
+        with sequences_not_packed():
+            return model.base_model(**inputs).last_hidden_state
+
+    def loss(self, output: torch.Tensor | DeferredHead, target: torch.Tensor) -> torch.Tensor:
+        if isinstance(output, DeferredHead):  # the head and this loss computed by chunks (strategies.chunked_loss)
+            return output.loss(target)
         if self.task == "seq_cls":
             return F.cross_entropy(output, target)
         # reshape, not view: a strategy may hand back a non-contiguous output
