@@ -43,7 +43,8 @@ def atomic_path(path: Path | str) -> Iterator[Path]:
 
 
 def write_text_atomic(path: Path | str, text: str) -> None:
-    """`path.write_text(text)` (UTF-8), atomically."""
+    """`path.write_text(text)` (UTF-8), atomically, its folder made if missing."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)

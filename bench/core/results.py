@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import secrets
 from datetime import datetime, timezone
 from enum import Enum
@@ -10,7 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from bench.core.atomic import atomic_path
+from bench.core.atomic import write_text_atomic
 from bench.core.errors import UsageError
 from bench.core.schema import Row, Table, columns
 
@@ -207,13 +206,7 @@ def to_frame(rows: list[dict]) -> pd.DataFrame:
 def write_csv_atomic(frame: pd.DataFrame, path: Path) -> None:
     """Writes to a temporary file in the same folder, then renames it over `path`: never a half-written CSV. A write
     that fails (a full disk) raises WriteFailed and leaves the previous file whole."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(path) as tmp:
-        with open(tmp, "w", newline="") as f:
-            frame.to_csv(f, index=False)
-            f.flush()
-            os.fsync(f.fileno())
+    write_text_atomic(path, frame.to_csv(index=False, lineterminator="\n"))
 
 
 def write_rows(rows: list[dict], path: Path) -> pd.DataFrame:
