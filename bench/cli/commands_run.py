@@ -53,7 +53,7 @@ def cmd_compare(args) -> int:
 def _run_and_print(args, strategies: list[str] | None) -> int:
     """`run` and `compare`: the suite with the command line's values over it, run into a CSV, then the table."""
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise UsageError(preflight.no_cuda_message(torch.__version__, torch.version.cuda, _python()))
+        raise UsageError(preflight.no_cuda_message(torch.__version__, torch.version.cuda, interrupt.python()))
     device = env.resolve_device(args.device)
     fraction = apply_memory_limit(getattr(args, "memory_limit", None), device)
     overrides = _suite_overrides(args, strategies)
@@ -65,15 +65,6 @@ def _run_and_print(args, strategies: list[str] | None) -> int:
         print(f"error: {write_failed_line(error)}", file=sys.stderr)
         return 1
     return finish_run(frame, path)
-
-
-def _python() -> str:
-    """This Python as a user would type it: relative where it lives below the current folder (.venv/bin/python)."""
-    executable = Path(sys.executable)
-    try:
-        return str(executable.relative_to(Path.cwd()))
-    except ValueError:
-        return str(executable)
 
 
 def write_failed_line(error: WriteFailed) -> str:

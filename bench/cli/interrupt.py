@@ -40,12 +40,16 @@ def resume_command(path: Path) -> str:
         if arg.startswith("--resume="):
             continue
         kept.append(arg)
-    python = Path(sys.executable)
+    return shlex.join([python(), "-m", "bench", *kept, "--resume", str(path)])
+
+
+def python() -> str:
+    """This Python as a user would type it: relative where it lives below the current folder (.venv/bin/python)."""
+    executable = Path(sys.executable)
     try:
-        python = python.relative_to(Path.cwd())
+        return str(executable.relative_to(Path.cwd()))
     except ValueError:
-        pass
-    return shlex.join([str(python), "-m", "bench", *kept, "--resume", str(path)])
+        return str(executable)
 
 
 def resume_note(path: Path) -> str:
