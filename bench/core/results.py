@@ -240,9 +240,9 @@ def write_table(table: Table, rows: list[dict], path: Path) -> pd.DataFrame:
     return frame
 
 
-# columns whose values look like numbers but are text: a commit such as `50685e286372` would be read as infinity
-TEXT_COLUMNS = ["run_id", "git_commit", "host_name", "workload", "workload_settings", "strategy", "strategy_settings",
-                "torch_version", "cuda_version", "cudnn_version", "python_version"]
+# the declared text columns, read as text: a value that looks like a number stays what it is (a commit such as
+# `50685e286372` would be read as infinity, a device name `1080` as an integer)
+TEXT_COLUMNS = RESULTS.names_of("text")
 
 
 def read_results(path: Path) -> pd.DataFrame:
