@@ -19,7 +19,7 @@ from bench.cli.console import status
 from bench.core.errors import Unsupported, UsageError
 from bench.core.results import FIT, PREDICT, new_run_id, write_table
 from bench.core.units import format_size
-from bench.measure import env
+from bench.measure import env, snapshot_read
 from bench.run import preflight
 from bench.run.isolation import process_state
 from bench.run.preflight import check_choice, check_output_dir, parse_batch_sizes
@@ -127,7 +127,10 @@ def cmd_predict(args) -> int:
     def progress(index: int, case: Case) -> None:
         status(predict.progress_line(index, len(cases), case))
 
-    rows = predict.predict_cases(cases, engine, args.ranks, compute_capability, on_case=progress)
+    path = out / f"predict-{new_run_id(device)}.csv"
+    snapshots = snapshot_read.snapshot_folder(path) if args.snapshot else None
+    rows = predict.predict_cases(cases, engine, args.ranks, compute_capability, on_case=progress,
+                                 snapshot_dir=None if snapshots is None else str(snapshots))
     print(f"predicted peak memory on {device}" + (" (torch.cuda.max_memory_allocated and max_memory_reserved)"
                                                   if device == "cuda" else " (exact live tensor bytes)"))
     print(predict.format_predictions(rows))
@@ -135,9 +138,10 @@ def cmd_predict(args) -> int:
         print("\nassumptions:")
         for line in predict_assumptions.assumptions(row["engine"] for row in rows):
             print(f"  - {line}")
-    path = out / f"predict-{new_run_id(device)}.csv"
     write_table(PREDICT, rows, path)
     print(f"\nwrote {path}")
+    if snapshots is not None and snapshots.exists():
+        print(f"memory snapshots in {snapshots} (open one at https://pytorch.org/memory_viz)")
     return 0
 
 
