@@ -6,8 +6,8 @@ PyTorch's viewer (https://pytorch.org/memory_viz, or `torch.cuda._memory_viz`) o
 frames name, innermost first, the operator (`operator:0:aten::convolution`), the module whose forward ran it
 (`module:0:layer1.0.conv1`; `ModuleScope` follows it) and the stage of the step (`stage:0:forward`). A trace written
 here covers the measured step only: it opens with an "alloc" for every storage live when the step began (and, from
-the allocator model, a "segment_alloc" for every segment reserved then), so its running sum is the live memory and
-its maximum the row's peak (`bench.measure.snapshot_read.replay_peaks`). Each alloc also says its breakdown
+the allocator model, a "segment_alloc" for every segment reserved then; their count is "membench"["prelude_events"]),
+so its running sum is the live memory and its maximum the row's peak (`bench.measure.snapshot_read.replay_peaks`). Each alloc also says its breakdown
 `category` (weights, gradients, optimizer_state, activations, temporaries, batch: `bench.measure.breakdown`'s
 columns), `module`, `stage` and `op`, which the HTML report draws.
 
@@ -155,7 +155,7 @@ def tracker_snapshot(tracker: memory.LiveTensorTracker, about: dict[str, Any]) -
     writer = _TraceWriter(_final_categories(events, end, tracker.window_end_categories))
     pending: dict[int, tuple[memory.MemoryEvent, str]] = {}  # key -> (alloc, op) before the window
     live: dict[int, dict[str, Any]] = {}  # key -> its alloc entry in the trace
-    address, op = ADDRESS_BASE, ""
+    address, op, prelude = ADDRESS_BASE, "", 0
 
     def place(key: int, event: memory.MemoryEvent, op: str) -> None:
         nonlocal address
@@ -174,6 +174,7 @@ def tracker_snapshot(tracker: memory.LiveTensorTracker, about: dict[str, Any]) -
         elif index == reset:
             for key, (alloc, alloc_op) in sorted(pending.items()):
                 place(key, alloc, alloc_op)
+            prelude = len(writer.trace)
         elif event.kind == "alloc":
             place(event.key, event, op)
         elif event.kind == "free" and event.key in live:
@@ -181,7 +182,8 @@ def tracker_snapshot(tracker: memory.LiveTensorTracker, about: dict[str, Any]) -
     blocks = sorted((entry["addr"], entry["size"], entry["frames"]) for entry in live.values())
     segments = [_segment(blocks[0][0], blocks[-1][0] + blocks[-1][1] - blocks[0][0], blocks, False)] if blocks else []
     return {"segments": segments, "device_traces": [writer.trace],
-            "membench": {**about, "source": f"{tracker.device}_live_tensor_bytes", "allocated_at_start_bytes": 0}}
+            "membench": {**about, "source": f"{tracker.device}_live_tensor_bytes", "allocated_at_start_bytes": 0,
+                         "prelude_events": prelude}}
 
 
 def _segment(address: int, size: int, blocks: list[tuple[int, int, list]], small: bool,
@@ -219,7 +221,7 @@ def allocator_snapshot(tracker: memory.LiveTensorTracker, about: dict[str, Any],
     entries: dict[object, dict[str, Any]] = {}
     segments: list[tuple[int, int, bool]] = []
     threads: set[str] = set()
-    op = ""
+    op, prelude = "", 0
 
     def malloc(key: object, event: memory.MemoryEvent, op: str, in_window: bool) -> None:
         reserved = model.stats.reserved_bytes
@@ -244,6 +246,7 @@ def allocator_snapshot(tracker: memory.LiveTensorTracker, about: dict[str, Any],
             for key, (block, alloc, alloc_op) in held.items():
                 entries[key] = writer.alloc(key if isinstance(key, int) else -1, block.address, block.size, alloc,
                                             alloc_op)
+            prelude = len(writer.trace)
         elif event.kind == "op":
             op = event.op
             thread = cuda_allocator.thread_of(event.stage)
@@ -270,6 +273,7 @@ def allocator_snapshot(tracker: memory.LiveTensorTracker, about: dict[str, Any],
                                           [f for f in free if address <= f[0] < address + size]))
     return {"segments": snapshot_segments, "device_traces": [writer.trace],
             "membench": {**about, "source": "cuda_caching_allocator_model", "allocated_at_start_bytes": 0,
+                         "prelude_events": prelude,
                          "peak_allocated_bytes": model.stats.peak_allocated_bytes,
                          "peak_reserved_bytes": model.stats.peak_reserved_bytes}}
 

@@ -71,11 +71,15 @@ def replay_peaks(snapshot: dict[str, Any]) -> tuple[int, int | None]:
 class Timeline:
     """Live bytes by category after each event of a snapshot's trace, and where the peak is.
 
-    `live[category][i]` is that category's bytes after event `index[i]`; `total[i]` their sum; the peak is the first
-    largest total, at `peak_position`, with the module, stage and operator of the allocation that reached it.
+    `live[category][i]` is that category's bytes after event `index[i]` (of `events`), in the stage `stage[i]` (the
+    last allocation's); the prelude (what was live when the step began) is one point, its last; `total[i]` their sum; the peak is the first largest total, at `peak_position`, with the
+    module, stage and operator of the allocation that reached it.
     """
 
+    events: int
+    first_event: int  # the first event of the step itself (after the prelude of what was live when it began)
     index: list[int]
+    stage: list[str]
     live: dict[str, list[int]]
     total: list[int]
     peak_bytes: int
@@ -90,8 +94,10 @@ def category_timeline(snapshot: dict[str, Any], max_points: int | None = None) -
     the points are thinned to about that many, always keeping the largest total of each stretch (so the peak)."""
     live = dict.fromkeys(CATEGORIES, 0)
     sizes: dict[int, tuple[str, int]] = {}
-    index, series, total = [], {c: [] for c in CATEGORIES}, []
+    index, stages, series, total = [], [], {c: [] for c in CATEGORIES}, []
+    stage = "setup"
     start = int(snapshot.get("membench", {}).get("allocated_at_start_bytes", 0))
+    first = int(snapshot.get("membench", {}).get("prelude_events", 0))
     live["temporaries"] += start  # recorded by CUDA from the middle of a run: what it held before, unattributed
     peak, position, where = -1, 0, ("", "", "")
     for number, event in enumerate(device_trace(snapshot)):
@@ -101,6 +107,7 @@ def category_timeline(snapshot: dict[str, Any], max_points: int | None = None) -
             category = category if category in live else "temporaries"
             sizes[event["addr"]] = (category, event["size"])
             live[category] += event["size"]
+            stage = event.get("stage", stage)
         elif action == "free_completed" and event["addr"] in sizes:
             category, size = sizes.pop(event["addr"])
             live[category] -= size
@@ -108,20 +115,24 @@ def category_timeline(snapshot: dict[str, Any], max_points: int | None = None) -
             live["temporaries"] -= event["size"]
         else:
             continue
+        if number < first - 1:
+            continue
         now = sum(live.values())
         index.append(number)
+        stages.append(stage)
         total.append(now)
         for category in CATEGORIES:
             series[category].append(live[category])
         if now > peak:
             peak, position = now, len(total) - 1
             where = (event.get("module", ""), event.get("stage", ""), event.get("op", ""))
+    events = len(device_trace(snapshot))
     if not total:
-        return Timeline([], series, [], 0, 0, "", "", "")
-    keep = _thinned(total, max_points, position) if max_points else range(len(total))
-    keep = list(keep)
-    return Timeline([index[i] for i in keep], {c: [series[c][i] for i in keep] for c in CATEGORIES},
-                    [total[i] for i in keep], peak, keep.index(position), *where)
+        return Timeline(events, first, [], [], series, [], 0, 0, "", "", "")
+    keep = list(_thinned(total, max_points, position) if max_points else range(len(total)))
+    return Timeline(events, max(first - 1, 0), [index[i] for i in keep], [stages[i] for i in keep],
+                    {c: [series[c][i] for i in keep] for c in CATEGORIES}, [total[i] for i in keep], peak,
+                    keep.index(position), *where)
 
 
 def _thinned(total: list[int], max_points: int, peak_position: int) -> list[int]:
