@@ -7,9 +7,9 @@ frames name, innermost first, the operator (`operator:0:aten::convolution`), the
 (`module:0:layer1.0.conv1`; `ModuleScope` follows it) and the stage of the step (`stage:0:forward`). A trace written
 here covers the measured step only: it opens with an "alloc" for every storage live when the step began (and, from
 the allocator model, a "segment_alloc" for every segment reserved then; their count is "membench"["prelude_events"]),
-so its running sum is the live memory and its maximum the row's peak (`bench.measure.snapshot_read.replay_peaks`). Each alloc also says its breakdown
-`category` (weights, gradients, optimizer_state, activations, temporaries, batch: `bench.measure.breakdown`'s
-columns), `module`, `stage` and `op`, which the HTML report draws.
+so its running sum is the live memory and its maximum the row's peak (`bench.measure.snapshot_read.replay_peaks`).
+Each alloc also says its breakdown `category` (weights, gradients, optimizer_state, activations, temporaries, batch:
+`bench.measure.breakdown`'s columns), `module`, `stage` and `op`, which the HTML report draws.
 
 Limitations: the tracker's addresses are made up (one after the other, never reused: storages have no address on
 fake tensors), so only the model's snapshots say anything about fragmentation; a predicted trace's sizes are the

@@ -72,8 +72,9 @@ class Timeline:
     """Live bytes by category after each event of a snapshot's trace, and where the peak is.
 
     `live[category][i]` is that category's bytes after event `index[i]` (of `events`), in the stage `stage[i]` (the
-    last allocation's); the prelude (what was live when the step began) is one point, its last; `total[i]` their sum; the peak is the first largest total, at `peak_position`, with the
-    module, stage and operator of the allocation that reached it.
+    last allocation's); the prelude (what was live when the step began) is one point, its last; `total[i]` their
+    sum; the peak is the first largest total, at `peak_position`, with the module, stage and operator of the
+    allocation that reached it.
     """
 
     events: int

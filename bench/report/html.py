@@ -230,7 +230,10 @@ const DATA = JSON.parse(document.getElementById("report-data").textContent);
 const MiB = 1024 * 1024;
 const COLORS = {weights: "#4c72b0", gradients: "#dd8452", optimizer_state: "#55a868", activations: "#c44e52",
                 temporaries: "#8172b3", batch: "#937860"};
-function fmtBytes(b) { return b == null ? "-" : (b / MiB).toFixed(1) + " MiB (" + Math.round(b).toLocaleString("en") + " B)"; }
+function fmtBytes(b) {
+  return b == null ? "-" : (b / MiB).toFixed(1) + " MiB (" + Math.round(b).toLocaleString("en") + " B)";
+}
+function times(v) { return v == null ? "-" : v.toFixed(2) + "x"; }
 function el(tag, attrs, text) {
   const e = document.createElement(tag);
   for (const [k, v] of Object.entries(attrs || {})) e.setAttribute(k, v);
@@ -301,18 +304,22 @@ function barCharts() {
     const time = wrap.appendChild(el("div", {class: "chart"}));
     const names = ok.map(r => r.strategy + (r.pitfall ? " (pitfall)" : ""));
     Plotly.newPlot(mem, [{type: "bar", x: names, y: ok.map(r => r.peak_mem_bytes / MiB),
-      customdata: ok.map(r => [fmtBytes(r.peak_mem_bytes), r.mem_vs_baseline == null ? "-" : r.mem_vs_baseline.toFixed(2) + "x", r.verified]),
-      hovertemplate: "%{x}<br>peak %{customdata[0]}<br>%{customdata[1]} of the baseline<br>matches baseline: %{customdata[2]}<extra></extra>",
+      customdata: ok.map(r => [fmtBytes(r.peak_mem_bytes), times(r.mem_vs_baseline), r.verified]),
+      hovertemplate: "%{x}<br>peak %{customdata[0]}<br>%{customdata[1]} of the baseline<br>" +
+                     "matches baseline: %{customdata[2]}<extra></extra>",
       marker: {color: ok.map(r => r.verified === "NO" ? "#e0a030" : "#4c72b0")}}],
       {title: {text: "peak memory (MiB)"}, margin: {t: 40, b: 90}, yaxis: {title: {text: "MiB"}}},
       {displayModeBar: false, responsive: true});
     const timed = ok.filter(r => r.step_time_ms_median != null);
     Plotly.newPlot(time, [{type: "bar", x: timed.map(r => r.strategy), y: timed.map(r => r.step_time_ms_median),
       error_y: {type: "data", symmetric: false,
-                array: timed.map(r => r.step_time_ms_ci95_high == null ? 0 : r.step_time_ms_ci95_high - r.step_time_ms_median),
-                arrayminus: timed.map(r => r.step_time_ms_ci95_low == null ? 0 : r.step_time_ms_median - r.step_time_ms_ci95_low)},
-      customdata: timed.map(r => [r.step_time_ms_ci, r.time_vs_baseline == null ? "-" : r.time_vs_baseline.toFixed(2) + "x"]),
-      hovertemplate: "%{x}<br>median %{y:.1f} ms<br>95% CI %{customdata[0]} ms<br>%{customdata[1]} of the baseline<extra></extra>",
+                array: timed.map(r => r.step_time_ms_ci95_high == null ? 0
+                                      : r.step_time_ms_ci95_high - r.step_time_ms_median),
+                arrayminus: timed.map(r => r.step_time_ms_ci95_low == null ? 0
+                                           : r.step_time_ms_median - r.step_time_ms_ci95_low)},
+      customdata: timed.map(r => [r.step_time_ms_ci, times(r.time_vs_baseline)]),
+      hovertemplate: "%{x}<br>median %{y:.1f} ms<br>95% CI %{customdata[0]} ms<br>" +
+                     "%{customdata[1]} of the baseline<extra></extra>",
       marker: {color: "#55a868"}}],
       {title: {text: "step time (ms, median and 95% CI)"}, margin: {t: 40, b: 90}, yaxis: {title: {text: "ms"}}},
       {displayModeBar: false, responsive: true});
@@ -322,11 +329,16 @@ function stageShapes(t) {
   const shapes = [], spans = [];
   let start = 0;
   for (let i = 1; i <= t.x.length; i++) {
-    if (i === t.x.length || t.stage[i] !== t.stage[start]) { spans.push([t.stage[start], t.x[start], t.x[Math.min(i, t.x.length - 1)]]); start = i; }
+    if (i === t.x.length || t.stage[i] !== t.stage[start]) {
+      spans.push([t.stage[start], t.x[start], t.x[Math.min(i, t.x.length - 1)]]);
+      start = i;
+    }
   }
-  const fill = {forward: "rgba(76,114,176,0.06)", backward: "rgba(221,132,82,0.08)", optimizer: "rgba(85,168,104,0.08)"};
+  const fill = {forward: "rgba(76,114,176,0.06)", backward: "rgba(221,132,82,0.08)",
+                optimizer: "rgba(85,168,104,0.08)"};
   for (const [stage, x0, x1] of spans) {
-    if (fill[stage]) shapes.push({type: "rect", xref: "x", yref: "paper", x0, x1, y0: 0, y1: 1, line: {width: 0}, fillcolor: fill[stage], layer: "below"});
+    if (fill[stage]) shapes.push({type: "rect", xref: "x", yref: "paper", x0, x1, y0: 0, y1: 1, line: {width: 0},
+                                  fillcolor: fill[stage], layer: "below"});
   }
   return shapes;
 }
@@ -347,7 +359,8 @@ function timelineChart(target, t, predicted, title) {
   }
   const p = t.peak;
   const where = [p.module || "(no module)", p.stage, p.op ? "aten::" + p.op : ""].filter(Boolean).join(" · ");
-  const annotations = [{x: t.x[p.position], y: drawn / MiB, text: "peak " + (drawn / MiB).toFixed(1) + " MiB<br>" + where,
+  const annotations = [{x: t.x[p.position], y: drawn / MiB,
+                        text: "peak " + (drawn / MiB).toFixed(1) + " MiB<br>" + where,
                         showarrow: true, arrowhead: 2, ax: 0, ay: -36, font: {size: 11}}];
   Plotly.newPlot(target, traces, {title: {text: title, font: {size: 13}}, margin: {t: 70, r: 10},
     xaxis: {title: {text: "fraction of the measured step's allocator events"}, range: [0, 1]},
@@ -356,14 +369,18 @@ function timelineChart(target, t, predicted, title) {
 }
 function timelines() {
   const box = document.getElementById("timelines");
-  if (!DATA.timelines.length) { box.appendChild(el("p", {class: "note"}, "No snapshots: run with --snapshot to draw these.")); return; }
+  if (!DATA.timelines.length) {
+    box.appendChild(el("p", {class: "note"}, "No snapshots: run with --snapshot to draw these."));
+    return;
+  }
   for (const tl of DATA.timelines) {
     const c = tl.case;
     box.appendChild(el("h3", {}, [c.strategy, c.phase, "batch " + c.batch_size, c.workload, c.device].join(" · ")));
     const wrap = box.appendChild(el("div", {class: "ranks"}));
     tl.ranks.forEach((t, i) => {
-      const div = wrap.appendChild(el("div", {class: "chart timeline", "data-strategy": c.strategy, "data-phase": c.phase,
-        "data-batch-size": String(c.batch_size), "data-workload": c.workload, "data-rank": t.rank == null ? "" : String(t.rank),
+      const div = wrap.appendChild(el("div", {class: "chart timeline", "data-strategy": c.strategy,
+        "data-phase": c.phase, "data-batch-size": String(c.batch_size), "data-workload": c.workload,
+        "data-rank": t.rank == null ? "" : String(t.rank),
         "data-row-peak-bytes": tl.row_peak_bytes == null ? "" : String(tl.row_peak_bytes)}));
       const title = (t.rank == null ? "" : "rank " + t.rank + ": ") + "peak " + fmtBytes(t.peak.bytes);
       timelineChart(div, t, i === 0 ? tl.predicted : null, title);
@@ -375,7 +392,8 @@ function plans() {
   for (const plan of DATA.plans) {
     box.appendChild(el("h2", {}, "Plan: " + plan.file));
     const div = box.appendChild(el("div", {class: "chart"}));
-    Plotly.newPlot(div, [{type: "scatter", mode: "markers+text", x: plan.time, y: plan.peak.map(v => v == null ? null : v / MiB),
+    Plotly.newPlot(div, [{type: "scatter", mode: "markers+text", x: plan.time,
+      y: plan.peak.map(v => v == null ? null : v / MiB),
       text: plan.label, textposition: "top center",
       hovertemplate: "%{text}<br>%{x:.1f} ms<br>%{y:.1f} MiB<extra></extra>"}],
       {xaxis: {title: {text: plan.time_column}}, yaxis: {title: {text: plan.peak_column + " (MiB)"}}, margin: {t: 30}},
