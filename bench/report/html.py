@@ -157,7 +157,7 @@ def report_data(csv_paths: list[Path]) -> dict[str, Any]:
         row = by_key.get(key)
         case["row_peak_bytes"] = row["peak_mem_bytes"] if row else None
         timelines.append(case)
-    timelines.sort(key=lambda c: (c["case"]["workload"], c["case"]["phase"],
+    timelines.sort(key=lambda c: (c["case"]["workload"], c["case"]["phase"] != "train",
                                   order.index(c["case"]["strategy"]) if c["case"]["strategy"] in order else 99))
     return {"rows": rows, "order": order, "columns": [list(c) for c in TABLE_COLUMNS], "categories": list(CATEGORIES),
             "timelines": timelines, "plans": [p for folder in folders for p in _plan_json(folder)],
@@ -230,8 +230,12 @@ const DATA = JSON.parse(document.getElementById("report-data").textContent);
 const MiB = 1024 * 1024;
 const COLORS = {weights: "#4c72b0", gradients: "#dd8452", optimizer_state: "#55a868", activations: "#c44e52",
                 temporaries: "#8172b3", batch: "#937860"};
+function unit(largest) {  // [name, bytes] of the unit that shows `largest` best
+  return largest >= 1024 * MiB ? ["GiB", 1024 * MiB] : largest >= MiB ? ["MiB", MiB] : ["KiB", 1024];
+}
+function inUnit(b) { const [name, size] = unit(b); return (b / size).toFixed(1) + " " + name; }
 function fmtBytes(b) {
-  return b == null ? "-" : (b / MiB).toFixed(1) + " MiB (" + Math.round(b).toLocaleString("en") + " B)";
+  return b == null ? "-" : inUnit(b) + " (" + Math.round(b).toLocaleString("en") + " B)";
 }
 function times(v) { return v == null ? "-" : v.toFixed(2) + "x"; }
 function el(tag, attrs, text) {
@@ -243,7 +247,7 @@ function el(tag, attrs, text) {
 function cell(row, column, kind) {
   const v = row[column];
   if (v == null || v === "") return ["-", ""];
-  if (kind === "bytes") return [(v / MiB).toFixed(1) + " MiB", v];
+  if (kind === "bytes") return [inUnit(v), v];
   if (kind === "ratio") return [Number(v).toFixed(2) + "x", v];
   if (kind === "ms") return [Number(v).toFixed(1), v];
   return [String(v), String(v)];
@@ -303,12 +307,13 @@ function barCharts() {
     const mem = wrap.appendChild(el("div", {class: "chart"}));
     const time = wrap.appendChild(el("div", {class: "chart"}));
     const names = ok.map(r => r.strategy + (r.pitfall ? " (pitfall)" : ""));
-    Plotly.newPlot(mem, [{type: "bar", x: names, y: ok.map(r => r.peak_mem_bytes / MiB),
+    const [memUnit, memSize] = unit(Math.max(...ok.map(r => r.peak_mem_bytes)));
+    Plotly.newPlot(mem, [{type: "bar", x: names, y: ok.map(r => r.peak_mem_bytes / memSize),
       customdata: ok.map(r => [fmtBytes(r.peak_mem_bytes), times(r.mem_vs_baseline), r.verified]),
       hovertemplate: "%{x}<br>peak %{customdata[0]}<br>%{customdata[1]} of the baseline<br>" +
                      "matches baseline: %{customdata[2]}<extra></extra>",
       marker: {color: ok.map(r => r.verified === "NO" ? "#e0a030" : "#4c72b0")}}],
-      {title: {text: "peak memory (MiB)"}, margin: {t: 40, b: 90}, yaxis: {title: {text: "MiB"}}},
+      {title: {text: "peak memory (" + memUnit + ")"}, margin: {t: 40, b: 90}, yaxis: {title: {text: memUnit}}},
       {displayModeBar: false, responsive: true});
     const timed = ok.filter(r => r.step_time_ms_median != null);
     Plotly.newPlot(time, [{type: "bar", x: timed.map(r => r.strategy), y: timed.map(r => r.step_time_ms_median),
@@ -343,8 +348,9 @@ function stageShapes(t) {
   return shapes;
 }
 function timelineChart(target, t, predicted, title) {
+  const [yUnit, ySize] = unit(t.peak.bytes);
   const traces = DATA.categories.map(c => ({type: "scatter", mode: "lines", stackgroup: "live", name: c, x: t.x,
-    y: t.live[c].map(v => v / MiB), line: {width: 0.5, color: COLORS[c]},
+    y: t.live[c].map(v => v / ySize), line: {width: 0.5, color: COLORS[c]},
     customdata: t.live[c].map((v, i) => [fmtBytes(v), t.stage[i]]),
     hovertemplate: c + ": %{customdata[0]}<br>stage %{customdata[1]}<extra></extra>"}));
   const total = t.x.map((_, i) => DATA.categories.reduce((s, c) => s + t.live[c][i], 0));
@@ -353,18 +359,17 @@ function timelineChart(target, t, predicted, title) {
   if (predicted) {
     const ptotal = predicted.x.map((_, i) => DATA.categories.reduce((s, c) => s + predicted.live[c][i], 0));
     traces.push({type: "scatter", mode: "lines", name: "predicted (" + (predicted.source || "") + ")", x: predicted.x,
-      y: ptotal.map(v => v / MiB), line: {color: "#000", dash: "dot", width: 1.5},
+      y: ptotal.map(v => v / ySize), line: {color: "#000", dash: "dot", width: 1.5},
       customdata: ptotal.map(v => fmtBytes(v)), hovertemplate: "predicted %{customdata}<extra></extra>"});
     target.setAttribute("data-predicted-peak-bytes", String(ptotal.reduce((m, v) => Math.max(m, v), 0)));
   }
   const p = t.peak;
   const where = [p.module || "(no module)", p.stage, p.op ? "aten::" + p.op : ""].filter(Boolean).join(" · ");
-  const annotations = [{x: t.x[p.position], y: drawn / MiB,
-                        text: "peak " + (drawn / MiB).toFixed(1) + " MiB<br>" + where,
+  const annotations = [{x: t.x[p.position], y: drawn / ySize, text: "peak " + inUnit(drawn) + "<br>" + where,
                         showarrow: true, arrowhead: 2, ax: 0, ay: -36, font: {size: 11}}];
   Plotly.newPlot(target, traces, {title: {text: title, font: {size: 13}}, margin: {t: 70, r: 10},
     xaxis: {title: {text: "fraction of the measured step's allocator events"}, range: [0, 1]},
-    yaxis: {title: {text: "live MiB"}}, shapes: stageShapes(t), annotations, legend: {orientation: "h", y: -0.25},
+    yaxis: {title: {text: "live " + yUnit}}, shapes: stageShapes(t), annotations, legend: {orientation: "h", y: -0.25},
     hovermode: "x unified"}, {displayModeBar: false, responsive: true});
 }
 function timelines() {
@@ -377,13 +382,14 @@ function timelines() {
     const c = tl.case;
     box.appendChild(el("h3", {}, [c.strategy, c.phase, "batch " + c.batch_size, c.workload, c.device].join(" · ")));
     const wrap = box.appendChild(el("div", {class: "ranks"}));
+    // every rank's box first, so that each chart is drawn at its width beside the others
+    const divs = tl.ranks.map(t => wrap.appendChild(el("div", {class: "chart timeline", "data-strategy": c.strategy,
+      "data-phase": c.phase, "data-batch-size": String(c.batch_size), "data-workload": c.workload,
+      "data-rank": t.rank == null ? "" : String(t.rank),
+      "data-row-peak-bytes": tl.row_peak_bytes == null ? "" : String(tl.row_peak_bytes)})));
     tl.ranks.forEach((t, i) => {
-      const div = wrap.appendChild(el("div", {class: "chart timeline", "data-strategy": c.strategy,
-        "data-phase": c.phase, "data-batch-size": String(c.batch_size), "data-workload": c.workload,
-        "data-rank": t.rank == null ? "" : String(t.rank),
-        "data-row-peak-bytes": tl.row_peak_bytes == null ? "" : String(tl.row_peak_bytes)}));
       const title = (t.rank == null ? "" : "rank " + t.rank + ": ") + "peak " + fmtBytes(t.peak.bytes);
-      timelineChart(div, t, i === 0 ? tl.predicted : null, title);
+      timelineChart(divs[i], t, i === 0 ? tl.predicted : null, title);
     });
   }
 }
