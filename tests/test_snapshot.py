@@ -137,5 +137,5 @@ def test_cuda_snapshot_is_recorded_by_the_allocator(tmp_path):
     assert snapshot["membench"]["source"] == "cuda_record_memory_history"
     _read_by_memory_viz(snapshot)
     allocated, _ = replay_peaks(snapshot)
-    # CUDA's trace records the bytes requested, max_memory_allocated the blocks handed out (rounded to 512 B)
+    # CUDA's trace records the bytes requested, max_memory_allocated the blocks handed out (rounded to 512 B or more)
     assert 0.95 * row["peak_mem_bytes"] <= allocated <= row["peak_mem_bytes"]

@@ -281,11 +281,14 @@ def allocator_snapshot(tracker: memory.LiveTensorTracker, about: dict[str, Any],
 @contextlib.contextmanager
 def cuda_history(about: dict[str, Any]) -> Iterator[dict[str, Any]]:
     """Records CUDA's own allocation history while entered (`torch.cuda.memory._record_memory_history`, Python
-    stacks); the yielded dict is the snapshot once the block ends, with what was allocated before recording began
-    under "membench"["allocated_at_start_bytes"]."""
+    stacks); the yielded dict is the snapshot once the block ends, with the bytes requested by the blocks allocated
+    before recording began under "membench"["allocated_at_start_bytes"]. CUDA's trace records requested bytes, so
+    its replayed peak is at most `max_memory_allocated`, which counts the allocator's blocks (512-byte multiples)."""
     holder: dict[str, Any] = {}
     torch.cuda.synchronize()
-    start = torch.cuda.memory_allocated()
+    # in the bytes the trace counts (requested, not the allocator's rounded blocks)
+    start = sum(block["requested_size"] for segment in torch.cuda.memory._snapshot()["segments"]
+                for block in segment["blocks"] if block["state"] == "active_allocated")
     torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
     try:
         yield holder
