@@ -17,7 +17,7 @@ from torch.cuda import _memory_viz
 from bench.analysis import predict
 from bench.cli.main import main
 from bench.measure import fake_cuda
-from bench.measure.snapshot_read import CATEGORIES, category_timeline, read_snapshot, replay_peaks
+from bench.core.snapshots import CATEGORIES, category_timeline, read_snapshot, replay_peaks
 from bench.run.isolation import RunOptions
 from bench.run.runner import Case, run_case
 

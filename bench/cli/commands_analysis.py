@@ -18,8 +18,9 @@ from bench.cli.commands_run import apply_memory_limit
 from bench.cli.console import status
 from bench.core.errors import Unsupported, UsageError
 from bench.core.results import FIT, PREDICT, new_run_id, write_table
+from bench.core.snapshots import snapshot_folder
 from bench.core.units import format_size
-from bench.measure import env, snapshot, snapshot_read
+from bench.measure import env, snapshot
 from bench.run import preflight
 from bench.run.isolation import process_state
 from bench.run.preflight import check_choice, check_output_dir, parse_batch_sizes
@@ -103,7 +104,7 @@ def cmd_explain(args) -> int:
         about = {"workload": case.workload, "strategy": case.strategy, "phase": case.phase,
                  "batch_size": case.batch_size, "data": case.data, "device": case.device, "kind": "measured",
                  "peak_mem_bytes": result["memory"]["peak_mem_bytes"], "rank": None}
-        folder = snapshot_read.snapshot_folder(out / f"explain-{new_run_id(case.device)}.csv")
+        folder = snapshot_folder(out / f"explain-{new_run_id(case.device)}.csv")
         path = snapshot.write_snapshot(snapshot.tracker_snapshot(result["tracker"], about), folder)
         print(f"\nmemory snapshot: {path} (open it at https://pytorch.org/memory_viz)")
     plan = analysis.checkpoint_plan_of(strategy)
@@ -136,7 +137,7 @@ def cmd_predict(args) -> int:
         status(predict.progress_line(index, len(cases), case))
 
     path = out / f"predict-{new_run_id(device)}.csv"
-    snapshots = snapshot_read.snapshot_folder(path) if args.snapshot else None
+    snapshots = snapshot_folder(path) if args.snapshot else None
     rows = predict.predict_cases(cases, engine, args.ranks, compute_capability, on_case=progress,
                                  snapshot_dir=None if snapshots is None else str(snapshots))
     print(f"predicted peak memory on {device}" + (" (torch.cuda.max_memory_allocated and max_memory_reserved)"

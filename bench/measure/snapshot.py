@@ -7,7 +7,7 @@ frames name, innermost first, the operator (`operator:0:aten::convolution`), the
 (`module:0:layer1.0.conv1`; `ModuleScope` follows it) and the stage of the step (`stage:0:forward`). A trace written
 here covers the measured step only: it opens with an "alloc" for every storage live when the step began (and, from
 the allocator model, a "segment_alloc" for every segment reserved then; their count is "membench"["prelude_events"]),
-so its running sum is the live memory and its maximum the row's peak (`bench.measure.snapshot_read.replay_peaks`).
+so its running sum is the live memory and its maximum the row's peak (`bench.core.snapshots.replay_peaks`).
 Each alloc also says its breakdown `category` (weights, gradients, optimizer_state, activations, temporaries, batch:
 `bench.measure.breakdown`'s columns), `module`, `stage` and `op`, which the HTML report draws.
 
@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_flatten
 
 from bench.core.atomic import atomic_path
 from bench.measure import breakdown, cuda_allocator, memory
-from bench.measure.snapshot_read import SNAPSHOT_SUFFIX
+from bench.core.snapshots import SNAPSHOT_SUFFIX
 
 CATEGORY_OF_COLUMN = {
     "peak_params_bytes": "weights", "peak_grads_bytes": "gradients", "peak_optimizer_bytes": "optimizer_state",

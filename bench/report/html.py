@@ -27,7 +27,7 @@ import pandas as pd
 
 from bench.core.atomic import write_text_atomic
 from bench.core.errors import UsageError
-from bench.measure.snapshot_read import (CATEGORIES, SNAPSHOT_SUFFIX, category_timeline, read_snapshot,
+from bench.core.snapshots import (CATEGORIES, SNAPSHOT_SUFFIX, category_timeline, read_snapshot,
                                          replay_peaks, snapshot_folder)
 from bench.report.data import load_results, pitfall_strategies, row_flag, strategy_order
 
