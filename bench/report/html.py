@@ -413,5 +413,6 @@ else document.getElementById("pitfalls").appendChild(el("p", {class: "note"}, "N
 barCharts();
 timelines();
 plans();
+document.body.setAttribute("data-render-ms", String(Math.round(performance.now())));  // since navigation began
 document.body.setAttribute("data-report-ready", "1");
 """
