@@ -1,6 +1,7 @@
 """Memory snapshots in PyTorch's format (`--snapshot`): each kind written (the CPU's exact count, the fake engine's
 prediction, CUDA's predicted allocator, per rank) is read back with PyTorch's own `torch.cuda._memory_viz`, and the
-peaks its trace replays to equal the row's `peak_mem_bytes` (and `predicted_reserved_bytes`).
+peaks its trace replays to equal the row's `peak_mem_bytes` (and `predicted_reserved_bytes`); the report sets a
+sharded case's ranks side by side.
 
 Small: a 4-layer MLP at batch 2, and the captcha ResNet at batch 2 on fake tensors where segments of both pools
 matter.
@@ -17,7 +18,9 @@ from torch.cuda import _memory_viz
 from bench.analysis import predict
 from bench.cli.main import main
 from bench.measure import fake_cuda
-from bench.core.snapshots import CATEGORIES, category_timeline, read_snapshot, replay_peaks
+from bench.report.html import report_data
+from bench.core.results import write_rows
+from bench.core.snapshots import CATEGORIES, category_timeline, read_snapshot, replay_peaks, snapshot_folder
 from bench.run.isolation import RunOptions
 from bench.run.runner import Case, run_case
 
@@ -102,16 +105,21 @@ def test_fake_cuda_prediction_snapshot(tmp_path, monkeypatch):
     assert replay_peaks(snapshot) == (row["predicted_bytes"], row["predicted_reserved_bytes"])
 
 
-def test_each_rank_writes_its_snapshot_with_its_own_peak(tmp_path):
+def test_each_rank_writes_its_snapshot_with_its_own_peak_and_the_report_sets_them_side_by_side(tmp_path):
+    results = tmp_path / "20990101T000000Z-cpu-rank.csv"
     row = run_case(_case("zero1", workload=UNIFORM), env={},
-                   options=RunOptions(threads=1, ranks=2, snapshot_dir=str(tmp_path)))
+                   options=RunOptions(threads=1, ranks=2, snapshot_dir=str(snapshot_folder(results))))
     assert row["status"] == "ok", row["message"]
-    snapshots = _snapshots(tmp_path)
+    snapshots = _snapshots(snapshot_folder(results))
     assert sorted(s["membench"]["rank"] for s in snapshots) == [0, 1]
     peaks = sorted(replay_peaks(s)[0] for s in snapshots)
     assert peaks == [row["rank_peak_min_bytes"], row["rank_peak_max_bytes"]]
     for snapshot in snapshots:
         _read_by_memory_viz(snapshot)
+    write_rows([row], results)
+    [case] = report_data([results])["timelines"]
+    assert [t["rank"] for t in case["ranks"]] == [0, 1] and case["row_peak_bytes"] == row["peak_mem_bytes"]
+    assert sorted(t["peak"]["bytes"] for t in case["ranks"]) == peaks
 
 
 def test_snapshot_options_write_beside_the_table(tmp_path, capsys):
