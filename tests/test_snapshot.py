@@ -49,6 +49,9 @@ def _read_by_memory_viz(snapshot: dict) -> None:
 def test_cpu_measured_snapshot_replays_to_the_rows_peak_and_its_breakdown(tmp_path):
     row = run_case(_case("checkpoint"), env={}, options=RunOptions(threads=1, snapshot_dir=str(tmp_path)))
     assert row["status"] == "ok", row["message"]
+    # recording (events, module hooks, autograd-node metadata) changes no tensor: the same peak as without it
+    unrecorded = run_case(_case("checkpoint"), env={}, options=RunOptions(threads=1))
+    assert unrecorded["peak_mem_bytes"] == row["peak_mem_bytes"]
     [snapshot] = _snapshots(tmp_path)
     _read_by_memory_viz(snapshot)
     assert snapshot["membench"]["strategy"] == row["strategy"] and snapshot["membench"]["kind"] == "measured"
