@@ -62,7 +62,7 @@ class TimingResult(PassResult):
 class MemoryResult(PassResult):
     """The memory pass's columns, and the live-tensor tracker that counted them (None where CUDA's allocator or
     the CPU allocator's events did); its `timeline` holds the measured step's points when one was recorded, its
-    `events` the step's allocations when the pass recorded a snapshot; `cuda_snapshot` is the one CUDA recorded."""
+    `events` every allocation and free when the pass recorded a snapshot; `cuda_snapshot` is the one CUDA recorded."""
 
     def __init__(self, columns: dict[str, Any], tracker: memory.LiveTensorTracker | None = None,
                  cuda_snapshot: dict[str, Any] | None = None):
