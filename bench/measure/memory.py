@@ -136,7 +136,8 @@ class LiveTensorTracker(TorchDispatchMode):
         info = _StorageInfo(self.storage_bytes(st.nbytes()), category, self._keys)
         if self.record_events:
             module = self.module_of() if self.module_of else ""
-            self.events.append(MemoryEvent("alloc", info.key, st.nbytes(), self.stage, module=module, category=category))
+            self.events.append(MemoryEvent("alloc", info.key, st.nbytes(), self.stage, module=module,
+                                           category=category))
         self._storages[st] = info
         self.live_bytes += info.nbytes
         self.live_by_category[category] = self.live_by_category.get(category, 0) + info.nbytes
