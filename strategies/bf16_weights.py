@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_map
 
 from strategies.base import Strategy, register_strategy
@@ -38,6 +39,20 @@ def _cast_inputs(module: nn.Module, args: tuple, kwargs: dict):
     return _cast_floats(args), _cast_floats(kwargs)
 
 
+def _convert_fake(model: nn.Module) -> None:
+    """Every floating-point parameter and buffer of `model` replaced by a bfloat16 one (a parameter shared by two
+    modules, tied weights, stays shared)."""
+    converted: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for table, make in ((module._parameters, lambda t: nn.Parameter(t.detach().to(DTYPE), t.requires_grad)),
+                            (module._buffers, lambda t: t.to(DTYPE))):
+            for name, tensor in list(table.items()):
+                if tensor is not None and tensor.is_floating_point():
+                    if id(tensor) not in converted:
+                        converted[id(tensor)] = make(tensor)
+                    table[name] = converted[id(tensor)]
+
+
 @register_strategy
 class Bf16Weights(Strategy):
     """The whole model in bfloat16: weights, gradients and optimizer state."""
@@ -48,7 +63,10 @@ class Bf16Weights(Strategy):
     priority = 22  # after lora (15) put its adapters in, so they are converted too; before checkpoint (30) wraps
 
     def prepare_model(self, model: nn.Module, units: list[nn.Module]) -> nn.Module:
-        model.to(DTYPE)
+        if any(is_fake(p) for p in model.parameters()):
+            _convert_fake(model)  # Module.to cannot swap a fake parameter (predict's fake engines)
+        else:
+            model.to(DTYPE)  # each Parameter converted in place: hooks on it stay
         # a hook, not a wrapping module: the workload still finds its model's head and layers where they were
         model.register_forward_pre_hook(_cast_inputs, with_kwargs=True)
         return model

@@ -28,11 +28,13 @@ Linear, Conv and Embedding layers). peft is an optional dependency (`membench[hf
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from bench.core.errors import Unsupported, UsageError
 from strategies.base import Strategy, register_strategy
@@ -100,24 +102,40 @@ class Lora(Strategy):
                               "an hf: architecture peft has default targets for; name its modules with "
                               f"lora:targets=a{TARGET_SEPARATOR}b")
         super().check(context)
+        self._resolve_targets()
+
+    def _resolve_targets(self) -> list[str]:
+        """The module names to adapt: `targets=`, or peft's default for the bound hf: workload's architecture."""
         import_peft()
-        targets = default_targets(model_type) if auto else str(self.settings["targets"]).split(TARGET_SEPARATOR)
-        if targets is None:
-            raise Unsupported(f"lora has nothing to adapt by default in {context.phase}: peft has no default targets "
-                              f"for {model_type} ({self.model_owner()}); name its modules with "
+        model_type = getattr(self.context.workload, "model_type", None)
+        if self.settings["targets"] != "auto":
+            self.targets = str(self.settings["targets"]).split(TARGET_SEPARATOR)
+        elif (targets := default_targets(model_type)) is not None:
+            self.targets = targets
+        else:
+            raise Unsupported(f"lora has nothing to adapt by default in {self.context.phase}: peft has no default "
+                              f"targets for {model_type} ({self.model_owner()}); name its modules with "
                               f"lora:targets=a{TARGET_SEPARATOR}b")
-        self.targets = targets
+        return self.targets
 
     def prepare_model(self, model: nn.Module, units: list[nn.Module]) -> nn.Module:
         peft = import_peft()
+        if not self.targets:  # bound but not checked (predict's engines bind a strategy per device)
+            self._resolve_targets()
         config = peft.LoraConfig(r=self.settings["r"], lora_alpha=self.settings["alpha"],
                                  lora_dropout=self.settings["dropout"], target_modules=list(self.targets),
                                  bias="none", fan_in_fan_out=_transposed(model, self.targets))
+        fake = any(is_fake(p) for p in model.parameters())
         try:
-            peft.inject_adapter_in_model(config, model)
+            # on fake tensors (predict), Module.to cannot swap a fake parameter, which peft does to put each adapter
+            # where its base layer is: there the adapters are made on meta (peft then leaves them) and made fake
+            with torch.device("meta") if fake else contextlib.nullcontext():
+                peft.inject_adapter_in_model(config, model)
         except ValueError as error:  # peft: "Target modules {...} not found in the base model"
             raise Unsupported(f"lora has nothing to adapt in {self.context.phase}: {self.model_owner()}: "
                               f"{str(error).splitlines()[0]}") from None
+        if fake:
+            _materialize_meta_parameters(model)
         self.trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.total = sum(p.numel() for p in model.parameters())
         return model
@@ -142,6 +160,18 @@ class Lora(Strategy):
         return (f"LoRA trains only rank-{self.settings['r']} adapters on {TARGET_SEPARATOR.join(self.targets)}"
                 f"{share}; the base weights are frozen (no gradient, no update); the first loss is the "
                 "baseline's (the adapters start at zero)")
+
+
+def _materialize_meta_parameters(model: nn.Module) -> None:
+    """Each parameter on meta replaced by zeros of its shape where the model's other parameters are, with their
+    dtype (under the fake mode: fake tensors, whose values no one reads)."""
+    placed = next(p for p in model.parameters() if not p.is_meta)
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and param.is_meta:
+                module._parameters[name] = nn.Parameter(
+                    torch.zeros(param.shape, dtype=placed.dtype, device=placed.device),
+                    requires_grad=param.requires_grad)
 
 
 def _transposed(model: nn.Module, targets: list[str]) -> bool:

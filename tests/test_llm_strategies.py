@@ -266,3 +266,15 @@ def test_a_wrong_gradient_still_mismatches():
     wrong = {**reference, "small": reference["small"] * 1.5}
     columns = compare(_snapshot(wrong), _snapshot(reference), _Exact())
     assert columns["matches_baseline"] is False and columns["max_grad_rel_diff"] == pytest.approx(0.5), columns
+
+
+# --- predict: the fake-tensor engine ---------------------------------------------------------------------------
+
+@needs_peft
+@pytest.mark.parametrize("spec", ["lora", "lora+checkpoint+chunked_loss", "bf16_weights"])
+def test_fake_engine_predicts_the_cpu_count_to_the_byte(spec):
+    """Module.to cannot swap fake parameters: lora makes its adapters on meta there, bf16_weights replaces them."""
+    from bench.analysis.predict import tracked_step
+
+    case = _case(TINY_LLAMA, spec)
+    assert tracked_step(case, spec, "fake").peak_bytes == tracked_step(case, spec, "cpu").peak_bytes
