@@ -178,8 +178,9 @@ def _failed_checks(tol, loss_rel_diff: float, grad_rel: float, missing: int, bn_
     if missing:
         failed.append(f"{missing} parameter(s) got no gradient where the baseline's did")
     if not bn_match:
-        failed.append(f"BatchNorm statistics differ (rtol grad_rtol {tol.grad_rtol:g}, atol output_atol "
-                      f"{tol.output_atol:g}; or a second update of num_batches_tracked)")
+        failed.append(f"buffers differ: BatchNorm statistics or other buffers such as rotary tables (rtol grad_rtol "
+                      f"{tol.grad_rtol:g}, atol output_atol {tol.output_atol:g}; or a second update of "
+                      "num_batches_tracked)")
     return failed
 
 
