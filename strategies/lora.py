@@ -24,6 +24,8 @@ an architecture peft knows; any other workload is `unsupported` unless `targets=
 Linear, Conv and Embedding layers). peft is an optional dependency (`membench[hf]`); without it the row is
 `unsupported` and says how to install it. A LoRA parameter's gradient counts under `peak_temp_bytes`, not
 `peak_grads_bytes`, in the breakdown (the session watches the gradients of the parameters the workload built).
+On fake tensors (predict's engines), where `Module.to` cannot move a fake parameter as peft does, the adapters are
+made on meta and then as fake zeros beside their base layers: the same shapes and bytes, no values.
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ class Lora(Strategy):
         if any(not name for name in str(s["targets"]).split(TARGET_SEPARATOR)):
             raise UsageError(f"lora:targets={s['targets']!r} has an empty module name; expected auto or module "
                              f"names separated by {TARGET_SEPARATOR!r} (q_proj{TARGET_SEPARATOR}v_proj)")
-        self.targets: list[str] = []  # resolved by check()
+        self.targets: list[str] = []  # resolved by check(), or by prepare_model() when bound unchecked
         self.trainable = 0  # parameters (elements) the adapters add, once the model is prepared
         self.total = 0
 
