@@ -6,6 +6,7 @@ import contextlib
 import importlib
 import inspect
 import logging
+import warnings
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -182,7 +183,9 @@ def _tracked_step_class(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Op
     class LowBitOptimizer(cls):
         def step(self, closure=None):
             params = [p for group in self.param_groups for p in group["params"]]
-            with _compilable_step(params):
+            with _compilable_step(params), warnings.catch_warnings():
+                # torchao's state subclasses lack a hash for AOTAutograd's cache: a warning per shape, nothing wrong
+                warnings.filterwarnings("ignore", message=".*_stable_hash_for_caching.*")
                 return super().step(closure)
 
     LowBitOptimizer.__name__ = LowBitOptimizer.__qualname__ = cls.__name__
