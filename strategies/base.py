@@ -17,6 +17,8 @@ A strategy is applied only to the stage it concerns (the pyperf hook pattern):
                    under a memory budget), through the `PlanMeter` the runner gives it;
 - `describe()`, `differs_by_design()`  the settings it ran with (the row's `strategy_settings`), and why its
                    result cannot be the baseline's;
+- `baseline_parameter_name()` the baseline's name of a parameter a transform renamed (peft's LoRA layer keeps the
+                   adapted Linear as `base_layer`), so that verification compares it with the right one;
 - `columns()`      figures it measured itself (compilation time, host memory), written into the row's columns;
                    it declares them in `row_columns` (columns of `bench.core.results.STRATEGY_COLUMNS`).
 
@@ -52,10 +54,19 @@ register_strategy = STRATEGIES.register
 
 @dataclass(frozen=True)
 class Tolerance:
-    """How close to the baseline a strategy's loss and gradients must be to count as the same result."""
+    """How close to the baseline a strategy's loss and gradients must be to count as the same result.
+
+    Gradients are compared parameter by parameter: |grad - ref| / max(|ref|, grad_floor * the largest |ref| of any
+    parameter) (norms) must be within `grad_rtol`. The floor is for a gradient that is zero in exact arithmetic
+    (an attention key's bias: softmax ignores a shift shared by every key): in float32 it is rounding noise,
+    around 1e-9 of the other gradients, whose relative error against itself would be of order 1 for any change in
+    the order of the sums. Measured against the largest gradient's norm, that noise is far inside `grad_rtol`;
+    a wrong gradient of any parameter whose norm is above the floor is still judged against its own norm.
+    """
 
     loss_rtol: float = 1e-5
-    grad_rtol: float = 1e-4  # per parameter: |grad - ref| / |ref| (norms); also the BatchNorm statistics' rtol
+    grad_rtol: float = 1e-4  # per parameter (see above); also the BatchNorm statistics' rtol
+    grad_floor: float = 1e-3  # the smallest reference norm a gradient is judged against, as a share of the largest
     output_atol: float = 1e-5  # an output (eval) or BatchNorm statistic within this, element by element, matches
     output_rtol: float = 1e-5  # else an output matches when |out - ref| / |ref| (norms) is within this
     step_rtol: float = 1e-4  # per parameter after one optimizer step: |w - ref| / |ref| (norms)
@@ -222,6 +233,11 @@ class Strategy:
     def differs_by_design(self) -> str | None:
         """Why, in the bound case, this strategy cannot give the baseline's result (None: it must match it)."""
         return None
+
+    def baseline_parameter_name(self, name: str) -> str:
+        """The name the baseline's model gives the parameter named `name` in this strategy's model (the same,
+        unless `prepare_model` moved it into a wrapping module); parameters the baseline lacks are not compared."""
+        return name
 
     def columns(self) -> dict[str, Any]:
         """Figures this strategy measured itself, as `column -> value` (only the columns of `row_columns`)."""

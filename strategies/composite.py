@@ -114,6 +114,11 @@ class Composite(Strategy):
         reasons = [reason for m in self.members if (reason := m.differs_by_design())]
         return "; ".join(reasons) or None
 
+    def baseline_parameter_name(self, name):
+        for m in reversed(self.members):  # the last transform's renaming is undone first
+            name = m.baseline_parameter_name(name)
+        return name
+
     def recomputed_groups(self):
         return next((groups for m in self.members if (groups := m.recomputed_groups()) is not None), None)
 

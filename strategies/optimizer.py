@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import inspect
+import logging
+import warnings
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
+from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
 
 from bench.core.errors import Unsupported, UsageError
 from strategies.base import Strategy, register_strategy
@@ -12,6 +18,9 @@ from strategies.base import Strategy, register_strategy
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "adafactor": torch.optim.Adafactor,
 }
+# name -> the class of torchao.optim keeping AdamW's two moments in 8 or 4 bits per value, a float32 scale per block
+LOW_BIT_OPTIMIZERS: dict[str, str] = {"adamw8bit": "AdamW8bit", "adamw4bit": "AdamW4bit"}
+LOW_BIT_INSTALL_HINT = "pip install 'membench[hf]' (in a checkout: make install)"
 # impl -> the constructor's (foreach, fused); None lets PyTorch choose (foreach on CUDA, for_loop on the CPU)
 IMPLEMENTATIONS: dict[str, tuple[bool | None, bool | None]] = {
     "default": (None, None), "foreach": (True, None), "for_loop": (False, None), "fused": (None, True),
@@ -41,26 +50,49 @@ class Optimizer(Strategy):
     weights), Adafactor (factored second moments: a row and a column per matrix), each with PyTorch's default
     hyperparameters; an algorithm other than the workload's changes the weights' update, so that row does not
     match the baseline, by design. Training only (eval has no step).
+
+    `name=adamw8bit`, `name=adamw4bit`: torchao's low-bit AdamW (`torchao.optim.AdamW8bit`, `AdamW4bit`; the `hf`
+    extra installs torchao), with the workload's lr, betas, eps and weight decay. Each moment of a parameter of at
+    least 4096 values is stored as 8-bit (4-bit) codes of a dynamic-exponent map plus a float32 scale per block of
+    256 (128) values, about 1/4 (1/8) of AdamW's float32 state; smaller parameters keep float32 moments. The first
+    step updates from the unrounded moments, so it matches AdamW to float rounding; later steps differ by design.
+    torchao compiles each parameter's update with `torch.compile` (a few seconds per parameter shape, on the first
+    step). Limitations: under the live-tensor tracker the step runs outside the tracker's dispatch mode (torch.compile
+    refuses to run under one), so the optimizer stage's peak counts the state, updated in place, and not the
+    compiled kernel's own buffers; on fake tensors (predict) it runs eagerly, which allocates float32 temporaries a
+    compiled kernel does not. The state counts by its real storage (uint8 codes and scales), not its float32 face.
     """
 
     name = "optimizer"
-    description = "the workload's optimizer with another implementation (impl=), or another algorithm (name=)"
+    description = ("the workload's optimizer with another implementation (impl=), or another algorithm (name=, "
+                   "including torchao's 8-bit and 4-bit AdamW)")
     phases = ("train",)
     options = {"name": "workload", "impl": "default"}
     priority = 30  # before optimizer_in_backward, which splits whatever optimizer this makes
 
     def __init__(self, **options):
         super().__init__(**options)
-        if self.settings["name"] not in ("workload", *OPTIMIZERS):
+        if self.settings["name"] not in ("workload", *OPTIMIZERS, *LOW_BIT_OPTIMIZERS):
             raise UsageError(f"optimizer:name={self.settings['name']!r}; valid choices: workload, "
-                             f"{', '.join(OPTIMIZERS)}")
+                             f"{', '.join([*OPTIMIZERS, *LOW_BIT_OPTIMIZERS])}")
         if self.settings["impl"] not in IMPLEMENTATIONS:
             raise UsageError(f"optimizer:impl={self.settings['impl']!r}; valid choices: {', '.join(IMPLEMENTATIONS)}")
         self.replaced: str | None = None  # the workload's optimizer's class name, when name= replaced it
         self.resolved = {"name": self.settings["name"], "impl": self.settings["impl"]}
 
+    def check(self, context):
+        super().check(context)
+        name = self.settings["name"]
+        if name in LOW_BIT_OPTIMIZERS:
+            low_bit_class(name)  # Unsupported, naming the extra, when torchao is missing
+            if self.settings["impl"] != "default":
+                raise Unsupported(f"optimizer:name={name} has one implementation (torchao's), not "
+                                  f"impl={self.settings['impl']}")
+
     def wrap_optimizer(self, optimizer, model):
         name = self.settings["name"]
+        if name in LOW_BIT_OPTIMIZERS:
+            return self._low_bit(optimizer, name)
         cls = type(optimizer) if name == "workload" else OPTIMIZERS[name]
         foreach, fused = IMPLEMENTATIONS[self.settings["impl"]]
         accepted = inspect.signature(cls).parameters
@@ -74,10 +106,87 @@ class Optimizer(Strategy):
         self.resolved = {"name": cls.__name__, "impl": implementation(replacement)}
         return replacement
 
+    def _low_bit(self, optimizer: torch.optim.Optimizer, name: str) -> torch.optim.Optimizer:
+        """torchao's low-bit AdamW over the workload's parameter groups, with the workload's hyperparameters that
+        it takes (lr, betas, eps, weight_decay): only the storage of the moments changes."""
+        cls = low_bit_class(name)
+        accepted = set(inspect.signature(cls).parameters) - {"params"}
+        groups = [{key: value for key, value in group.items() if key == "params" or key in accepted}
+                  for group in optimizer.param_groups]
+        replacement = _tracked_step_class(cls)(groups)
+        self.replaced = type(optimizer).__name__
+        self.resolved = {"name": f"torchao.optim.{cls.__name__}", "impl": "torch.compile"}
+        return replacement
+
     def describe(self):
         return {f"optimizer.{key}": value for key, value in self.resolved.items()}
 
     def differs_by_design(self):
         if self.replaced is None:
             return None
+        if self.settings["name"] in LOW_BIT_OPTIMIZERS:
+            bits = 8 if self.settings["name"] == "adamw8bit" else 4
+            return (f"{self.resolved['name']} replaces the workload's {self.replaced}: its moments are stored in "
+                    f"{bits} bits per value (a float32 scale per block), so each step after the first updates the "
+                    "weights from rounded moments")
         return f"{self.resolved['name']} replaces the workload's {self.replaced}: another update of the weights"
+
+
+def low_bit_class(name: str) -> type[torch.optim.Optimizer]:
+    """torchao's optimizer class for `name` (LOW_BIT_OPTIMIZERS); Unsupported naming the extra without torchao."""
+    try:
+        with _quiet_loggers("torchao", "torch.utils._pytree"):
+            module = importlib.import_module("torchao.optim")
+    except ImportError:
+        raise Unsupported(f"optimizer:name={name} needs torchao, not installed: {LOW_BIT_INSTALL_HINT}") from None
+    cls = getattr(module, LOW_BIT_OPTIMIZERS[name], None)
+    if cls is None:
+        raise Unsupported(f"optimizer:name={name}: this torchao has no torchao.optim.{LOW_BIT_OPTIMIZERS[name]}")
+    return cls
+
+
+@contextlib.contextmanager
+def _quiet_loggers(*names: str):
+    """Inside, the named loggers drop warnings: torchao's import warns of each compiled CUDA kernel a CPU build of
+    torch cannot load, and torch of its enum registrations, none of which the low-bit optimizers use."""
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def _compilable_step(params: list[torch.Tensor]):
+    """Where torchao's step (a `torch.compile`d function per parameter) can run compiled.
+
+    Under a TorchDispatchMode (the live-tensor tracker) torch.compile refuses to run: the step runs outside the
+    modes, compiled as in a timed step, and the tracker sees the state tensors it updates in place, not the fused
+    kernel's own buffers (as for any kernel's workspace). On fake tensors (predict) it runs eagerly inside them."""
+    if _get_current_dispatch_mode() is None:
+        yield
+    elif any(is_fake(p) for p in params):
+        with torch.compiler.set_stance("force_eager"):
+            yield
+    else:
+        with _disable_current_modes():
+            yield
+
+
+def _tracked_step_class(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
+    """`cls` whose step runs where it can be compiled (`_compilable_step`)."""
+
+    class LowBitOptimizer(cls):
+        def step(self, closure=None):
+            params = [p for group in self.param_groups for p in group["params"]]
+            with _compilable_step(params), warnings.catch_warnings():
+                # torchao's state subclasses lack a hash for AOTAutograd's cache: a warning per shape, nothing wrong
+                warnings.filterwarnings("ignore", message=".*_stable_hash_for_caching.*")
+                return super().step(closure)
+
+    LowBitOptimizer.__name__ = LowBitOptimizer.__qualname__ = cls.__name__
+    return LowBitOptimizer

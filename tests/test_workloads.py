@@ -49,6 +49,11 @@ UNSUPPORTED = {
     ("deep_mlp", "chunked_loss"): "has no separable output head",
     ("unet", "chunked_loss"): "has no separable output head",
     ("timm", "chunked_loss"): "has no separable output head",
+    ("captcha_resnet18", "lora"): "is not an hf: architecture",
+    ("deep_mlp", "lora"): "is not an hf: architecture",
+    ("unet", "lora"): "is not an hf: architecture",
+    ("gpt_mini", "lora"): "is not an hf: architecture",
+    ("timm", "lora"): "is not an hf: architecture",
 }
 # strategy -> phases it runs in on the CPU on any workload (cudnn_benchmark, empty_cache, pinned_loader: CUDA only)
 PHASES = {"baseline": ("train", "eval"), "inplace_relu": ("train", "eval"), "checkpoint": ("train", "eval"),
@@ -58,7 +63,8 @@ PHASES = {"baseline": ("train", "eval"), "inplace_relu": ("train", "eval"), "che
           "grad_accumulation": ("train",), "optimizer_in_backward": ("train",),
           "optimizer": ("train",), "keep_grads": ("train",), "empty_cache": (), "pinned_loader": (),
           "pitfall_loss_sum": ("train", "eval"), "pitfall_retain_graph": ("train",),
-          "bn_act_recompute": ("train",), "inplace_abn": ("train",), "chunked_loss": ("train",)}
+          "bn_act_recompute": ("train",), "inplace_abn": ("train",), "chunked_loss": ("train",),
+          "lora": ("train",), "bf16_weights": ("train", "eval")}
 # the spec a strategy runs as here where its defaults are too slow for `make test` (inductor compiles C++ for ~30 s
 # per pass on a 2-core CPU; the eager partition backend runs the same partitioned graphs)
 FAST_SPECS = {"compile": "compile:backend=aot_eager_decomp_partition"}
@@ -72,6 +78,8 @@ DIFFERS = {
     ("captcha_resnet18", "inplace_abn"): "is a leaky ReLU of slope",
     ("unet", "inplace_abn"): "is a leaky ReLU of slope",
     ("timm", "inplace_abn"): "is a leaky ReLU of slope",
+    ("hf", "lora"): "the base weights are frozen",
+    **{(workload, "bf16_weights"): "are bfloat16 (8-bit mantissa)" for workload in SMALL},
 }
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -78,8 +78,9 @@ class LiveTensorTracker(TorchDispatchMode):
     Storages are registered when first seen, as an operator's output or input, or through `track()` for
     tensors that existed before the tracker was entered (parameters, the batch, optimizer state). A weak
     reference to each storage takes its bytes off the count when the storage is freed. The count is of
-    storages, so views and in-place results are not counted twice. Allocations made inside a kernel that never
-    become a tensor (workspaces) are not seen: the figure is live *tensor* bytes.
+    storages, so views and in-place results are not counted twice; a wrapper tensor subclass (torchao's 8-bit
+    optimizer state) counts as the tensors inside it, not as its face's dtype. Allocations made inside a kernel
+    that never become a tensor (workspaces) are not seen: the figure is live *tensor* bytes.
 
     `stage` is set by the caller (forward/backward/optimizer); each storage is filed under a category: the one
     given to `track()`, else the stage it was created in.
@@ -124,6 +125,12 @@ class LiveTensorTracker(TorchDispatchMode):
     def _register(self, t: torch.Tensor, category: str) -> None:
         # a DTensor (FSDP's sharded parameters): this rank's shard is what lives here
         t = getattr(t, "_local_tensor", t)
+        if is_traceable_wrapper_subclass(t):
+            # a wrapper (torchao's 8-bit optimizer state: uint8 codes and float32 scales behind a float32 face)
+            # holds no data of its own: its storage reports the face's bytes; the tensors inside are what lives
+            for inner in _inner_tensors(t):
+                self._register(inner, category)
+            return
         if t.device.type != self.device or (t.is_meta and self.device != "meta"):
             return
         try:
@@ -168,6 +175,9 @@ class LiveTensorTracker(TorchDispatchMode):
             if not isinstance(t, torch.Tensor) or t.device.type != self.device:
                 continue
             t = getattr(t, "_local_tensor", t)  # a DTensor: its shard on this rank
+            if is_traceable_wrapper_subclass(t):  # a wrapper: the tensors inside it (see `_register`)
+                self.recategorize(_inner_tensors(t), category)
+                continue
             info = self._storages.get(t.untyped_storage())
             if info is None:
                 self._register(t, category)
@@ -223,6 +233,12 @@ class LiveTensorTracker(TorchDispatchMode):
                 self._register(t, self.stage)
         self._update_peak(func.__name__)
         return out
+
+
+def _inner_tensors(wrapper: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors a wrapper tensor subclass is made of (`__tensor_flatten__`), which hold its data."""
+    names, _ = wrapper.__tensor_flatten__()
+    return [getattr(wrapper, name) for name in names]
 
 
 @dataclass
