@@ -19,7 +19,9 @@ above 192 in training on sm86-89 and sm120) are those of the device torch sees.
 
 `SdpaKernelChoice` is a TorchFunctionMode: inside it, each CUDA call of `F.scaled_dot_product_attention` runs under
 `torch.nn.attention.sdpa_kernel([the chosen backend])`, so that a fake-tensor step allocates what that kernel
-allocates (its output, logsumexp, and in backward its gradients), and the names are kept in `kernels`.
+allocates (its output, logsumexp, and in backward its gradients), and the names are kept in `kernels`. Under CUDA's
+autocast the inputs are first cast as autocast casts them (the operator is on its lower-precision list: a model
+whose rotary embedding hands it float32 queries and keys runs it in float16), and the kernel is chosen for those.
 """
 
 from __future__ import annotations
@@ -109,6 +111,17 @@ class SdpaKernelChoice(TorchFunctionMode):
         a = call.arguments
         if not (isinstance(a["query"], torch.Tensor) and a["query"].is_cuda):
             return func(*args, **kwargs)
+        if torch.is_autocast_enabled("cuda"):
+            # CUDA's autocast runs this operator in its lower precision: the kernel is chosen for the cast inputs.
+            # The casts are made here, as autocast makes them (one copy of each floating-point input not already
+            # in that dtype, float64 left alone), and autocast then has nothing left to cast.
+            dtype = torch.get_autocast_dtype("cuda")
+            for name in ("query", "key", "value", "attn_mask"):
+                t = a[name]
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype not in (dtype, torch.float64):
+                    a[name] = t.to(dtype)
+            args = (a["query"], a["key"], a["value"])
+            kwargs = {name: value for name, value in a.items() if name not in ("query", "key", "value")}
         kernel = chosen_kernel(a["query"], a["key"], a["value"], a["attn_mask"], a["dropout_p"], a["is_causal"],
                                a["enable_gqa"], self.capability)
         self.kernels.append(kernel)
