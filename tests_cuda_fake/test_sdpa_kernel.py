@@ -77,3 +77,19 @@ def test_predict_names_the_kernel_of_a_llama_and_its_memory_follows():
     old = hf_row("amp", capability=(7, 5))  # a T4: neither flash nor cuDNN; grouped-query heads: math
     assert old["sdpa_kernel"] == "math"
     assert old["predicted_activations_bytes"] > mixed["predicted_activations_bytes"]
+
+
+def test_a_checkpointed_first_case_runs_on_fake_cuda_in_a_fresh_process():
+    # torch.utils.checkpoint refuses a CUDA state first initialised inside its forward: the fake-CUDA mode initialises
+    # CUDA on entry, so that a process whose first case checkpoints (each probe of `fit --device cuda`) is not
+    # sent to the CPU's operators
+    import subprocess
+
+    from tests_cuda_fake.test_predict_fake_cuda import ROOT
+
+    code = ("from bench.analysis import predict; from bench.run.runner import Case; "
+            "(row,) = predict.predict_cases([Case('hf:tiny-llama:seq_len=16', 'checkpoint', 'train', 1, 'cuda', "
+            "data='synthetic')]); print(row['engine'], row['message'])")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["fake-cuda"], done.stdout
