@@ -366,6 +366,14 @@ def predict_cases(cases: list, engine: str = "auto", ranks: int = 1, capability:
     return rows
 
 
+def predicted_allocated(case, capability: tuple[int, int] | None = None) -> int | None:
+    """The predicted `max_memory_allocated` of one CUDA case (`predict_cases`: on fake CUDA where it can), or None
+    when the case has no prediction (unsupported, or no engine could run it); what `fit --device cuda` searches on
+    without a GPU."""
+    (row,) = predict_cases([case], capability=capability)
+    return row["predicted_bytes"] if row["status"] == Status.OK.value else None
+
+
 def _predict_in_fake_cuda_environment(python: Path, cases: list, engine: str, ranks: int,
                                       capability: tuple[int, int] | None) -> tuple[list[Row] | None, str]:
     """The cases' rows predicted by `python -m bench.analysis._predict_worker` in the fake-CUDA environment (its
