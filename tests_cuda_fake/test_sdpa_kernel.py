@@ -93,3 +93,15 @@ def test_a_checkpointed_first_case_runs_on_fake_cuda_in_a_fresh_process():
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["fake-cuda"], done.stdout
+
+
+def test_the_peak_by_category_on_cudas_operators_adds_up():
+    # on fake CUDA Adam's step counts stay host tensors (not counted): its state is two blocks per weight's block
+    row = hf_row("baseline")
+    parts = [row[name] for name in ("predicted_weights_bytes", "predicted_grads_bytes",
+                                    "predicted_optimizer_state_bytes", "predicted_activations_bytes",
+                                    "predicted_logits_bytes", "predicted_other_bytes")]
+    assert sum(parts) == row["predicted_bytes"]
+    assert row["predicted_optimizer_state_bytes"] == 2 * row["predicted_weights_bytes"]
+    assert row["predicted_logits_bytes"] >= 1 * 64 * 512 * 4  # batch x sequence x vocabulary floats
+    assert row["predicted_other_bytes"] >= row["cublas_workspace_bytes"] > 0
