@@ -1,6 +1,8 @@
-"""The attention kernel of scaled_dot_product_attention on fake CUDA: which one CUDA chooses (PyTorch's own checks,
-the hardware ranges and priority order of sdp_utils.cpp for a compute capability), that the fake trace runs the
-kernel named (its own operator, so its own outputs: logsumexp, cuDNN's statistics), and the predict row that names it.
+"""predict on fake CUDA for the hf: models, at full size: the weights never exist (llama-3.1-8b's 32 GB of float32
+weights are counted, not allocated), the peak by category adds up, and the attention kernel of
+scaled_dot_product_attention is the one CUDA chooses (PyTorch's own checks, the hardware ranges and priority order of
+sdp_utils.cpp for a compute capability), run by the fake trace (its own operator, so its own outputs: logsumexp,
+cuDNN's statistics) and named in the row.
 """
 
 from __future__ import annotations
@@ -105,3 +107,20 @@ def test_the_peak_by_category_on_cudas_operators_adds_up():
     assert row["predicted_optimizer_state_bytes"] == 2 * row["predicted_weights_bytes"]
     assert row["predicted_logits_bytes"] >= 1 * 64 * 512 * 4  # batch x sequence x vocabulary floats
     assert row["predicted_other_bytes"] >= row["cublas_workspace_bytes"] > 0
+
+
+def test_llama_8b_at_full_size_is_predicted_without_its_memory():
+    # eval at a short sequence, to stay quick: every one of the 32 layers and the 8,030,261,248 published
+    # parameters are counted (every tensor's float32 bytes a multiple of 512: no rounding), and this process grows
+    # by far less than their 32 GB
+    import resource
+
+    from workloads.hf_presets import PUBLISHED_PARAMETERS
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    (row,) = predict.predict_cases([Case("hf:llama-3.1-8b:seq_len=64", "baseline", "eval", 1, "cuda",
+                                         data="synthetic")])
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    assert row["status"] == "ok" and row["engine"] == "fake-cuda", row
+    assert row["predicted_weights_bytes"] == PUBLISHED_PARAMETERS["llama-3.1-8b"] * 4
+    assert grown < 2 * 2**30, grown
