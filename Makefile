@@ -30,7 +30,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH)" "$(TORCHVISION)"
-	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev,timm,hf]"
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev,timm,hf,report]"
 	touch $(STAMP)
 
 BUDGET ?= 4GiB

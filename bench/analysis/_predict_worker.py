@@ -27,7 +27,8 @@ def main(request_path: str, rows_path: str) -> int:
         def progress(index: int, case: Case) -> None:
             print(predict.progress_line(index, len(cases), case, " on fake CUDA"), file=sys.stderr, flush=True)
 
-        rows = predict.predict_cases(cases, request["engine"], request["ranks"], capability, on_case=progress)
+        rows = predict.predict_cases(cases, request["engine"], request["ranks"], capability, on_case=progress,
+                                     snapshot_dir=request.get("snapshot_dir"))
     except KeyboardInterrupt:  # Ctrl-C reaches the caller too, which says what was interrupted
         return 130
     except Exception as error:  # noqa: BLE001 - the caller predicts in its own process instead, saying why

@@ -48,8 +48,9 @@ def _leafish(model: nn.Module) -> list[tuple[str, nn.Module]]:
             if name and not isinstance(m, (nn.Sequential, nn.ModuleList, nn.ModuleDict))]
 
 
-def explain(case, strategy) -> dict[str, Any]:
-    """One tracked pass of the case with module hooks: the row's memory columns and the per-module table."""
+def explain(case, strategy, record_snapshot: bool = False) -> dict[str, Any]:
+    """One tracked pass of the case with module hooks: the row's memory columns and the per-module table (and with
+    `record_snapshot` the tracker's log of the step, for `bench.measure.snapshot.tracker_snapshot`)."""
     rows: list[ModuleRow] = []
     open_rows: dict[int, list[ModuleRow]] = {}
 
@@ -77,7 +78,7 @@ def explain(case, strategy) -> dict[str, Any]:
             module.register_forward_pre_hook(pre)
             module.register_forward_hook(post)
 
-    memory = memory_pass(case, strategy, prepare=prepare)
+    memory = memory_pass(case, strategy, prepare=prepare, record_snapshot=record_snapshot)
     tracker = memory.tracker
     by_index = {p.index: p.live_bytes for p in tracker.timeline}
     # the hooks go on after the warm-up and stay on for the steps after the measured one (its growth check): only

@@ -30,7 +30,7 @@ from bench.core.errors import Unsupported, UsageError
 from bench.core.results import PREDICT, Status
 from bench.core.schema import Row
 from bench.core.units import MiB
-from bench.measure import breakdown, cuda_allocator, fake_cuda
+from bench.measure import breakdown, cuda_allocator, fake_cuda, memory, snapshot
 from bench.measure.sdpa_kernel import SdpaKernelChoice
 from bench.measure.fake_cuda_mode import FakeAllocator, fake_cuda as fake_cuda_tensors, is_fake_device
 from bench.run.ranks import fake_process_group, in_rank_process
@@ -48,6 +48,7 @@ class TrackedStep:
     peak_bytes: int
     events: list | None
     engine: str
+    tracker: memory.LiveTensorTracker | None = None  # the tracker that counted it (a snapshot is written from it)
     # the tracker's bytes at its peak by category (`bench.measure.breakdown.CategorizedTracker`)
     peak_by_category: dict = field(default_factory=dict)
     # fake-cuda: the kernels scaled_dot_product_attention ran (`bench.measure.sdpa_kernel`), e.g. "math"
@@ -121,7 +122,7 @@ def tracked_step(case, spec: str, engine: str = "fake", block_bytes: int = 1, cu
         measured = fake_memory_pass(replace(case, device="cpu"), strategy, tracker=tracker, **options)
     else:
         measured = memory_pass(replace(case, device=engine), strategy, tracker=tracker, **options)
-    return TrackedStep(int(measured["peak_mem_bytes"]), tracker.events if record_events else None, engine,
+    return TrackedStep(int(measured["peak_mem_bytes"]), tracker.events if record_events else None, engine, tracker,
                        dict(tracker.peak_by_category),
                        (attention.summary() or None) if attention is not None else None)
 
@@ -201,7 +202,8 @@ class _NoPrediction(Exception):
         self.status, self.message = status, message
 
 
-def predict_case(case, engine: str = "auto", ranks: int = 1, capability: tuple[int, int] | None = None) -> Row:
+def predict_case(case, engine: str = "auto", ranks: int = 1, capability: tuple[int, int] | None = None,
+                 snapshot_dir: str | None = None) -> Row:
     """One row of the predict table (`bench.core.results.PREDICT`): strategy, phase, batch, the predicted peak
     (`predicted_bytes`: max_memory_allocated on CUDA, exact live bytes on the CPU), on CUDA
     `predicted_reserved_bytes` (max_memory_reserved) and the cuBLAS workspace counted, the engine used, status and
@@ -209,7 +211,8 @@ def predict_case(case, engine: str = "auto", ranks: int = 1, capability: tuple[i
     capability (default: this machine's, else not Hopper).
 
     The steps: bind and check the strategy, plan it on each engine's device, run one tracked step on the first
-    engine that can, and turn the step into the row's figures (on CUDA, through the caching allocator's model)."""
+    engine that can, and turn the step into the row's figures (on CUDA, through the caching allocator's model).
+    With `snapshot_dir` the step's memory snapshot is written there (`bench.measure.snapshot`)."""
     row = _empty_row(case)
     strategy, context = _bound_strategy(case, ranks)
     row["strategy"] = strategy.spec()
@@ -223,9 +226,13 @@ def predict_case(case, engine: str = "auto", ranks: int = 1, capability: tuple[i
         if strategy.distributed:
             row["ranks"] = ranks
         row["message"] = "; ".join(notes)
-        name, step = _first_engine_that_runs(case, row["strategy"], engines, planned, ranks, notes, capability)
+        name, step = _first_engine_that_runs(case, row["strategy"], engines, planned, ranks, notes,
+                                             record_events=case.device == "cuda" or snapshot_dir is not None,
+                                             capability=capability)
         row.update(engine=name, message="; ".join(notes), sdpa_kernel=step.sdpa_kernel)
         _fill_figures(row, step, capability, notes)
+        if snapshot_dir is not None:
+            _write_snapshot(case, row, step, capability, snapshot_dir)
     except _NoPrediction as refusal:
         row.update(status=refusal.status.value, message=refusal.message)
     return row
@@ -284,13 +291,15 @@ def _notes_before_the_step(strategy, planned: dict, ranks: int) -> list[str]:
 
 
 def _first_engine_that_runs(case, spec: str, engines: list[str], planned: dict, ranks: int,
-                            notes: list[str], capability: tuple[int, int] | None = None) -> tuple[str, TrackedStep]:
+                            notes: list[str], record_events: bool = False,
+                            capability: tuple[int, int] | None = None) -> tuple[str, TrackedStep]:
     """(engine, its tracked step) of the first of `engines` that runs the case, each failure before it added to
     `notes`; _NoPrediction when the strategy does not fit the model (no engine can run it) or the last one fails."""
     cuda = case.device == "cuda"
     for name in engines:
         try:
-            return name, tracked_step(case, spec, name, 1, cuda_autocast=cuda, ranks=ranks, record_events=cuda,
+            return name, tracked_step(case, spec, name, 1, cuda_autocast=cuda, ranks=ranks,
+                                      record_events=record_events,
                                       warmup_steps=MEMORY_WARMUP_STEPS["cuda"] if cuda else None,
                                       planned=planned[bound_device(name)], capability=capability)
         except Unsupported as error:  # found when the strategy meets the model (no ReLU to switch): no engine can
@@ -326,14 +335,29 @@ def _fill_figures(row: Row, step: TrackedStep, capability: tuple[int, int] | Non
         row["message"] = "; ".join(notes)
 
 
+def _write_snapshot(case, row: Row, step: TrackedStep, capability: tuple[int, int] | None, folder: str) -> None:
+    """The predicted step's snapshot: on CUDA the allocator model's blocks and segments (the replay that gave the
+    row's figures), else the tracker's storages; for a sharded strategy, the largest rank's."""
+    about = {"workload": case.workload, "strategy": row["strategy"], "phase": case.phase,
+             "batch_size": case.batch_size, "data": case.data, "device": case.device, "kind": "predicted",
+             "engine": step.engine, "peak_mem_bytes": row["predicted_bytes"],
+             "peak_reserved_bytes": row.get("predicted_reserved_bytes"), "rank": None}
+    if case.device == "cuda":
+        taken = snapshot.allocator_snapshot(step.tracker, about, cublas_workspace(capability or device_capability()))
+    else:
+        taken = snapshot.tracker_snapshot(step.tracker, about)
+    snapshot.write_snapshot(taken, Path(folder))
+
+
 def progress_line(index: int, total: int, case, where: str = "") -> str:
     """The line predict prints as it starts a case (`where`: " on fake CUDA" in the fake-CUDA environment)."""
     return f"[{index + 1}/{total}] predicting {case.strategy} {case.phase} bs={case.batch_size}{where} ..."
 
 
 def predict_cases(cases: list, engine: str = "auto", ranks: int = 1, capability: tuple[int, int] | None = None,
-                  on_case: Callable[[int, object], None] | None = None) -> list[Row]:
-    """`predict_case` for each case, in order; `on_case(index, case)` is called before each.
+                  on_case: Callable[[int, object], None] | None = None, snapshot_dir: str | None = None) -> list[Row]:
+    """`predict_case` for each case, in order; `on_case(index, case)` is called before each; with `snapshot_dir`,
+    each case's predicted memory snapshot is written there.
 
     CUDA cases on `auto` or `fake-cuda` run on CUDA's own operators: in this process where its torch sees a CUDA
     device (a GPU, or the fake-CUDA environment's stubs), else in a subprocess of the fake-CUDA environment's Python
@@ -351,7 +375,7 @@ def predict_cases(cases: list, engine: str = "auto", ranks: int = 1, capability:
         if python is None and engine == "fake-cuda":
             raise UsageError(f"--engine fake-cuda: {fake_cuda.unavailable_reason()}")
         if python is not None:
-            rows, note = _predict_in_fake_cuda_environment(python, cases, engine, ranks, capability)
+            rows, note = _predict_in_fake_cuda_environment(python, cases, engine, ranks, capability, snapshot_dir)
             if rows is not None:
                 return rows
             engine = "auto"
@@ -359,7 +383,7 @@ def predict_cases(cases: list, engine: str = "auto", ranks: int = 1, capability:
     for index, case in enumerate(cases):
         if on_case is not None:
             on_case(index, case)
-        row = predict_case(case, engine, ranks, capability)
+        row = predict_case(case, engine, ranks, capability, snapshot_dir)
         if note and case.device == "cuda":
             row["message"] = "; ".join(x for x in (note, row["message"]) if x)
         rows.append(row)
@@ -375,12 +399,13 @@ def predicted_allocated(case, capability: tuple[int, int] | None = None) -> int 
 
 
 def _predict_in_fake_cuda_environment(python: Path, cases: list, engine: str, ranks: int,
-                                      capability: tuple[int, int] | None) -> tuple[list[Row] | None, str]:
+                                      capability: tuple[int, int] | None,
+                                      snapshot_dir: str | None = None) -> tuple[list[Row] | None, str]:
     """The cases' rows predicted by `python -m bench.analysis._predict_worker` in the fake-CUDA environment (its
     progress on this process's stderr), made back into rows of the predict table, or (None, why) when that process
     fails."""
     request = {"cases": [asdict(case) for case in cases], "engine": engine, "ranks": ranks,
-               "capability": list(capability) if capability else None}
+               "capability": list(capability) if capability else None, "snapshot_dir": snapshot_dir}
     with tempfile.TemporaryDirectory(prefix="membench-predict-") as folder:
         request_file, rows_file = Path(folder) / "request.json", Path(folder) / "rows.json"
         request_file.write_text(json.dumps(request))

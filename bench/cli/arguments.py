@@ -107,7 +107,15 @@ def add_case_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=DEFAULT_OUT, help=f"folder for the results CSV (default {DEFAULT_OUT}/)")
     p.add_argument("--quick", action="store_true", help="1 warm-up step and 3 measured steps: a first look in "
                                                         "minutes on a CPU (default off)")
+    add_snapshot_option(p, "beside the results CSV, in <run>.snapshots/ (per rank with --ranks)")
     _add_sweep_options(p)
+
+
+def add_snapshot_option(p: argparse.ArgumentParser, where: str) -> None:
+    """--snapshot: a memory snapshot of each case's measured step in PyTorch's format (pytorch.org/memory_viz)."""
+    p.add_argument("--snapshot", action="store_true",
+                   help="write each case's memory snapshot of its measured step, in the format of "
+                        f"torch.cuda.memory._snapshot() (open it at pytorch.org/memory_viz), {where} (default off)")
 
 
 def add_threads_option(p: argparse.ArgumentParser, recorded: str = "") -> None:

@@ -18,8 +18,9 @@ from bench.cli.commands_run import apply_memory_limit
 from bench.cli.console import status
 from bench.core.errors import Unsupported, UsageError
 from bench.core.results import FIT, PREDICT, new_run_id, write_table
+from bench.core.snapshots import snapshot_folder
 from bench.core.units import format_size
-from bench.measure import env, fake_cuda
+from bench.measure import env, fake_cuda, snapshot
 from bench.run import preflight
 from bench.run.isolation import process_state
 from bench.run.preflight import check_choice, check_output_dir, parse_batch_sizes
@@ -95,9 +96,17 @@ def cmd_explain(args) -> int:
     """The peak of one case broken down (params, grads, optimizer, activations, temporaries, batch), the rule
     of thumb beside it, and memory added by each module's forward."""
     case, strategy = _planned_case(args)
-    result = analysis.explain(case, strategy)
+    out = check_output_dir(args.out, "--out") if args.snapshot else None
+    result = analysis.explain(case, strategy, record_snapshot=args.snapshot)
     print(analysis.format_explain(case, result["memory"], result["modules"],
                                   rule_of_thumb(case.workload, case.phase, case.batch_size)))
+    if out is not None:
+        about = {"workload": case.workload, "strategy": case.strategy, "phase": case.phase,
+                 "batch_size": case.batch_size, "data": case.data, "device": case.device, "kind": "measured",
+                 "peak_mem_bytes": result["memory"]["peak_mem_bytes"], "rank": None}
+        folder = snapshot_folder(out / f"explain-{new_run_id(case.device)}.csv")
+        path = snapshot.write_snapshot(snapshot.tracker_snapshot(result["tracker"], about), folder)
+        print(f"\nmemory snapshot: {path} (open it at https://pytorch.org/memory_viz)")
     plan = analysis.checkpoint_plan_of(strategy)
     if plan is not None and case.phase == "train":
         baseline = fitting.measured_peak(replace(case, strategy="baseline"),
@@ -127,7 +136,10 @@ def cmd_predict(args) -> int:
     def progress(index: int, case: Case) -> None:
         status(predict.progress_line(index, len(cases), case))
 
-    rows = predict.predict_cases(cases, engine, args.ranks, compute_capability, on_case=progress)
+    path = out / f"predict-{new_run_id(device)}.csv"
+    snapshots = snapshot_folder(path) if args.snapshot else None
+    rows = predict.predict_cases(cases, engine, args.ranks, compute_capability, on_case=progress,
+                                 snapshot_dir=None if snapshots is None else str(snapshots))
     print(f"predicted peak memory on {device}" + (" (torch.cuda.max_memory_allocated and max_memory_reserved)"
                                                   if device == "cuda" else " (exact live tensor bytes)"))
     print(predict.format_predictions(rows))
@@ -135,9 +147,10 @@ def cmd_predict(args) -> int:
         print("\nassumptions:")
         for line in predict_assumptions.assumptions(row["engine"] for row in rows):
             print(f"  - {line}")
-    path = out / f"predict-{new_run_id(device)}.csv"
     write_table(PREDICT, rows, path)
     print(f"\nwrote {path}")
+    if snapshots is not None and snapshots.exists():
+        print(f"memory snapshots in {snapshots} (open one at https://pytorch.org/memory_viz)")
     return 0
 
 

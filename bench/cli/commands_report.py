@@ -6,6 +6,7 @@ from pathlib import Path
 
 from bench.core.errors import UsageError
 from bench.core.results import REPORT_COLUMNS, read_results_file
+from bench.report.html import build_html, plotly_bundle
 from bench.report.markdown import build_report, newest_csv, parse_size
 from bench.run.preflight import check_output_dir
 
@@ -27,6 +28,9 @@ def cmd_report(args) -> int:
     for path in paths:
         read_results_file(path, "cannot report on", REPORT_COLUMNS)  # every file checked before anything is drawn
     out = check_output_dir(args.out or paths[0].parent, "--out" if args.out else "the results file's folder")
+    page = plotly_bundle() if args.html else None  # a missing plotly is said before anything is drawn
     report = build_report(paths, out, budget)
     print(f"wrote {report}")
+    if page is not None:
+        print(f"wrote {build_html(paths, out)}")
     return 0

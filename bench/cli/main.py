@@ -15,7 +15,8 @@ from typing import Callable, Sequence
 
 from bench.cli import interrupt
 from bench.cli.arguments import (DEFAULT_OUT, WORKLOAD_HELP, add_case_options, add_memory_limit_option,
-                                 add_table_options, add_threads_option, non_negative_int, positive_int)
+                                 add_snapshot_option, add_table_options, add_threads_option, non_negative_int,
+                                 positive_int)
 from bench.core.errors import UsageError, shortened
 
 DESCRIPTION = ("Measures what each PyTorch memory-saving technique saves and costs (peak memory, step time, whether "
@@ -92,6 +93,10 @@ def _add_run_parsers(sub) -> None:
     p.add_argument("--out", default=None, help="where to write the charts and REPORT.md (default: the CSV's folder)")
     p.add_argument("--budget", default=None, help="a memory budget line for the batch-size chart, e.g. 4GiB "
                                                   "(default: none)")
+    p.add_argument("--html", action="store_true",
+                   help="also write REPORT.html beside REPORT.md: one self-contained page (no network) with the "
+                        "sortable table, interactive charts and the memory timeline of each case with a snapshot "
+                        "(needs plotly: pip install membench[report]) (default off)")
 
 
 def _add_analysis_parsers(sub) -> None:
@@ -105,6 +110,8 @@ def _add_analysis_parsers(sub) -> None:
     p.add_argument("--data", default=None, help="a data source of the workload (default synthetic where it has one: "
                                                  "memory does not depend on the values)")
     p.add_argument("--workload", default=None, help=WORKLOAD_HELP)
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"folder for --snapshot's file (default {DEFAULT_OUT}/)")
+    add_snapshot_option(p, "into --out, in explain-<run>.snapshots/")
     add_threads_option(p)
 
     p = _add_command(sub, "predict")
@@ -124,6 +131,8 @@ def _add_analysis_parsers(sub) -> None:
                    help="compute capability of the CUDA device predicted, e.g. 9.0 (sizes cuBLAS's workspace; "
                         "default: this machine's GPU, else a non-Hopper one)")
     add_table_options(p)
+    add_snapshot_option(p, "beside the predict CSV, in predict-<run>.snapshots/ (on CUDA the modelled allocator's "
+                           "blocks and segments)")
     add_threads_option(p)
 
     p = _add_command(sub, "fit")

@@ -54,6 +54,8 @@ class MemoryEvent:
     nbytes: int = 0
     stage: str = ""
     op: str = ""
+    module: str = ""  # an alloc's module (`module_of()`: set by bench.measure.snapshot.ModuleScope), "" if unknown
+    category: str = ""  # an alloc's category when registered, a free's when freed
 
 
 @dataclass
@@ -107,6 +109,9 @@ class LiveTensorTracker(TorchDispatchMode):
         self.record_events = record_events
         self.events: list[MemoryEvent] = []
         self._keys = 0
+        # the module running now, recorded with each alloc (set by bench.measure.snapshot.ModuleScope)
+        self.module_of: Callable[[], str] | None = None
+        self.window_end_categories: dict[int, str] = {}  # storage key -> category, at `close_window()`
 
     # registration -------------------------------------------------------------------------------------
     def track(self, tensors: Iterable[torch.Tensor | None], category: str) -> None:
@@ -130,7 +135,9 @@ class LiveTensorTracker(TorchDispatchMode):
         self._keys += 1
         info = _StorageInfo(self.storage_bytes(st.nbytes()), category, self._keys)
         if self.record_events:
-            self.events.append(MemoryEvent("alloc", info.key, st.nbytes(), self.stage))
+            module = self.module_of() if self.module_of else ""
+            self.events.append(MemoryEvent("alloc", info.key, st.nbytes(), self.stage, module=module,
+                                           category=category))
         self._storages[st] = info
         self.live_bytes += info.nbytes
         self.live_by_category[category] = self.live_by_category.get(category, 0) + info.nbytes
@@ -151,7 +158,7 @@ class LiveTensorTracker(TorchDispatchMode):
 
     def _freed(self, info: _StorageInfo) -> None:
         if self.record_events:
-            self.events.append(MemoryEvent("free", info.key, stage=self.stage))
+            self.events.append(MemoryEvent("free", info.key, stage=self.stage, category=info.category))
         self.live_bytes -= info.nbytes
         self.live_by_category[info.category] -= info.nbytes
 
@@ -179,6 +186,14 @@ class LiveTensorTracker(TorchDispatchMode):
         self._ops = 0
         if self.record_events:
             self.events.append(MemoryEvent("reset", stage=self.stage))
+
+    def close_window(self) -> None:
+        """Ends the measured step: the timeline stops, and with `record_events` the log gets an "end" event and
+        `window_end_categories` the category of every storage live now (a snapshot files each storage under it)."""
+        self.record_timeline = False
+        if self.record_events:
+            self.events.append(MemoryEvent("end", stage=self.stage))
+            self.window_end_categories = {info.key: info.category for info in self._storages.values()}
 
     def _update_peak(self, op: str) -> None:
         if self.live_bytes > self.peak_bytes:

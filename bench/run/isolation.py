@@ -57,6 +57,9 @@ class RunOptions:
     # `--case-timeout`: wall-clock seconds a case (all its repeats) may take before its worker is killed and its row
     # says `timeout`; None for no limit. Only isolated cases can be stopped (bench.run.runner.run_case_isolated).
     case_timeout_s: float | None = None
+    # `--snapshot`: the folder where each case's memory snapshot of its measured step is written
+    # (bench.run.runner.save_snapshot), by whichever process measures it; None for none
+    snapshot_dir: str | None = None
 
     def resolved(self) -> "RunOptions":
         return replace(self, threads=self.threads or torch.get_num_threads())

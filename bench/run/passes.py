@@ -7,6 +7,7 @@ timing pass each repeat's step times, the memory pass its tracker (and through i
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import time
@@ -18,7 +19,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils.flop_counter import FlopCounterMode
 
 from bench.core import progress
-from bench.measure import breakdown, memory, timing
+from bench.measure import breakdown, memory, snapshot, timing
 from bench.measure.stats import summarize_timing
 from bench.run.case import Case, bind_case
 from bench.run.session import Session
@@ -60,11 +61,14 @@ class TimingResult(PassResult):
 
 class MemoryResult(PassResult):
     """The memory pass's columns, and the live-tensor tracker that counted them (None where CUDA's allocator or
-    the CPU allocator's events did); its `timeline` holds the measured step's points when one was recorded."""
+    the CPU allocator's events did); its `timeline` holds the measured step's points when one was recorded, its
+    `events` every allocation and free when the pass recorded a snapshot; `cuda_snapshot` is the one CUDA recorded."""
 
-    def __init__(self, columns: dict[str, Any], tracker: memory.LiveTensorTracker | None = None):
+    def __init__(self, columns: dict[str, Any], tracker: memory.LiveTensorTracker | None = None,
+                 cuda_snapshot: dict[str, Any] | None = None):
         super().__init__(columns)
         self.tracker = tracker
+        self.cuda_snapshot = cuda_snapshot
 
 
 def step_times(case: Case, strategy: Strategy) -> timing.TimingStats:
@@ -119,7 +123,7 @@ def memory_pass(case: Case, strategy: Strategy, record_timeline: bool = False,
                 tracker: memory.LiveTensorTracker | None = None,
                 prepare: Callable[[Session, memory.LiveTensorTracker], None] | None = None,
                 session_class: Callable[..., Session] = Session, warmup_steps: int | None = None,
-                growth_steps: int | None = None) -> MemoryResult:
+                growth_steps: int | None = None, record_snapshot: bool = False) -> MemoryResult:
     """The peak of one steady-state step: CUDA's allocator statistics, or the exact live-tensor count on the CPU.
 
     On the CPU (or meta) the row also gets the breakdown of the peak (`bench.measure.breakdown.BREAKDOWN_COLUMNS`);
@@ -129,19 +133,24 @@ def memory_pass(case: Case, strategy: Strategy, record_timeline: bool = False,
     `warmup_steps` replaces the device's `MEMORY_WARMUP_STEPS` (a prediction of CUDA runs CUDA's count elsewhere),
     `growth_steps` replaces `MEMORY_GROWTH_STEPS` (0: a caller that only wants the peak saves a step).
     After the measured step `MEMORY_GROWTH_STEPS` more run, outside the peak, for `mem_growth_bytes_per_step`.
+    `record_snapshot`: the tracker logs the step's allocations with their modules (`bench.measure.snapshot`), or on
+    CUDA the allocator records its history (the result's `cuda_snapshot`).
     """
     warmup = MEMORY_WARMUP_STEPS.get(case.device, 1) if warmup_steps is None else warmup_steps
     growth = MEMORY_GROWTH_STEPS if growth_steps is None else growth_steps
     if case.device == "cuda" and tracker is None:
-        return _cuda_memory_pass(case, strategy, warmup, growth)
+        return _cuda_memory_pass(case, strategy, warmup, growth, record_snapshot)
     if case.device == "cpu" and strategy.cpu_memory_count == "allocator_events" and tracker is None:
         return allocator_memory_pass(case, strategy)
-    tracker = tracker or memory.LiveTensorTracker(case.device, record_timeline=record_timeline)
+    tracker = tracker or memory.LiveTensorTracker(case.device, record_timeline=record_timeline,
+                                                  record_events=record_snapshot)
     return _tracked_memory_pass(session_class(case, strategy, observe_grads=True), tracker, prepare, warmup, growth)
 
 
-def _cuda_memory_pass(case: Case, strategy: Strategy, warmup: int, growth: int) -> MemoryResult:
-    """The peak of one steady-state CUDA step from the caching allocator's statistics."""
+def _cuda_memory_pass(case: Case, strategy: Strategy, warmup: int, growth: int,
+                      record_snapshot: bool = False) -> MemoryResult:
+    """The peak of one steady-state CUDA step from the caching allocator's statistics (and, with `record_snapshot`,
+    the allocator's own history of that step)."""
     release_cuda_memory()
     session = Session(case, strategy)
     with strategy.session():
@@ -149,12 +158,13 @@ def _cuda_memory_pass(case: Case, strategy: Strategy, warmup: int, growth: int) 
         for _ in range(warmup):
             session.step()
             ends.append(torch.cuda.memory_allocated())
-        peak = memory.cuda_peak(session.step)
+        with snapshot.cuda_history({}) if record_snapshot else contextlib.nullcontext({}) as recorded:
+            peak = memory.cuda_peak(session.step)
         ends.append(torch.cuda.memory_allocated())
         ends += _growth_steps(session.step, torch.cuda.memory_allocated, growth)
     return MemoryResult({"peak_mem_bytes": peak.allocated_bytes, "peak_reserved_bytes": peak.reserved_bytes,
                          "memory_method": "cuda_max_memory_allocated", "peak_stage": None,
-                         "mem_growth_bytes_per_step": growth_per_step(ends)})
+                         "mem_growth_bytes_per_step": growth_per_step(ends)}, cuda_snapshot=recorded or None)
 
 
 def _tracked_memory_pass(session: Session, tracker: memory.LiveTensorTracker,
@@ -163,7 +173,7 @@ def _tracked_memory_pass(session: Session, tracker: memory.LiveTensorTracker,
     """The peak of one steady-state step of `session` counted by `tracker`, with its breakdown by category; the
     tracker's timeline (when it records one) is the measured step's."""
     strategy = session.strategy
-    with strategy.session(), tracker:
+    with strategy.session(), tracker, snapshot.ModuleScope(session.base_model, tracker):
         tracker.track(session.parameters(), "params")
         tracker.track(session.base_model.buffers(), "buffers")
         tracker.track(session.batch_tensors(), "batch")
@@ -188,7 +198,8 @@ def _tracked_memory_pass(session: Session, tracker: memory.LiveTensorTracker,
         result = {"peak_mem_bytes": tracker.peak_bytes, "peak_reserved_bytes": None,
                   "memory_method": f"{tracker.device}_live_tensor_bytes", "peak_stage": tracker.peak_stage,
                   **breakdown.breakdown_columns(tracker)}
-        timeline, tracker.record_timeline = tracker.timeline, False
+        timeline = tracker.timeline
+        tracker.close_window()
         ends += _growth_steps(lambda: session.step(mark), lambda: tracker.live_bytes, growth)
     tracker.timeline = timeline
     return MemoryResult({**result, "mem_growth_bytes_per_step": growth_per_step(ends)}, tracker)

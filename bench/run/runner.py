@@ -19,7 +19,7 @@ import torch
 
 from bench.core.errors import Unsupported, UsageError
 from bench.core.results import Status, new_run_id, now_iso, write_csv_atomic, write_rows
-from bench.measure import timing
+from bench.measure import snapshot as memory_snapshot, timing
 from bench.measure.env import emulated_on_cpu, environment
 from bench.measure.stats import summarize_timing
 from bench.run.case import Case, _cpu_batch, bind_case, rule_of_thumb_bytes, seed_everything  # noqa: F401
@@ -67,7 +67,7 @@ def measure_case(case: Case, env: dict | None = None, options: RunOptions | None
             strategy.plan(CaseMeter(case))
             if verify_result:
                 row.update(verify(case, strategy))
-            _measure(case, strategy, options.repeats, result)
+            _measure(case, strategy, options.repeats, result, options.snapshot_dir)
             row.update(declared_columns(strategy))  # with what the model resolved (segments=auto, the plan)
         except (Unsupported, UsageError) as error:
             # a value the pre-run checks (bench.run.preflight) let through that this one case cannot take: its row
@@ -85,19 +85,38 @@ def measure_case(case: Case, env: dict | None = None, options: RunOptions | None
     return result
 
 
-def _measure(case: Case, strategy: Strategy, repeats: int, result: CaseResult) -> None:
-    """The timing pass and `repeats` memory passes into `result` (the first training one records the timeline)."""
+def _measure(case: Case, strategy: Strategy, repeats: int, result: CaseResult,
+             snapshot_dir: str | None = None) -> None:
+    """The timing pass and `repeats` memory passes into `result` (the first training one records the timeline,
+    and with `snapshot_dir` the first one's snapshot is written there)."""
     timed = timing_pass(case, strategy, repeats)
     result.row.update(timed)
     result.step_times_ms = timed.step_times_ms
     for index in range(repeats):
-        measured = memory_pass(case, strategy, record_timeline=index == 0 and case.phase == "train")
+        measured = memory_pass(case, strategy, record_timeline=index == 0 and case.phase == "train",
+                               record_snapshot=index == 0 and snapshot_dir is not None)
+        if index == 0 and snapshot_dir is not None:
+            save_snapshot(measured, case, result.row, snapshot_dir)
         if measured.tracker is not None and measured.tracker.timeline:
             result.timeline = [asdict(point) for point in measured.tracker.timeline]
         result.peaks.append(measured["peak_mem_bytes"])
     result.row.update(measured, **peak_columns(result.peaks))
     result.row.update(measured_columns(strategy))
     result.row["rule_of_thumb_bytes"] = rule_of_thumb_bytes(case)
+
+
+def save_snapshot(measured: MemoryResult, case: Case, row: dict, folder: str) -> None:
+    """Writes the memory pass's snapshot of the case (this rank's, in a rank process) into `folder`: CUDA's own
+    recording, or one written from the tracker's log; nothing where the pass kept neither (the CPU allocator's
+    count)."""
+    about = {key: row.get(key) for key in ("workload", "strategy", "phase", "batch_size", "device")}
+    about.update(data=case.data, kind="measured", peak_mem_bytes=measured["peak_mem_bytes"],
+                 rank=torch.distributed.get_rank() if in_rank_process() else None)
+    if measured.cuda_snapshot:
+        recorded = measured.cuda_snapshot
+        memory_snapshot.write_snapshot({**recorded, "membench": {**recorded["membench"], **about}}, Path(folder))
+    elif measured.tracker is not None and measured.tracker.record_events:
+        memory_snapshot.write_snapshot(memory_snapshot.tracker_snapshot(measured.tracker, about), Path(folder))
 
 
 def _merged_ranks(result: CaseResult, ranks: CaseResult) -> CaseResult:

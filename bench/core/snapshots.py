@@ -1,0 +1,148 @@
+"""Reading memory snapshots in PyTorch's format (`torch.cuda.memory._snapshot()`): the peaks and the timeline by
+category replayed from their device trace, without torch (the report reads them).
+
+A snapshot is a dict `{"segments": [...], "device_traces": [[event, ...], ...]}` pickled to a file; membench adds a
+`"membench"` dict that says which case it is (workload, strategy, phase, batch_size, data, device, rank) and how it
+was made (`source`). Snapshots that membench writes from the exact tracker or the allocator model start their trace
+with an "alloc" (and "segment_alloc") for everything live when the measured step began, so the running sum of the
+trace is the live memory itself and its maximum is the row's peak. A snapshot that CUDA recorded itself
+(`torch.cuda.memory._record_memory_history`) starts from what was allocated before recording began, which membench
+keeps as `membench["allocated_at_start_bytes"]`.
+
+Example:
+    snapshot = read_snapshot(Path("results/<run>.snapshots/<case>.pickle"))
+    allocated, reserved = replay_peaks(snapshot)
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# The categories of a timeline, in stacking order (the breakdown columns of bench.measure.breakdown, named as a
+# reader says them).
+CATEGORIES = ("weights", "gradients", "optimizer_state", "activations", "temporaries", "batch")
+SNAPSHOT_SUFFIX = ".pickle"
+SNAPSHOT_FOLDER_SUFFIX = ".snapshots"
+
+
+def read_snapshot(path: Path) -> dict[str, Any]:
+    """The snapshot pickled at `path` (a file membench wrote, or torch.cuda.memory._dump_snapshot's)."""
+    with open(path, "rb") as handle:
+        return pickle.load(handle)
+
+
+def snapshot_folder(results_csv: Path) -> Path:
+    """The folder of the snapshots of a results CSV: `<run>.snapshots/` beside `<run>.csv`."""
+    results_csv = Path(results_csv)
+    return results_csv.with_name(results_csv.stem + SNAPSHOT_FOLDER_SUFFIX)
+
+
+def device_trace(snapshot: dict[str, Any]) -> list[dict[str, Any]]:
+    """The one non-empty device trace of a snapshot (membench's snapshots have one device)."""
+    traces = [trace for trace in snapshot.get("device_traces", []) if trace]
+    return traces[0] if traces else []
+
+
+def replay_peaks(snapshot: dict[str, Any]) -> tuple[int, int | None]:
+    """(allocated, reserved): the largest running sum of the trace's allocs minus completed frees, from what was
+    allocated when it began, and of its segment allocs minus segment frees (None without segment events)."""
+    allocated = peak = int(snapshot.get("membench", {}).get("allocated_at_start_bytes", 0))
+    reserved, peak_reserved, segments = 0, 0, False
+    for event in device_trace(snapshot):
+        action = event["action"]
+        if action == "alloc":
+            allocated += event["size"]
+            peak = max(peak, allocated)
+        elif action == "free_completed":
+            allocated -= event["size"]
+        elif action == "segment_alloc":
+            segments = True
+            reserved += event["size"]
+            peak_reserved = max(peak_reserved, reserved)
+        elif action == "segment_free":
+            reserved -= event["size"]
+    return peak, (peak_reserved if segments else None)
+
+
+@dataclass
+class Timeline:
+    """Live bytes by category after each event of a snapshot's trace, and where the peak is.
+
+    `live[category][i]` is that category's bytes after event `index[i]` (of `events`), in the stage `stage[i]` (the
+    last allocation's); the prelude (what was live when the step began) is one point, its last; `total[i]` their
+    sum; the peak is the first largest total, at `peak_position`, with the module, stage and operator of the
+    allocation that reached it.
+    """
+
+    events: int
+    first_event: int  # the first event of the step itself (after the prelude of what was live when it began)
+    index: list[int]
+    stage: list[str]
+    live: dict[str, list[int]]
+    total: list[int]
+    peak_bytes: int
+    peak_position: int
+    peak_module: str
+    peak_stage: str
+    peak_op: str
+
+
+def category_timeline(snapshot: dict[str, Any], max_points: int | None = None) -> Timeline:
+    """The trace replayed by category (an alloc's `category`, "temporaries" where it has none). With `max_points`,
+    the points are thinned to about that many, always keeping the largest total of each stretch (so the peak)."""
+    live = dict.fromkeys(CATEGORIES, 0)
+    sizes: dict[int, tuple[str, int]] = {}
+    index, stages, series, total = [], [], {c: [] for c in CATEGORIES}, []
+    stage = "setup"
+    start = int(snapshot.get("membench", {}).get("allocated_at_start_bytes", 0))
+    first = int(snapshot.get("membench", {}).get("prelude_events", 0))
+    live["temporaries"] += start  # recorded by CUDA from the middle of a run: what it held before, unattributed
+    peak, position, where = -1, 0, ("", "", "")
+    for number, event in enumerate(device_trace(snapshot)):
+        action = event["action"]
+        if action == "alloc":
+            category = event.get("category", "temporaries")
+            category = category if category in live else "temporaries"
+            sizes[event["addr"]] = (category, event["size"])
+            live[category] += event["size"]
+            stage = event.get("stage", stage)
+        elif action == "free_completed" and event["addr"] in sizes:
+            category, size = sizes.pop(event["addr"])
+            live[category] -= size
+        elif action == "free_completed":
+            live["temporaries"] -= event["size"]
+        else:
+            continue
+        if number < first - 1:
+            continue
+        now = sum(live.values())
+        index.append(number)
+        stages.append(stage)
+        total.append(now)
+        for category in CATEGORIES:
+            series[category].append(live[category])
+        if now > peak:
+            peak, position = now, len(total) - 1
+            where = (event.get("module", ""), event.get("stage", ""), event.get("op", ""))
+    events = len(device_trace(snapshot))
+    if not total:
+        return Timeline(events, first, [], [], series, [], 0, 0, "", "", "")
+    keep = list(_thinned(total, max_points, position) if max_points else range(len(total)))
+    return Timeline(events, max(first - 1, 0), [index[i] for i in keep], [stages[i] for i in keep],
+                    {c: [series[c][i] for i in keep] for c in CATEGORIES}, [total[i] for i in keep], peak,
+                    keep.index(position), *where)
+
+
+def _thinned(total: list[int], max_points: int, peak_position: int) -> list[int]:
+    """Positions to keep: the smallest and the largest of each of about `max_points / 2` stretches, and the peak's."""
+    if len(total) <= max_points:
+        return list(range(len(total)))
+    stretch = -(-2 * len(total) // max_points)
+    keep = {peak_position}
+    for first in range(0, len(total), stretch):
+        window = range(first, min(first + stretch, len(total)))
+        keep.update((min(window, key=total.__getitem__), max(window, key=total.__getitem__)))
+    return sorted(keep)
