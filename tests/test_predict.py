@@ -5,6 +5,7 @@ Small: batch sizes 1-2, a 4-layer MLP where a workload's size does not matter.
 """
 
 import functools
+import json
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from bench.analysis.fake_engine import fake_memory_pass
 from bench.cli.main import main
 from bench.core.results import PREDICT, PREDICT_SCHEMA_VERSION
 from bench.core.schema import Row
-from bench.measure import cuda_allocator
+from bench.measure import breakdown, cuda_allocator, sdpa_kernel
 from bench.measure.cuda_allocator import CachingAllocatorModel, replay
 from bench.measure.memory import LiveTensorTracker, MemoryEvent
 from bench.run.runner import Case, bind_case, memory_pass
@@ -79,6 +80,47 @@ def test_fake_engine_leaves_the_batch_cache_real():
     fake_memory_pass(c, bind_case(c)[0])
     inputs, target = _cpu_batch(c.workload, 3, c.data)
     assert not isinstance(inputs, FakeTensor) and not isinstance(target, FakeTensor)
+
+
+def small_architecture(preset: str) -> dict:
+    """A preset's configuration with its architecture (model type, grouped-query heads' ratio, rotary scaling,
+    biases, tying, dropout, normalisation) and small sizes: 8 per head, a 256-token vocabulary, two layers' worth of
+    heads a quarter of the preset's (at least the grouped-query ratio)."""
+    from workloads.hf_presets import PRESETS
+
+    values = dict(PRESETS[preset])
+    heads_key = "n_head" if "n_head" in values else "num_attention_heads"
+    heads = max(2, values[heads_key] // 4)
+    if "num_key_value_heads" in values:
+        ratio = values[heads_key] // values["num_key_value_heads"]
+        heads = max(ratio, heads // ratio * ratio)
+        values["num_key_value_heads"] = heads // ratio
+    values[heads_key] = heads
+    values["n_embd" if "n_embd" in values else "hidden_size"] = 8 * heads
+    if "head_dim" in values:
+        values["head_dim"] = 8
+    if "intermediate_size" in values:
+        values["intermediate_size"] = 16 * heads
+    values["vocab_size"] = 256
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if key in values:
+            values[key] = min(values[key], 255)
+    return values
+
+
+@pytest.mark.parametrize("preset", ["gpt2", "bert-base-uncased", "llama-3.2-1b", "llama-3.1-8b", "mistral-7b",
+                                    "qwen2.5-7b"])
+def test_fake_engine_counts_each_hf_preset_architecture_to_the_byte(preset, tmp_path):
+    # The preset's own operators (its attention, rotary embedding, MLP, norms and loss) at layers=2, sequence 16,
+    # batch 1, with small widths (an 8B preset's real CPU step would need 24 GB): the fake engine's training peak
+    # is the real CPU count's, to the byte (cross-entropy, unlike mse and BCE, returns its mean in its own buffer)
+    pytest.importorskip("transformers")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(small_architecture(preset)))
+    c = case(f"hf:{config}:layers=2:seq_len=16", "baseline", "train", 1)
+    real = memory_pass(c, bind_case(c)[0], growth_steps=0)["peak_mem_bytes"]
+    fake = fake_memory_pass(c, bind_case(c)[0], growth_steps=0)["peak_mem_bytes"]
+    assert fake == real
 
 
 # --- the tracker's event log ---------------------------------------------------------------------------------
@@ -166,6 +208,23 @@ def test_replay_counts_one_cublas_workspace_per_thread_like_pytorch_issue_95668(
     assert replay(events, 0).max_allocated_bytes == 512
 
 
+def test_replay_says_what_the_allocated_peak_is_made_of_by_category():
+    # 3 MiB of weights, then a 2 MiB activation re-filed as logits before the peak, then 1 MiB of forward scratch
+    # (large: 20 MiB segments); after the peak the logits become "grads": the peak's split stays as it was
+    events = [MemoryEvent("category", 1, op="params"), MemoryEvent("alloc", 1, 3 * MIB),
+              MemoryEvent("reset"), MemoryEvent("category", 2, op="forward"), MemoryEvent("alloc", 2, 2 * MIB),
+              MemoryEvent("category", 2, op="logits"), MemoryEvent("category", 3, op="forward"),
+              MemoryEvent("alloc", 3, MIB + 1), MemoryEvent("free", 3), MemoryEvent("category", 2, op="grads"),
+              MemoryEvent("alloc", 4, 100)]
+    result = replay(events, 0)
+    assert result.max_allocated_bytes == 6 * MIB + 512
+    assert result.peak_by_category == {"params": 3 * MIB, "logits": 2 * MIB, "forward": MIB + 512}
+    assert sum(result.peak_by_category.values()) == result.max_allocated_bytes
+    workspace = replay([MemoryEvent("op", stage="forward", op="mm.default"), *events], 8_519_680)
+    assert workspace.peak_by_category[cuda_allocator.CUBLAS_WORKSPACE] == 8_519_680
+    assert sum(workspace.peak_by_category.values()) == workspace.max_allocated_bytes
+
+
 @pytest.mark.parametrize("capability, config, expected", [
     (None, None, 8_519_680), ((8, 6), None, 8_519_680), ((9, 0), None, 32 * MIB), ((10, 0), None, 8_519_680),
     (None, ":4096:8", 32 * MIB), ((9, 0), ":16:8", 131_072), (None, ":4096:2:16:8", 8_519_680),
@@ -188,6 +247,59 @@ def test_predict_cuda_gives_allocated_and_reserved_with_the_workspaces():
     assert fake + workspaces <= row["predicted_bytes"] <= (fake + workspaces) * 1.03
     assert row["predicted_reserved_bytes"] >= row["predicted_bytes"]
     assert row["predicted_reserved_bytes"] % (2 * MIB) == 0
+
+
+PARTS = ["predicted_weights_bytes", "predicted_grads_bytes", "predicted_optimizer_state_bytes",
+         "predicted_activations_bytes", "predicted_logits_bytes", "predicted_other_bytes"]
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"], ids=["for-gpu", "for-cpu"])  # "cuda" would mark it GPU-only
+def test_predict_splits_the_peak_into_weights_state_activations_and_logits(device):
+    # A causal LM (its head's output is the logits) in training: the parts add up to the predicted peak; the
+    # weights are every parameter (on CUDA each in its 512-byte block), Adam's state two of each (on the CPU also
+    # its 4-byte step per parameter); the logits (batch x sequence x vocabulary floats) are counted apart
+    pytest.importorskip("transformers")
+    row = predict.predict_case(Case("hf:tiny-llama:seq_len=16", "baseline", "train", 1, device, data="synthetic"))
+    assert row["status"] == "ok", row
+    assert sum(row[part] for part in PARTS) == row["predicted_bytes"]
+    from workloads import get_workload
+
+    params = list(get_workload("hf:tiny-llama:seq_len=16").build_model().parameters())
+    exact = sum(p.numel() * 4 for p in params)
+    if device == "cuda":
+        assert row["predicted_weights_bytes"] == sum(cuda_allocator.round_size(p.numel() * 4) for p in params)
+        # Adam's `step` counts are host tensors on CUDA; the fake engine (the CPU's operators, all on one device)
+        # counts them too, one 512-byte block each
+        steps = 512 * len(params) if row["engine"] == "fake" else 0
+        assert row["predicted_optimizer_state_bytes"] == 2 * row["predicted_weights_bytes"] + steps
+    else:
+        assert row["predicted_weights_bytes"] == exact
+        assert row["predicted_optimizer_state_bytes"] == 2 * exact + 4 * len(params)
+    logits = 1 * 16 * 512 * 4
+    assert row["predicted_logits_bytes"] >= logits and row["predicted_logits_bytes"] % logits == 0
+    mlp = predict.predict_case(Case(MLP, "baseline", "train", 2, device, data="synthetic"))
+    assert mlp["predicted_logits_bytes"] == 0 and sum(mlp[part] for part in PARTS) == mlp["predicted_bytes"]
+
+
+def test_chunked_loss_predicts_less_logits_at_the_peak():
+    pytest.importorskip("transformers")
+    whole, chunked = (predict.predict_case(Case("hf:tiny-llama:seq_len=32", spec, "train", 2, "cuda",
+                                                data="synthetic")) for spec in ("baseline", "chunked_loss:chunks=4"))
+    assert whole["status"] == chunked["status"] == "ok", (whole, chunked)
+    assert chunked["predicted_logits_bytes"] < whole["predicted_logits_bytes"]
+
+
+def test_sdpa_priority_order_and_hardware_ranges_follow_pytorch(monkeypatch):
+    monkeypatch.delenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", raising=False)
+    assert sdpa_kernel.priority_order((9, 0), 92000) == ["cudnn", "flash", "efficient", "math"]
+    assert sdpa_kernel.priority_order((10, 0), 91501) == ["cudnn", "flash", "efficient", "math"]
+    assert sdpa_kernel.priority_order((9, 0), 91500) == ["flash", "efficient", "math", "cudnn"]  # cuDNN not > 9.15
+    assert sdpa_kernel.priority_order((8, 0), 92000) == ["flash", "efficient", "math", "cudnn"]
+    monkeypatch.setenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", "1")
+    assert sdpa_kernel.priority_order((9, 0), 92000)[0] == "flash"
+    assert sdpa_kernel.runs_on("flash", (8, 0)) and not sdpa_kernel.runs_on("flash", (7, 5))
+    assert sdpa_kernel.runs_on("efficient", (7, 5)) and not sdpa_kernel.runs_on("efficient", (3, 7))
+    assert not sdpa_kernel.runs_on("cudnn", (7, 5)) and sdpa_kernel.runs_on("math", (3, 7))
 
 
 def test_predict_cuda_on_hopper_counts_its_32mib_workspace():
@@ -352,3 +464,22 @@ def test_predict_plans_a_checkpoint_budget_on_predictions_and_refuses_compile():
     compiled = predict.predict_case(Case(MLP, "compile:backend=aot_eager_decomp_partition", "train", 8, "cuda",
                                          data="synthetic"))
     assert compiled["status"] == "unsupported" and "runs the model eagerly" in compiled["message"], compiled
+
+
+def test_fit_on_cuda_without_a_gpu_searches_on_predictions_and_says_they_are_unconfirmed(monkeypatch):
+    # each attempt is predict's allocated figure (here a line: 100 MiB of model state, 30 MiB per sample); the
+    # answer is the largest batch under the budget, not verified, with no real run counted and nothing timed
+    asked = []
+
+    def predicted(case, capability=None):
+        asked.append(case.batch_size)
+        assert case.device == "cuda"
+        return 100 * MIB + 30 * MIB * case.batch_size
+
+    monkeypatch.setattr(predict, "has_gpu", lambda: False)
+    monkeypatch.setattr(predict, "predicted_allocated", predicted)
+    [baseline] = analysis.fit([], 1000 * MIB, device="cuda", workload=MLP, max_batch=1000)
+    assert baseline.batch_size == 30 and baseline.peak_bytes == 1000 * MIB and not baseline.verified
+    assert baseline.runs == 0 and baseline.time_per_sample_ms is None and "not confirmed" in baseline.note
+    assert baseline.next_batch_peak_bytes == 1030 * MIB and "predicted on fake CUDA" in baseline.next_batch_method
+    assert len(asked) <= 12

@@ -250,7 +250,10 @@ def fit_cpu(spec: str, budget: int, phase: str, workload: str, data: str, max_ba
 
 def fit_cuda(spec: str, budget: int, phase: str, workload: str, data: str, max_batch: int,
              progress: Callable[[str], None] = _quiet) -> FitResult:
-    """Largest batch on CUDA by real attempts: doubling until the peak passes the budget or an OOM, then bisection."""
+    """Largest batch on CUDA by real attempts: doubling until the peak passes the budget or an OOM, then bisection.
+    Without a GPU each attempt is `predict`'s allocated figure (on fake CUDA: the weights never exist), and the
+    answer is not confirmed by a run."""
+    gpu = predict.has_gpu()
     runs = 0
     results: dict[int, int | None] = {}
 
@@ -261,7 +264,7 @@ def fit_cuda(spec: str, budget: int, phase: str, workload: str, data: str, max_b
         case = Case(workload, spec, phase, b, "cuda", data=data)
         runs += 1
         progress(f"fit {spec}: run at batch {b} ...")
-        results[b] = peak_or_none_on_oom(case)
+        results[b] = peak_or_none_on_oom(case) if gpu else predict.predicted_allocated(case)
         return results[b]
 
     def fits(b: int) -> bool:
@@ -283,13 +286,16 @@ def fit_cuda(spec: str, budget: int, phase: str, workload: str, data: str, max_b
     while bad - good > 1:
         mid = (good + bad) // 2
         good, bad = (mid, bad) if fits(mid) else (good, mid)
+    method = "measured (None = OOM)" if gpu else "predicted on fake CUDA (None = no prediction)"
+    unconfirmed = "" if gpu else "no GPU: predicted (max_memory_allocated on fake CUDA), not confirmed by a run"
     if good == 0:
-        return FitResult(spec, phase, "cuda", budget, 0, None, False, results.get(1), "measured (None = OOM)", None,
-                         "even batch 1 does not fit", runs)
+        return FitResult(spec, phase, "cuda", budget, 0, None, False, results.get(1), method, None,
+                         "; ".join(x for x in ("even batch 1 does not fit", unconfirmed) if x), runs if gpu else 0)
     nxt = results.get(good + 1)
-    return FitResult(spec, phase, "cuda", budget, good, results[good], True, nxt,
-                     "measured (None = OOM)" if good + 1 in results else "", None,
-                     "" if good < max_batch else f"capped by --max-batch {max_batch}", runs)
+    return FitResult(spec, phase, "cuda", budget, good, results[good], gpu, nxt,
+                     method if good + 1 in results else "", None,
+                     "; ".join(x for x in ("" if good < max_batch else f"capped by --max-batch {max_batch}",
+                                           unconfirmed) if x), runs if gpu else 0)
 
 
 def time_per_sample(spec: str, phase: str, device: str, workload: str, data: str, batch: int,
@@ -323,7 +329,9 @@ def fit(specs: list[str], budget: int, phase: str = "train", device: str = "cpu"
             results.append(FitResult(strategy.spec(), phase, device, budget, 0, None, False, None, "", None,
                                      f"unsupported: {error}", 0))
             continue
-        if result.batch_size >= 1:
+        if result.batch_size >= 1 and not result.verified and device == "cuda":
+            pass  # predicted without a GPU: nothing to time
+        elif result.batch_size >= 1:
             if time_steps > 0:
                 progress(f"fit {strategy.spec()}: timing {time_steps} step(s) at batch {result.batch_size} ...")
                 result.time_per_sample_ms = time_per_sample(result.strategy, phase, device, workload, data,

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import warnings
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -30,7 +30,8 @@ from bench.core.errors import Unsupported, UsageError
 from bench.core.results import PREDICT, Status
 from bench.core.schema import Row
 from bench.core.units import MiB
-from bench.measure import cuda_allocator, fake_cuda, memory, snapshot
+from bench.measure import breakdown, cuda_allocator, fake_cuda, memory, snapshot
+from bench.measure.sdpa_kernel import SdpaKernelChoice
 from bench.measure.fake_cuda_mode import FakeAllocator, fake_cuda as fake_cuda_tensors, is_fake_device
 from bench.run.ranks import fake_process_group, in_rank_process
 from bench.run.runner import CaseMeter, MEMORY_WARMUP_STEPS, bind_case, forget_traceback, memory_pass
@@ -48,6 +49,10 @@ class TrackedStep:
     events: list | None
     engine: str
     tracker: memory.LiveTensorTracker | None = None  # the tracker that counted it (a snapshot is written from it)
+    # the tracker's bytes at its peak by category (`bench.measure.breakdown.CategorizedTracker`)
+    peak_by_category: dict = field(default_factory=dict)
+    # fake-cuda: the kernels scaled_dot_product_attention ran (`bench.measure.sdpa_kernel`), e.g. "math"
+    sdpa_kernel: str | None = None
 
 
 class _UsesAutocast(Exception):
@@ -80,13 +85,15 @@ def bound_device(engine: str) -> str:
 
 def tracked_step(case, spec: str, engine: str = "fake", block_bytes: int = 1, cuda_autocast: bool = True,
                  ranks: int = 1, record_events: bool = False, warmup_steps: int | None = None,
-                 planned=None) -> TrackedStep:
+                 planned=None, capability: tuple[int, int] | None = None) -> TrackedStep:
     """One steady-state step of `case` tracked on `engine` (fake-cuda, fake, meta or cpu: the case's device is
     ignored but by fake-cuda, which needs a fake CUDA device in this process); for a sharded strategy, the rank with
     the largest peak of its `ranks` ranks, each run in turn in this process as that rank of PyTorch's fake process
     group, on `engine` (cpu, or fake-cuda where the strategy runs on fake tensors: FSDP2 does, DDP's C++ reducer
     does not; shards of the batch and of parameters differ by rank). `planned`: the strategy bound to the
-    engine's device whose `plan()` has run (a checkpoint budget's plan), used as it is."""
+    engine's device whose `plan()` has run (a checkpoint budget's plan), used as it is. On fake-cuda each call of
+    scaled_dot_product_attention runs the kernel CUDA would choose on a device of `capability` (default: the device
+    torch sees; `bench.measure.sdpa_kernel`), named in the step's `sdpa_kernel`."""
     device = bound_device(engine)
     strategy = planned if planned is not None else bind_case(replace(case, strategy=spec, device=device), ranks)[0]
     if strategy.distributed and not in_rank_process():
@@ -94,26 +101,41 @@ def tracked_step(case, spec: str, engine: str = "fake", block_bytes: int = 1, cu
         for rank in range(ranks):  # on fake-cuda the group, as NCCL, serves CUDA tensors only
             with fake_process_group(ranks, rank, device="cuda" if device == "cuda" else None):
                 steps.append(tracked_step(case, spec, engine, block_bytes, cuda_autocast, ranks, record_events,
-                                          warmup_steps))
+                                          warmup_steps, capability=capability))
         return max(steps, key=lambda step: step.peak_bytes)
     if cuda_autocast and engine != "fake-cuda":
         strategy.forward = _cuda_like_forward(strategy, engine)
-    tracker = memory.LiveTensorTracker("meta" if engine == "meta" else device, block_bytes=block_bytes,
-                                       record_events=record_events)
+    tracker = breakdown.CategorizedTracker("meta" if engine == "meta" else device, block_bytes=block_bytes,
+                                           record_events=record_events)
     # the peak only: no step after the measured one (mem_growth_bytes_per_step is not predicted)
-    options = {"warmup_steps": warmup_steps, "growth_steps": 0}
+    options = {"warmup_steps": warmup_steps, "growth_steps": 0, "prepare": _file_logits}
+    attention = None
     if engine == "fake-cuda":
         if not torch.cuda.is_available():
             raise RuntimeError("the fake-cuda engine runs in a torch that sees a CUDA device: a GPU's, or the "
                                f"stubs' fake one of the fake-CUDA environment ({fake_cuda.VENV.name})")
         # no capacity: a prediction may exceed the device torch sees (the stubs' 80 GiB, or this GPU's)
-        with fake_cuda_tensors(allocator=FakeAllocator(limit_bytes=sys.maxsize)):
+        attention = SdpaKernelChoice(capability)
+        with fake_cuda_tensors(allocator=FakeAllocator(limit_bytes=sys.maxsize), inner=[attention]):
             measured = memory_pass(replace(case, device="cuda"), strategy, tracker=tracker, **options)
     elif engine == "fake":
         measured = fake_memory_pass(replace(case, device="cpu"), strategy, tracker=tracker, **options)
     else:
         measured = memory_pass(replace(case, device=engine), strategy, tracker=tracker, **options)
-    return TrackedStep(int(measured["peak_mem_bytes"]), tracker.events if record_events else None, engine, tracker)
+    return TrackedStep(int(measured["peak_mem_bytes"]), tracker.events if record_events else None, engine, tracker,
+                       dict(tracker.peak_by_category),
+                       (attention.summary() or None) if attention is not None else None)
+
+
+def _file_logits(session, tracker: breakdown.CategorizedTracker) -> None:
+    """Before the measured step: the logits of the case's output head (a causal language model's) are filed as
+    such from now on, the previous step's kept output among them."""
+    head = session.workload.output_head(session.base_model)
+    if isinstance(head, torch.nn.Linear):
+        tracker.logits_features = head.out_features
+        kept = session.kept.get("predicted")
+        if isinstance(kept, torch.Tensor) and kept.dim() >= 2 and kept.shape[-1] == head.out_features:
+            tracker.recategorize([kept], breakdown.LOGITS)
 
 
 def tracked_peak(case, spec: str, engine: str = "fake", block_bytes: int = CUDA_BLOCK_BYTES,
@@ -205,8 +227,9 @@ def predict_case(case, engine: str = "auto", ranks: int = 1, capability: tuple[i
             row["ranks"] = ranks
         row["message"] = "; ".join(notes)
         name, step = _first_engine_that_runs(case, row["strategy"], engines, planned, ranks, notes,
-                                             record_events=case.device == "cuda" or snapshot_dir is not None)
-        row.update(engine=name, message="; ".join(notes))
+                                             record_events=case.device == "cuda" or snapshot_dir is not None,
+                                             capability=capability)
+        row.update(engine=name, message="; ".join(notes), sdpa_kernel=step.sdpa_kernel)
         _fill_figures(row, step, capability, notes)
         if snapshot_dir is not None:
             _write_snapshot(case, row, step, capability, snapshot_dir)
@@ -268,15 +291,17 @@ def _notes_before_the_step(strategy, planned: dict, ranks: int) -> list[str]:
 
 
 def _first_engine_that_runs(case, spec: str, engines: list[str], planned: dict, ranks: int,
-                            notes: list[str], record_events: bool = False) -> tuple[str, TrackedStep]:
+                            notes: list[str], record_events: bool = False,
+                            capability: tuple[int, int] | None = None) -> tuple[str, TrackedStep]:
     """(engine, its tracked step) of the first of `engines` that runs the case, each failure before it added to
     `notes`; _NoPrediction when the strategy does not fit the model (no engine can run it) or the last one fails."""
     cuda = case.device == "cuda"
     for name in engines:
         try:
-            return name, tracked_step(case, spec, name, 1, cuda_autocast=cuda, ranks=ranks, record_events=record_events,
+            return name, tracked_step(case, spec, name, 1, cuda_autocast=cuda, ranks=ranks,
+                                      record_events=record_events,
                                       warmup_steps=MEMORY_WARMUP_STEPS["cuda"] if cuda else None,
-                                      planned=planned[bound_device(name)])
+                                      planned=planned[bound_device(name)], capability=capability)
         except Unsupported as error:  # found when the strategy meets the model (no ReLU to switch): no engine can
             raise _NoPrediction(Status.UNSUPPORTED, str(error)) from None
         except Exception as error:  # noqa: BLE001 - an engine may not run a strategy; the next one is the fallback
@@ -294,9 +319,11 @@ def _fill_figures(row: Row, step: TrackedStep, capability: tuple[int, int] | Non
     if row["device"] != "cuda":
         row["predicted_bytes"] = step.peak_bytes
         row["predicted_mib"] = round(step.peak_bytes / MiB, 1)
+        row.update(breakdown.predicted_columns(step.peak_by_category))
         return
     workspace = cublas_workspace(capability or device_capability())
     replayed = cuda_allocator.replay(step.events, workspace)
+    row.update(breakdown.predicted_columns(replayed.peak_by_category))
     row.update(predicted_bytes=replayed.max_allocated_bytes, predicted_mib=round(replayed.max_allocated_bytes / MiB, 1),
                predicted_reserved_bytes=replayed.max_reserved_bytes,
                predicted_reserved_mib=round(replayed.max_reserved_bytes / MiB, 1),
@@ -363,6 +390,14 @@ def predict_cases(cases: list, engine: str = "auto", ranks: int = 1, capability:
     return rows
 
 
+def predicted_allocated(case, capability: tuple[int, int] | None = None) -> int | None:
+    """The predicted `max_memory_allocated` of one CUDA case (`predict_cases`: on fake CUDA where it can), or None
+    when the case has no prediction (unsupported, or no engine could run it); what `fit --device cuda` searches on
+    without a GPU."""
+    (row,) = predict_cases([case], capability=capability)
+    return row["predicted_bytes"] if row["status"] == Status.OK.value else None
+
+
 def _predict_in_fake_cuda_environment(python: Path, cases: list, engine: str, ranks: int,
                                       capability: tuple[int, int] | None,
                                       snapshot_dir: str | None = None) -> tuple[list[Row] | None, str]:
@@ -384,10 +419,15 @@ def _predict_in_fake_cuda_environment(python: Path, cases: list, engine: str, ra
 
 
 def format_predictions(rows: list[dict]) -> str:
-    """The console table: allocated (and on CUDA reserved) per case, the engine and any note."""
+    """The console table: allocated (and on CUDA reserved) per case, what the peak is made of (MiB), the engine,
+    and any note (the attention kernel of scaled_dot_product_attention among them)."""
     cuda = any(r["device"] == "cuda" for r in rows)
+    parts = [("weights", "predicted_weights_bytes"), ("grads", "predicted_grads_bytes"),
+             ("optim", "predicted_optimizer_state_bytes"), ("activ", "predicted_activations_bytes"),
+             ("logits", "predicted_logits_bytes"), ("other", "predicted_other_bytes")]
     header = (f"{'strategy':<28} {'phase':<5} {'batch':>5} {'allocated bytes':>16} {'MiB':>9} "
-              + (f"{'reserved MiB':>12} {'cuBLAS MiB':>10} " if cuda else "") + f"{'engine':<6}  note")
+              + (f"{'reserved MiB':>12} {'cuBLAS MiB':>10} " if cuda else "")
+              + "".join(f"{name:>8} " for name, _ in parts) + f"{'engine':<6}  note")
     lines = [header, "-" * len(header)]
     for r in rows:
         b = f"{r['predicted_bytes']:,}" if r["predicted_bytes"] is not None else "-"
@@ -398,8 +438,11 @@ def format_predictions(rows: list[dict]) -> str:
             workspace = r.get("cublas_workspace_bytes")
             extra = (f"{reserved:>12.1f} " if reserved is not None else f"{'-':>12} ") + \
                     (f"{workspace / MiB:>10.1f} " if workspace is not None else f"{'-':>10} ")
+        extra += "".join(f"{r[column] / MiB:>8.0f} " if r.get(column) is not None else f"{'-':>8} "
+                         for _, column in parts)
         note = r["status"] if r["status"] != "ok" else ""
-        note = "; ".join(x for x in (note, r["message"]) if x)
+        kernel = f"sdpa: {r['sdpa_kernel']}" if r.get("sdpa_kernel") else ""
+        note = "; ".join(x for x in (note, kernel, r["message"]) if x)
         lines.append(f"{r['strategy']:<28} {r['phase']:<5} {r['batch_size']:>5} {b:>16} {m:>9} {extra}"
                      f"{r['engine'] or '-':<6}  {note}")
     return "\n".join(lines)

@@ -13,9 +13,14 @@ ENGINE_ASSUMPTIONS = {
         " fake-CUDA environment's, .venv-cuda-fake, whose CUDA libraries are stubs): CUDA's autocast op lists in"
         " float16, cuDNN's batch norm, GradScaler's unscaling, the optimizers' multi-tensor (foreach)"
         " implementations and their temporaries; no kernel runs, so choices a kernel or library makes at run time"
-        " are not seen, and choices that depend on the GPU model (the attention backend of"
-        " scaled_dot_product_attention) are made for the device that torch sees (the stubs' is an H100-like"
-        " compute capability 9.0), whatever --capability says",
+        " are not seen, and choices that depend on the GPU model are made for the device that torch sees (the"
+        " stubs' is an H100-like compute capability 9.0), whatever --capability says, but for the one below",
+        "engine fake-cuda: each scaled_dot_product_attention call runs the kernel CUDA chooses (column sdpa_kernel:"
+        " flash, efficient, cudnn or math), forced in the trace so that its outputs (logsumexp, cuDNN's statistics,"
+        " math's whole attention matrix) are what is counted: PyTorch's priority order and hardware ranges for"
+        " --capability (cuDNN first on 9.x/10.x with cuDNN > 9.15), its own checks of dtype, head dimension,"
+        " grouped-query heads, mask and dropout for the device torch sees; under autocast for the inputs autocast"
+        " casts; memory a kernel allocates outside tensors (cuDNN's workspace) is not counted",
     ],
     "fake": [
         "engine fake: the step (after CUDA's 2 warm-up steps) runs under the exact live-tensor tracker on PyTorch's"
@@ -55,6 +60,11 @@ ASSUMPTIONS = [
     " CUDNN_CONV_WSCAP_DBG=<MiB> caps each one",
     "not counted, as max_memory_allocated does not count them: the CUDA context and kernels' own buffers outside"
     " the caching allocator",
+    "by category: the allocator model's blocks at the allocated peak, by what their storage is (weights, gradients,"
+    " optimizer state, activations: made in the forward; logits: tensors whose last dimension is the output head's"
+    " output features, the vocabulary; other: the rest, cuBLAS's workspaces included); they sum to allocated",
+    "full size: the model is built and stepped on fake tensors (its weights never exist, its initialisation"
+    " draws no number), every layer traced, nothing extrapolated from fewer layers",
 ]
 
 

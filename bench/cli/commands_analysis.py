@@ -20,7 +20,7 @@ from bench.core.errors import Unsupported, UsageError
 from bench.core.results import FIT, PREDICT, new_run_id, write_table
 from bench.core.snapshots import snapshot_folder
 from bench.core.units import format_size
-from bench.measure import env, snapshot
+from bench.measure import env, fake_cuda, snapshot
 from bench.run import preflight
 from bench.run.isolation import process_state
 from bench.run.preflight import check_choice, check_output_dir, parse_batch_sizes
@@ -160,7 +160,7 @@ def cmd_fit(args) -> int:
     budget = size_option(args.budget, "--budget")
     workload, data = _workload_and_data(args)
     device = analysis_device(args.device)
-    if device == "cuda":
+    if device == "cuda" and fake_cuda.environment_python() is None:  # with it, fit predicts on fake CUDA
         env.resolve_device("cuda")
     phase = check_choice("phase", args.phase, PHASES)
     max_batch = one_batch_size(args.max_batch, "--max-batch")

@@ -121,7 +121,9 @@ def new_row(values: dict | None = None, **more) -> Row:
 
 # `python -m bench predict`: one row per case (bench.analysis.predict.predict_case)
 # 1: the columns of the first undeclared files, and schema_version
-PREDICT_SCHEMA_VERSION = 1
+# 2: the predicted peak by category (weights, gradients, optimizer state, activations, logits, other) and the
+#    attention kernel of scaled_dot_product_attention (`sdpa_kernel`), after `ranks`
+PREDICT_SCHEMA_VERSION = 2
 PREDICT = Table("predict", PREDICT_SCHEMA_VERSION, [
     *columns("int", "schema_version"),
     *columns("text", "workload strategy phase"), *columns("int", "batch_size"), *columns("text", "device"),
@@ -129,6 +131,9 @@ PREDICT = Table("predict", PREDICT_SCHEMA_VERSION, [
     *columns("int", "predicted_reserved_bytes"), *columns("float", "predicted_reserved_mib"),
     *columns("int", "cublas_workspace_bytes cudnn_workspace_bound_bytes"),
     *columns("text", "engine status message"), *columns("int", "ranks"),
+    *columns("int", "predicted_weights_bytes predicted_grads_bytes predicted_optimizer_state_bytes "
+                    "predicted_activations_bytes predicted_logits_bytes predicted_other_bytes"),
+    *columns("text", "sdpa_kernel"),
 ])
 
 # `python -m bench fit`: one row per strategy (bench.analysis.fit.fit_rows, the fields of FitResult)

@@ -16,6 +16,12 @@ Breakdown of the peak (CPU/meta tracker only; the columns add up to `peak_mem_by
                             are not gradients (input gradients, optimizer scratch), plus the few storages first seen
                             as an op's input (`untracked`) or created between steps (`setup`);
 - `peak_batch_bytes`        the input batch and targets, and the model's buffers (BatchNorm statistics).
+
+Predict's categories (`PREDICTED_COLUMNS`, the predict table): the same tracker categories at the predicted peak,
+with the logits apart. `CategorizedTracker` logs each storage's category in its event log, so that the CUDA
+allocator model (`bench.measure.cuda_allocator.replay`) can say what its peak is made of, and files as `logits` the
+storages of tensors whose last dimension is the output head's (the vocabulary): the head's output, its float32
+copy, cross-entropy's log-softmax and their gradients.
 """
 
 from __future__ import annotations
@@ -37,6 +43,76 @@ CATEGORY_COLUMN = {
     "buffers": "peak_batch_bytes",
 }
 TEMP_COLUMN = "peak_temp_bytes"  # backward, optimizer (scratch), setup, untracked
+
+
+# predict's columns: tracker category -> column; the rest (batch, buffers, backward and optimizer temporaries,
+# cuBLAS's workspaces, the allocator's unsplit blocks) is `predicted_other_bytes`
+LOGITS = "logits"
+PREDICTED_COLUMNS = {
+    "params": "predicted_weights_bytes",
+    "grads": "predicted_grads_bytes",
+    "optimizer_state": "predicted_optimizer_state_bytes",
+    "forward": "predicted_activations_bytes",
+    LOGITS: "predicted_logits_bytes",
+}
+PREDICTED_OTHER_COLUMN = "predicted_other_bytes"
+
+
+def predicted_columns(peak_by_category: dict[str, int]) -> dict[str, int]:
+    """Bytes at a predicted peak by category as predict's columns (`PREDICTED_COLUMNS`, then the rest in
+    `PREDICTED_OTHER_COLUMN`); they sum to the bytes of `peak_by_category`."""
+    columns = dict.fromkeys([*PREDICTED_COLUMNS.values(), PREDICTED_OTHER_COLUMN], 0)
+    for category, nbytes in peak_by_category.items():
+        columns[PREDICTED_COLUMNS.get(category, PREDICTED_OTHER_COLUMN)] += nbytes
+    return columns
+
+
+class CategorizedTracker(memory.LiveTensorTracker):
+    """The exact tracker whose event log also says each storage's category as it is filed and re-filed (a
+    "category" event: `key`, and the category in `op`), and which files the logits under `LOGITS`.
+
+    `logits_features`: the output head's output features (the vocabulary); a storage first seen in the forward or
+    backward as a tensor of at least two dimensions whose last one is that size is filed as logits. None: no
+    logits category (a model without a separable head)."""
+
+    def __init__(self, *args, logits_features: int | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.logits_features = logits_features
+
+    def _log_category(self, tensors) -> None:
+        if not self.record_events:
+            return
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                t = getattr(t, "_local_tensor", t)
+                try:
+                    info = self._storages.get(t.untyped_storage())
+                except (RuntimeError, NotImplementedError):
+                    continue
+                if info is not None:
+                    self.events.append(memory.MemoryEvent("category", info.key, stage=self.stage, op=info.category))
+
+    def _register(self, t: torch.Tensor, category: str) -> None:
+        if (self.logits_features and category in ("forward", "backward") and t.dim() >= 2
+                and t.shape[-1] == self.logits_features):
+            category = LOGITS
+        keys = self._keys
+        super()._register(t, category)
+        if self._keys != keys and self.record_events:  # before its "alloc" event: the replay files it at once
+            self.events.insert(len(self.events) - 1, memory.MemoryEvent("category", self._keys, stage=self.stage,
+                                                                        op=category))
+
+    def recategorize(self, tensors, category: str) -> None:
+        tensors = list(tensors)
+        super().recategorize(tensors, category)
+        self._log_category(tensors)
+
+    def relabel_live(self, categories, category: str) -> None:
+        old = set(categories)
+        keys = [info.key for info in self._storages.values() if info.category in old]
+        super().relabel_live(old, category)
+        if self.record_events:
+            self.events.extend(memory.MemoryEvent("category", key, stage=self.stage, op=category) for key in keys)
 
 
 def prepare_breakdown(session, tracker: memory.LiveTensorTracker) -> list:

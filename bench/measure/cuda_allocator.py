@@ -20,7 +20,10 @@ the last `reset_peak()`, as `torch.cuda.max_memory_allocated`/`max_memory_reserv
 `replay` runs the event log of `bench.measure.memory.LiveTensorTracker(record_events=True)` through the model, adding
 cuBLAS's workspace (allocated through the caching allocator the first time a thread runs a cuBLAS operator on a
 stream, and kept: PyTorch issue 95668) for the main thread and for autograd's device thread, which runs the backward
-on CUDA.
+on CUDA. Where the log says each storage's category ("category" events of
+`bench.measure.breakdown.CategorizedTracker`), the replay also says what the allocated peak is made of: the blocks
+handed out at that moment by their storage's category (`CUBLAS_WORKSPACE` for the workspaces, `UNCATEGORIZED` for a
+storage the log gave none), which sum to it.
 """
 
 from __future__ import annotations
@@ -48,6 +51,10 @@ CUBLAS_HOPPER_WORKSPACE_BYTES = 4096 * KiB * 8  # 33,554,432
 # aten operators that call cuBLAS on CUDA (matrix products; convolutions go to cuDNN)
 CUBLAS_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot", "_addmm_activation",
                         "addr", "_scaled_mm"})
+
+
+CUBLAS_WORKSPACE = "cublas_workspace"  # the category of the workspaces' blocks at the peak
+UNCATEGORIZED = "uncategorized"
 
 
 def round_size(nbytes: int) -> int:
@@ -189,6 +196,8 @@ class ReplayResult:
     cublas_workspaces: int
     cublas_workspace_bytes: int
     stats: AllocatorStats = field(repr=False, default_factory=AllocatorStats)
+    # the blocks handed out at the allocated peak, by category (they sum to max_allocated_bytes)
+    peak_by_category: dict[str, int] = field(default_factory=dict)
 
 
 def thread_of(stage: str) -> str:
@@ -198,24 +207,53 @@ def thread_of(stage: str) -> str:
 
 def replay(events: Iterable, workspace_bytes: int = CUBLAS_DEFAULT_WORKSPACE_BYTES) -> ReplayResult:
     """Runs a tracker's event log (`bench.measure.memory.MemoryEvent`s) through a fresh `CachingAllocatorModel`,
-    with one cuBLAS workspace of `workspace_bytes` per thread that runs a cuBLAS operator (0: none)."""
+    with one cuBLAS workspace of `workspace_bytes` per thread that runs a cuBLAS operator (0: none); the allocated
+    peak's blocks by category where the log has "category" events."""
     model = CachingAllocatorModel()
     blocks: dict[int, Block | None] = {}
+    category_of: dict[int, str] = {}
+    live: dict[str, int] = {}  # handed-out bytes by category
+    at_peak: dict[str, int] = {}
     threads_with_workspace: set[str] = set()
+
+    def count(category: str, nbytes: int) -> None:
+        live[category] = live.get(category, 0) + nbytes
+
+    def allocated(block: Block | None, category: str) -> None:
+        nonlocal at_peak
+        if block is not None:
+            count(category, block.size)
+            if model.stats.allocated_bytes == model.stats.peak_allocated_bytes and model.stats.allocated_bytes > sum(
+                    at_peak.values()):
+                at_peak = dict(live)
+
     for event in events:
         if event.kind == "alloc":
-            blocks[event.key] = model.malloc(event.nbytes)
+            blocks[event.key] = block = model.malloc(event.nbytes)
+            allocated(block, category_of.setdefault(event.key, UNCATEGORIZED))
+        elif event.kind == "category":
+            block = blocks.get(event.key)
+            if block is not None:
+                count(category_of.get(event.key, UNCATEGORIZED), -block.size)
+                count(event.op, block.size)
+            category_of[event.key] = event.op
         elif event.kind == "free":
-            model.free(blocks.pop(event.key, None))
+            block = blocks.pop(event.key, None)
+            if block is not None:
+                count(category_of.pop(event.key, UNCATEGORIZED), -block.size)
+            model.free(block)
         elif event.kind == "reset":
             model.reset_peak()
+            at_peak = dict(live)
         elif event.kind == "op" and event.op.split(".")[0] in CUBLAS_OPS and workspace_bytes:
             thread = thread_of(event.stage)
             if thread not in threads_with_workspace:
                 threads_with_workspace.add(thread)
-                model.malloc(workspace_bytes)  # held by the handle's workspace map for the process's life
+                # held by the handle's workspace map for the process's life
+                allocated(model.malloc(workspace_bytes), CUBLAS_WORKSPACE)
     return ReplayResult(model.stats.peak_allocated_bytes, model.stats.peak_reserved_bytes,
-                        len(threads_with_workspace), workspace_bytes, model.stats)
+                        len(threads_with_workspace), workspace_bytes, model.stats,
+                        {name: nbytes for name, nbytes in at_peak.items() if nbytes})
 
 
 def workspace_from_environment(capability: tuple[int, int] | None) -> int:

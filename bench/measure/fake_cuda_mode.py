@@ -17,6 +17,7 @@ step creates (CUDA's autocast lists, cuDNN's batch norm, the fused optimizers). 
   count, and raises CUDA's out-of-memory error past the process's memory fraction (which `--memory-limit` sets).
 - page-locked host memory (`FakePinnedMemory`) and the optimizers' `foreach` implementations
   (`foreach_on_fake_tensors`) for fake tensors.
+- CUDA is initialised on entry (`torch.cuda.init()`), so that a checkpointed forward is never where it starts;
 - a `DeviceMesh` (FSDP2's) is built outside the fake mode (`device_meshes_outside_fake_mode`): its table of ranks
   is host bookkeeping that it searches with `nonzero`, which a fake tensor cannot answer.
 `MEMBENCH_PLUGINS=bench.measure.fake_cuda_mode` with MEMBENCH_FAKE_CUDA_WORKER=1
@@ -233,6 +234,9 @@ def fake_cuda(allocator: FakeAllocator | None = None, inner: Iterable[ContextMan
     limit but the memory fraction) counts the fake CUDA bytes and answers torch.cuda's memory statistics; `inner`
     are entered last, inside all of that (a dispatch mode that should see what reaches the fake tensors)."""
     _clear_tensor_caches()  # cached tensors are fake tensors of one mode: none may outlive it
+    # CUDA initialised now, as a GPU step's earlier work would have: torch.utils.checkpoint refuses a device state
+    # first initialised in a checkpointed forward (a first case that checkpoints would fail otherwise)
+    torch.cuda.init()
     allocator = allocator or FakeAllocator()
     try:
         with contextlib.ExitStack() as stack:
