@@ -221,7 +221,9 @@ class Strategy:
         itself computes none). The baseline keeps no total: a `loss.item()` would synchronise inside the timed step."""
 
     def end_step(self, kept: dict[str, Any]) -> None:
-        """`kept` holds what the article's loop keeps alive until the next step (output, loss); may drop it."""
+        """`kept` holds the loop's variables after the step (output, loss), which the loop releases only when the
+        next step rebinds them (the output when the next forward returns, the loss when the next loss exists); may
+        drop them (`del pred, loss`)."""
 
     def plan(self, meter: PlanMeter) -> None:
         """Called once per case after `check()`, before any pass; raises Unsupported when no choice can work."""

@@ -6,10 +6,14 @@ from strategies.base import Strategy, register_strategy
 
 @register_strategy
 class Baseline(Strategy):
-    """No technique: forward, BCELoss, backward, Adam step, zero_grad; eval keeps autograd on."""
+    """No technique: forward, BCELoss, backward, Adam step, zero_grad; eval keeps autograd on.
+
+    Every tensor lives as long as in the literal loop `pred = model(x); loss = criterion(pred, y); ...`: the
+    previous step's output until the next forward returns, its loss until the next loss exists.
+    """
 
     name = "baseline"
-    description = "the article's code as it is: fp32, autograd on in eval, outputs kept until the next step"
+    description = "the article's code as it is: fp32, autograd on in eval, the loop's lifetimes (pred/loss rebound)"
     recompute_plan_kind = "none"  # the plan that recomputes nothing, the first point of the plan chart
 
     def role(self):

@@ -1,4 +1,4 @@
-"""Frees every reference the loop no longer needs: the previous step's output and loss, and the gradients."""
+"""Frees every reference the loop no longer needs at the end of each step: its output and loss, and the gradients."""
 
 from strategies.base import Strategy, register_strategy
 
@@ -7,14 +7,17 @@ from strategies.base import Strategy, register_strategy
 class DelIntermediates(Strategy):
     """Drops what the article's loop keeps alive between steps, and zeroes gradients with `set_to_none=True`.
 
-    The article's loop keeps `predicted` and `loss` until the next step overwrites them. In training that costs
-    little: after `backward()` the graph is freed, so they hold only the output and a scalar. In eval with autograd
-    on (the article's validation), `predicted` holds the previous batch's whole autograd graph with every saved
-    activation, alive while the next batch's forward builds its own: the peak holds two graphs. Exact.
+    The article's loop (`pred = model(x); loss = criterion(pred, y)`) keeps the previous step's `pred` until the
+    next forward returns and rebinds it, and its `loss` until the next loss exists; `del pred, loss` at the end of
+    the step frees them before the next forward. In training that costs little: after `backward()` the graph is
+    freed, so they hold only the output and the loss, alive during the next forward but no longer at a backward
+    peak. In eval with autograd on (the article's validation), `pred` holds the previous batch's whole autograd
+    graph with every saved activation, alive while the next batch's forward builds its own: the peak, at the end of
+    that forward, holds two graphs. Exact.
     """
 
     name = "del_intermediates"
-    description = "previous step's output/loss released at the end of each step; zero_grad(set_to_none=True)"
+    description = "output/loss released at the end of each step, not in the next forward; zero_grad(set_to_none=True)"
     priority = 60
 
     def zero_grad(self, optimizer):

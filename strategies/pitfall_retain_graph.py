@@ -7,9 +7,9 @@ from strategies.base import Strategy, register_strategy
 class PitfallRetainGraph(Strategy):
     """`loss.backward(retain_graph=True)` without a second backward (article 004 §7): autograd keeps every saved
     activation after backward instead of freeing it, for as long as something references the graph. The article's
-    loop keeps `predicted` and `loss` until the next step overwrites them, so the previous step's activations are
-    alive through the next forward: the peak holds two steps' activations where it fell in the forward, and the
-    step after backward holds one more. The same gradients: it matches the baseline. Training only.
+    loop keeps `loss` until the next step's loss rebinds it, so the previous step's activations are alive through
+    the next forward, until its loss exists: the peak holds two steps' activations where it fell in the forward
+    (or at the loss). The same gradients: it matches the baseline. Training only.
     """
 
     name = "pitfall_retain_graph"

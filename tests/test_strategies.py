@@ -40,7 +40,8 @@ EXPECTATIONS = {
     "checkpoint": {"phases": ("train", "eval"), "matches": True, "memory": {"train": (0.85, 0.95), "eval": None}},
     # Train 221,420,444 -> 201,052,956 (0.908) at batch 8. Not pinned per phase here (see test_amp_lowers_train_peak).
     "amp": {"phases": ("train", "eval"), "matches": True, "memory": {"train": None, "eval": None}},
-    # Train 221,420,444 -> 221,411,228 (~1.000): after backward the kept output and loss hold no activations.
+    # Train 221,411,228 -> 221,411,228 (1.000): the loop itself releases the previous output and loss before the
+    # backward peak (`pred =`, `loss =`); before issue 24 the Session kept them, and the baseline was 221,420,444.
     # Eval 143,910,368 -> 94,688,224 (0.658): the kept output of the previous batch holds its whole autograd graph.
     "del_intermediates": {"phases": ("train", "eval"), "matches": True,
                           "memory": {"train": (0.99, 1.0), "eval": (0.6, 0.7)}},
@@ -71,7 +72,7 @@ EXPECTATIONS = {
     "pinned_loader": {"phases": (), "matches": True, "memory": {}},  # CUDA only
     # Train 221,420,448 (+4 bytes: the running total); eval grows by one forward per step: test_training_loop.py.
     "pitfall_loss_sum": {"phases": ("train", "eval"), "matches": True, "memory": {"train": None}},
-    # Train 221,420,444 -> RETAIN_PEAK: the previous step's saved activations live through the next step.
+    # Train 221,420,444 -> RETAIN_PEAK: the previous step's saved activations live until the next loss exists.
     "pitfall_retain_graph": {"phases": ("train",), "matches": True, "memory": {"train": None}},
     # Train 221,420,444 -> 210,406,812 (0.950): each BN->ReLU output is recomputed, not kept (9 pairs).
     "bn_act_recompute": {"phases": ("train",), "matches": True, "memory": {"train": (0.93, 0.97)}},

@@ -10,8 +10,9 @@ Breakdown of the peak (CPU/meta tracker only; the columns add up to `peak_mem_by
                             backward or optimizer stage of an earlier step that is still alive when the measured step
                             starts (state kept between steps, e.g. a GradScaler's scale);
 - `peak_activations_bytes`  storages created in a forward stage and alive at the peak: tensors autograd saved for
-                            backward, the forward's live intermediates, and the outputs/loss the loop keeps until
-                            the next step (with their graph, when eval keeps autograd on);
+                            backward, the forward's live intermediates, the step's output and loss, and the
+                            previous step's output during the forward, until the loop rebinds it (with its graph,
+                            when eval keeps autograd on);
 - `peak_temp_bytes`         everything else: storages created in the backward or optimizer stage of this step that
                             are not gradients (input gradients, optimizer scratch), plus the few storages first seen
                             as an op's input (`untracked`) or created between steps (`setup`);

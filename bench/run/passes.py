@@ -28,7 +28,7 @@ from strategies import Strategy
 from strategies.base import PlanMeter
 from workloads.base import tensors_of
 
-# Steps before the measured one: one makes Adam's state and the kept output of the previous step exist; CUDA
+# Steps before the measured one: one makes Adam's state and the previous step's output and loss exist; CUDA
 # gets a second so that cuDNN's autotuning and the allocator's first-step behaviour are behind it.
 MEMORY_WARMUP_STEPS = {"cpu": 1, "cuda": 2}
 # Steps run after the measured one, so that growth is seen over several steps (not only across the measured one).
@@ -225,7 +225,7 @@ def allocator_memory_pass(case: Case, strategy: Strategy) -> MemoryResult:
 
 def live_tensor_bytes(session: Session) -> int:
     """Bytes of the storages a session holds between steps: parameters and their gradients, buffers, the batch,
-    the optimizer's state and what the loop keeps (the last output and loss)."""
+    the optimizer's state and the loop's variables (the last output and loss)."""
     counter = memory.LiveTensorTracker(session.case.device)
     grads = [p.grad for p in session.parameters()]
     for category, tensors in (("params", session.parameters()), ("grads", grads),

@@ -70,6 +70,6 @@ RULE_OF_THUMB_CAVEATS = [
     "x2 for backward assumes every output is saved once more; autograd saves only what each op needs "
     "(a conv keeps its input, BatchNorm its input and stats) and frees saved tensors during backward",
     "it knows nothing of in-place ops (functional relu), views, or temporaries inside a module",
-    "it ignores the gradients (1x params), the batch, and the outputs the loop keeps until the next step",
+    "it ignores the gradients (1x params), the batch, and the output and loss the loop keeps between steps",
     "it is the same for every strategy (checkpointing, amp, no_grad eval change nothing in it)",
 ]

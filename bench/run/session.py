@@ -53,7 +53,9 @@ class Session:
         inputs, target = self.host_batch
         self.x, self.y = self.place(inputs), self.place(target)
         self.model.train(case.phase == "train")
-        self.kept: dict[str, Any] = {}  # what the article's loop keeps alive until the next step
+        # the loop's variables `predicted` and `loss`: each holds the previous step's value until the statement
+        # that rebinds it (see `forward_backward`), unless the strategy drops them at the end of a step
+        self.kept: dict[str, Any] = {}
         # dropout draws from the global generator: every pass starts its steps from the same random state
         seed_everything(workload.seed + 1)
 
@@ -85,14 +87,20 @@ class Session:
                          seen: Callable[[Any, torch.Tensor], None] | None = None) -> tuple[Any, torch.Tensor]:
         """Forward, loss and backward on each of the strategy's micro-batches of one step's batch (the whole batch
         unless it splits it), each loss weighted as it says; returns the last micro-batch's output and loss, as
-        the loop's variables hold them after it. `seen(output, weighted loss)` is told of each micro-batch."""
+        the loop's variables hold them after it. `seen(output, weighted loss)` is told of each micro-batch.
+
+        The lifetimes are those of the literal loop `pred = model(x); loss = criterion(pred, y); loss.backward()`:
+        the previous output (in `kept`) is alive during the forward and released when it returns and `pred` is
+        rebound; the previous loss is released once the new one exists. Neither is alive during the backward."""
         s = self.strategy
+        kept = self.kept
         for inputs, target, weight in s.micro_batches(*self.batch()):
             mark("forward")
-            predicted = self.forward(inputs)
+            predicted = kept["predicted"] = self.forward(inputs)
             loss = self.loss(predicted, target)
             if weight != 1:
                 loss = loss * weight
+            kept["loss"] = loss
             mark("backward")
             s.backward(loss)
             if seen is not None:
@@ -113,12 +121,12 @@ class Session:
         mark("optimizer")
         s.optimizer_step(self.optimizer)
         s.zero_grad(self.optimizer)
-        self.kept["predicted"], self.kept["loss"] = predicted, loss
         s.accumulate_loss(lambda: loss)
         s.end_step(self.kept)
 
     def eval_step(self, mark: Callable[[str], None] = _no_mark) -> None:
-        """The article's validation step: the model in eval mode, one forward pass (autograd as the strategy says)."""
+        """The article's validation step: the model in eval mode, one forward pass (autograd as the strategy says);
+        the previous output is released when the forward returns, as `pred = model(x)` rebinds it."""
         mark("forward")
         inputs, target = self.batch()
         predicted = self.kept["predicted"] = self.forward(inputs)
