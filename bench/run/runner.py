@@ -118,12 +118,10 @@ def emulated_note(verified: Case) -> str:
 
 
 def emulated_timing_case(case: Case) -> Case:
-    """The case as an emulated 16-bit case is timed: no warm-up step, adaptive from one timed step (or the fixed
-    count, if smaller), at most EMULATED_MAX_TIME_S seconds of steps."""
-    if case.steps is not None:
-        return replace(case, warmup=0, steps=None, min_steps=1, max_time_s=EMULATED_MAX_TIME_S) \
-            if case.steps > 1 else replace(case, warmup=0)
-    return replace(case, warmup=0, min_steps=1, max_time_s=min(case.max_time_s, EMULATED_MAX_TIME_S))
+    """The case as an emulated 16-bit case is timed: no warm-up step, adaptive from one timed step, at most
+    EMULATED_MAX_TIME_S seconds of steps (or the case's smaller budget); a fixed count (`--steps`, `--quick`) too."""
+    budget = EMULATED_MAX_TIME_S if case.steps is not None else min(case.max_time_s, EMULATED_MAX_TIME_S)
+    return replace(case, warmup=0, steps=None, min_steps=1, max_time_s=budget)
 
 
 def emulated_memory_pass(case: Case, strategy: Strategy, record_timeline: bool = False) -> MemoryResult:
