@@ -29,6 +29,7 @@ SMALL = {
     "hf": ("hf:tiny-llama:seq_len=16", 1, "transformers"),
 }
 MLP = "deep_mlp:layers=24:width=8"
+FIT_MLP = "deep_mlp:layers=4:width=8"  # fit runs many probes: the smallest model with a peak that grows with the batch
 
 
 def cpu_case(workload: str, strategy: str, batch: int, phase: str = "train", steps: int = 1) -> Case:
@@ -162,13 +163,13 @@ def test_a_native_case_and_a_float32_case_take_the_full_path(monkeypatch, verifi
 def test_fit_answers_the_largest_batch_under_the_budget_by_real_steps(monkeypatch, setting):
     # the answer b of each strategy: a real tracked step at b is under the budget, one at b + 1 over it
     monkeypatch.setenv("MEMBENCH_CPU_16BIT", setting)
-    budget = memory_pass(cpu_case(MLP, "baseline", 40), bind_case(cpu_case(MLP, "baseline", 40))[0],
+    budget = memory_pass(cpu_case(FIT_MLP, "baseline", 40), bind_case(cpu_case(FIT_MLP, "baseline", 40))[0],
                          growth_steps=0)["peak_mem_bytes"]
-    results = fit.fit(["amp"], budget, workload=MLP, data="synthetic", max_batch=512, time_steps=0)
+    results = fit.fit(["amp"], budget, workload=FIT_MLP, data="synthetic", max_batch=512, time_steps=0)
     assert [r.strategy for r in results] == ["baseline", "amp"]
     for result in results:
         assert result.verified and result.batch_size >= 1, result
-        real = {b: memory_pass(cpu_case(MLP, result.strategy, b), bind_case(cpu_case(MLP, result.strategy, b))[0],
+        real = {b: memory_pass(cpu_case(FIT_MLP, result.strategy, b), bind_case(cpu_case(FIT_MLP, result.strategy, b))[0],
                                growth_steps=0)["peak_mem_bytes"] for b in (result.batch_size, result.batch_size + 1)}
         assert result.peak_bytes == real[result.batch_size] <= budget < real[result.batch_size + 1]
     assert results[0].batch_size == 40
