@@ -16,7 +16,10 @@ from bench.core.errors import Unsupported
 from bench.core.results import FIT
 from bench.core.schema import Row
 from bench.core.units import MiB, format_mib, format_size
-from bench.run.runner import Case, bind_case, forget_traceback, is_oom, memory_pass, timing_pass
+from bench.measure import env, timing
+from bench.run.runner import (
+    EMULATED_VERIFY_BATCH, Case, Session, autocast_dtype, bind_case, forget_traceback, is_oom, memory_pass, timing_pass,
+)
 
 
 @dataclass
@@ -44,10 +47,12 @@ def measured_peak(case, strategy) -> int:
     return int(memory_pass(case, strategy, growth_steps=0)["peak_mem_bytes"])
 
 
-def _probe_peak(case, spec: str) -> int | None:
-    """A cheap estimate of the CPU peak: the same tracked step on fake tensors (no arithmetic), or None."""
+def _probe_peak(case, spec: str, warmup_steps: int | None = None) -> int | None:
+    """The CPU peak counted on fake tensors (the same tracked step, no arithmetic: exact, see
+    bench.measure.fake_cpu), of the steady-state step or with `warmup_steps=0` of the first; None where fake tensors
+    cannot run the strategy."""
     try:
-        return predict.tracked_peak(case, spec, engine="fake", block_bytes=1, cuda_autocast=False)
+        return predict.tracked_step(case, spec, "fake", 1, cuda_autocast=False, warmup_steps=warmup_steps).peak_bytes
     except Exception as error:  # noqa: BLE001 - a strategy that fake tensors cannot run: the per-stage model
         forget_traceback(error)
         return None
@@ -113,29 +118,86 @@ def peak_or_none_on_oom(case) -> int | None:
 
 # --- fit on the CPU: estimates, then tracked runs that confirm them ------------------------------------------
 
+def first_step_peak(case) -> tuple[int | None, Session | None, object]:
+    """A real tracked run of the case's first step (no warm-up): its peak (None: out of memory), and the session and
+    strategy it ran, to time steps on afterwards."""
+    strategy, sessions = bind_case(case)[0], []
+
+    def keep(*args, **kwargs) -> Session:
+        sessions.append(Session(*args, **kwargs))
+        return sessions[-1]
+
+    try:
+        peak = int(memory_pass(case, strategy, warmup_steps=0, growth_steps=0, session_class=keep)["peak_mem_bytes"])
+    except Exception as error:  # noqa: BLE001 - only an out-of-memory error is an answer here
+        if not is_oom(error):
+            raise
+        sessions.clear()
+        forget_traceback(error)
+        return None, None, strategy
+    return peak, sessions[0], strategy
+
+
 @dataclass
 class _TrackedRuns:
-    """The actual tracked runs of one CPU fit: the peak per batch (infinite: out of memory) and how many ran."""
+    """The actual tracked runs of one CPU fit: the peak per batch (infinite: out of memory) and how many ran.
+
+    With an exact fake-tensor count (`steady`, the fake engine's steady-state peak at any batch) a batch is confirmed
+    by one real tracked step, its first, equal to the fake count of the same first step to the byte: then the
+    steady-state peak is the fake count's (the engine counts what the CPU holds between steps as exactly). A 16-bit
+    strategy the CPU emulates (`emulated`) runs that check at batch min(b, EMULATED_VERIFY_BATCH), its arithmetic
+    being slow. Where the two differ, or without fake counts, the batch is measured by a full tracked run (a
+    warm-up step, then the measured one)."""
     spec: str
     budget: int
     case_at: Callable[[int], Case]
     progress: Callable[[str], None]
+    steady: Callable[[int], int] | None = None
+    emulated: bool = False
     peaks: dict[int, int | float] = field(default_factory=dict)
+    checked_at: dict[int, int] = field(default_factory=dict)  # batch -> the batch its first step was checked at
     runs: int = 0
+    last: tuple | None = None  # (batch, session, strategy) of the last real first step, for timing
 
     def peak(self, b: int) -> int | float:
         """The measured peak at batch `b`; infinite when the CPU allocator runs out of memory (over any budget)."""
         if b not in self.peaks:
-            case = self.case_at(b)
-            self.progress(f"fit {self.spec}: tracked run at batch {b} ...")
-            self.peaks[b] = peak_or_none_on_oom(case)
-            if self.peaks[b] is None:
-                self.peaks[b] = math.inf
+            self.peaks[b] = self._measure(b)
             self.runs += 1
             self.progress(f"fit {self.spec}: batch {b}: " + ("out of memory" if self.peaks[b] == math.inf else
                                                              f"peak {format_mib(self.peaks[b])} MiB, "
                                                              f"budget {format_mib(self.budget)} MiB"))
         return self.peaks[b]
+
+    def _measure(self, b: int) -> int | float:
+        if self.steady is not None:
+            check = min(b, EMULATED_VERIFY_BATCH) if self.emulated else b
+            self.progress(f"fit {self.spec}: tracked run of a first step at batch {check} ...")
+            self.last = None
+            real, session, strategy = first_step_peak(self.case_at(check))
+            if real is None:
+                return math.inf
+            if real == _probe_peak(self.case_at(check), self.spec, warmup_steps=0):
+                self.checked_at[b] = check
+                self.last = (check, session, strategy)
+                return self.steady(b)
+            self.progress(f"fit {self.spec}: its first step differs from the fake-tensor count; a full tracked run")
+        self.progress(f"fit {self.spec}: tracked run at batch {b} ...")
+        peak = peak_or_none_on_oom(self.case_at(b))
+        return math.inf if peak is None else peak
+
+    def time_per_sample(self, b: int, steps: int) -> float | None:
+        """Milliseconds per sample, the median of `steps` steps at `b` with nothing tracking them: on the session of
+        its tracked first step (so steady-state steps) where that ran at `b`, else from a fresh one."""
+        last, self.last = self.last, None
+        if last is None or last[0] != b:
+            case = self.case_at(b)
+            return time_per_sample(self.spec, case.phase, "cpu", case.workload, case.data, b, steps)
+        _, session, strategy = last
+        with strategy.session():
+            stats = timing.time_steps(session.step, timing.TimingPolicy(warmup=0, steps=steps), "cpu")
+        times = sorted(stats.times_ms)
+        return times[len(times) // 2] / b
 
 
 def _fake_probe_estimate(spec: str, case_at: Callable[[int], Case], low: int,
@@ -213,24 +275,27 @@ def _next_batch_peak(batch: int, tracked: _TrackedRuns, estimate: Callable[[int]
 
 
 def fit_cpu(spec: str, budget: int, phase: str, workload: str, data: str, max_batch: int,
-            low: int = 16, high: int = 32, progress: Callable[[str], None] = _quiet) -> FitResult:
-    """Largest batch with peak <= budget on the CPU, confirmed by actual tracked runs.
+            low: int = 16, high: int = 32, progress: Callable[[str], None] = _quiet, time_steps: int = 1) -> FitResult:
+    """Largest batch with peak <= budget on the CPU, confirmed by actual tracked runs; with `time_steps`, the time
+    per sample of that many steps at the answer (after its tracked first step, on the same session).
 
-    With fake tensors (`bench.analysis.fake_engine`: the exact tracker without arithmetic, a second or so per probe
-    at any batch): `largest_under` on fake probes. Where fake tensors cannot run the strategy: the peak within each
-    stage of the step (forward, backward, optimizer) is linear in the batch size, so two tracked runs give one line
-    per stage and the step's peak is the largest of them at any batch -- which a single slope from small batches is
-    not (there the peak is Adam's step; at large ones it is the backward). Then one actual tracked run at the
-    answer (a warm-up step and the measured one), stepping down while over the budget: fake tensors differ from
-    the CPU by its loss kernels' buffers, a few hundred bytes per sample, which a step down corrects with the
-    offset measured.
+    With fake tensors (`bench.run.fake_pass`: the exact tracker without arithmetic, a second or so per probe at any
+    batch, equal to a real step's count to the byte): `largest_under` on fake probes, then one real tracked first
+    step at the answer, checked against the fake count of the same step (`_TrackedRuns`); a 16-bit strategy the CPU
+    emulates is checked at a small batch and not timed. Where fake tensors cannot run the strategy: the peak within
+    each stage of the step (forward, backward, optimizer) is linear in the batch size, so two tracked runs give one
+    line per stage and the step's peak is the largest of them at any batch -- which a single slope from small
+    batches is not (there the peak is Adam's step; at large ones it is the backward); then full tracked runs at
+    the answer (a warm-up step and the measured one), stepping down while over the budget.
     """
     def case_at(b: int, device: str = "cpu"):
         return Case(workload, spec, phase, b, device, data=data, warmup=0, steps=1)
 
-    tracked = _TrackedRuns(spec, budget, case_at, progress)
+    emulated = env.emulated_on_cpu(autocast_dtype(bind_case(case_at(1))[0]), "cpu")
+    tracked = _TrackedRuns(spec, budget, case_at, progress, emulated=emulated)
     estimate = _fake_probe_estimate(spec, case_at, low, progress)
     if estimate is not None:
+        tracked.steady = estimate
         batch, method = largest_under(estimate, budget, low, high, max_batch), "fake probe"
         slope = max((estimate(high) - estimate(low)) / (high - low), 1.0)
     else:
@@ -243,7 +308,21 @@ def fit_cpu(spec: str, budget: int, phase: str, workload: str, data: str, max_ba
         return FitResult(spec, phase, "cpu", budget, 0, None, False, tracked.peak(1), "measured", None,
                          "even batch 1 exceeds the budget", tracked.runs)
     nxt, how, note = _next_batch_peak(batch, tracked, estimate, method, max_batch)
-    return FitResult(spec, phase, "cpu", budget, batch, tracked.peak(batch), True, nxt, how, None, note, tracked.runs)
+    notes = [note] if note else []
+    if batch in tracked.checked_at:
+        notes.append(f"the peak is the fake-tensor count, which a real tracked first step at batch "
+                     f"{tracked.checked_at[batch]} equalled to the byte")
+    seconds = None
+    if time_steps > 0 and emulated:
+        notes.append("time not measured: 16-bit arithmetic emulated by this CPU")
+    elif time_steps > 0:
+        progress(f"fit {spec}: timing {time_steps} step(s) at batch {batch} ...")
+        seconds = tracked.time_per_sample(batch, time_steps)
+    else:
+        notes.append("time not measured (--time-steps 0)")
+    tracked.last = None
+    return FitResult(spec, phase, "cpu", budget, batch, tracked.peak(batch), True, nxt, how, seconds,
+                     "; ".join(notes), tracked.runs)
 
 
 # --- fit on CUDA, and the fit of several strategies ------------------------------------------------------------
@@ -321,10 +400,14 @@ def fit(specs: list[str], budget: int, phase: str = "train", device: str = "cpu"
             results.append(FitResult(strategy.spec(), phase, device, budget, 0, None, False, None, "", None,
                                      f"unsupported: {error}", 0))
             continue
-        finder = fit_cuda if device == "cuda" else fit_cpu
         progress(f"fit {strategy.spec()}: searching for the largest batch under {format_mib(budget)} MiB ...")
         try:
-            result = finder(strategy.spec(), budget, phase, workload, data, max_batch, progress=progress)
+            if device == "cuda":
+                result = fit_cuda(strategy.spec(), budget, phase, workload, data, max_batch, progress=progress)
+            else:  # times its answer itself, on the session of its tracked run
+                results.append(fit_cpu(strategy.spec(), budget, phase, workload, data, max_batch, progress=progress,
+                                       time_steps=time_steps))
+                continue
         except Unsupported as error:  # e.g. checkpoint:budget, whose plan is chosen per case, not per batch search
             results.append(FitResult(strategy.spec(), phase, device, budget, 0, None, False, None, "", None,
                                      f"unsupported: {error}", 0))
@@ -388,7 +471,8 @@ def format_fit(results: list[FitResult], time_steps: int) -> str:
         budget = mib_beside_budget(r.budget_bytes, r.budget_bytes)
         lines.append(f"{r.strategy:<28} {r.phase:<5} {r.batch_size:>13} {peak:>9} {budget:>10} "
                      f"{nxt:>9} {t:>9} {r.runs:>4}  {note}")
-    lines.append(f"(ms/sample from {time_steps} timed step(s) at the largest batch, no warm-up on the CPU)"
+    lines.append(f"(ms/sample from {time_steps} timed step(s) at the largest batch; on the CPU the steps after its "
+                 "tracked first step)"
                  if time_steps else "(time not measured)")
     return "\n".join(lines)
 

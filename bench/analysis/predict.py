@@ -119,7 +119,9 @@ def tracked_step(case, spec: str, engine: str = "fake", block_bytes: int = 1, cu
         with fake_cuda_tensors(allocator=FakeAllocator(limit_bytes=sys.maxsize), inner=[attention]):
             measured = memory_pass(replace(case, device="cuda"), strategy, tracker=tracker, **options)
     elif engine == "fake":
-        measured = fake_memory_pass(replace(case, device="cpu"), strategy, tracker=tracker, **options)
+        # the CPU kernels' storages for a CPU figure; CUDA's kernels return the meta kernels' ones
+        measured = fake_memory_pass(replace(case, device="cpu"), strategy, tracker=tracker,
+                                    cpu_kernels=not cuda_autocast, **options)
     else:
         measured = memory_pass(replace(case, device=engine), strategy, tracker=tracker, **options)
     return TrackedStep(int(measured["peak_mem_bytes"]), tracker.events if record_events else None, engine, tracker,

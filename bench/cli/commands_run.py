@@ -299,6 +299,7 @@ def cmd_env(args) -> int:
 
 def cpu_16bit_lines(flags=None) -> list[str]:
     """What `env` says of the CPU's 16-bit arithmetic: native (and the flags that say so) or emulated, per type."""
+    setting = env.cpu_16bit_setting() if flags is None else "auto"
     flags = env.cpu_flags() if flags is None else frozenset(flags)
     lines = []
     for dtype, native in env.cpu_16bit_support(flags).items():
@@ -307,5 +308,8 @@ def cpu_16bit_lines(flags=None) -> list[str]:
                 f"EMULATED in float32 (no {'/'.join(env.NATIVE_16BIT_FLAGS[dtype])}): autocast to {dtype} runs far "
                 f"slower than float32 here ({EMULATED_SLOWDOWN[0]:g}-{EMULATED_SLOWDOWN[1]:g}x for bfloat16 on the "
                 "reference AMD EPYC)")
+        if setting != "auto":  # MEMBENCH_CPU_16BIT overrides what the CPU says
+            text = (f"{'native' if setting == 'native' else 'EMULATED'}: forced by {env.CPU_16BIT_VARIABLE}={setting} "
+                    f"(the CPU itself: {text.split(':')[0]})")
         lines.append(f"{'cpu ' + dtype:<16} {text}")
     return lines

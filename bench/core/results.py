@@ -21,7 +21,9 @@ from bench.core.schema import Row, Table, columns
 #    cpu_capability, cpu_bf16_native, cpu_fp16_native, emulated_16bit
 # 5: ROLE_COLUMNS: what the strategy declares of itself (strategy_role, recompute_plan, recompute_plan_kind), so
 #    that the report groups rows without knowing any strategy by name
-SCHEMA_VERSION = 5
+# 6: verify_batch_size (a 16-bit case the CPU emulates is verified at a small batch); memory_method
+#    cpu_fake_live_tensor_bytes (its memory counted on fake tensors)
+SCHEMA_VERSION = 6
 
 
 class Status(str, Enum):
@@ -62,7 +64,7 @@ _CORE = [
     # verification against the baseline on the same weights and batch
     *columns("bool", "matches_baseline"), *columns("float", "loss_rel_diff max_abs_grad_diff max_grad_rel_diff"),
     *columns("int", "params_without_grad"), *columns("bool", "bn_stats_match"),
-    *columns("float", "output_rel_diff max_param_rel_diff"),
+    *columns("float", "output_rel_diff max_param_rel_diff"), *columns("int", "verify_batch_size"),
     *columns("text", "status message"),
     # environment
     *columns("text", "torch_version cuda_version cudnn_version"), *columns("int", "cpu_threads"),

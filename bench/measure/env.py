@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import platform
 import socket
 import subprocess
@@ -84,10 +85,29 @@ def _torch_says_native(dtype: str) -> bool:
     return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
 
 
+# MEMBENCH_CPU_16BIT: how membench treats 16-bit autocast on this machine's CPU. `auto` (or unset) asks the CPU;
+# `emulated` treats every 16-bit type as emulated (the fast emulated path of bench.run.runner, and its tests, on any
+# CPU), `native` as native (full real steps, whatever the CPU). Rows record what membench took.
+CPU_16BIT_VARIABLE = "MEMBENCH_CPU_16BIT"
+CPU_16BIT_CHOICES = ("auto", "emulated", "native")
+
+
+def cpu_16bit_setting() -> str:
+    """MEMBENCH_CPU_16BIT's value (`auto` when unset or empty); another value is a UsageError naming the choices."""
+    value = os.environ.get(CPU_16BIT_VARIABLE, "").strip().lower() or "auto"
+    if value not in CPU_16BIT_CHOICES:
+        raise UsageError(f"{CPU_16BIT_VARIABLE}={os.environ[CPU_16BIT_VARIABLE]!r}: unknown setting; valid choices: "
+                         f"{', '.join(CPU_16BIT_CHOICES)}")
+    return value
+
+
 def cpu_16bit_support(flags: frozenset[str] | set[str] | None = None) -> dict[str, bool]:
     """{"bfloat16": bool, "float16": bool}: whether the CPU has native arithmetic for each 16-bit float type.
 
-    `flags` (a set of /proc/cpuinfo flags) replaces this machine's, so that the answer for any CPU can be tested."""
+    `flags` (a set of /proc/cpuinfo flags) replaces this machine's, so that the answer for any CPU can be tested;
+    for this machine's CPU, MEMBENCH_CPU_16BIT=emulated or native (`cpu_16bit_setting`) overrides the answer."""
+    if flags is None and cpu_16bit_setting() != "auto":
+        return dict.fromkeys(NATIVE_16BIT_FLAGS, cpu_16bit_setting() == "native")
     flags = cpu_flags() if flags is None else frozenset(flags)
     if flags is None:
         return {dtype: _torch_says_native(dtype) for dtype in NATIVE_16BIT_FLAGS}

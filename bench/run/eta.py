@@ -3,22 +3,38 @@
 Estimates only, from what this sweep has measured so far: a case's time is taken from the finished case most like
 it (the same strategy at another batch size, scaled by the batch; else the baseline at the same batch), and a case
 that autocasts to a 16-bit type the CPU has no instructions for (bench.measure.env.emulated_on_cpu) from the baseline's
-step time times the slowdown such emulation showed on the reference machine.
+step time times the slowdown of 16-bit against float32 arithmetic, measured on this machine once per process
+(`emulated_slowdown`), and the steps of the emulated path (bench.run.runner: a verification at a small batch,
+memory on fake tensors, capped timing).
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
+import torch
+
 from bench.measure import env
 from bench.run.passes import step_times
-from bench.run.runner import Case, MEMORY_GROWTH_STEPS, MEMORY_WARMUP_STEPS, autocast_dtype, bind_case
+from bench.run.runner import (
+    EMULATED_VERIFY_BATCH, Case, MEMORY_GROWTH_STEPS, MEMORY_WARMUP_STEPS, autocast_dtype, bind_case,
+    emulated_timing_case,
+)
 
 # bfloat16 autocast emulated on a CPU without bfloat16 instructions, against the float32 baseline, 2 threads, AMD
 # EPYC (results/reference/captcha): amp 14.6x (train, batch 100) to 23.0x (eval, batch 100), checkpoint+amp 18.6x.
+# The reference figure `python -m bench env` quotes; the estimates use `emulated_slowdown`, measured where they run.
 EMULATED_SLOWDOWN = (15.0, 23.0)
+# The calibration of `emulated_slowdown`: a matrix product and a convolution the size of a small model's layers
+# (a few milliseconds each in float32), each timed SLOWDOWN_REPEATS times after one untimed call, in float32 and
+# under autocast to the 16-bit type (its casts included, as in a step).
+SLOWDOWN_MATMUL = (256, 256, 256)
+SLOWDOWN_CONV = ((8, 32, 28, 28), (32, 32, 3, 3))
+SLOWDOWN_REPEATS = 3
 
 
 def case_steps(case: Case, step_s: float) -> int:
@@ -33,21 +49,65 @@ def case_steps(case: Case, step_s: float) -> int:
     return 1 + case.warmup + timed + memory
 
 
-def emulated_case_seconds(case: Case, baseline_step_ms: float) -> tuple[float, float]:
-    """The (low, high) estimate of an emulated 16-bit case's time, from the float32 baseline's step time."""
-    low, high = (baseline_step_ms / 1e3 * factor for factor in EMULATED_SLOWDOWN)
-    return low * case_steps(case, low), high * case_steps(case, high)
+def _median_seconds(call: Callable[[], object]) -> float:
+    call()
+    times = []
+    for _ in range(SLOWDOWN_REPEATS):
+        started = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - started)
+    return sorted(times)[len(times) // 2]
 
 
-def emulation_warning(case: Case, dtype: str, cpu: str, baseline_step_ms: float | None) -> str:
-    """The line printed before an emulated case starts: what is emulated, why it is slow, and for how long."""
+@functools.lru_cache(maxsize=None)
+def emulated_slowdown(dtype: str = "bfloat16") -> tuple[float, float]:
+    """(low, high): how much slower a matrix product and a convolution run under CPU autocast to `dtype` than in
+    float32, measured on this machine (about a tenth of a second where 16-bit is native, a second where it is
+    emulated), once per process. A step's slowdown lies near this range: its other operators (element-wise, the
+    optimizer) stay in float32."""
+    generator = torch.Generator().manual_seed(0)
+    m, k, n = SLOWDOWN_MATMUL
+    a, b = torch.randn(m, k, generator=generator), torch.randn(k, n, generator=generator)
+    image, weight = (torch.randn(shape, generator=generator) for shape in SLOWDOWN_CONV)
+    ratios = []
+    for op in (lambda: a @ b, lambda: torch.nn.functional.conv2d(image, weight, padding=1)):
+        with torch.no_grad():
+            full = _median_seconds(op)
+            with torch.autocast("cpu", dtype=getattr(torch, dtype)):
+                half = _median_seconds(op)
+        ratios.append(half / max(full, 1e-9))
+    return min(ratios), max(ratios)
+
+
+def emulated_case_seconds(case: Case, baseline_step_ms: float,
+                          slowdown: tuple[float, float] | None = None) -> tuple[float, float]:
+    """The (low, high) estimate of an emulated 16-bit case's time on the emulated path, from the float32 baseline's
+    step time and `slowdown` (default: `emulated_slowdown` of the case's dtype, measured here): the verification
+    (the strategy's step and the baseline's at the small batch) and the timing (at least one step, else its
+    budget); its memory, counted on fake tensors, takes seconds and is left out."""
+    if slowdown is None:
+        slowdown = emulated_slowdown(autocast_dtype(bind_case(case)[0]) or "bfloat16")
+    budget = emulated_timing_case(case).max_time_s
+    small = min(case.batch_size, EMULATED_VERIFY_BATCH) / case.batch_size
+    estimates = []
+    for factor in slowdown:
+        step_s = baseline_step_ms / 1e3 * factor
+        estimates.append(step_s * small + baseline_step_ms / 1e3 * small + max(step_s, budget))
+    return min(estimates), max(estimates)
+
+
+def emulation_warning(case: Case, dtype: str, cpu: str, baseline_step_ms: float | None,
+                      slowdown: tuple[float, float] | None = None) -> str:
+    """The line printed before an emulated case starts: what is emulated, how much slower this machine runs it
+    (`slowdown`, default measured now: `emulated_slowdown`), and for how long."""
+    low, high = slowdown or emulated_slowdown(dtype)
     text = (f"note: {case.strategy} autocasts to {dtype}, which this CPU ({cpu}) has no instructions for: PyTorch "
-            f"emulates it in float32, {EMULATED_SLOWDOWN[0]:g}-{EMULATED_SLOWDOWN[1]:g}x slower than the float32 "
-            "baseline")
+            f"emulates it in float32 ({low:.1f}-{high:.1f}x float32's time for a {dtype} matrix product and "
+            "convolution, measured here); verified at a small batch, memory counted on fake tensors, timing capped")
     if baseline_step_ms is None:
         return text + "; no baseline time yet to estimate this case from"
-    low, high = emulated_case_seconds(case, baseline_step_ms)
-    return text + f"; this case: about {duration(low)} to {duration(high)}"
+    low_s, high_s = emulated_case_seconds(case, baseline_step_ms, (low, high))
+    return text + f"; this case: about {duration(low_s)} to {duration(high_s)}"
 
 
 # The batch sizes of the calibration before a CPU sweep's first case: two real baseline steps each, about a second in
@@ -140,7 +200,7 @@ class SweepEstimate:
             return self.seconds[nearest] * case.batch_size / self.cases[nearest].batch_size
         step_ms = self.baseline_step_ms(case)
         if index in self.emulated and step_ms is not None:
-            return sum(emulated_case_seconds(case, step_ms)) / 2
+            return sum(emulated_case_seconds(case, step_ms, emulated_slowdown(self.emulated[index]))) / 2
         for i in self.seconds:
             other = self.cases[i]
             if other.strategy == "baseline" and (other.workload, other.phase, other.batch_size, other.data) == (

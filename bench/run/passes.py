@@ -245,9 +245,10 @@ def _growth_steps(step: Callable[[], None], live_bytes: Callable[[], int],
     return ends
 
 
-def growth_per_step(ends: list[int]) -> float:
-    """The mean growth of live bytes per step, from the live bytes at the end of consecutive steps."""
-    return (ends[-1] - ends[0]) / (len(ends) - 1)
+def growth_per_step(ends: list[int]) -> float | None:
+    """The mean growth of live bytes per step, from the live bytes at the end of consecutive steps; None from one
+    step (a pass with neither warm-up nor growth steps: fit's check of a first step)."""
+    return (ends[-1] - ends[0]) / (len(ends) - 1) if len(ends) > 1 else None
 
 
 class CaseMeter(PlanMeter):

@@ -10,7 +10,7 @@ from here too.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -23,6 +23,7 @@ from bench.measure import snapshot as memory_snapshot, timing
 from bench.measure.env import emulated_on_cpu, environment
 from bench.measure.stats import summarize_timing
 from bench.run.case import Case, _cpu_batch, bind_case, rule_of_thumb_bytes, seed_everything  # noqa: F401
+from bench.run.fake_pass import fake_memory_pass
 from bench.run.isolation import RunOptions, process_state, run_in_worker
 from bench.run.passes import (  # noqa: F401
     MEMORY_GROWTH_STEPS, MEMORY_WARMUP_STEPS, CaseMeter, MemoryResult, TimingResult, allocator_memory_pass,
@@ -61,13 +62,16 @@ def measure_case(case: Case, env: dict | None = None, options: RunOptions | None
             row["strategy"] = strategy.spec()
             strategy.check(context)
             row.update(declared_columns(strategy))
-            row["emulated_16bit"] = emulated_on_cpu(autocast_dtype(strategy), case.device)
+            emulated = row["emulated_16bit"] = emulated_on_cpu(autocast_dtype(strategy), case.device)
             if strategy.distributed and not in_rank_process():
                 return _merged_ranks(result, run_on_ranks(case, env, options, verify_result))
             strategy.plan(CaseMeter(case))
             if verify_result:
-                row.update(verify(case, strategy))
-            _measure(case, strategy, options.repeats, result, options.snapshot_dir)
+                verified = emulated_verification(case, strategy, options.ranks) if emulated else (case, strategy)
+                row.update(verify(*verified), verify_batch_size=verified[0].batch_size)
+                if emulated:
+                    row["message"] = "; ".join(filter(None, [row.get("message"), emulated_note(verified[0])]))
+            _measure(case, strategy, options.repeats, result, emulated, options.snapshot_dir)
             row.update(declared_columns(strategy))  # with what the model resolved (segments=auto, the plan)
         except (Unsupported, UsageError) as error:
             # a value the pre-run checks (bench.run.preflight) let through that this one case cannot take: its row
@@ -85,16 +89,70 @@ def measure_case(case: Case, env: dict | None = None, options: RunOptions | None
     return result
 
 
-def _measure(case: Case, strategy: Strategy, repeats: int, result: CaseResult,
+# A 16-bit case whose arithmetic the CPU emulates (bench.measure.env.emulated_on_cpu; 15-23x slower than float32 on
+# the reference AMD EPYC, 83 s a step at batch 100) runs real steps only where values matter: its verification at
+# this batch at most (the comparison with the baseline needs real arithmetic, not a large batch) and its timing,
+# with no warm-up step, at least one timed step and at most EMULATED_MAX_TIME_S seconds of them. Its memory is
+# counted on fake tensors (bench.run.fake_pass: the same tracked step, no arithmetic, equal to the real count to the
+# byte: tests/test_emulated16.py), marked `cpu_fake_live_tensor_bytes`.
+EMULATED_VERIFY_BATCH = 4
+EMULATED_MAX_TIME_S = 10.0
+
+
+def emulated_verification(case: Case, strategy: Strategy, ranks: int = 1) -> tuple[Case, Strategy]:
+    """The case and strategy an emulated 16-bit case is verified with: at min(batch, EMULATED_VERIFY_BATCH), the
+    strategy bound (and planned) at that batch."""
+    if case.batch_size <= EMULATED_VERIFY_BATCH:
+        return case, strategy
+    small = replace(case, batch_size=EMULATED_VERIFY_BATCH)
+    bound, context = bind_case(small, ranks)
+    bound.check(context)
+    bound.plan(CaseMeter(small))
+    return small, bound
+
+
+def emulated_note(verified: Case) -> str:
+    """What the row of an emulated 16-bit case says of how it was measured."""
+    return (f"16-bit arithmetic emulated by this CPU: verified at batch {verified.batch_size}, memory counted on "
+            f"fake tensors, timing with no warm-up and at most {EMULATED_MAX_TIME_S:g} s of steps")
+
+
+def emulated_timing_case(case: Case) -> Case:
+    """The case as an emulated 16-bit case is timed: no warm-up step, adaptive from one timed step, at most
+    EMULATED_MAX_TIME_S seconds of steps (or the case's smaller budget); a fixed count (`--steps`, `--quick`) too."""
+    budget = EMULATED_MAX_TIME_S if case.steps is not None else min(case.max_time_s, EMULATED_MAX_TIME_S)
+    return replace(case, warmup=0, steps=None, min_steps=1, max_time_s=budget)
+
+
+def emulated_memory_pass(case: Case, strategy: Strategy, record_timeline: bool = False,
+                         record_snapshot: bool = False) -> MemoryResult:
+    """The memory pass of an emulated 16-bit case: on fake tensors; a real one where the strategy is counted at the
+    allocator or cannot run on fake tensors."""
+    recording = {"record_timeline": record_timeline, "record_snapshot": record_snapshot}
+    if strategy.cpu_memory_count == "allocator_events":
+        return memory_pass(case, strategy, **recording)
+    try:
+        measured = fake_memory_pass(case, strategy, **recording)
+    except Exception as error:  # noqa: BLE001 - what fake tensors cannot run is counted on real ones
+        forget_traceback(error)
+        return memory_pass(case, strategy, **recording)
+    measured.columns["memory_method"] = "cpu_fake_live_tensor_bytes"
+    return measured
+
+
+def _measure(case: Case, strategy: Strategy, repeats: int, result: CaseResult, emulated: bool = False,
              snapshot_dir: str | None = None) -> None:
     """The timing pass and `repeats` memory passes into `result` (the first training one records the timeline,
-    and with `snapshot_dir` the first one's snapshot is written there)."""
-    timed = timing_pass(case, strategy, repeats)
-    result.row.update(timed)
+    and with `snapshot_dir` the first one's snapshot is written there); an `emulated` 16-bit case is timed as
+    `emulated_timing_case` says and counted on fake tensors."""
+    timed_case = emulated_timing_case(case) if emulated else case
+    timed = timing_pass(timed_case, strategy, repeats)
+    result.row.update(timed, warmup_steps=timed_case.warmup)
     result.step_times_ms = timed.step_times_ms
+    measure_memory = emulated_memory_pass if emulated else memory_pass
     for index in range(repeats):
-        measured = memory_pass(case, strategy, record_timeline=index == 0 and case.phase == "train",
-                               record_snapshot=index == 0 and snapshot_dir is not None)
+        measured = measure_memory(case, strategy, record_timeline=index == 0 and case.phase == "train",
+                                  record_snapshot=index == 0 and snapshot_dir is not None)
         if index == 0 and snapshot_dir is not None:
             save_snapshot(measured, case, result.row, snapshot_dir)
         if measured.tracker is not None and measured.tracker.timeline:
