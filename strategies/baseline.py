@@ -9,6 +9,7 @@ class Baseline(Strategy):
     """No technique: forward, BCELoss, backward, Adam step, zero_grad; eval keeps autograd on."""
 
     name = "baseline"
+    plan_excluded = "the starting point itself: every plan is the baseline plus techniques"
     description = "the article's code as it is: fp32, autograd on in eval, outputs kept until the next step"
     recompute_plan_kind = "none"  # the plan that recomputes nothing, the first point of the plan chart
 

@@ -113,6 +113,11 @@ class BNActRecompute(Strategy):
     priority = 25  # after in-place ReLU changed the model, before checkpoint wraps its units
     conflicts = ("compile",)  # the saved-tensor hooks and the torch-function mode are not traced by dynamo
 
+    @classmethod
+    def plan_options(cls, space):
+        """One setting, the defaults: nothing to search."""
+        return [{}]
+
     def __init__(self, **options):
         super().__init__(**options)
         self.fused: RecomputedPairs | None = None

@@ -49,6 +49,12 @@ class Optimizer(Strategy):
     options = {"name": "workload", "impl": "default"}
     priority = 30  # before optimizer_in_backward, which splits whatever optimizer this makes
 
+    @classmethod
+    def plan_options(cls, space):
+        """The workload's optimizer in each implementation, and two algorithms with less state (another update:
+        differs_by_design, so out of an answer unless --allow-different)."""
+        return [{"impl": "foreach"}, {"impl": "for_loop"}, {"impl": "fused"}, {"name": "sgd"}, {"name": "adafactor"}]
+
     def __init__(self, **options):
         super().__init__(**options)
         if self.settings["name"] not in ("workload", *OPTIMIZERS):
