@@ -230,7 +230,7 @@ class Checkpoint(Strategy):
     @classmethod
     def plan_options(cls, space):
         """The default plan, the sqrt(N) plan, and the plan of least recompute that fits the planner's limit."""
-        return [{}, {"segments": "sqrt"}, {"budget": str(space.budget_bytes)}]
+        return [{}, {"segments": "sqrt"}, {"budget": f"{space.budget_bytes // 2**20}MiB"}]
 
     def __init__(self, **options):
         super().__init__(**options)

@@ -32,12 +32,14 @@ from torch._subclasses import fake_tensor
 from bench.analysis import plan_candidates, plan_cost
 from bench.analysis.predict import PredictionMeter, bound_device, cublas_workspace, tracked_step
 from bench.core.errors import Unsupported
+from bench.core.gpus import DEFAULT_MAX_CANDIDATES
 from bench.core.results import PLAN, Status
 from bench.core.schema import Row
 from bench.core.units import format_size
 from bench.measure import cuda_allocator, fake_cuda
 from bench.measure.op_cost import OperatorCostCounter, step_totals
-from bench.run.runner import MEMORY_WARMUP_STEPS, Case, bind_case, forget_traceback
+from bench.run.isolation import RunOptions
+from bench.run.runner import MEMORY_WARMUP_STEPS, Case, bind_case, forget_traceback, run_case
 from strategies.base import PlanSpace
 
 # what fake tensors cannot run but a real step can (an output whose shape depends on the values): the fallback to a
@@ -45,11 +47,11 @@ from strategies.base import PlanSpace
 FAKE_TENSOR_LIMITS = tuple(getattr(fake_tensor, name) for name in (
     "DataDependentOutputException", "DynamicOutputShapeException", "UnsupportedOperatorException",
     "UnsupportedFakeTensorException") if hasattr(fake_tensor, name))
-DEFAULT_HEADROOM = 0.05  # of the limit kept free: fragmentation the allocator model misses, another library's buffers
-DEFAULT_MAX_CANDIDATES = 40
-# a combination is tried when each of its members, alone, saved memory or time against the baseline (below these
-# ratios to it): a saving of time alone (a faster optimizer implementation) still combines with one of memory
-USEFUL_MEMORY_RATIO, USEFUL_TIME_RATIO = 1.0, 0.999
+# a combination is tried when each of its members, alone, saved memory (1%) or time (0.5%) against the baseline: a
+# saving of time alone (a faster optimizer implementation) still combines with one of memory
+USEFUL_MEMORY_RATIO, USEFUL_TIME_RATIO = 0.99, 0.995
+# estimates this close to the fastest count as equally fast: the answer is then the one with fewer techniques
+SAME_TIME_RATIO = 1.005
 
 
 @dataclass
@@ -254,7 +256,8 @@ def pareto(rows: list[Row]) -> list[Row]:
 
 
 def decide(rows: list[Row], allow_different: bool) -> Row | None:
-    """Marks each row eligible, on the front, the answer; returns the answer (None: nothing eligible fits)."""
+    """Marks each row eligible, on the front, the answer; returns the answer (None: nothing eligible fits): the
+    fastest eligible candidate that fits, where one within 0.5% of its estimate with fewer techniques wins."""
     for row in rows:
         row["eligible"] = bool(row["status"] == Status.OK.value and row["est_step_time_ms"] is not None
                                and row["judged_bytes"] is not None
@@ -263,9 +266,12 @@ def decide(rows: list[Row], allow_different: bool) -> Row | None:
     for row in pareto(rows):
         row["on_front"] = True
     fitting = [r for r in rows if r["eligible"] and r["fits"]]
-    answer = min(fitting, key=lambda r: (r["est_step_time_ms"], r["judged_bytes"]), default=None)
-    if answer is not None:
-        answer["answer"] = True
+    if not fitting:
+        return None
+    fastest = min(r["est_step_time_ms"] for r in fitting)
+    answer = min((r for r in fitting if r["est_step_time_ms"] <= fastest * SAME_TIME_RATIO),
+                 key=lambda r: (r["members"], r["est_step_time_ms"], r["judged_bytes"]))
+    answer["answer"] = True
     return answer
 
 
@@ -275,7 +281,8 @@ def smallest(rows: list[Row]) -> Row | None:
 
 
 def contributions(row: Row, rows: list[Row]) -> list[str]:
-    """What each member of `row` contributes: the candidate without it, against `row` (memory and time saved)."""
+    """What each member of `row` contributes: `row` against the candidate without it (memory, time), where that
+    one was predicted."""
     by_spec = {r["strategy"]: r for r in rows if r["status"] == Status.OK.value}
     members = row["strategy"].split("+") if row["members"] else []
     found = []
@@ -286,8 +293,8 @@ def contributions(row: Row, rows: list[Row]) -> list[str]:
             continue
         memory = other["judged_bytes"] - row["judged_bytes"]
         speed = row["est_step_time_ms"] / other["est_step_time_ms"] - 1
-        found.append(f"{member}: {'saves' if memory >= 0 else 'adds'} {format_size(abs(memory))}, "
-                     f"{'+' if speed >= 0 else '-'}{abs(speed) * 100:.0f}% time (against {rest})")
+        found.append(f"{member} {'-' if memory >= 0 else '+'}{format_size(abs(memory))} "
+                     f"{'+' if speed >= 0 else '-'}{abs(speed) * 100:.0f}% time")
     return found
 
 
@@ -344,3 +351,36 @@ def search_where_cuda_runs(request: PlanRequest, progress: Callable[[str], None]
         return [PLAN.row(values) for values in answer["rows"]], ""
     why = answer.get("error") or f"its Python exited with code {done.returncode}"
     return search(request, progress), f"the fake-CUDA environment failed ({why[:200]}): predicted here"
+
+
+# --- confirmation by the harness --------------------------------------------------------------------------------
+
+CONFIRM_WARMUP_STEPS, CONFIRM_STEPS = 1, 3  # the --quick figures: a confirmation is a check, not a benchmark
+
+
+def confirm(request: PlanRequest, row: Row, env: dict | None = None, threads: int | None = None) -> Row:
+    """Measures `row`'s candidate with the harness on the planned device (`bench.run.runner.measure_case`: verified
+    against the baseline, timed, its peak measured) and fills the row's measured columns; returns the harness's
+    row (its status says when it could not run)."""
+    case = replace(request.case(row["strategy"]), warmup=CONFIRM_WARMUP_STEPS, steps=CONFIRM_STEPS)
+    measured = run_case(case, env, RunOptions(threads=threads, ranks=request.ranks).resolved())
+    if measured["status"] == Status.OK.value:
+        peak = int(measured["peak_mem_bytes"])
+        row.update(measured_peak_bytes=peak, measured_step_time_ms=measured["step_time_ms_median"],
+                   matches_baseline=measured["matches_baseline"])
+        if row["predicted_peak_bytes"]:
+            row["peak_error_pct"] = (row["predicted_peak_bytes"] - peak) / peak * 100
+    else:
+        row["message"] = "; ".join(x for x in (row["message"], f"confirmation: {measured['status']}: "
+                                               f"{measured['message']}") if x)
+    return measured
+
+
+def measured_judged_bytes(request: PlanRequest, row: Row, measured: Row) -> int | None:
+    """What the limit is compared with, as measured: the peak on the CPU; reserved memory plus the CUDA context on
+    CUDA."""
+    if measured["status"] != Status.OK.value:
+        return None
+    if request.device == "cuda":
+        return int(measured["peak_reserved_bytes"]) + request.context_bytes
+    return int(measured["peak_mem_bytes"])

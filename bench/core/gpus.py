@@ -21,6 +21,10 @@ GB_PER_S = 1e9
 # MB before CUDA's lazy module loading (pytorch/pytorch#34323); about 300-500 MiB with lazy loading (CUDA >= 11.7,
 # the default in PyTorch's CUDA builds since 2.0). The planner counts the upper figure.
 CUDA_CONTEXT_BYTES = 500 * 2**20
+# `plan --headroom`: the fraction of the limit a plan leaves free (fragmentation the allocator model misses, another
+# library's buffers; Lightning's users ask for such a margin, Lightning#21154), and how many candidates it predicts
+DEFAULT_HEADROOM = 0.05
+DEFAULT_MAX_CANDIDATES = 40
 
 
 @dataclass(frozen=True)
@@ -80,11 +84,12 @@ def _key(name: str) -> str:
 
 
 def find_gpu(name: str) -> GPU:
-    """The GPU named `name` (case, spaces and dashes ignored: `rtx4090`, `a100-80gb`); a UsageError naming the
-    choices otherwise."""
-    for gpu in GPUS.values():
-        if _key(gpu.name) == _key(name):
-            return gpu
+    """The GPU named `name` (case, spaces and dashes ignored: `rtx4090`, `a100-80gb`), or the one it begins (`H100`);
+    a UsageError naming the choices otherwise."""
+    exact = [gpu for gpu in GPUS.values() if _key(gpu.name) == _key(name)]
+    prefixed = [gpu for gpu in GPUS.values() if _key(gpu.name).startswith(_key(name))] if _key(name) else []
+    if exact or len(prefixed) == 1:  # `H100` is the one H100; `A100` is two
+        return (exact or prefixed)[0]
     raise choices_error("GPU", name, list(GPUS))
 
 
