@@ -32,7 +32,7 @@ from torch._subclasses import fake_tensor
 from bench.analysis import plan_candidates, plan_cost
 from bench.analysis.predict import PredictionMeter, bound_device, cublas_workspace, tracked_step
 from bench.core.errors import Unsupported
-from bench.core.gpus import DEFAULT_MAX_CANDIDATES
+from bench.core.gpus import DEFAULT_MAX_CANDIDATES, DEFAULT_MAX_SEARCH_S
 from bench.core.results import PLAN, Status
 from bench.core.schema import Row
 from bench.core.units import format_size
@@ -70,6 +70,7 @@ class PlanRequest:
     capability: tuple[int, int] | None = None
     allow_different: bool = False
     max_candidates: int = DEFAULT_MAX_CANDIDATES
+    max_search_s: float = DEFAULT_MAX_SEARCH_S  # no candidate starts after this many seconds of search
 
     def case(self, spec: str) -> Case:
         return Case(self.workload, spec, "train", self.batch_size, self.device, data=self.data)
@@ -189,7 +190,8 @@ def _ratio(row: Row, base: Row, column: str) -> float:
 def search(request: PlanRequest, progress: Callable[[str], None] = lambda text: None) -> list[Row]:
     """Every candidate's row: the baseline, each declared setting alone, then combinations of two or three of the
     settings that saved memory or time alone, those predicted (from their members' ratios) to fit and be fast
-    first, until `max_candidates` have run. Declared settings the case refuses are rows too (no step run)."""
+    first, until `max_candidates` have run or `max_search_s` has passed (the baseline always runs). Declared
+    settings the case refuses are rows too (no step run)."""
     figures = plan_cost.from_json(request.figures)
     context = _bind(request.case("baseline"), request.ranks)[1]
     # a budget plan of checkpointing gets the limit less the context: its plan is judged on predicted peaks
@@ -201,7 +203,8 @@ def search(request: PlanRequest, progress: Callable[[str], None] = lambda text: 
     evaluated = [0]
 
     def run(spec: str, members: int) -> Row | None:
-        if spec in rows or evaluated[0] >= request.max_candidates:
+        late = evaluated[0] > 0 and time.monotonic() - started > request.max_search_s
+        if spec in rows or evaluated[0] >= request.max_candidates or late:
             return rows.get(spec)
         evaluated[0] += 1
         progress(f"[{evaluated[0]}/{request.max_candidates} at most, {time.monotonic() - started:.0f} s] {spec} ...")

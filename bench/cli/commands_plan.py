@@ -55,7 +55,7 @@ def _request(args) -> tuple[plan.PlanRequest, str]:
         how += "; exact live tensor bytes judged against it"
     request = plan.PlanRequest(workload, data, batch, device, gpu.name if gpu else "this CPU", limit, context,
                                plan_cost.to_json(figures), args.ranks, gpu.capability if gpu else None,
-                               args.allow_different, args.max_candidates)
+                               args.allow_different, args.max_candidates, args.max_search_s)
     return request, how
 
 
@@ -111,6 +111,9 @@ def _summary(request: plan.PlanRequest, how: str, rows: list, searched_s: float,
              f"  {len(rows)} candidates in {searched_s:.0f} s ({', '.join(f'{n} {s}' for s, n in counts.items())}); "
              f"memory predicted on the {'/'.join(engines)} engine",
              f"  time: {estimator}"]
+    if searched_s > request.max_search_s:
+        lines.append(f"  the search stopped at --max-search-s {request.max_search_s:g}: candidates not yet tried were "
+                     f"left out (--max-search-s or --max-candidates for more)")
     if note:
         lines.append(f"  note: {note}")
     return "\n".join(lines)

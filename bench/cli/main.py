@@ -15,7 +15,8 @@ from typing import Callable, Sequence
 
 from bench.cli import interrupt
 from bench.cli.arguments import (DEFAULT_OUT, WORKLOAD_HELP, add_case_options, add_memory_limit_option,
-                                 add_table_options, add_threads_option, fraction, non_negative_int, positive_int)
+                                 add_table_options, add_threads_option, fraction, non_negative_int, positive_float,
+                                 positive_int)
 from bench.core import gpus
 from bench.core.errors import UsageError, shortened
 
@@ -163,6 +164,9 @@ def _add_plan_parser(sub) -> None:
                         "batches) be the answer (default: marked and kept out)")
     p.add_argument("--max-candidates", type=positive_int, default=gpus.DEFAULT_MAX_CANDIDATES,
                    help=f"candidates predicted at most (default {gpus.DEFAULT_MAX_CANDIDATES})")
+    p.add_argument("--max-search-s", type=positive_float, default=gpus.DEFAULT_MAX_SEARCH_S, metavar="SECONDS",
+                   help=f"no candidate starts after this many seconds of search (default "
+                        f"{gpus.DEFAULT_MAX_SEARCH_S:g})")
     p.add_argument("--confirm", action="store_true", help="measure the answer with the harness (the planned device "
                                                           "must be this machine's: the CPU, or a GPU here)")
     p.add_argument("--confirm-front", action="store_true", help="measure every candidate on the Pareto front")

@@ -22,9 +22,11 @@ GB_PER_S = 1e9
 # the default in PyTorch's CUDA builds since 2.0). The planner counts the upper figure.
 CUDA_CONTEXT_BYTES = 500 * 2**20
 # `plan --headroom`: the fraction of the limit a plan leaves free (fragmentation the allocator model misses, another
-# library's buffers; Lightning's users ask for such a margin, Lightning#21154), and how many candidates it predicts
+# library's buffers; Lightning's users ask for such a margin, Lightning#21154), how many candidates it predicts
+# and for how long
 DEFAULT_HEADROOM = 0.05
 DEFAULT_MAX_CANDIDATES = 40
+DEFAULT_MAX_SEARCH_S = 50.0  # no candidate starts after this: an answer in about a minute on any machine
 
 
 @dataclass(frozen=True)
