@@ -120,8 +120,8 @@ def _summary(request: plan.PlanRequest, how: str, rows: list, searched_s: float,
 
 
 def _front_table(rows: list) -> str:
-    front = [r for r in rows if r["on_front"]]
-    header = f"  {'strategy':<44} {'memory MiB':>10} {'est. step ms':>12}  fits"
+    front = sorted((r for r in rows if r["on_front"]), key=lambda r: r["est_step_time_ms"])
+    header = f"  {'strategy':<44} {'judged MiB':>10} {'est. step ms':>12}  fits"
     lines = ["\nPareto front (candidates that may be the answer: none is both smaller and faster):", header,
              "  " + "-" * (len(header) - 2)]
     for r in front:
@@ -144,12 +144,14 @@ def _answer_lines(request: plan.PlanRequest, rows: list, answer) -> str:
                     f"baseline {_mib(base['judged_bytes'])} MiB)")
     lines = [f"\nanswer: {answer['strategy']}: {_mib(answer['judged_bytes'])} MiB predicted of "
              f"{_mib(request.limit_bytes)} MiB, estimated {_ms(answer['est_step_time_ms'])} ms per step{relative}"]
-    front = [r for r in rows if r["on_front"] and r["members"]]
+    front = sorted((r for r in rows if r["on_front"] and r["members"]), key=lambda r: r["est_step_time_ms"])
     explained = [(r["strategy"], plan.contributions(r, rows)) for r in front]
     if any(parts for _, parts in explained):
         lines.append("what each technique on the front contributes (against the candidate without it):")
         for spec, parts in explained:
-            if parts:
+            if len(parts) == 1 and "+" not in spec:
+                lines.append(f"  {spec}: {parts[0].removeprefix(spec).strip()} against the baseline")
+            elif parts:
                 lines.append(f"  {spec}: {'; '.join(parts)}")
     lines.append(f"measure it: {plan.compare_command(request, answer['strategy'])}")
     return "\n".join(lines)

@@ -26,7 +26,7 @@ CUDA_CONTEXT_BYTES = 500 * 2**20
 # and for how long
 DEFAULT_HEADROOM = 0.05
 DEFAULT_MAX_CANDIDATES = 40
-DEFAULT_MAX_SEARCH_S = 50.0  # no candidate starts after this: an answer in about a minute on any machine
+DEFAULT_MAX_SEARCH_S = 40.0  # no candidate starts after this: an answer within about a minute on any machine
 
 
 @dataclass(frozen=True)
