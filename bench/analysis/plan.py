@@ -187,6 +187,16 @@ def _ratio(row: Row, base: Row, column: str) -> float:
     return row[column] / base[column]
 
 
+def _breadth_first(settings: list) -> list:
+    """The settings ordered by their rank within their strategy's declaration (stable otherwise)."""
+    seen: dict[str, int] = {}
+    ranks = []
+    for setting in settings:
+        ranks.append(seen.get(setting.strategy, 0))
+        seen[setting.strategy] = ranks[-1] + 1
+    return [setting for _, setting in sorted(zip(ranks, settings), key=lambda pair: pair[0])]
+
+
 def search(request: PlanRequest, progress: Callable[[str], None] = lambda text: None) -> list[Row]:
     """Every candidate's row: the baseline, each declared setting alone, then combinations of two or three of the
     settings that saved memory or time alone, those predicted (from their members' ratios) to fit and be fast
@@ -212,7 +222,9 @@ def search(request: PlanRequest, progress: Callable[[str], None] = lambda text: 
         return rows[spec]
 
     base = run("baseline", 0)
-    singles = {s.spec: run(s.spec, 1) for s in accepted}
+    # breadth first: each strategy's first declared setting, then each one's second, ...: a search cut short by
+    # its time limit has still tried every technique once
+    singles = {s.spec: run(s.spec, 1) for s in _breadth_first(accepted)}
     for item in refused:
         row = _empty_row(request, item.spec, 1)
         row.update(status=Status.UNSUPPORTED.value, message=item.reason)

@@ -68,9 +68,9 @@ def cmd_plan(args) -> int:
     request, how = _request(args)
     out = check_output_dir(args.out, "--out")
     interrupt.set_note("interrupted: nothing was written (plan writes its table when the search is done)")
-    started = time.monotonic()
+    started, cpu_started = time.monotonic(), time.process_time()
     rows, note = plan.search_where_cuda_runs(request, status)
-    searched_s = time.monotonic() - started
+    searched_s, cpu_s = time.monotonic() - started, time.process_time() - cpu_started
     answer = plan.decide(rows, request.allow_different)
     run_id = new_run_id(request.device)
     csv_path, chart_path = out / f"plan-{run_id}.csv", out / f"plan-{run_id}.png"
@@ -78,7 +78,7 @@ def cmd_plan(args) -> int:
         write_table(PLAN, rows, csv_path)
         print(_nothing_fits(request, rows, csv_path))
         return 1
-    print(_summary(request, how, rows, searched_s, note))
+    print(_summary(request, how, rows, searched_s, cpu_s, note))
     print(_front_table(rows))
     print(_answer_lines(request, rows, answer))
     if args.confirm or args.confirm_front:
@@ -99,7 +99,7 @@ def _ms(value) -> str:
     return "-" if value is None else f"{value:,.0f}"
 
 
-def _summary(request: plan.PlanRequest, how: str, rows: list, searched_s: float, note: str) -> str:
+def _summary(request: plan.PlanRequest, how: str, rows: list, searched_s: float, cpu_s: float, note: str) -> str:
     counts: dict[str, int] = {}
     for row in rows:
         counts[row["status"]] = counts.get(row["status"], 0) + 1
@@ -108,8 +108,9 @@ def _summary(request: plan.PlanRequest, how: str, rows: list, searched_s: float,
     lines = [f"plan for {request.workload}, batch {request.batch_size}, training, on {request.target}"
              + (f", {request.ranks} ranks" if request.ranks > 1 else ""),
              f"  limit {format_size(request.limit_bytes)} ({request.limit_bytes:,} B): {how}",
-             f"  {len(rows)} candidates in {searched_s:.0f} s ({', '.join(f'{n} {s}' for s, n in counts.items())}); "
-             f"memory predicted on the {'/'.join(engines)} engine",
+             f"  {len(rows)} candidates in {searched_s:.0f} s ({cpu_s:.0f} s of this process's CPU time; "
+             f"{', '.join(f'{n} {s}' for s, n in counts.items())}); memory predicted on the {'/'.join(engines)} "
+             f"engine",
              f"  time: {estimator}"]
     if searched_s > request.max_search_s:
         lines.append(f"  the search stopped at --max-search-s {request.max_search_s:g}: candidates not yet tried were "
@@ -194,9 +195,10 @@ def _confirm(request: plan.PlanRequest, rows: list, answer, front: bool, threads
               f"{'measured ms':>11}  matches")
     lines += [header, "  " + "-" * (len(header) - 2)]
     for r in measured:
-        lines.append(f"  {r['strategy']:<44} {_mib(r['predicted_peak_bytes']):>13} {_mib(r['measured_peak_bytes']):>12} "
-                     f"{r['peak_error_pct']:>8.2f} {_ms(r['est_step_time_ms']):>9} {_ms(r['measured_step_time_ms']):>11}"
-                     f"  {r['matches_baseline']}")
+        error = "-" if r["peak_error_pct"] is None else f"{r['peak_error_pct']:.2f}"
+        lines.append(f"  {r['strategy']:<44} {_mib(r['predicted_peak_bytes']):>13} "
+                     f"{_mib(r['measured_peak_bytes']):>12} {error:>8} {_ms(r['est_step_time_ms']):>9} "
+                     f"{_ms(r['measured_step_time_ms']):>11}  {r['matches_baseline']}")
     timed = [r for r in measured if r["measured_step_time_ms"] is not None]
     rho = plan.spearman([r["est_step_time_ms"] for r in timed], [r["measured_step_time_ms"] for r in timed])
     worst = max((abs(r["peak_error_pct"]) for r in measured if r["peak_error_pct"] is not None), default=None)
