@@ -152,8 +152,9 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--batch-size", default=None, help="one batch size (default: the workload's own, see `list`)")
     p.add_argument("--budget", default=None, help="memory limit: 4GiB, 500MiB, 1e9 ... (default: the --gpu's memory)")
     p.add_argument("--gpu", default=None, help="plan for this GPU of the table (`--list-gpus`): its memory is the "
-                                               "limit, its figures time the step; implies --device cuda")
-    p.add_argument("--list-gpus", action="store_true", help="print the GPU table and exit")
+                                               "limit, its figures time the step; implies --device cuda (default: "
+                                               "none, give --budget)")
+    p.add_argument("--list-gpus", action="store_true", help="print the GPU table and exit (default off)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda with --gpu, else cpu)")
     p.add_argument("--headroom", type=fraction, default=gpus.DEFAULT_HEADROOM,
                    help=f"fraction of the limit kept free (default {gpus.DEFAULT_HEADROOM:g})")
@@ -161,16 +162,18 @@ def _add_plan_parser(sub) -> None:
                    help="plan for N ranks: the sharded strategies become candidates (default 1)")
     p.add_argument("--allow-different", action="store_true",
                    help="let candidates that change what is trained (another optimizer, BatchNorm over micro-"
-                        "batches) be the answer (default: marked and kept out)")
+                        "batches) be the answer (default off: marked and kept out)")
     p.add_argument("--max-candidates", type=positive_int, default=gpus.DEFAULT_MAX_CANDIDATES,
                    help=f"candidates predicted at most (default {gpus.DEFAULT_MAX_CANDIDATES})")
     p.add_argument("--max-search-s", type=positive_float, default=gpus.DEFAULT_MAX_SEARCH_S, metavar="SECONDS",
                    help=f"no candidate starts after this many seconds of search (default "
                         f"{gpus.DEFAULT_MAX_SEARCH_S:g})")
-    p.add_argument("--confirm", action="store_true", help="measure the answer with the harness (the planned device "
-                                                          "must be this machine's: the CPU, or a GPU here)")
-    p.add_argument("--confirm-front", action="store_true", help="measure every candidate on the Pareto front")
-    p.add_argument("--out", default="results", help="folder for the CSV and the chart (default results/)")
+    p.add_argument("--confirm", action="store_true",
+                   help="measure the answer with the harness (the planned device must be this machine's: the CPU, or "
+                        "a GPU here; default off)")
+    p.add_argument("--confirm-front", action="store_true", help="measure the answer and every candidate on the "
+                                                                "Pareto front (default off)")
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"folder for the CSV and the chart (default {DEFAULT_OUT}/)")
     add_threads_option(p)
 
 
