@@ -28,7 +28,7 @@ FIGURES = plan_cost.cpu_figures(CpuSpeed({(kind, dtype): 1e10 for kind in (MATMU
 
 def _request(limit_bytes: int = 2**30, **changes) -> plan.PlanRequest:
     request = plan.PlanRequest(WORKLOAD, "synthetic", BATCH, "cpu", "test CPU", limit_bytes, 0,
-                               plan_cost.to_json(FIGURES), max_candidates=24)
+                               plan_cost.to_json(FIGURES), max_candidates=24, max_search_s=600)
     return dataclasses.replace(request, **changes)
 
 
