@@ -308,8 +308,8 @@ def contributions(row: Row, rows: list[Row]) -> list[str]:
             continue
         memory = other["judged_bytes"] - row["judged_bytes"]
         speed = row["est_step_time_ms"] / other["est_step_time_ms"] - 1
-        found.append(f"{member} {'-' if memory >= 0 else '+'}{format_size(abs(memory))} "
-                     f"{'+' if speed >= 0 else '-'}{abs(speed) * 100:.0f}% time")
+        saved = "same memory" if memory == 0 else f"{'-' if memory > 0 else '+'}{format_size(abs(memory))}"
+        found.append(f"{member} {saved} {'+' if speed >= 0 else '-'}{abs(speed) * 100:.0f}% time")
     return found
 
 
