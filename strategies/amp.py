@@ -38,6 +38,12 @@ class Amp(Strategy):
     tolerance = Tolerance(loss_rtol=1e-2, grad_rtol=0.75, output_atol=1e-3, output_rtol=0.05, step_rtol=float("inf"))
     priority = 40  # inside no_grad/outer contexts; applies to whatever model the transforms built
 
+    @classmethod
+    def plan_options(cls, space):
+        """On CUDA both 16-bit types (a GPU without bfloat16 is refused by the planner's device figures); on the
+        CPU bfloat16, its autocast type."""
+        return [{"dtype": "float16"}, {"dtype": "bfloat16"}] if space.context.device == "cuda" else [{}]
+
     def __init__(self, **options):
         super().__init__(**options)
         if self.settings["dtype"] not in ("auto", *DTYPES):

@@ -21,6 +21,10 @@ A strategy is applied only to the stage it concerns (the pyperf hook pattern):
                    adapted Linear as `base_layer`), so that verification compares it with the right one;
 - `columns()`      figures it measured itself (compilation time, host memory), written into the row's columns;
                    it declares them in `row_columns` (columns of `bench.core.results.STRATEGY_COLUMNS`).
+- `plan_options()` for `python -m bench plan`: the option settings worth trying in a search for the fastest
+                   combination under a memory limit (`PlanSpace` says which case and limit); or `plan_excluded`,
+                   why the planner never tries it. Which members compose is what `Composite` accepts (`conflicts`,
+                   one owner per replaced hook) and what each member's `check()` accepts in the case.
 
 What the report needs to know of a strategy it reads from the row, where the strategy put it: `pitfall = True`
 (a habit the articles warn about, measured to show what it costs; listings, tables and the report put those
@@ -90,6 +94,14 @@ class StepContext:
     ranks: int = 1  # processes of torch.distributed the run asks for (--ranks); sharding strategies need 2 or more
 
 
+@dataclass(frozen=True)
+class PlanSpace:
+    """What a strategy's `plan_options()` may look at: the case the plan is for and the memory limit it must fit."""
+
+    context: StepContext
+    budget_bytes: int  # the memory the step may use (after the CUDA context and the headroom)
+
+
 # One micro-batch of a step: (inputs, target, the factor its loss is multiplied by before backward)
 MicroBatch = tuple[Any, torch.Tensor, float]
 
@@ -135,11 +147,20 @@ class Strategy:
     # a checkpointing plan on its own (`bench.core.results.RECOMPUTE_PLAN_KINDS`): "units" recomputes whole
     # checkpoint units, "operators" the cheap operators of each unit, "none" nothing; None: not a plan
     recompute_plan_kind: str | None = None
+    # why `python -m bench plan` never tries this strategy (None: it is a candidate, with its `plan_options()`)
+    plan_excluded: str | None = None
 
     def __init__(self, **options):
         check_option_names("strategy", self.name, options, self.options)
         self.settings = {**self.options, **options}
         self.context = StepContext(phase="train", device="cpu")
+
+    @classmethod
+    def plan_options(cls, space: PlanSpace) -> list[dict[str, Any]]:
+        """The option settings `python -m bench plan` tries for this strategy in `space` (each a dict of options;
+        `{}` is the defaults). A strategy with options worth searching overrides it; an empty list tries none.
+        The planner still drops a setting that `check()` refuses in the case."""
+        return [{}]
 
     def bind(self, context: StepContext) -> None:
         """Called once per case, before any other hook."""

@@ -111,7 +111,14 @@ class BNActRecompute(Strategy):
     description = "every BatchNorm->activation pair recomputed in backward from BatchNorm's input (efficient DenseNet)"
     phases = ("train",)
     priority = 25  # after in-place ReLU changed the model, before checkpoint wraps its units
-    conflicts = ("compile",)  # the saved-tensor hooks and the torch-function mode are not traced by dynamo
+    # the saved-tensor hooks and the torch-function mode are not traced by dynamo; under checkpointing the recompute
+    # finds the pair's saved tensors changed (CheckpointError: "Recomputed values ... have different metadata")
+    conflicts = ("compile", "checkpoint", "selective_checkpoint")
+
+    @classmethod
+    def plan_options(cls, space):
+        """One setting, the defaults: nothing to search."""
+        return [{}]
 
     def __init__(self, **options):
         super().__init__(**options)

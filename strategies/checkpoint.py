@@ -227,6 +227,11 @@ class Checkpoint(Strategy):
     auto_segments = 6
     priority = 30  # wraps the model after in-place ReLU changed it
 
+    @classmethod
+    def plan_options(cls, space):
+        """The default plan, the sqrt(N) plan, and the plan of least recompute that fits the planner's limit."""
+        return [{}, {"segments": "sqrt"}, {"budget": f"{space.budget_bytes // 2**20}MiB"}]
+
     def __init__(self, **options):
         super().__init__(**options)
         segments = str(self.settings["segments"])

@@ -97,6 +97,11 @@ class ChunkedLoss(Strategy):
                    "(the whole logits never exist)")
     phases = ("train",)
     options = {"chunks": 8}
+
+    @classmethod
+    def plan_options(cls, space):
+        """The default chunking; check() and the model refuse a workload without a token head."""
+        return [{}]
     # Loss and gradients within float32 rounding (EXACT's loss_rtol and grad_rtol; measured ~1e-7). The weights
     # after Adam's first step are not: Adam divides each gradient by its magnitude (plus eps 1e-8), and a gradient
     # that is zero in exact arithmetic (the attention's key bias: softmax ignores a shift shared by every key) is

@@ -19,6 +19,8 @@ class CudnnBenchmark(Strategy):
     description = "torch.backends.cudnn.benchmark = True (autotuned convolution algorithms)"
     devices = ("cuda",)
     priority = 10
+    plan_excluded = ("chooses cuDNN algorithms by timing them on the GPU: neither their workspaces nor their speed can "
+                     "be predicted")
 
     @contextlib.contextmanager
     def session(self):

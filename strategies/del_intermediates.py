@@ -20,6 +20,11 @@ class DelIntermediates(Strategy):
     description = "output/loss released at the end of each step, not in the next forward; zero_grad(set_to_none=True)"
     priority = 60
 
+    @classmethod
+    def plan_options(cls, space):
+        """One setting, the defaults: nothing to search."""
+        return [{}]
+
     def zero_grad(self, optimizer):
         optimizer.zero_grad(set_to_none=True)
 

@@ -40,6 +40,12 @@ class GradAccumulation(Strategy):
     options = {"micro_batches": 2}
     priority = 55
 
+    @classmethod
+    def plan_options(cls, space):
+        """2 and 4 micro-batches of the same batch (the same effective batch); check() drops a count that does not
+        divide it."""
+        return [{"micro_batches": 2}, {"micro_batches": 4}]
+
     def __init__(self, **options):
         super().__init__(**options)
         if self.settings["micro_batches"] < 1:

@@ -124,6 +124,11 @@ class InPlaceABN(Strategy):
     phases = ("train",)
     priority = 25  # after in-place ReLU changed the model, before checkpoint wraps its units
     conflicts = ("compile", "bn_act_recompute")
+
+    @classmethod
+    def plan_options(cls, space):
+        """One setting, the defaults: nothing to search."""
+        return [{}]
     tolerance = Tolerance(loss_rtol=1e-5, grad_rtol=1e-3, step_rtol=1e-3)  # inverting rounds differently
 
     def __init__(self, **options):

@@ -43,6 +43,11 @@ class InplaceReLU(Strategy):
     description = "every ReLU-like activation computed in place (inplace=True), no separate output buffer"
     priority = 20  # transforms the plain model before checkpoint wraps it
 
+    @classmethod
+    def plan_options(cls, space):
+        """One setting, the defaults: nothing to search."""
+        return [{}]
+
     def prepare_model(self, model, units):
         found, switched = make_relus_inplace(model)
         owner = self.model_owner()

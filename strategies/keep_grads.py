@@ -14,6 +14,7 @@ class KeepGrads(Strategy):
     name = "keep_grads"
     description = "zero_grad(set_to_none=False): gradient buffers zeroed, kept alive between steps"
     phases = ("train",)
+    plan_excluded = "keeps the gradient buffers alive between steps: more memory than the baseline, never less"
 
     def zero_grad(self, optimizer):
         optimizer.zero_grad(set_to_none=False)

@@ -14,5 +14,10 @@ class NoGradEval(Strategy):
     phases = ("eval",)
     priority = 35
 
+    @classmethod
+    def plan_options(cls, space):
+        """One setting, the defaults: nothing to search."""
+        return [{}]
+
     def forward(self):
         return torch.no_grad()

@@ -70,6 +70,13 @@ class Optimizer(Strategy):
     options = {"name": "workload", "impl": "default"}
     priority = 30  # before optimizer_in_backward, which splits whatever optimizer this makes
 
+    @classmethod
+    def plan_options(cls, space):
+        """The workload's optimizer in each implementation, and plain SGD, with less state (another update:
+        differs_by_design, so out of an answer unless --allow-different). Not Adafactor: fake tensors cannot run
+        its step, so each prediction would cost a real one."""
+        return [{"impl": "foreach"}, {"impl": "for_loop"}, {"impl": "fused"}, {"name": "sgd"}]
+
     def __init__(self, **options):
         super().__init__(**options)
         if self.settings["name"] not in ("workload", *OPTIMIZERS, *LOW_BIT_OPTIMIZERS):

@@ -73,5 +73,10 @@ class OptimizerInBackward(Strategy):
     priority = 60
     conflicts = ("grad_accumulation", "amp", "keep_grads")
 
+    @classmethod
+    def plan_options(cls, space):
+        """One setting, the defaults: nothing to search."""
+        return [{}]
+
     def wrap_optimizer(self, optimizer, model):
         return StepsInBackward(optimizer)

@@ -31,6 +31,7 @@ class PinnedLoader(Strategy):
     description = "batch from a host DataLoader each step: pin_memory=True, non_blocking=True copies"
     devices = ("cuda",)
     options = {"pin_memory": True}
+    plan_excluded = "changes where the batch comes from on the host, not the device's peak"
 
     def __init__(self, **options):
         super().__init__(**options)

@@ -31,6 +31,11 @@ class Sharded(Strategy):
     phases = ("train",)
     distributed = True
 
+    @classmethod
+    def plan_options(cls, space):
+        """Tried only where the plan is for several ranks (--ranks 2 or more)."""
+        return [{}] if space.context.ranks > 1 else []
+
     def check(self, context):
         super().check(context)
         if context.ranks < 2:

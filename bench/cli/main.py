@@ -2,8 +2,8 @@
 interrupt into its one line and exit code.
 
 The CLI parses, checks every value before anything runs (bench.run.preflight), dispatches and prints; the commands
-live in bench.cli.commands_run (run, compare, list, env), commands_report and commands_analysis (explain, predict,
-fit).
+live in bench.cli.commands_run (run, compare, list, env), commands_report, commands_analysis (explain, predict,
+fit) and commands_plan (plan).
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from typing import Callable, Sequence
 
 from bench.cli import interrupt
 from bench.cli.arguments import (DEFAULT_OUT, WORKLOAD_HELP, add_case_options, add_memory_limit_option,
-                                 add_snapshot_option, add_table_options, add_threads_option, non_negative_int,
-                                 positive_int)
+                                 add_snapshot_option, add_table_options, add_threads_option, fraction,
+                                 non_negative_int, positive_float, positive_int)
+from bench.core import gpus
 from bench.core.errors import UsageError, shortened
 
 DESCRIPTION = ("Measures what each PyTorch memory-saving technique saves and costs (peak memory, step time, whether "
@@ -33,6 +34,8 @@ COMMAND_HELP = {
     "explain": "break one case's peak memory down (weights, gradients, optimizer, activations, ...) module by module",
     "predict": "estimate the peak memory of each strategy (CUDA's by default) without running on that device",
     "fit": "find the largest batch size whose peak stays under a memory budget, per strategy, confirmed by a run",
+    "plan": "find the fastest combination of techniques whose step fits a memory limit (--budget or --gpu), "
+            "predicted, with --confirm measured",
 }
 
 # Each command's function as (module, name), imported only when that command runs: `report` (drawn on any machine
@@ -46,6 +49,7 @@ COMMANDS = {
     "explain": ("bench.cli.commands_analysis", "cmd_explain"),
     "predict": ("bench.cli.commands_analysis", "cmd_predict"),
     "fit": ("bench.cli.commands_analysis", "cmd_fit"),
+    "plan": ("bench.cli.commands_plan", "cmd_plan"),
 }
 
 
@@ -148,6 +152,39 @@ def _add_analysis_parsers(sub) -> None:
     add_threads_option(p)
 
 
+def _add_plan_parser(sub) -> None:
+    """plan."""
+    p = _add_command(sub, "plan")
+    p.add_argument("--workload", default=None, help=WORKLOAD_HELP)
+    p.add_argument("--data", default=None, help="a data source of the workload (default synthetic where it has one)")
+    p.add_argument("--batch-size", default=None, help="one batch size (default: the workload's own, see `list`)")
+    p.add_argument("--budget", default=None, help="memory limit: 4GiB, 500MiB, 1e9 ... (default: the --gpu's memory)")
+    p.add_argument("--gpu", default=None, help="plan for this GPU of the table (`--list-gpus`): its memory is the "
+                                               "limit, its figures time the step; implies --device cuda (default: "
+                                               "none, give --budget)")
+    p.add_argument("--list-gpus", action="store_true", help="print the GPU table and exit (default off)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda with --gpu, else cpu)")
+    p.add_argument("--headroom", type=fraction, default=gpus.DEFAULT_HEADROOM,
+                   help=f"fraction of the limit kept free (default {gpus.DEFAULT_HEADROOM:g})")
+    p.add_argument("--ranks", type=positive_int, default=1,
+                   help="plan for N ranks: the sharded strategies become candidates (default 1)")
+    p.add_argument("--allow-different", action="store_true",
+                   help="let candidates that change what is trained (another optimizer, BatchNorm over micro-"
+                        "batches) be the answer (default off: marked and kept out)")
+    p.add_argument("--max-candidates", type=positive_int, default=gpus.DEFAULT_MAX_CANDIDATES,
+                   help=f"candidates predicted at most (default {gpus.DEFAULT_MAX_CANDIDATES})")
+    p.add_argument("--max-search-s", type=positive_float, default=gpus.DEFAULT_MAX_SEARCH_S, metavar="SECONDS",
+                   help=f"no candidate starts after this many seconds of search (default "
+                        f"{gpus.DEFAULT_MAX_SEARCH_S:g})")
+    p.add_argument("--confirm", action="store_true",
+                   help="measure the answer with the harness (the planned device must be this machine's: the CPU, or "
+                        "a GPU here; default off)")
+    p.add_argument("--confirm-front", action="store_true", help="measure the answer and every candidate on the "
+                                                                "Pareto front (default off)")
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"folder for the CSV and the chart (default {DEFAULT_OUT}/)")
+    add_threads_option(p)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser of `python -m bench` and its commands; `args.command` names the command given."""
     parser = _Parser(prog="python -m bench", description=DESCRIPTION)
@@ -155,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     _add_run_parsers(sub)
     _add_analysis_parsers(sub)
+    _add_plan_parser(sub)
     return parser
 
 

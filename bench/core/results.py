@@ -148,6 +148,25 @@ FIT = Table("fit", FIT_SCHEMA_VERSION, [
     *columns("float", "time_per_sample_ms"), *columns("text", "note"), *columns("int", "runs"),
 ])
 
+# `python -m bench plan`: one row per candidate combination of techniques (bench.analysis.plan)
+# 1: the first plan files
+PLAN_SCHEMA_VERSION = 1
+PLAN = Table("plan", PLAN_SCHEMA_VERSION, [
+    *columns("int", "schema_version"),
+    *columns("text", "workload"), *columns("int", "batch_size ranks"), *columns("text", "device target strategy"),
+    *columns("int", "members"), *columns("text", "status message engine"),
+    # memory: predicted, what the limit is compared with (reserved + CUDA context on CUDA, live bytes on the CPU)
+    *columns("int", "predicted_peak_bytes predicted_reserved_bytes judged_bytes limit_bytes"), *columns("bool", "fits"),
+    # time: the step's operators and the estimate from them (bench.analysis.plan_cost)
+    *columns("int", "step_flops step_moved_bytes host_transfer_bytes step_ops"),
+    *columns("float", "est_step_time_ms"), *columns("text", "time_estimator"),
+    # what is trained: why the candidate cannot give the baseline's result, and whether it may be the answer
+    *columns("text", "differs_by_design"), *columns("bool", "eligible on_front answer"),
+    # --confirm / --confirm-front: the harness's measurement (bench.run.runner) of the candidate
+    *columns("int", "measured_peak_bytes"), *columns("float", "measured_step_time_ms peak_error_pct"),
+    *columns("bool", "matches_baseline"),
+])
+
 # The `cuda` tests' predicted-against-measured table (bench.analysis.prediction_check, results/cuda_prediction/).
 # 5: its files carried the results table's version (5) with these columns until it had its own; it moves on its own
 # from here. `schema_version` stays last, where those files had it.
@@ -162,7 +181,7 @@ PREDICTION_CHECK = Table("prediction-check", PREDICTION_CHECK_SCHEMA_VERSION, [
 ])
 
 # every table membench writes, by name (a test checks results/README.md documents each column and version)
-TABLES = {table.name: table for table in (RESULTS, PREDICT, FIT, PREDICTION_CHECK)}
+TABLES = {table.name: table for table in (RESULTS, PREDICT, FIT, PLAN, PREDICTION_CHECK)}
 
 
 CASE_KEY = ["workload", "strategy", "phase", "device", "batch_size", "data"]
@@ -263,7 +282,7 @@ REPORT_COLUMNS = ["strategy", "phase", "device", "batch_size", "status", "peak_m
 RESUME_COLUMNS = ["run_id", *REPORT_COLUMNS, *(c for c in CASE_KEY if c not in REPORT_COLUMNS)]
 # a column that only one of the other tables has -> what that table is, for the error message
 OTHER_TABLES = {"predicted_bytes": "a `predict` table", "budget_bytes": "a `fit` table",
-                "live_bytes": "a step timeline (<run>.timeline.csv)"}
+                "judged_bytes": "a `plan` table", "live_bytes": "a step timeline (<run>.timeline.csv)"}
 _SNIFF_BYTES = 1 << 16
 
 

@@ -1,10 +1,11 @@
 """Report charts 3 and 6: memory against time, one point per strategy (3) or checkpointing plan (6), the Pareto
-front joined; and the label placement both need."""
+front joined; `plan`'s chart of its candidates with the memory limit; and the label placement they need."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.transforms import Bbox
@@ -170,3 +171,46 @@ def chart_tradeoff(group: Group, path: Path) -> Path:
     set_titles(fig, "Checkpointing plans (labels: the units recomputed; filled, outlined: on the Pareto front)",
             group.subtitle())
     return save_figure(fig, path)
+
+
+# --- the plan chart: every candidate of `python -m bench plan`, the front and the budget line --------------------
+
+
+def chart_plan(frame, limit_bytes: int, path: Path, title: str, subtitle: str) -> Path:
+    """`plan`'s candidates (a frame of the plan table): judged memory against estimated step time; the Pareto front
+    of the eligible ones joined, the answer starred, candidates that change what is trained in grey, and the
+    memory limit as a horizontal line. Only the front and the answer are labelled (the CSV names every point)."""
+    ok = frame[(frame["status"] == "ok") & frame["judged_bytes"].notna() & frame["est_step_time_ms"].notna()]
+    fig = new_figure(12.0, 7.5)
+    ax = fig.add_subplot()
+    color = PHASE_COLOR["train"]
+    eligible = ok[ok["eligible"] == True]  # noqa: E712
+    other = ok[ok["eligible"] != True]  # noqa: E712
+    ax.scatter(other["est_step_time_ms"], other["judged_bytes"] / MiB, s=35, color="#bbbbbb", zorder=2,
+               label="changes what is trained (differs_by_design)")
+    ax.scatter(eligible["est_step_time_ms"], eligible["judged_bytes"] / MiB, s=45, color="#9ecae1", zorder=2,
+               label="candidate")
+    front = eligible[eligible["on_front"] == True].sort_values("est_step_time_ms")  # noqa: E712
+    ax.plot(front["est_step_time_ms"], front["judged_bytes"] / MiB, color=color, linestyle="--", marker="o",
+            markeredgecolor="black", linewidth=1.5, zorder=3, label="Pareto front")
+    answer = ok[ok["answer"] == True]  # noqa: E712
+    ax.scatter(answer["est_step_time_ms"], answer["judged_bytes"] / MiB, s=260, marker="*", color="#f0a000",
+               edgecolors="black", zorder=4, label="answer: the fastest that fits")
+    ax.axhline(limit_bytes / MiB, color="#b00000", linestyle=":", linewidth=1.5,
+               label=f"limit {limit_bytes / MiB:,.0f} MiB")
+    labels = [(r["est_step_time_ms"], r["judged_bytes"] / MiB, r["strategy"])
+              for _, r in pd_concat_unique(front, answer).iterrows()]
+    ax.set_xlabel("estimated step time (ms)")
+    ax.set_ylabel("predicted memory judged against the limit (MiB)")
+    ax.grid(alpha=0.3)
+    ax.margins(0.2, 0.15)
+    ax.legend(loc="upper right", fontsize=9, framealpha=0.9)
+    fig.canvas.draw()
+    place_labels(fig, ax, labels, fontsize=7.5)
+    set_titles(fig, title, subtitle)
+    return save_figure(fig, path)
+
+
+def pd_concat_unique(first: pd.DataFrame, second: pd.DataFrame) -> pd.DataFrame:
+    """The rows of two frames of one table, each strategy once."""
+    return pd.concat([first, second]).drop_duplicates("strategy")

@@ -1,0 +1,401 @@
+"""Plan: the fastest combination of techniques whose training step fits a memory limit, from predictions, and the
+measurements that confirm it.
+
+Each candidate (`bench.analysis.plan_candidates`) runs one tracked step on fake tensors, as `predict` does
+(`bench.analysis.predict.tracked_step`, CUDA's caching allocator replayed for CUDA), with an operator counter
+(`bench.measure.op_cost`) in the same step: one trace gives both its peak and its operators, whose time is
+estimated against the device's figures (`bench.analysis.plan_cost`). The search tries every declared setting
+alone, then combinations of the settings that helped, most promising first, up to `max_candidates`. Each candidate
+is a row of the declared plan table (`bench.core.results.PLAN`).
+
+Limitations: a sharded strategy's step runs rank by rank elsewhere, so it gets no time estimate and is never the
+answer; communication is not modelled. Times are estimates for ranking: the confirmation measures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import math
+import subprocess
+import tempfile
+import time
+import warnings
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch._subclasses import fake_tensor
+
+from bench.analysis import plan_candidates, plan_cost
+from bench.analysis.predict import PredictionMeter, bound_device, cublas_workspace, tracked_step
+from bench.core.errors import Unsupported
+from bench.core.gpus import DEFAULT_MAX_CANDIDATES, DEFAULT_MAX_SEARCH_S
+from bench.core.results import PLAN, Status
+from bench.core.schema import Row
+from bench.core.units import format_size
+from bench.measure import cuda_allocator, fake_cuda
+from bench.measure.op_cost import OperatorCostCounter, step_totals
+from bench.run.isolation import RunOptions
+from bench.run.runner import MEMORY_WARMUP_STEPS, Case, bind_case, forget_traceback, run_case
+from strategies.base import PlanSpace
+
+# what fake tensors cannot run but a real step can (an output whose shape depends on the values): the fallback to a
+# real CPU step is for these only
+FAKE_TENSOR_LIMITS = tuple(getattr(fake_tensor, name) for name in (
+    "DataDependentOutputException", "DynamicOutputShapeException", "UnsupportedOperatorException",
+    "UnsupportedFakeTensorException") if hasattr(fake_tensor, name))
+# a combination is tried when each of its members, alone, saved memory (1%) or time (0.5%) against the baseline: a
+# saving of time alone (a faster optimizer implementation) still combines with one of memory
+USEFUL_MEMORY_RATIO, USEFUL_TIME_RATIO = 0.99, 0.995
+# estimates this close to the fastest count as equally fast: the answer is then the one with fewer techniques
+SAME_TIME_RATIO = 1.005
+
+
+@dataclass
+class PlanRequest:
+    """What to plan: the case, the device and its figures, the limit; JSON-able (the fake-CUDA worker reads it)."""
+
+    workload: str
+    data: str
+    batch_size: int
+    device: str  # cpu or cuda
+    target: str  # a GPU's name, `cuda` (a --budget on CUDA) or `this CPU`
+    limit_bytes: int  # what judged_bytes must not exceed
+    context_bytes: int  # the CUDA context added to reserved memory (0 on the CPU)
+    figures: dict  # plan_cost.to_json of the device's figures
+    ranks: int = 1
+    capability: tuple[int, int] | None = None
+    allow_different: bool = False
+    max_candidates: int = DEFAULT_MAX_CANDIDATES
+    max_search_s: float = DEFAULT_MAX_SEARCH_S  # no candidate starts after this many seconds of search
+
+    def case(self, spec: str) -> Case:
+        return Case(self.workload, spec, "train", self.batch_size, self.device, data=self.data)
+
+
+def _empty_row(request: PlanRequest, spec: str, members: int) -> Row:
+    row = PLAN.row({name: None for name in PLAN.names if name != "schema_version"})
+    row.update(workload=request.workload, batch_size=request.batch_size, ranks=request.ranks, device=request.device,
+               target=request.target, strategy=spec, members=members, status=Status.OK.value, message="",
+               limit_bytes=request.limit_bytes, fits=False, eligible=False, on_front=False, answer=False)
+    return row
+
+
+def _bind(case: Case, ranks: int):
+    with warnings.catch_warnings():  # a strategy bound to CUDA on a machine without it (as predict does)
+        warnings.filterwarnings("ignore", message=".*GradScaler is enabled, but CUDA is not available.*")
+        return bind_case(case, ranks)
+
+
+def _counted(strategy, counter: OperatorCostCounter):
+    """`strategy` with `counter` entered around its session and told where each step ends."""
+    session, end_step = strategy.session, strategy.end_step
+
+    @contextlib.contextmanager
+    def counted_session():
+        with session(), counter:
+            yield
+
+    def counted_end_step(kept):
+        end_step(kept)
+        counter.end_step()
+
+    strategy.session, strategy.end_step = counted_session, counted_end_step
+    return strategy
+
+
+def _engines(device: str, distributed: bool) -> list[str]:
+    engines = (["fake-cuda"] if device == "cuda" and torch.cuda.is_available() else []) + ["fake", "cpu"]
+    return [e for e in engines if e != "fake"] if distributed else engines
+
+
+def evaluate(request: PlanRequest, spec: str, members: int, figures: plan_cost.DeviceFigures) -> Row:
+    """One candidate's row: its predicted peak (and on CUDA reserved memory), its step's operators and estimated
+    time, and what it changes in training; `unsupported` or `error` with why."""
+    row = _empty_row(request, spec, members)
+    case = request.case(spec)
+    cuda = request.device == "cuda"
+    try:
+        strategy, context = _bind(case, request.ranks)
+        row["strategy"] = strategy.spec()
+        strategy.check(context)
+    except Unsupported as error:
+        row.update(status=Status.UNSUPPORTED.value, message=str(error))
+        return row
+    engines, notes = _engines(request.device, strategy.distributed), []
+    for engine in engines:
+        counter = OperatorCostCounter()
+        try:
+            planned = _bind(replace(case, device=bound_device(engine)), request.ranks)[0]
+            planned.plan(PredictionMeter(case))
+            step = tracked_step(case, spec, engine, 1, cuda_autocast=cuda, ranks=request.ranks, record_events=cuda,
+                                warmup_steps=MEMORY_WARMUP_STEPS["cuda"] if cuda else None,
+                                planned=_counted(planned, counter))
+            break
+        except Unsupported as error:
+            row.update(status=Status.UNSUPPORTED.value, message=str(error))
+            return row
+        except Exception as error:  # noqa: BLE001 - an engine may not run a strategy: the next one is the fallback
+            forget_traceback(error)
+            next_engine = engines[engines.index(engine) + 1] if engine != engines[-1] else None
+            if next_engine is None or (next_engine == "cpu" and not isinstance(error, FAKE_TENSOR_LIMITS)):
+                # a failure that is not the fake tensors' own would fail a real step too, which costs seconds
+                row.update(status=Status.ERROR.value, message=f"{type(error).__name__}: {error}".splitlines()[0][:300])
+                return row
+            notes.append(f"{engine} engine failed ({type(error).__name__}): ran on the "
+                         f"{engines[engines.index(engine) + 1]}")
+    row["engine"] = engine
+    _memory(row, step, request)
+    row["differs_by_design"] = planned.differs_by_design()
+    ops = counter.steps[-1] if counter.steps else []
+    if ops:
+        totals = step_totals(ops)
+        row.update(step_flops=totals["flops"], step_moved_bytes=totals["bytes"],
+                   host_transfer_bytes=totals["transfer_bytes"], step_ops=totals["ops"])
+        try:
+            row["est_step_time_ms"] = figures.seconds(ops) * 1e3
+            row["time_estimator"] = f"{plan_cost.ESTIMATOR}; {figures.name}: {figures.source}"
+        except Unsupported as error:
+            row.update(status=Status.UNSUPPORTED.value)
+            notes.append(str(error))
+    else:
+        notes.append("no time estimate: its steps ran rank by rank, outside the operator counter")
+    row["message"] = "; ".join(notes)
+    return row
+
+
+def _memory(row: Row, step, request: PlanRequest) -> None:
+    """The row's memory figures from the tracked step (on CUDA through the caching allocator's model)."""
+    if request.device != "cuda":
+        row.update(predicted_peak_bytes=step.peak_bytes, judged_bytes=step.peak_bytes)
+    else:
+        replayed = cuda_allocator.replay(step.events, cublas_workspace(request.capability))
+        row.update(predicted_peak_bytes=replayed.max_allocated_bytes,
+                   predicted_reserved_bytes=replayed.max_reserved_bytes,
+                   judged_bytes=replayed.max_reserved_bytes + request.context_bytes)
+    row["fits"] = row["judged_bytes"] <= request.limit_bytes
+
+
+# --- the search -----------------------------------------------------------------------------------------------
+
+def _ratio(row: Row, base: Row, column: str) -> float:
+    if row["status"] != Status.OK.value or row[column] is None or not base[column]:
+        return math.inf
+    return row[column] / base[column]
+
+
+def _breadth_first(settings: list) -> list:
+    """The settings ordered by their rank within their strategy's declaration (stable otherwise)."""
+    seen: dict[str, int] = {}
+    ranks = []
+    for setting in settings:
+        ranks.append(seen.get(setting.strategy, 0))
+        seen[setting.strategy] = ranks[-1] + 1
+    return [setting for _, setting in sorted(zip(ranks, settings), key=lambda pair: pair[0])]
+
+
+def search(request: PlanRequest, progress: Callable[[str], None] = lambda text: None) -> list[Row]:
+    """Every candidate's row: the baseline, each declared setting alone, then combinations of two or three of the
+    settings that saved memory or time alone, those predicted (from their members' ratios) to fit and be fast
+    first, until `max_candidates` have run or `max_search_s` has passed (the baseline always runs). Declared
+    settings the case refuses are rows too (no step run)."""
+    figures = plan_cost.from_json(request.figures)
+    context = _bind(request.case("baseline"), request.ranks)[1]
+    # a budget plan of checkpointing gets the limit less the context: its plan is judged on predicted peaks
+    space = PlanSpace(context, max(1, request.limit_bytes - request.context_bytes))
+    accepted, refused = plan_candidates.settings(space)
+    rows: dict[str, Row] = {}
+    started = time.monotonic()
+
+    evaluated = [0]
+
+    def run(spec: str, members: int) -> Row | None:
+        late = evaluated[0] > 0 and time.monotonic() - started > request.max_search_s
+        if spec in rows or evaluated[0] >= request.max_candidates or late:
+            return rows.get(spec)
+        evaluated[0] += 1
+        progress(f"[{evaluated[0]}/{request.max_candidates} at most, {time.monotonic() - started:.0f} s] {spec} ...")
+        rows[spec] = evaluate(request, spec, members, figures)
+        return rows[spec]
+
+    base = run("baseline", 0)
+    # breadth first: each strategy's first declared setting, then each one's second, ...: a search cut short by
+    # its time limit has still tried every technique once
+    singles = {s.spec: run(s.spec, 1) for s in _breadth_first(accepted)}
+    for item in refused:
+        row = _empty_row(request, item.spec, 1)
+        row.update(status=Status.UNSUPPORTED.value, message=item.reason)
+        rows.setdefault(item.spec, row)
+    useful = [s for s in accepted if (r := singles.get(s.spec)) is not None and r["status"] == Status.OK.value
+              and (request.allow_different or not r["differs_by_design"])
+              and (_ratio(r, base, "judged_bytes") < USEFUL_MEMORY_RATIO
+                   or _ratio(r, base, "est_step_time_ms") < USEFUL_TIME_RATIO)]
+    combined = plan_candidates.combinations(useful, 2, context) + plan_candidates.combinations(useful, 3, context)
+
+    def promise(item) -> tuple:
+        members, _ = item
+        memory = math.prod(_ratio(singles[m.spec], base, "judged_bytes") for m in members) * base["judged_bytes"]
+        speed = math.prod(_ratio(singles[m.spec], base, "est_step_time_ms") for m in members)
+        fits = memory <= request.limit_bytes
+        return (not fits, speed if fits else memory, len(members))
+
+    spec_of = {frozenset(m.spec for m in members): spec for members, spec in combined}
+
+    def runs(members: tuple) -> bool:
+        """Runs a combination after the smaller ones inside it (a triple's pairs), unless one of those failed."""
+        if len(members) > 2 and not all(runs(pair) for pair in itertools.combinations(members, len(members) - 1)):
+            return False
+        spec = spec_of.get(frozenset(m.spec for m in members))
+        row = run(spec, len(members)) if spec is not None else None
+        return row is not None and row["status"] == Status.OK.value
+
+    if base["status"] == Status.OK.value and base["judged_bytes"]:
+        for members, _ in sorted(combined, key=promise):
+            runs(members)
+    return list(rows.values())
+
+
+# --- the answer -----------------------------------------------------------------------------------------------
+
+def pareto(rows: list[Row]) -> list[Row]:
+    """The eligible rows that no other eligible row beats on both judged memory and estimated time, by time."""
+    front, best = [], math.inf
+    for row in sorted((r for r in rows if r["eligible"]), key=lambda r: (r["est_step_time_ms"], r["judged_bytes"])):
+        if row["judged_bytes"] < best:
+            front.append(row)
+            best = row["judged_bytes"]
+    return front
+
+
+def decide(rows: list[Row], allow_different: bool) -> Row | None:
+    """Marks each row eligible, on the front, the answer; returns the answer (None: nothing eligible fits): the
+    fastest eligible candidate that fits, where one within 0.5% of its estimate with fewer techniques wins."""
+    for row in rows:
+        row["eligible"] = bool(row["status"] == Status.OK.value and row["est_step_time_ms"] is not None
+                               and row["judged_bytes"] is not None
+                               and (allow_different or not row["differs_by_design"]))
+        row["on_front"] = row["answer"] = False
+    for row in pareto(rows):
+        row["on_front"] = True
+    fitting = [r for r in rows if r["eligible"] and r["fits"]]
+    if not fitting:
+        return None
+    fastest = min(r["est_step_time_ms"] for r in fitting)
+    answer = min((r for r in fitting if r["est_step_time_ms"] <= fastest * SAME_TIME_RATIO),
+                 key=lambda r: (r["members"], r["est_step_time_ms"], r["judged_bytes"]))
+    answer["answer"] = True
+    return answer
+
+
+def smallest(rows: list[Row]) -> Row | None:
+    """The eligible row with the smallest judged memory (what no fit reports)."""
+    return min((r for r in rows if r["eligible"]), key=lambda r: r["judged_bytes"], default=None)
+
+
+def contributions(row: Row, rows: list[Row]) -> list[str]:
+    """What each member of `row` contributes: `row` against the candidate without it (memory, time), where that
+    one was predicted."""
+    by_spec = {r["strategy"]: r for r in rows if r["status"] == Status.OK.value}
+    members = row["strategy"].split("+") if row["members"] else []
+    found = []
+    for member in members:
+        rest = "+".join(m for m in members if m != member) or "baseline"
+        other = by_spec.get(rest)
+        if other is None or other["est_step_time_ms"] is None or row["est_step_time_ms"] is None:
+            continue
+        memory = other["judged_bytes"] - row["judged_bytes"]
+        speed = row["est_step_time_ms"] / other["est_step_time_ms"] - 1
+        saved = "same memory" if memory == 0 else f"{'-' if memory > 0 else '+'}{format_size(abs(memory))}"
+        found.append(f"{member} {saved} {'+' if speed >= 0 else '-'}{abs(speed) * 100:.0f}% time")
+    return found
+
+
+def compare_command(request: PlanRequest, spec: str) -> str:
+    """The `compare` command that measures `spec` against the baseline."""
+    ranks = f" --ranks {request.ranks}" if request.ranks > 1 else ""
+    return (f"python -m bench compare --workload {request.workload} --batch-size {request.batch_size} "
+            f"--device {request.device} --phases train --strategies {spec}{ranks}")
+
+
+def spearman(xs: list[float], ys: list[float]) -> float | None:
+    """Spearman's rank correlation (average ranks for ties); None for fewer than 3 pairs or a constant list."""
+    if len(xs) < 3:
+        return None
+
+    def ranks(values: list[float]) -> list[float]:
+        order = sorted(range(len(values)), key=lambda i: values[i])
+        result = [0.0] * len(values)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                result[order[k]] = (i + j) / 2
+            i = j + 1
+        return result
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    sx, sy = math.sqrt(sum((a - mx) ** 2 for a in rx)), math.sqrt(sum((b - my) ** 2 for b in ry))
+    return None if sx == 0 or sy == 0 else cov / (sx * sy)
+
+
+# --- the search in the fake-CUDA environment --------------------------------------------------------------------
+
+def search_where_cuda_runs(request: PlanRequest, progress: Callable[[str], None]) -> tuple[list[Row], str]:
+    """`search`, for a CUDA plan on CUDA's own operators: here when this torch sees a CUDA device, else in the
+    fake-CUDA environment's Python (`python -m bench.analysis._plan_worker`), else here on the CPU's operators
+    with a note saying so."""
+    if request.device != "cuda" or torch.cuda.is_available():
+        return search(request, progress), ""
+    python = fake_cuda.environment_python()
+    if python is None:
+        return search(request, progress), f"{fake_cuda.unavailable_reason()}: predicted on the CPU's operators"
+    with tempfile.TemporaryDirectory(prefix="membench-plan-") as folder:
+        request_file, rows_file = Path(folder) / "request.json", Path(folder) / "rows.json"
+        request_file.write_text(json.dumps(asdict(request)))
+        done = subprocess.run([str(python), "-m", "bench.analysis._plan_worker", str(request_file), str(rows_file)],
+                              env=fake_cuda.python_environment(), stdout=subprocess.DEVNULL)
+        answer = json.loads(rows_file.read_text()) if rows_file.exists() else {}
+    if done.returncode == 0 and "rows" in answer:
+        return [PLAN.row(values) for values in answer["rows"]], ""
+    why = answer.get("error") or f"its Python exited with code {done.returncode}"
+    return search(request, progress), f"the fake-CUDA environment failed ({why[:200]}): predicted here"
+
+
+# --- confirmation by the harness --------------------------------------------------------------------------------
+
+CONFIRM_WARMUP_STEPS, CONFIRM_STEPS = 1, 3  # the --quick figures: a confirmation is a check, not a benchmark
+
+
+def confirm(request: PlanRequest, row: Row, env: dict | None = None, threads: int | None = None) -> Row:
+    """Measures `row`'s candidate with the harness on the planned device (`bench.run.runner.measure_case`: verified
+    against the baseline, timed, its peak measured) and fills the row's measured columns; returns the harness's
+    row (its status says when it could not run)."""
+    case = replace(request.case(row["strategy"]), warmup=CONFIRM_WARMUP_STEPS, steps=CONFIRM_STEPS)
+    measured = run_case(case, env, RunOptions(threads=threads, ranks=request.ranks).resolved())
+    if measured["status"] == Status.OK.value:
+        peak = int(measured["peak_mem_bytes"])
+        row.update(measured_peak_bytes=peak, measured_step_time_ms=measured["step_time_ms_median"],
+                   matches_baseline=measured["matches_baseline"])
+        if row["predicted_peak_bytes"]:
+            row["peak_error_pct"] = (row["predicted_peak_bytes"] - peak) / peak * 100
+    else:
+        row["message"] = "; ".join(x for x in (row["message"], f"confirmation: {measured['status']}: "
+                                               f"{measured['message']}") if x)
+    return measured
+
+
+def measured_judged_bytes(request: PlanRequest, row: Row, measured: Row) -> int | None:
+    """What the limit is compared with, as measured: the peak on the CPU; reserved memory plus the CUDA context on
+    CUDA."""
+    if measured["status"] != Status.OK.value:
+        return None
+    if request.device == "cuda":
+        return int(measured["peak_reserved_bytes"]) + request.context_bytes
+    return int(measured["peak_mem_bytes"])

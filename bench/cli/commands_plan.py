@@ -1,0 +1,217 @@
+"""`plan`: the fastest combination of techniques that fits a memory limit (a --budget or a GPU's memory), from
+predictions, with the Pareto front, the CSV of every candidate, the chart, and --confirm's measurements."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+from bench.analysis import plan
+from bench.analysis import plan_cost
+from bench.analysis.predict import has_gpu
+from bench.cli import interrupt
+from bench.cli.arguments import analysis_device, one_batch_size, size_option
+from bench.cli.commands_analysis import _batch_size_text, _workload_and_data, uses_threads
+from bench.cli.console import status
+from bench.core import gpus
+from bench.core.errors import UsageError
+from bench.core.results import PLAN, new_run_id, table_frame, write_table
+from bench.core.units import MiB, format_size
+from bench.measure import env
+from bench.measure.op_cost import measure_cpu_speed
+from bench.report.pareto_charts import chart_plan
+from bench.run.preflight import check_output_dir
+
+
+def _request(args) -> tuple[plan.PlanRequest, str]:
+    """The plan's request from the options, checked before anything runs; and how the limit was made."""
+    gpu = gpus.find_gpu(args.gpu) if args.gpu else None
+    device = analysis_device(args.device or ("cuda" if gpu else "cpu"))
+    if gpu and device != "cuda":
+        raise UsageError(f"--gpu {args.gpu} plans for CUDA: drop --device {device} (or give --budget for the CPU)")
+    if device == "cuda" and gpu is None:
+        raise UsageError(f"--device cuda: give --gpu NAME for the device's figures; valid choices: "
+                         f"{', '.join(gpus.GPUS)}")
+    if args.budget is None and gpu is None:
+        raise UsageError("give --budget SIZE (e.g. 500MiB) or --gpu NAME (`plan --list-gpus`)")
+    budget = size_option(args.budget, "--budget") if args.budget is not None else gpu.memory_bytes
+    if (args.confirm or args.confirm_front) and device == "cuda" and not has_gpu():
+        raise UsageError("--confirm measures on the planned device: this machine has no GPU (plan --device cpu "
+                         "--budget SIZE confirms on the CPU)")
+    workload, data = _workload_and_data(args)
+    batch = one_batch_size(_batch_size_text(args))
+    limit = math.floor(budget * (1 - args.headroom))
+    context = gpus.CUDA_CONTEXT_BYTES if device == "cuda" else 0
+    source = f"--budget {args.budget}" if args.budget is not None else f"the {gpu.name}'s {format_size(budget)}"
+    how = f"{source} less {args.headroom:.0%} headroom"
+    if gpu is not None:
+        figures = plan_cost.gpu_figures(gpu)
+        how += f"; CUDA reserved memory + {format_size(context)} CUDA context judged against it"
+    else:
+        status("plan: timing a matmul, a convolution and a copy on this CPU ...")
+        support = env.cpu_16bit_support()
+        native = "native" if support.get("bfloat16") else "emulated"
+        figures = plan_cost.cpu_figures(measure_cpu_speed(), f"this CPU ({env.cpu_name()}, bfloat16 {native})")
+        how += "; exact live tensor bytes judged against it"
+    request = plan.PlanRequest(workload, data, batch, device, gpu.name if gpu else "this CPU", limit, context,
+                               plan_cost.to_json(figures), args.ranks, gpu.capability if gpu else None,
+                               args.allow_different, args.max_candidates, args.max_search_s)
+    return request, how
+
+
+@uses_threads
+def cmd_plan(args) -> int:
+    """The fastest candidate that fits, the front, the CSV and chart; exit 1 when nothing fits."""
+    if args.list_gpus:
+        print(gpus.format_gpus())
+        return 0
+    request, how = _request(args)
+    out = check_output_dir(args.out, "--out")
+    interrupt.set_note("interrupted: nothing was written (plan writes its table when the search is done)")
+    started, cpu_started = time.monotonic(), _cpu_seconds()
+    rows, note = plan.search_where_cuda_runs(request, status)
+    searched_s, cpu_s = time.monotonic() - started, _cpu_seconds() - cpu_started
+    answer = plan.decide(rows, request.allow_different)
+    run_id = new_run_id(request.device)
+    csv_path, chart_path = out / f"plan-{run_id}.csv", out / f"plan-{run_id}.png"
+    if answer is None:
+        write_table(PLAN, rows, csv_path)
+        print(_nothing_fits(request, rows, csv_path))
+        return 1
+    print(_summary(request, how, rows, searched_s, cpu_s, note))
+    print(_front_table(rows))
+    print(_answer_lines(request, rows, answer))
+    if args.confirm or args.confirm_front:
+        print(_confirm(request, rows, answer, args.confirm_front, args.threads))
+    write_table(PLAN, rows, csv_path)
+    chart_plan(table_frame(PLAN, rows), request.limit_bytes, chart_path,
+               f"plan: {request.workload}, batch {request.batch_size}, on {request.target}",
+               f"every candidate predicted; limit {format_size(request.limit_bytes)} ({how.split(';')[0]})")
+    print(f"\nwrote {csv_path} (every candidate) and {chart_path}")
+    return 0
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and of the processes it waited for (the fake-CUDA worker)."""
+    times = os.times()
+    return time.process_time() + times.children_user + times.children_system
+
+
+def _mib(value) -> str:
+    return "-" if value is None else f"{value / MiB:,.1f}"
+
+
+def _ms(value) -> str:
+    return "-" if value is None else f"{value:,.0f}"
+
+
+def _summary(request: plan.PlanRequest, how: str, rows: list, searched_s: float, cpu_s: float, note: str) -> str:
+    counts: dict[str, int] = {}
+    for row in rows:
+        counts[row["status"]] = counts.get(row["status"], 0) + 1
+    engines = sorted({r["engine"] for r in rows if r["engine"]})
+    estimator = next((r["time_estimator"] for r in rows if r["time_estimator"]), "none")
+    lines = [f"plan for {request.workload}, batch {request.batch_size}, training, on {request.target}"
+             + (f", {request.ranks} ranks" if request.ranks > 1 else ""),
+             f"  limit {format_size(request.limit_bytes)} ({request.limit_bytes:,} B): {how}",
+             f"  {len(rows)} candidates in {searched_s:.0f} s ({cpu_s:.0f} s of CPU time; "
+             f"{', '.join(f'{n} {s}' for s, n in counts.items())}); memory predicted on the {'/'.join(engines)} "
+             f"engine",
+             f"  time: {estimator}"]
+    if searched_s > request.max_search_s:
+        lines.append(f"  the search stopped at --max-search-s {request.max_search_s:g}: candidates not yet tried were "
+                     f"left out (--max-search-s or --max-candidates for more)")
+    if note:
+        lines.append(f"  note: {note}")
+    return "\n".join(lines)
+
+
+def _front_table(rows: list) -> str:
+    front = sorted((r for r in rows if r["on_front"]), key=lambda r: r["est_step_time_ms"])
+    header = f"  {'strategy':<44} {'judged MiB':>10} {'est. step ms':>12}  fits"
+    lines = ["\nPareto front (candidates that may be the answer: none is both smaller and faster):", header,
+             "  " + "-" * (len(header) - 2)]
+    for r in front:
+        mark = "  <- answer" if r["answer"] else ""
+        lines.append(f"  {r['strategy']:<44} {_mib(r['judged_bytes']):>10} {_ms(r['est_step_time_ms']):>12}  "
+                     f"{'yes' if r['fits'] else 'no'}{mark}")
+    different = [r for r in rows if r["status"] == "ok" and r["differs_by_design"] and not r["eligible"]]
+    if different:
+        lines.append(f"  ({len(different)} candidates that change what is trained kept out: "
+                     f"{', '.join(r['strategy'] for r in different[:4])}{', ...' if len(different) > 4 else ''}; "
+                     "--allow-different lets them in)")
+    return "\n".join(lines)
+
+
+def _answer_lines(request: plan.PlanRequest, rows: list, answer) -> str:
+    base = next((r for r in rows if r["strategy"] == "baseline"), None)
+    relative = ""
+    if base is not None and base["est_step_time_ms"]:
+        relative = (f" ({answer['est_step_time_ms'] / base['est_step_time_ms']:.2f}x the baseline's estimate; "
+                    f"baseline {_mib(base['judged_bytes'])} MiB)")
+    lines = [f"\nanswer: {answer['strategy']}: {_mib(answer['judged_bytes'])} MiB predicted of "
+             f"{_mib(request.limit_bytes)} MiB, estimated {_ms(answer['est_step_time_ms'])} ms per step{relative}"]
+    front = sorted((r for r in rows if r["on_front"] and r["members"]), key=lambda r: r["est_step_time_ms"])
+    explained = [(r["strategy"], plan.contributions(r, rows)) for r in front]
+    if any(parts for _, parts in explained):
+        lines.append("what each technique on the front contributes (against the candidate without it):")
+        for spec, parts in explained:
+            if len(parts) == 1 and "+" not in spec:
+                lines.append(f"  {spec}: {parts[0].removeprefix(spec).strip()} against the baseline")
+            elif parts:
+                lines.append(f"  {spec}: {'; '.join(parts)}")
+    lines.append(f"measure it: {plan.compare_command(request, answer['strategy'])}")
+    return "\n".join(lines)
+
+
+def _nothing_fits(request: plan.PlanRequest, rows: list, csv_path) -> str:
+    smallest = plan.smallest(rows)
+    if smallest is None:
+        return (f"no candidate fits {format_size(request.limit_bytes)}: none could be predicted (see {csv_path})")
+    return (f"no candidate fits {format_size(request.limit_bytes)} ({request.limit_bytes:,} B): the smallest "
+            f"reachable is {format_size(smallest['judged_bytes'])} ({smallest['judged_bytes']:,} B) with "
+            f"{smallest['strategy']} (every candidate: {csv_path})")
+
+
+def _confirm(request: plan.PlanRequest, rows: list, answer, front: bool, threads: int | None) -> str:
+    """Measures the answer (and with `front` every front candidate); an answer measured over the limit is
+    reported and the next fastest fitting candidate confirmed in its place."""
+    environment = env.environment(request.device)
+    lines = [f"\nconfirmed with the harness on {request.device} ({plan.CONFIRM_WARMUP_STEPS} warm-up, "
+             f"{plan.CONFIRM_STEPS} timed steps):"]
+    fitting = sorted((r for r in rows if r["eligible"] and r["fits"]), key=lambda r: r["est_step_time_ms"])
+    targets = [r for r in rows if r["on_front"]] if front else []
+    for row in fitting[fitting.index(answer):]:
+        status(f"plan: confirming {row['strategy']} ...")
+        judged = plan.measured_judged_bytes(request, row, plan.confirm(request, row, environment, threads))
+        if judged is not None and judged <= request.limit_bytes:
+            lines.append(f"  answer {row['strategy']}: measured {_mib(judged)} MiB <= limit "
+                         f"{_mib(request.limit_bytes)} MiB")
+            if row is not answer:
+                answer["answer"], row["answer"] = False, True
+            break
+        lines.append(f"  {row['strategy']}: measured {_mib(judged)} MiB, over the limit (or did not run): the next "
+                     f"fastest candidate that fits is confirmed")
+    for row in targets:
+        if row["measured_peak_bytes"] is None:
+            status(f"plan: confirming {row['strategy']} ...")
+            plan.confirm(request, row, environment, threads)
+    measured = [r for r in rows if r["measured_peak_bytes"] is not None]
+    header = (f"  {'strategy':<44} {'predicted MiB':>13} {'measured MiB':>12} {'error %':>8} {'est. ms':>9} "
+              f"{'measured ms':>11}  matches")
+    lines += [header, "  " + "-" * (len(header) - 2)]
+    for r in measured:
+        error = "-" if r["peak_error_pct"] is None else f"{r['peak_error_pct']:.2f}"
+        lines.append(f"  {r['strategy']:<44} {_mib(r['predicted_peak_bytes']):>13} "
+                     f"{_mib(r['measured_peak_bytes']):>12} {error:>8} {_ms(r['est_step_time_ms']):>9} "
+                     f"{_ms(r['measured_step_time_ms']):>11}  {r['matches_baseline']}")
+    timed = [r for r in measured if r["measured_step_time_ms"] is not None]
+    rho = plan.spearman([r["est_step_time_ms"] for r in timed], [r["measured_step_time_ms"] for r in timed])
+    worst = max((abs(r["peak_error_pct"]) for r in measured if r["peak_error_pct"] is not None), default=None)
+    if worst is not None:
+        lines.append(f"  largest peak error {worst:.2f}%"
+                     + (f"; Spearman rank correlation of estimated and measured times {rho:.2f} over {len(timed)}"
+                        if rho is not None else ""))
+    return "\n".join(lines)
+

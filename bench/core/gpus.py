@@ -1,0 +1,110 @@
+"""A table of common GPUs (memory, dense FLOPS per dtype, memory bandwidth, host link) that `python -m bench plan
+--gpu NAME` plans for, and the CUDA context every process pays on top of what PyTorch allocates.
+
+The figures are the vendors' published peak figures for dense arithmetic (no 2:4 sparsity), with the source of
+each in a comment. A peak figure is what a kernel at best reaches: the planner uses them to *rank* candidates by
+an estimated step time, not to promise one. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bench.core.errors import choices_error
+
+GiB = 2**30
+TFLOPS = 1e12
+GB_PER_S = 1e9
+
+# What the CUDA context (driver state, the kernels of PyTorch's libraries loaded lazily) takes on the device besides
+# what the caching allocator reserves. Measured as nvidia-smi's used memory minus torch.cuda.memory_reserved(): 781
+# MB before CUDA's lazy module loading (pytorch/pytorch#34323); about 300-500 MiB with lazy loading (CUDA >= 11.7,
+# the default in PyTorch's CUDA builds since 2.0). The planner counts the upper figure.
+CUDA_CONTEXT_BYTES = 500 * 2**20
+# `plan --headroom`: the fraction of the limit a plan leaves free (fragmentation the allocator model misses, another
+# library's buffers; Lightning's users ask for such a margin, Lightning#21154), how many candidates it predicts
+# and for how long
+DEFAULT_HEADROOM = 0.05
+DEFAULT_MAX_CANDIDATES = 40
+DEFAULT_MAX_SEARCH_S = 40.0  # no candidate starts after this: an answer within about a minute on any machine
+
+
+@dataclass(frozen=True)
+class GPU:
+    """One GPU's published figures: memory, dense peak FLOPS per dtype (None: no such arithmetic in hardware),
+    memory bandwidth and host link (one direction), in bytes and per second."""
+
+    name: str
+    memory_bytes: int
+    fp32_flops: float  # FP32 on the CUDA cores (no tensor cores)
+    tf32_flops: float | None  # TF32 tensor cores, dense
+    fp16_flops: float  # FP16 tensor cores with FP32 accumulate, dense (CUDA cores at 2x FP32 without tensor cores)
+    bf16_flops: float | None  # BF16 tensor cores with FP32 accumulate, dense
+    bandwidth_bytes_per_s: float
+    host_link_bytes_per_s: float  # PCIe, one direction
+    capability: tuple[int, int]
+    source: str
+
+    def flops(self, dtype: str) -> float | None:
+        """Peak dense FLOPS for arithmetic in `dtype` (float32, float16, bfloat16); None when the GPU has none.
+        float32 matmuls use the CUDA cores: PyTorch's default (torch.backends.cuda.matmul.allow_tf32 is False)."""
+        return {"float32": self.fp32_flops, "float16": self.fp16_flops, "bfloat16": self.bf16_flops}.get(dtype)
+
+
+PCIE3_X16 = 15.75 * GB_PER_S  # PCI-SIG: 8 GT/s x16, 128b/130b encoding
+PCIE4_X16 = 31.5 * GB_PER_S  # 16 GT/s x16
+PCIE5_X16 = 63.0 * GB_PER_S  # 32 GT/s x16
+
+GPUS: dict[str, GPU] = {gpu.name: gpu for gpu in (
+    # TU117 (Turing without tensor cores): 896 CUDA cores at 1665 MHz boost; FP16 at twice the FP32 rate; no BF16.
+    # NVIDIA GeForce GTX 1650 specifications (GDDR5, 128 GB/s); TechPowerUp GPU database for FP16.
+    GPU("GTX 1650", 4 * GiB, 2.98 * TFLOPS, None, 5.97 * TFLOPS, None, 128 * GB_PER_S, PCIE3_X16, (7, 5),
+        "NVIDIA GeForce GTX 1650 specifications; TechPowerUp GPU database"),
+    # GA106: 3584 CUDA cores at 1777 MHz boost; GeForce tensor cores: FP16/BF16 with FP32 accumulate at half the
+    # FP16-accumulate rate (NVIDIA Ampere GA102 whitepaper, appendix, scaled to GA106's 112 tensor cores).
+    GPU("RTX 3060", 12 * GiB, 12.7 * TFLOPS, 12.7 * TFLOPS, 25.4 * TFLOPS, 25.4 * TFLOPS, 360 * GB_PER_S, PCIE4_X16,
+        (8, 6), "NVIDIA GeForce RTX 3060 specifications; NVIDIA Ampere GA102 GPU architecture whitepaper"),
+    # NVIDIA Ada GPU architecture whitepaper, table 2 (RTX 4090): FP32 82.6, TF32 82.6, FP16/BF16 (FP32 acc.) 165.2
+    GPU("RTX 4090", 24 * GiB, 82.6 * TFLOPS, 82.6 * TFLOPS, 165.2 * TFLOPS, 165.2 * TFLOPS, 1008 * GB_PER_S,
+        PCIE4_X16, (8, 9), "NVIDIA Ada GPU architecture whitepaper, table 2"),
+    # NVIDIA L4 datasheet: FP32 30.3; TF32 120 and FP16/BF16 242 with sparsity (halved here); 24 GB GDDR6, 300 GB/s
+    GPU("L4", 24 * GiB, 30.3 * TFLOPS, 60 * TFLOPS, 121 * TFLOPS, 121 * TFLOPS, 300 * GB_PER_S, PCIE4_X16, (8, 9),
+        "NVIDIA L4 Tensor Core GPU datasheet"),
+    # NVIDIA A100 datasheet (SXM): FP32 19.5, TF32 156, FP16/BF16 312 (dense); 1,555 GB/s (40GB), 2,039 GB/s (80GB)
+    GPU("A100 40GB", 40 * GiB, 19.5 * TFLOPS, 156 * TFLOPS, 312 * TFLOPS, 312 * TFLOPS, 1555 * GB_PER_S, PCIE4_X16,
+        (8, 0), "NVIDIA A100 Tensor Core GPU datasheet (SXM4)"),
+    GPU("A100 80GB", 80 * GiB, 19.5 * TFLOPS, 156 * TFLOPS, 312 * TFLOPS, 312 * TFLOPS, 2039 * GB_PER_S, PCIE4_X16,
+        (8, 0), "NVIDIA A100 Tensor Core GPU datasheet (SXM4)"),
+    # NVIDIA H100 datasheet (SXM5): FP32 67; TF32 989 and FP16/BF16 1,979 with sparsity (halved here); 3.35 TB/s
+    GPU("H100 80GB", 80 * GiB, 67 * TFLOPS, 494.5 * TFLOPS, 989.5 * TFLOPS, 989.5 * TFLOPS, 3350 * GB_PER_S,
+        PCIE5_X16, (9, 0), "NVIDIA H100 Tensor Core GPU datasheet (SXM5)"),
+)}
+
+
+def _key(name: str) -> str:
+    return "".join(name.lower().split()).replace("-", "")
+
+
+def find_gpu(name: str) -> GPU:
+    """The GPU named `name` (case, spaces and dashes ignored: `rtx4090`, `a100-80gb`), or the one it begins (`H100`);
+    a UsageError naming the choices otherwise."""
+    exact = [gpu for gpu in GPUS.values() if _key(gpu.name) == _key(name)]
+    prefixed = [gpu for gpu in GPUS.values() if _key(gpu.name).startswith(_key(name))] if _key(name) else []
+    if exact or len(prefixed) == 1:  # `H100` is the one H100; `A100` is two
+        return (exact or prefixed)[0]
+    raise choices_error("GPU", name, list(GPUS))
+
+
+def format_gpus() -> str:
+    """`plan --list-gpus`: the table, one GPU a line."""
+    header = (f"{'GPU':<10} {'memory GiB':>10} {'FP32 TFLOPS':>11} {'FP16 TFLOPS':>11} {'BF16 TFLOPS':>11} "
+              f"{'memory GB/s':>11} {'host GB/s':>9}  source")
+    lines = [header, "-" * len(header)]
+    for gpu in GPUS.values():
+        bf16 = f"{gpu.bf16_flops / TFLOPS:.1f}" if gpu.bf16_flops else "-"
+        lines.append(f"{gpu.name:<10} {gpu.memory_bytes / GiB:>10.0f} {gpu.fp32_flops / TFLOPS:>11.1f} "
+                     f"{gpu.fp16_flops / TFLOPS:>11.1f} {bf16:>11} {gpu.bandwidth_bytes_per_s / GB_PER_S:>11,.0f} "
+                     f"{gpu.host_link_bytes_per_s / GB_PER_S:>9.1f}  {gpu.source}")
+    lines.append(f"dense peaks (no sparsity); each process also holds a CUDA context, counted as "
+                 f"{CUDA_CONTEXT_BYTES / 2**20:.0f} MiB")
+    return "\n".join(lines)

@@ -1,0 +1,222 @@
+"""`python -m bench plan`: the strategies' declarations, the GPU table, the operator counter, the search's answer,
+the plan table, and the CLI's errors; all on tiny cases on the CPU."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pandas as pd
+import pytest
+import torch
+
+from bench.analysis import plan, plan_candidates, plan_cost
+from bench.cli.main import main
+from bench.core import gpus
+from bench.core.errors import UsageError
+from bench.core.results import PLAN, Status
+from bench.measure.op_cost import CONV, MATMUL, CpuSpeed, OperatorCostCounter, step_totals
+from bench.run.runner import Case, bind_case
+from strategies import STRATEGIES, Strategy, StrategySpec
+from strategies.base import PlanSpace
+
+WORKLOAD = "deep_mlp:layers=32:width=32"  # Adam: another optimizer (sgd) differs by design
+BATCH = 256  # activations dominate the peak
+# fixed figures instead of timing this CPU: the tests check the search, not the calibration
+FIGURES = plan_cost.cpu_figures(CpuSpeed({(kind, dtype): 1e10 for kind in (MATMUL, CONV)
+                                          for dtype in ("float32", "bfloat16")}, 1e10, 1e-6), "test CPU")
+
+
+def _request(limit_bytes: int = 2**30, **changes) -> plan.PlanRequest:
+    request = plan.PlanRequest(WORKLOAD, "synthetic", BATCH, "cpu", "test CPU", limit_bytes, 0,
+                               plan_cost.to_json(FIGURES), max_candidates=24, max_search_s=600)
+    return dataclasses.replace(request, **changes)
+
+
+@pytest.fixture(scope="module")
+def searched() -> list:
+    return plan.search(_request())
+
+
+def _space(device: str, ranks: int = 1) -> PlanSpace:
+    context = bind_case(Case(WORKLOAD, "baseline", "train", BATCH, device), ranks)[1]
+    return PlanSpace(context, 100 * 2**20)
+
+
+# --- what the strategies declare -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", STRATEGIES.names())
+def test_every_strategy_declares_its_plan_options_or_why_the_planner_leaves_it_out(name):
+    """A new strategy must say what `plan` may try of it (`plan_options`) or why it never may (`plan_excluded`;
+    pitfalls are out by being pitfalls): the base class's default does not count as a declaration."""
+    cls = STRATEGIES.get(name)
+    declares = any("plan_options" in vars(k) for k in cls.__mro__ if k is not Strategy)
+    assert cls.pitfall or cls.plan_excluded or declares, f"{name}: declare plan_options() or plan_excluded"
+    assert not (cls.plan_excluded and declares and not cls.pitfall), f"{name}: declares options and an exclusion"
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("name", STRATEGIES.names())
+def test_every_declared_setting_is_a_valid_spec(name, device):
+    cls = STRATEGIES.get(name)
+    if cls.pitfall or cls.plan_excluded:
+        pytest.skip("never a candidate")
+    for options in cls.plan_options(_space(device, ranks=2)):
+        spec = cls(**options).spec()
+        assert StrategySpec(spec).build().spec() == spec
+
+
+def test_pitfalls_and_excluded_strategies_are_never_candidates():
+    accepted, refused = plan_candidates.settings(_space("cpu"))
+    names = {s.strategy for s in accepted}
+    excluded = plan_candidates.excluded_strategies()
+    assert "pitfall_loss_sum" in excluded and "compile" in excluded
+    assert not names & set(excluded)
+    assert any(r.spec == "offload" for r in refused)  # CUDA only: its check() refuses the CPU
+
+
+def test_sharded_strategies_are_candidates_only_for_several_ranks():
+    one = {s.strategy for s in plan_candidates.settings(_space("cpu", ranks=1))[0]}
+    two = {s.strategy for s in plan_candidates.settings(_space("cpu", ranks=2))[0]}
+    assert "ddp" not in one and {"ddp", "zero1", "fsdp"} <= two
+
+
+def test_settings_that_conflict_never_combine():
+    settings = {s.spec: s for s in plan_candidates.settings(_space("cpu"))[0]}
+    context = _space("cpu").context
+    assert plan_candidates.compose((settings["checkpoint"], settings["selective_checkpoint"]), context) is None
+    assert plan_candidates.compose((settings["checkpoint"], settings["checkpoint:segments=sqrt"]), context) is None
+    assert plan_candidates.compose((settings["amp"], settings["checkpoint"]), context) == "checkpoint+amp"
+
+
+# --- the GPU table and the operator counter -------------------------------------------------------------------------
+
+def test_gpu_names_are_found_loosely_and_a_bad_one_lists_the_choices():
+    assert gpus.find_gpu("rtx-4090").name == "RTX 4090"
+    assert gpus.find_gpu("H100").name == "H100 80GB"
+    with pytest.raises(UsageError, match="valid choices: GTX 1650, RTX 3060"):
+        gpus.find_gpu("A100")  # two of them
+    for gpu in gpus.GPUS.values():
+        assert gpu.memory_bytes > 0 and gpu.fp16_flops >= gpu.fp32_flops > 0
+    assert gpus.GPUS["GTX 1650"].flops("bfloat16") is None
+
+
+def test_the_counter_counts_a_matmuls_flops_and_bytes_by_arithmetic():
+    a, b = torch.ones(32, 64), torch.ones(64, 16)
+    counter = OperatorCostCounter()
+    with counter:
+        a.t()  # a view: no cost
+        torch.mm(a, b)
+    counter.end_step()
+    totals = step_totals(counter.steps[0])
+    assert totals["ops"] == 1
+    assert totals["flops"] == 2 * 32 * 64 * 16
+    assert totals["bytes"] == 4 * (32 * 64 + 64 * 16 + 32 * 16)
+
+
+def test_a_gpu_without_bfloat16_refuses_a_bfloat16_step():
+    from bench.measure.op_cost import OpCost
+
+    figures = plan_cost.gpu_figures(gpus.GPUS["GTX 1650"])
+    assert figures.seconds([OpCost(MATMUL, "float16", 10**9, 0)]) > 0
+    with pytest.raises(Exception, match="no bfloat16"):
+        figures.seconds([OpCost(MATMUL, "bfloat16", 10**9, 0)])
+
+
+# --- the search and its answer -------------------------------------------------------------------------------------
+
+def test_the_search_writes_rows_of_the_plan_table(searched, tmp_path):
+    from bench.core.results import write_table
+
+    write_table(PLAN, searched, tmp_path / "plan.csv")
+    frame = pd.read_csv(tmp_path / "plan.csv")
+    assert list(frame.columns) == PLAN.names and (frame["schema_version"] == PLAN.version).all()
+    assert frame["strategy"].iloc[0] == "baseline" and frame["members"].iloc[0] == 0
+    assert len(searched) >= 10 and {"ok", "unsupported"} <= set(frame["status"])
+
+
+def test_checkpointing_trades_flops_for_memory_in_the_estimate(searched):
+    rows = {r["strategy"]: r for r in searched}
+    base, checkpoint = rows["baseline"], rows["checkpoint"]
+    assert checkpoint["judged_bytes"] < base["judged_bytes"]
+    assert checkpoint["step_flops"] > base["step_flops"]  # the recomputed forward is counted
+    assert checkpoint["est_step_time_ms"] > base["est_step_time_ms"]
+
+
+def test_the_answer_fits_and_is_the_fastest_eligible_candidate_that_fits(searched):
+    rows = [dict(r) for r in searched]
+    base = next(r for r in rows if r["strategy"] == "baseline")
+    limit = base["judged_bytes"] - 1  # the baseline does not fit
+    for row in rows:
+        row["limit_bytes"], row["fits"] = limit, row["judged_bytes"] is not None and row["judged_bytes"] <= limit
+    answer = plan.decide(rows, allow_different=False)
+    assert answer is not None and answer["fits"] and not answer["differs_by_design"]
+    fitting = [r for r in rows if r["eligible"] and r["fits"]]
+    assert answer["est_step_time_ms"] <= min(r["est_step_time_ms"] for r in fitting) * plan.SAME_TIME_RATIO
+    assert [r for r in rows if r["answer"]] == [answer]
+    front = plan.pareto(rows)
+    assert answer in front or any(r["est_step_time_ms"] <= answer["est_step_time_ms"] for r in front)
+
+
+def test_candidates_that_change_what_is_trained_are_kept_out_unless_allowed(searched):
+    rows = [dict(r) for r in searched]
+    different = [r for r in rows if r["status"] == "ok" and r["differs_by_design"]]
+    assert any(r["strategy"] == "optimizer:name=sgd" for r in different)
+    plan.decide(rows, allow_different=False)
+    assert not any(r["eligible"] or r["answer"] or r["on_front"] for r in different)
+    plan.decide(rows, allow_different=True)
+    assert all(r["eligible"] for r in different)
+
+
+def test_a_confirmed_peak_matches_its_prediction():
+    """The harness's measured peak within 1% of the plan's prediction (on a tiny GPT, whose batch of token ids is a
+    negligible part of the peak: the fake engine does not count the batch's bytes, 4% of deep_mlp's tiny peak)."""
+    request = _request(workload="gpt_mini:layers=2:width=64:heads=2:seq_len=32", batch_size=4)
+    for spec in ("baseline", "checkpoint"):
+        row = plan.evaluate(request, spec, spec.count("+") + 1, FIGURES)
+        measured = plan.confirm(request, row)
+        assert measured["status"] == Status.OK.value, measured["message"]
+        assert abs(row["peak_error_pct"]) < 1.0
+        assert row["measured_step_time_ms"] > 0 and row["matches_baseline"]
+
+
+def test_spearman_by_arithmetic():
+    assert plan.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert plan.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert plan.spearman([1, 2], [1, 2]) is None
+
+
+# --- the command line -----------------------------------------------------------------------------------------------
+
+def test_a_bad_gpu_name_is_one_line_naming_the_choices(capsys):
+    assert main(["plan", "--gpu", "RTX 9999"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "'RTX 9999'" in err and "RTX 4090" in err and "H100 80GB" in err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["plan"], "--budget SIZE"),
+    (["plan", "--budget", "lots"], "--budget: bad size"),
+    (["plan", "--gpu", "L4", "--device", "cpu"], "plans for CUDA"),
+    (["plan", "--budget", "1GiB", "--device", "cuda"], "give --gpu NAME"),
+    (["plan", "--budget", "1GiB", "--headroom", "2"], "--headroom"),
+])
+def test_bad_options_exit_2(argv, says, capsys):
+    assert main(argv) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_list_gpus_prints_the_table(capsys):
+    assert main(["plan", "--list-gpus"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in gpus.GPUS) and "CUDA context" in out
+
+
+def test_a_budget_nothing_reaches_exits_1_with_the_smallest_peak(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("bench.cli.commands_plan.measure_cpu_speed", lambda: CpuSpeed(
+        {(MATMUL, "float32"): 1e10, (CONV, "float32"): 1e10}, 1e10, 1e-6))
+    code = main(["plan", "--workload", WORKLOAD, "--batch-size", str(BATCH), "--budget", "1KiB", "--device", "cpu",
+                 "--max-candidates", "4", "--out", str(tmp_path)])
+    out = capsys.readouterr().out.strip()
+    assert code == 1 and len(out.splitlines()) == 1
+    assert "smallest reachable" in out and "no candidate fits" in out
+    assert list(tmp_path.glob("plan-*.csv"))
