@@ -62,6 +62,11 @@ class Bf16Weights(Strategy):
     # float32's tolerance (EXACT): the row's message lists each check bfloat16 rounding fails, with its measure
     priority = 22  # after lora (15) put its adapters in, so they are converted too; before checkpoint (30) wraps
 
+    @classmethod
+    def plan_options(cls, space):
+        """The one setting (it changes what is trained: out of an answer unless --allow-different)."""
+        return [{}]
+
     def prepare_model(self, model: nn.Module, units: list[nn.Module]) -> nn.Module:
         if any(is_fake(p) for p in model.parameters()):
             _convert_fake(model)  # Module.to cannot swap a fake parameter (predict's fake engines)

@@ -81,6 +81,12 @@ class Lora(Strategy):
     # this one rebuilt over the trainable parameters
     priority = 15
 
+    @classmethod
+    def plan_options(cls, space):
+        """peft's defaults for the architecture at rank 8 (another model is trained: differs_by_design, so out of an
+        answer unless --allow-different); unsupported, and dropped, where the model has no default targets."""
+        return [{}]
+
     def __init__(self, **options):
         super().__init__(**options)
         s = self.settings

@@ -73,8 +73,9 @@ class Optimizer(Strategy):
     @classmethod
     def plan_options(cls, space):
         """The workload's optimizer in each implementation, and plain SGD, with less state (another update:
-        differs_by_design, so out of an answer unless --allow-different). Not Adafactor: fake tensors cannot run
-        its step, so each prediction would cost a real one."""
+        differs_by_design, so out of an answer unless --allow-different). Not Adafactor nor torchao's 8-bit and
+        4-bit AdamW: fake tensors cannot run their steps, so each prediction would cost a real one (at a language
+        model's full size, one that does not fit in this machine's memory)."""
         return [{"impl": "foreach"}, {"impl": "for_loop"}, {"impl": "fused"}, {"name": "sgd"}]
 
     def __init__(self, **options):
