@@ -172,7 +172,8 @@ def test_fit_on_the_cpu_survives_an_allocation_failure(monkeypatch):
         return real(case, strategy)
 
     monkeypatch.setattr(analysis, "measured_peak", refusing)
-    monkeypatch.setattr(analysis, "_probe_peak", lambda case, spec: 1)  # every probe fits: the runs must say no
+    # every probe fits, and no real first step equals its fake count: the full tracked runs must say no
+    monkeypatch.setattr(analysis, "_probe_peak", lambda case, spec, **options: 1)
     [result] = analysis.fit([], 2**40, "eval", "cpu", "deep_mlp:layers=4:width=8", "synthetic", max_batch=64,
                             time_steps=0)
     assert 1 <= result.batch_size <= 6 and result.verified
@@ -573,7 +574,7 @@ def test_fit_and_predict_show_progress(tmp_path):
     done = _cli("fit", "--budget", "1MiB", "--workload", "deep_mlp:layers=4:width=8", "--max-batch", "16",
                 "--phase", "eval", "--time-steps", "0", "--out", tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "fit baseline: tracked run at batch" in done.stderr
+    assert "fit baseline: tracked run" in done.stderr
 
 
 def test_no_default_output_is_inside_the_committed_reference_results(tmp_path):
