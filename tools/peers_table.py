@@ -160,8 +160,9 @@ def main() -> None:
     print(f"membench predict (engine {row_of(first[0], 'baseline')['engine']}, capability "
           f"{', '.join(sorted(capabilities)) or '?'}), batch 1, train; accelerate {first[1]['accelerate_version']}; "
           f"{first[2]['source']}. GiB (2^30 bytes).\n")
-    print("| model (seq) | parameters | membench: full fine-tune, AdamW, fp32 (allocated / reserved) | "
-          "not model states (activations, logits, temporaries) | accelerate: fp32 / mixed | "
+    print("Full fine-tune with AdamW, float32, batch 1, train:\n")
+    print("| model (seq) | parameters | membench: allocated / reserved | "
+          "of which not model states (activations, logits, temporaries) | accelerate: fp32 / mixed | "
           "DeepSpeed ZeRO-2 / ZeRO-3, 1 GPU |")
     print("|---|---:|---:|---:|---:|---:|")
     for preset, (rows, sizes, ds) in results.items():
@@ -171,12 +172,15 @@ def main() -> None:
               f"{gib(sizes['accelerate_train_fp32'])} / {gib(sizes['accelerate_train_mixed'])} | "
               f"{gib(ds['zero2'])} / {gib(ds['zero3'])} |")
 
-    print("\nmembench's predicted training peak by technique (allocated / reserved GiB; fake CUDA):\n")
+    print("\nmembench by technique (allocated / reserved GiB, predicted, fake CUDA; neither peer has a figure for "
+          "these):\n")
     print("| model (seq) | baseline (AdamW) | lora | lora+checkpoint | lora+checkpoint+chunked_loss | amp | "
           "SDPA kernel | predict wall time |")
     print("|---|---:|---:|---:|---:|---:|---|---:|")
     for preset, (rows, sizes, ds) in results.items():
-        kernels = sorted({r["sdpa_kernel"] for r in rows if r.get("sdpa_kernel")})
+        amp = {r["sdpa_kernel"] for r in rows if r["strategy"] == "amp" and r.get("sdpa_kernel")}
+        kernels = [f"{k} (amp)" for k in sorted(amp)] + sorted(
+            {r["sdpa_kernel"] for r in rows if r["strategy"] != "amp" and r.get("sdpa_kernel")})
         wall = f"{walls[preset]:.0f} s" if walls[preset] is not None else "reused"
         print(f"| {preset} ({SEQ_LEN[preset]}) | {cell(row_of(rows, 'baseline'))} | {cell(row_of(rows, 'lora'))} | "
               f"{cell(row_of(rows, 'lora+checkpoint'))} | {cell(row_of(rows, 'lora+checkpoint+chunked_loss'))} | "
