@@ -34,7 +34,7 @@ from bench.run.runner import Case, run_cases
 from workloads import captcha_data
 
 ROOT = Path(__file__).resolve().parent.parent
-REFERENCE_CSV = ROOT / "results" / "reference" / "captcha" / "20261121T235651Z-cpu-dd84.csv"
+REFERENCE_CSV = ROOT / "results" / "reference" / "captcha" / "20261124T013013Z-cpu-7f8f.csv"
 TINY = ["--workload", "deep_mlp:layers=4:width=8", "--phases", "eval", "--batch-size", "2", "--device", "cpu",
         "--warmup", "0", "--steps", "1", "--threads", "1", "--no-isolate"]
 
