@@ -15,7 +15,7 @@ TINY = "deep_mlp:layers=4:width=8"
 
 
 @pytest.mark.parametrize("flags, bf16, fp16", [
-    ({"fpu", "avx2", "avx512f"}, False, False),  # the reference AMD EPYC: AVX2, no 16-bit units
+    ({"fpu", "avx2", "avx512f"}, False, False),  # the AMD EPYC of captcha_no_bf16: AVX2, no 16-bit units
     ({"avx512f", "avx512_bf16"}, True, False),  # Cooper Lake
     ({"avx512f", "amx_tile", "amx_bf16", "avx512_fp16"}, True, True),  # Sapphire Rapids (this machine's Xeon)
     ({"amx_fp16"}, False, True),
@@ -65,8 +65,8 @@ def _captcha(strategy, phase="train", batch=100):
 
 
 def test_the_note_before_an_emulated_case_gives_the_estimate():
-    """The reference AMD EPYC: baseline 5.68 s a step at batch 100, amp 15-23x: on the emulated path, the strategy's
-    and the baseline's verification steps at batch 4 and one timed step (longer than the 10 s budget)."""
+    """The AMD EPYC of captcha_no_bf16: baseline 5.68 s a step at batch 100, amp 15-23x: on the emulated path, the
+    strategy's and the baseline's verification steps at batch 4 and one timed step (longer than the 10 s budget)."""
     case = _captcha("amp")
     assert eta.case_steps(case, 85.0) == 1 + 1 + 1 + 3  # verification, warm-up, one timed step, memory pass
     text = eta.emulation_warning(case, "bfloat16", "AMD EPYC", 5681.0, slowdown=(15.0, 23.0))

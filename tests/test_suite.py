@@ -88,7 +88,7 @@ def test_a_device_with_adaptive_keys_replaces_a_fixed_count(tmp_path):
 
 
 def test_the_default_cpu_suite_is_adaptive_with_a_budget_that_caps_slow_cases():
-    """A bfloat16 step that the CPU emulates (83 s at batch 100 on the reference AMD EPYC) must time one step."""
+    """A bfloat16 step that the CPU emulates (83 s at batch 100 on the EPYC of captcha_no_bf16) must time one step."""
     from bench.run.suite import DEFAULT_SUITE
 
     cases = load_suite(DEFAULT_SUITE, "cpu").cases("cpu")

@@ -56,7 +56,8 @@ def git_commit() -> str:
 
 # /proc/cpuinfo flags that mean native 16-bit arithmetic: x86 (AVX-512 and AMX) and aarch64 (FEAT_BF16; FEAT_FP16,
 # shown as fphp for scalars and asimdhp for vectors). Without them oneDNN and ATen convert every 16-bit operand to
-# float32 and back: bfloat16 autocast then runs 15-23x slower than float32 (results/reference/captcha, AMD EPYC).
+# float32 and back: bfloat16 autocast then runs 15-23x slower than float32 (AMD EPYC,
+# results/reference/captcha_no_bf16).
 NATIVE_16BIT_FLAGS = {
     "bfloat16": ("avx512_bf16", "amx_bf16", "bf16"),
     "float16": ("avx512_fp16", "amx_fp16", "fphp", "asimdhp"),

@@ -26,7 +26,8 @@ from bench.run.runner import (
 )
 
 # bfloat16 autocast emulated on a CPU without bfloat16 instructions, against the float32 baseline, 2 threads, AMD
-# EPYC (results/reference/captcha): amp 14.6x (train, batch 100) to 23.0x (eval, batch 100), checkpoint+amp 18.6x.
+# EPYC (results/reference/captcha_no_bf16): amp 14.6x (train, batch 100) to 23.0x (eval, batch 100),
+# checkpoint+amp 18.6x.
 # The reference figure `python -m bench env` quotes; the estimates use `emulated_slowdown`, measured where they run.
 EMULATED_SLOWDOWN = (15.0, 23.0)
 # The calibration of `emulated_slowdown`: a matrix product and a convolution the size of a small model's layers
