@@ -432,8 +432,9 @@ def test_an_interrupt_names_the_file_and_the_exact_resume_command(tmp_path):
 
 
 def test_an_interrupt_without_a_file_says_nothing_was_written(tmp_path):
+    # steps of a model large enough that 10,000 of them (the limit) take long past the first "timing" line
     proc = subprocess.Popen([sys.executable, "-m", "bench", "fit", "--budget", "1GiB", "--workload",
-                             "deep_mlp:layers=4:width=8", "--max-batch", "64", "--time-steps", "9000",
+                             "deep_mlp:layers=16:width=256", "--max-batch", "64", "--time-steps", "10000",
                              "--out", str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     deadline = time.monotonic() + 120
