@@ -360,9 +360,16 @@ def test_an_unusable_data_cache_falls_back_to_a_temporary_folder_with_a_warning(
     assert made == [1]  # the second call read the fallback
 
 
+def _ctrl_c_as_in_a_terminal() -> None:
+    """In the child before it execs: SIGINT's default action. A shell runs a background job (`make test &`, CI
+    under nohup) with SIGINT ignored, which children inherit, and Python then installs no KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _interrupt_after_first_row(args, out: Path) -> subprocess.CompletedProcess:
     proc = subprocess.Popen([sys.executable, "-m", "bench", *map(str, args)], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "MEMBENCH_TEST_SLOW": "1"})
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "MEMBENCH_TEST_SLOW": "1"},
+                            preexec_fn=_ctrl_c_as_in_a_terminal)
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and proc.poll() is None:
         found = [p for p in out.glob("*.csv")] if out.is_dir() else []
@@ -436,7 +443,7 @@ def test_an_interrupt_without_a_file_says_nothing_was_written(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "bench", "fit", "--budget", "1GiB", "--workload",
                              "deep_mlp:layers=16:width=256", "--max-batch", "64", "--time-steps", "10000",
                              "--out", str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=_ctrl_c_as_in_a_terminal)
     deadline = time.monotonic() + 120
     seen = ""
     while time.monotonic() < deadline and "timing" not in seen:
