@@ -220,3 +220,31 @@ def test_a_budget_nothing_reaches_exits_1_with_the_smallest_peak(tmp_path, capsy
     assert code == 1 and len(out.splitlines()) == 1
     assert "smallest reachable" in out and "no candidate fits" in out
     assert list(tmp_path.glob("plan-*.csv"))
+
+
+def _table_gpu_of_this_machine() -> str | None:
+    """The GPU table's name for GPU 0 (`NVIDIA H100 80GB HBM3` is the `H100 80GB`), or None when it has none."""
+    device = torch.cuda.get_device_name(0).upper().replace("NVIDIA", "").replace("GEFORCE", "")
+    for name in gpus.GPUS:
+        if all(word in device for word in name.upper().replace("GB", "").split()):
+            return name
+    return None
+
+
+@pytest.mark.cuda
+def test_on_the_gpu_every_confirmed_peak_is_as_predicted_and_the_times_in_the_estimated_order(tmp_path):
+    """Issue 22 §3 on the first GPU: `--confirm-front` measures each front candidate with the harness; each measured
+    peak within 1% of its prediction, and the estimated times in the measured order (Spearman's rho >= 0.8)."""
+    name = _table_gpu_of_this_machine()
+    if name is None:
+        pytest.skip(f"{torch.cuda.get_device_name(0)} is not in the GPU table (bench.core.gpus)")
+    free = torch.cuda.mem_get_info()[0]
+    assert main(["plan", "--workload", "gpt_mini", "--batch-size", "16", "--gpu", name, "--budget",
+                 f"{free // 2**20}MiB", "--confirm-front", "--out", str(tmp_path)]) == 0
+    [csv] = tmp_path.glob("plan-*.csv")
+    rows = pd.read_csv(csv)
+    confirmed = rows[rows["measured_peak_bytes"].notna()]
+    assert len(confirmed) >= 2, rows[["strategy", "on_front", "message"]]
+    assert (confirmed["peak_error_pct"].abs() <= 1.0).all(), confirmed[["strategy", "peak_error_pct"]]
+    rho = plan.spearman(list(confirmed["est_step_time_ms"]), list(confirmed["measured_step_time_ms"]))
+    assert rho is None or rho >= 0.8, (rho, confirmed[["strategy", "est_step_time_ms", "measured_step_time_ms"]])

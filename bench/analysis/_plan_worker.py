@@ -2,36 +2,24 @@
 `bench.analysis.plan.search_where_cuda_runs` in the fake-CUDA environment's Python (bench.measure.fake_cuda).
 
 REQUEST is a JSON file of a `PlanRequest`; ROWS is written as {"rows": [...]}, or {"error": "..."} when the process
-cannot plan at all. Progress goes to stderr.
+cannot plan at all (bench.analysis.fake_cuda_worker). Progress goes to stderr.
 """
 
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
+
+from bench.analysis.fake_cuda_worker import serve
 
 
-def main(request_path: str, rows_path: str) -> int:
-    from bench.run._worker import import_plugins
+def search(values: dict) -> list[dict]:
+    from bench.analysis import plan
 
-    try:
-        import_plugins()
-        from bench.analysis import plan
-
-        values = json.loads(Path(request_path).read_text())
-        if values.get("capability"):
-            values["capability"] = tuple(values["capability"])
-        request = plan.PlanRequest(**values)
-        rows = plan.search(request, lambda text: print(f"{text} (fake CUDA)", file=sys.stderr, flush=True))
-    except KeyboardInterrupt:  # Ctrl-C reaches the caller too, which says what was interrupted
-        return 130
-    except Exception as error:  # noqa: BLE001 - the caller plans in its own process instead, saying why
-        Path(rows_path).write_text(json.dumps({"error": f"{type(error).__name__}: {error}".splitlines()[0]}))
-        return 1
-    Path(rows_path).write_text(json.dumps({"rows": rows}))
-    return 0
+    if values.get("capability"):
+        values["capability"] = tuple(values["capability"])
+    return plan.search(plan.PlanRequest(**values),
+                       lambda text: print(f"{text} (fake CUDA)", file=sys.stderr, flush=True))
 
 
 if __name__ == "__main__":
-    sys.exit(main(*sys.argv[1:3]))
+    sys.exit(serve(*sys.argv[1:3], search))

@@ -16,20 +16,17 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import math
-import subprocess
-import tempfile
 import time
 import warnings
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 from typing import Callable
 
 import torch
 from torch._subclasses import fake_tensor
 
 from bench.analysis import plan_candidates, plan_cost
+from bench.analysis.fake_cuda_worker import run_in_fake_cuda
 from bench.analysis.predict import PredictionMeter, bound_device, cublas_workspace, tracked_step
 from bench.core.errors import Unsupported
 from bench.core.gpus import DEFAULT_MAX_CANDIDATES, DEFAULT_MAX_SEARCH_S
@@ -356,15 +353,9 @@ def search_where_cuda_runs(request: PlanRequest, progress: Callable[[str], None]
     python = fake_cuda.environment_python()
     if python is None:
         return search(request, progress), f"{fake_cuda.unavailable_reason()}: predicted on the CPU's operators"
-    with tempfile.TemporaryDirectory(prefix="membench-plan-") as folder:
-        request_file, rows_file = Path(folder) / "request.json", Path(folder) / "rows.json"
-        request_file.write_text(json.dumps(asdict(request)))
-        done = subprocess.run([str(python), "-m", "bench.analysis._plan_worker", str(request_file), str(rows_file)],
-                              env=fake_cuda.python_environment(), stdout=subprocess.DEVNULL)
-        answer = json.loads(rows_file.read_text()) if rows_file.exists() else {}
-    if done.returncode == 0 and "rows" in answer:
-        return [PLAN.row(values) for values in answer["rows"]], ""
-    why = answer.get("error") or f"its Python exited with code {done.returncode}"
+    rows, why = run_in_fake_cuda(python, "bench.analysis._plan_worker", asdict(request))
+    if rows is not None:
+        return [PLAN.row(values) for values in rows], ""
     return search(request, progress), f"the fake-CUDA environment failed ({why[:200]}): predicted here"
 
 

@@ -13,11 +13,8 @@ Each case is one row of the declared predict table (`bench.core.results.PREDICT`
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import subprocess
 import sys
-import tempfile
 import warnings
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -25,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from bench.analysis.fake_cuda_worker import run_in_fake_cuda
 from bench.analysis.fake_engine import fake_memory_pass
 from bench.core.errors import Unsupported, UsageError
 from bench.core.results import PREDICT, Status
@@ -408,15 +406,9 @@ def _predict_in_fake_cuda_environment(python: Path, cases: list, engine: str, ra
     fails."""
     request = {"cases": [asdict(case) for case in cases], "engine": engine, "ranks": ranks,
                "capability": list(capability) if capability else None, "snapshot_dir": snapshot_dir}
-    with tempfile.TemporaryDirectory(prefix="membench-predict-") as folder:
-        request_file, rows_file = Path(folder) / "request.json", Path(folder) / "rows.json"
-        request_file.write_text(json.dumps(request))
-        done = subprocess.run([str(python), "-m", "bench.analysis._predict_worker", str(request_file), str(rows_file)],
-                              env=fake_cuda.python_environment(), stdout=subprocess.DEVNULL)
-        answer = json.loads(rows_file.read_text()) if rows_file.exists() else {}
-    if done.returncode == 0 and "rows" in answer:
-        return [PREDICT.row(values) for values in answer["rows"]], ""
-    why = answer.get("error") or f"its Python exited with code {done.returncode}"
+    rows, why = run_in_fake_cuda(python, "bench.analysis._predict_worker", request)
+    if rows is not None:
+        return [PREDICT.row(values) for values in rows], ""
     return None, f"the fake-CUDA environment failed ({why[:200]}): predicted here"
 
 

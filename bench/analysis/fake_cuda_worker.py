@@ -1,0 +1,45 @@
+"""Running part of an analysis in the fake-CUDA environment's Python: both sides of the request/rows file protocol.
+
+The caller (`run_in_fake_cuda`) writes a JSON request, runs `python -m <worker module> REQUEST ROWS` there and reads
+{"rows": [...]} back, or {"error": "..."} when that process could not do the work; the worker's `main` (`serve`)
+imports the plugins, answers, and exits 130 on Ctrl-C, which reaches the caller too.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+from bench.measure import fake_cuda
+
+
+def run_in_fake_cuda(python: Path, worker_module: str, request: dict[str, Any]) -> tuple[list[dict] | None, str]:
+    """The worker's rows, and "" ; or None and why it failed."""
+    with tempfile.TemporaryDirectory(prefix="membench-fake-cuda-") as folder:
+        request_file, rows_file = Path(folder) / "request.json", Path(folder) / "rows.json"
+        request_file.write_text(json.dumps(request))
+        done = subprocess.run([str(python), "-m", worker_module, str(request_file), str(rows_file)],
+                              env=fake_cuda.python_environment(), stdout=subprocess.DEVNULL)
+        answer = json.loads(rows_file.read_text()) if rows_file.exists() else {}
+    if done.returncode == 0 and "rows" in answer:
+        return answer["rows"], ""
+    return None, answer.get("error") or f"its Python exited with code {done.returncode}"
+
+
+def serve(request_path: str, rows_path: str, answer: Callable[[dict[str, Any]], list[dict]]) -> int:
+    """The worker's side: `answer(request)` gives the rows; the exit status the caller reads."""
+    from bench.run._worker import import_plugins
+
+    try:
+        import_plugins()
+        rows = answer(json.loads(Path(request_path).read_text()))
+    except KeyboardInterrupt:  # Ctrl-C reaches the caller too, which says what was interrupted
+        return 130
+    except Exception as error:  # noqa: BLE001 - the caller does the work in its own process instead, saying why
+        Path(rows_path).write_text(json.dumps({"error": f"{type(error).__name__}: {error}".splitlines()[0]}))
+        return 1
+    Path(rows_path).write_text(json.dumps({"rows": rows}))
+    return 0
