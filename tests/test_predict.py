@@ -417,6 +417,8 @@ def test_a_prediction_is_a_row_of_the_predict_table_with_every_column_even_when_
 def test_rows_from_the_fake_cuda_environment_come_back_as_rows_of_the_predict_table(monkeypatch, tmp_path):
     import json
     import subprocess
+
+    from bench.analysis import fake_cuda_worker
     import sys
     from pathlib import Path
 
@@ -430,7 +432,7 @@ def test_rows_from_the_fake_cuda_environment_come_back_as_rows_of_the_predict_ta
         return subprocess.CompletedProcess(argv, 0)
 
     monkeypatch.setattr(fake_cuda, "environment_python", lambda venv=None: Path(sys.executable))
-    monkeypatch.setattr(predict.subprocess, "run", worker)
+    monkeypatch.setattr(fake_cuda_worker.subprocess, "run", worker)
     monkeypatch.setattr(predict.torch.cuda, "is_available", lambda: False)
     [row] = predict.predict_cases([Case(MLP, "baseline", "eval", 2, "cuda", data="synthetic")])
     assert isinstance(row, Row) and row.table is PREDICT and row["predicted_bytes"] == 1024
