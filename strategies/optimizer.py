@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import importlib
 import inspect
-import logging
 import warnings
 
 import torch
@@ -13,6 +11,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
 
 from bench.core.errors import Unsupported, UsageError
+from bench.core.quiet_import import import_torchao
 from strategies.base import Strategy, register_strategy
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
@@ -143,29 +142,13 @@ class Optimizer(Strategy):
 def low_bit_class(name: str) -> type[torch.optim.Optimizer]:
     """torchao's optimizer class for `name` (LOW_BIT_OPTIMIZERS); Unsupported naming the extra without torchao."""
     try:
-        with _quiet_loggers("torchao", "torch.utils._pytree"):
-            module = importlib.import_module("torchao.optim")
+        module = import_torchao("torchao.optim")
     except ImportError:
         raise Unsupported(f"optimizer:name={name} needs torchao, not installed: {LOW_BIT_INSTALL_HINT}") from None
     cls = getattr(module, LOW_BIT_OPTIMIZERS[name], None)
     if cls is None:
         raise Unsupported(f"optimizer:name={name}: this torchao has no torchao.optim.{LOW_BIT_OPTIMIZERS[name]}")
     return cls
-
-
-@contextlib.contextmanager
-def _quiet_loggers(*names: str):
-    """Inside, the named loggers drop warnings: torchao's import warns of each compiled CUDA kernel a CPU build of
-    torch cannot load, and torch of its enum registrations, none of which the low-bit optimizers use."""
-    loggers = [logging.getLogger(name) for name in names]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
 
 
 @contextlib.contextmanager

@@ -274,3 +274,14 @@ def test_the_module_imports_without_transformers():
     code = ("import sys; sys.modules['transformers'] = None; import workloads.hf; "
             "from workloads.base import WORKLOADS; assert 'hf' in WORKLOADS")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+@needs_hf
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao is not installed")
+def test_building_an_hf_model_logs_nothing_of_torchao():
+    # transformers imports torchao where installed; its import warned of each CUDA kernel a CPU build cannot load
+    # and torch of its enum registrations, on every hf: run
+    code = ("from workloads import get_workload; get_workload('hf:gpt2:layers=1:seq_len=8').build_model(); "
+            "import strategies.optimizer as o; o.low_bit_class('adamw8bit')")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert "torchao" not in done.stderr and "register_constant" not in done.stderr, done.stderr

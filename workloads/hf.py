@@ -44,6 +44,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from bench.core.errors import UsageError
+from bench.core.quiet_import import import_torchao
 from workloads import text_data
 from workloads.base import DeferredHead, Workload, register_workload
 from workloads.hf_presets import MASK_TOKEN_IDS, PRESETS
@@ -88,6 +89,11 @@ def import_transformers():
     """The transformers module; a one-line UsageError naming the extra to install when it is missing."""
     try:
         _import_torchvision_without_ops()
+        with contextlib.suppress(ImportError):
+            # transformers imports these where torchao is installed (the second when it builds a model), and their
+            # imports warn (bench.core.quiet_import)
+            import_torchao("torchao")
+            import_torchao("torchao.prototype.mx_formats")
         import transformers
         from transformers import CONFIG_MAPPING  # noqa: F401 - fails here, not later, when the install is broken
     except ModuleNotFoundError as error:

@@ -98,15 +98,22 @@ def whole(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-@functools.lru_cache(maxsize=16)
 def baseline_snapshot(case: Case) -> Snapshot:
-    """The baseline's snapshot for the case's workload, phase, batch, device and data."""
-    case = replace(case, strategy="baseline", warmup=0, steps=0)
-    return snapshot(case, bind_case(case)[0])
+    """The baseline's snapshot for the case's workload, phase, batch, device and data: taken once for all the
+    strategies compared with it."""
+    return _baseline_snapshot(replace(case, strategy="baseline", warmup=0, steps=0, min_steps=0, max_time_s=0.0,
+                                      target_ci_rel=0.0))
 
 
+# Keyed by the baseline's case alone, so every strategy of a sweep shares one snapshot (it holds the gradients and the
+# stepped weights: twice the model's size). Two: a sweep's cases come grouped by batch, and an emulated 16-bit case is
+# verified at a smaller one (bench.run.runner.emulated_verification) between cases at the full batch.
+@functools.lru_cache(maxsize=2)
+def _baseline_snapshot(baseline: Case) -> Snapshot:
+    return snapshot(baseline, bind_case(baseline)[0])
 
-clear_on_fake_mode_change(baseline_snapshot.cache_clear)
+
+clear_on_fake_mode_change(_baseline_snapshot.cache_clear)
 
 
 def compare(result: Snapshot, reference: Snapshot, strategy: Strategy) -> dict[str, Any]:
