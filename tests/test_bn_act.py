@@ -11,31 +11,20 @@ import pytest
 import torch
 from torch import nn
 
-from bench.run.runner import Case, bind_case, memory_pass, run_case, verify
+from bench.run.runner import run_case
 from strategies import parse_strategy
 from strategies.bn_act_pairs import find_pairs
 from strategies.inplace_abn import InPlaceABNFunction, inplace_abn
 from workloads import get_workload
+from small_cases import measured as _memory, small_case as _case, verified as _verify
 
 UNET = "unet:depth=2:base_channels=4:image_size=32x16"
 GPT = "gpt_mini:layers=2:width=32:heads=2:seq_len=16"
 
 
-def _case(workload: str, strategy: str, batch: int = 2, phase: str = "train") -> Case:
-    return Case(workload, strategy, phase, batch, "cpu", data="synthetic", warmup=0, steps=1)
-
-
-def _verify(workload: str, strategy: str) -> dict:
-    case = _case(workload, strategy)
-    bound, context = bind_case(case)
-    bound.check(context)
-    return verify(case, bound)
-
-
 @functools.lru_cache(maxsize=None)
 def _peak(workload: str, strategy: str) -> int:
-    case = _case(workload, strategy)
-    return memory_pass(case, bind_case(case)[0])["peak_mem_bytes"]
+    return _memory(workload, strategy)["peak_mem_bytes"]
 
 
 # --- finding the pairs ------------------------------------------------------------------------------------

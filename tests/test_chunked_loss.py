@@ -13,9 +13,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from bench.core.errors import UsageError
-from bench.run.runner import Case, bind_case, memory_pass, run_case, verify
+from bench.run.runner import Case, bind_case, run_case
 from bench.run.session import Session
 from strategies import parse_strategy
+from small_cases import measured as _memory, small_case as _case, verified as _verify
 
 GPT = "gpt_mini:layers=2:width=32:heads=2:seq_len=16"
 # one layer and a 64-token sequence: the 256-byte vocabulary's logits dominate a width-32 model's step
@@ -25,20 +26,8 @@ needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers")
                                         reason="transformers is not installed")
 
 
-def _case(workload: str, spec: str, phase: str = "train", batch: int = 2) -> Case:
-    return Case(workload, spec, phase, batch, "cpu", data="synthetic", warmup=0, steps=1)
-
-
-def _verify(workload: str, spec: str) -> dict:
-    case = _case(workload, spec)
-    strategy, context = bind_case(case)
-    strategy.check(context)
-    return verify(case, strategy)
-
-
 def _peak(workload: str, spec: str) -> int:
-    case = _case(workload, spec)
-    return memory_pass(case, bind_case(case)[0])["peak_mem_bytes"]
+    return _memory(workload, spec)["peak_mem_bytes"]
 
 
 @pytest.mark.parametrize("workload", [GPT, pytest.param(TINY_GPT2, marks=needs_transformers)])

@@ -59,7 +59,36 @@ def test_the_setting_forces_the_emulated_or_the_native_path(monkeypatch):
     assert env.cpu_16bit_support() == {"bfloat16": True, "float16": True}
     assert not env.emulated_on_cpu("float16", "cpu")
     monkeypatch.setenv("MEMBENCH_CPU_16BIT", "auto")
+    for variable in env.ONEDNN_ISA_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
     assert env.cpu_16bit_support() == env.cpu_16bit_support(env.cpu_flags())
+
+
+@pytest.mark.parametrize("variable", env.ONEDNN_ISA_VARIABLES)
+def test_a_onednn_cap_below_the_cpu_s_16bit_instructions_makes_them_emulated(monkeypatch, capsys, variable):
+    # oneDNN capped at AVX2 runs bfloat16 matmuls and convolutions emulated (32-37x float32 on the AMD EPYC with
+    # AVX-512 bfloat16): an AVX2-only CPU on any machine, measured, not only treated as one (MEMBENCH_CPU_16BIT)
+    from bench.cli.commands_run import cpu_16bit_lines
+
+    monkeypatch.delenv("MEMBENCH_CPU_16BIT", raising=False)
+    for other in env.ONEDNN_ISA_VARIABLES:
+        monkeypatch.delenv(other, raising=False)
+    monkeypatch.setattr(env, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
+    assert env.cpu_16bit_support() == {"bfloat16": True, "float16": False}
+    expected = {"avx2": False, "AVX512_CORE": False, "avx2_vnni_2": True, "AVX512_CORE_BF16": True,
+                "AVX512_CORE_AMX": True, "ALL": True, "no-such-isa": True}
+    for cap, native in expected.items():
+        monkeypatch.setenv(variable, cap)
+        assert env.cpu_16bit_support()["bfloat16"] is native, cap
+        assert env.emulated_on_cpu("bfloat16", "cpu") is not native, cap
+    monkeypatch.setenv(variable, "AVX2")
+    assert env.cpu_16bit_support({"avx512_bf16"})["bfloat16"] is True  # another CPU's flags: no cap of this process
+    assert env.environment("cpu")["cpu_capability"].endswith("; oneDNN AVX2")
+    assert env.environment("cpu")["cpu_bf16_native"] is False
+    line = cpu_16bit_lines()[0]
+    assert "EMULATED" in line and f"capped at AVX2 by {variable}" in line and "avx512_bf16" in line, line
+    monkeypatch.setenv("MEMBENCH_CPU_16BIT", "native")  # the setting still overrides
+    assert env.cpu_16bit_support()["bfloat16"] is True
 
 
 def test_a_bad_setting_is_one_line_naming_the_choices(monkeypatch, capsys):

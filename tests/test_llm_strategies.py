@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from bench.core.errors import UsageError
-from bench.run.runner import Case, bind_case, memory_pass, run_case, verify
+from bench.run.runner import run_case
 from bench.run.session import Session
 from bench.run.verify import Snapshot, compare
 from strategies import Strategy, parse_strategy
+from small_cases import bound as _bound, measured as _memory, small_case as _case, verified as _verify
 
 TINY_GPT2 = "hf:tiny-gpt2:seq_len=16"
 TINY_LLAMA = "hf:tiny-llama:seq_len=16"
@@ -27,26 +28,6 @@ MLP = "deep_mlp:layers=2:width=128"  # Adam; its 128x128 matrices are large enou
 needs_peft = pytest.mark.skipif(importlib.util.find_spec("transformers") is None
                                 or importlib.util.find_spec("peft") is None, reason="transformers/peft not installed")
 needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao is not installed")
-
-
-def _case(workload: str, spec: str, phase: str = "train", batch: int = 2) -> Case:
-    return Case(workload, spec, phase, batch, "cpu", data="synthetic", warmup=0, steps=1)
-
-
-def _bound(case: Case) -> Strategy:
-    strategy, context = bind_case(case)
-    strategy.check(context)
-    return strategy
-
-
-def _verify(workload: str, spec: str, batch: int = 2) -> dict:
-    case = _case(workload, spec, batch=batch)
-    return verify(case, _bound(case))
-
-
-def _memory(workload: str, spec: str, batch: int = 2) -> dict:
-    case = _case(workload, spec, batch=batch)
-    return memory_pass(case, _bound(case))
 
 
 # --- lora -----------------------------------------------------------------------------------------------------

@@ -107,6 +107,26 @@ def test_mismatched_rows_are_marked_in_the_table(full_report: Path):
     assert base_rows and all("| yes |" in line for line in base_rows)
 
 
+def test_a_mismatch_is_marked_where_every_row_was_verified(tmp_path: Path):
+    # with no empty matches_baseline the column read back as numpy booleans, which `is False` never is: the
+    # differs-by-design rows of an LLM run (lora, bf16_weights) were drawn and tabled as matches
+    from bench.report.data import MISMATCH_LABEL, load_results, row_flag
+
+    frame = pd.read_csv(SINGLE)
+    frame = frame[frame["status"] == "ok"].copy()
+    frame["matches_baseline"] = [row["strategy"] != "amp" for _, row in frame.iterrows()]
+    assert (frame["strategy"] == "amp").any() and not frame["matches_baseline"].all()
+    path = tmp_path / f"{RUN_ID}.csv"
+    frame.to_csv(path, index=False)
+    loaded = load_results(path)
+    # as the bar charts take a cell's row: the first of the rows that match it
+    flags = {name: row_flag(loaded[loaded["strategy"] == name].iloc[0]) for name in ("amp", "baseline")}
+    assert flags["amp"] == MISMATCH_LABEL and flags["baseline"] is None, flags
+    text = build_report([path], tmp_path / "out").read_text(encoding="utf-8")
+    amp_rows = [line for line in text.splitlines() if line.startswith("| `amp` |")]
+    assert amp_rows and all("no (≠ baseline)" in line for line in amp_rows), amp_rows
+
+
 def test_single_batch_size_skips_chart_4_and_no_timeline_skips_chart_5(tmp_path: Path):
     src = tmp_path / "results"
     src.mkdir()

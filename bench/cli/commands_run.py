@@ -299,11 +299,18 @@ def cmd_env(args) -> int:
 
 def cpu_16bit_lines(flags=None) -> list[str]:
     """What `env` says of the CPU's 16-bit arithmetic: native (and the flags that say so) or emulated, per type."""
-    setting = env.cpu_16bit_setting() if flags is None else "auto"
-    flags = env.cpu_flags() if flags is None else frozenset(flags)
+    this_machine = flags is None
+    setting = env.cpu_16bit_setting() if this_machine else "auto"
+    flags = env.cpu_flags() if this_machine else frozenset(flags)
+    cap = env.onednn_isa_cap() if this_machine and setting == "auto" else None
     lines = []
     for dtype, native in env.cpu_16bit_support(flags).items():
+        native = native and not (cap and not env.capped_16bit({dtype: True}, cap[1])[dtype])
         seen = [flag for flag in env.NATIVE_16BIT_FLAGS[dtype] if flags and flag in flags]
+        if cap and seen and not native:
+            lines.append(f"{'cpu ' + dtype:<16} EMULATED in float32: oneDNN capped at {cap[1]} by {cap[0]} (the CPU "
+                         f"itself: native, {', '.join(seen)})")
+            continue
         text = (f"native ({', '.join(seen)})" if native and seen else "native" if native else
                 f"EMULATED in float32 (no {'/'.join(env.NATIVE_16BIT_FLAGS[dtype])}): autocast to {dtype} runs far "
                 f"slower than float32 here ({EMULATED_SLOWDOWN[0]:g}-{EMULATED_SLOWDOWN[1]:g}x for bfloat16 on the "

@@ -102,17 +102,55 @@ def cpu_16bit_setting() -> str:
     return value
 
 
+# oneDNN (torch's CPU matmuls and convolutions) can be kept below the CPU's instruction set by ONEDNN_MAX_CPU_ISA
+# (DNNL_MAX_CPU_ISA before oneDNN 2): capped at AVX2 on this project's AMD EPYC with AVX-512 bfloat16, a bfloat16
+# matmul runs 32x and a convolution 37x slower than in float32, as on a CPU with AVX2 only. Each cap's bits are
+# oneDNN's `dnnl_cpu_isa_t`; a type is native under a cap that holds one of its instruction sets' bits.
+ONEDNN_ISA_VARIABLES = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+ONEDNN_ISA_BITS = {
+    "SSE41": 0x1, "AVX": 0x3, "AVX2": 0x7, "AVX2_VNNI": 0xF, "AVX2_VNNI_2": 0x1F, "AVX512_CORE": 0x27,
+    "AVX512_CORE_VNNI": 0x67, "AVX512_CORE_BF16": 0xE7, "AVX10_1_512": 0x1EF, "AVX512_CORE_FP16": 0x1EF,
+    "AVX10_1_512_AMX": 0xFEF, "AVX512_CORE_AMX": 0xFEF, "AVX10_1_512_AMX_FP16": 0x1FEF,
+    "AVX512_CORE_AMX_FP16": 0x1FEF,
+}
+ONEDNN_NATIVE_16BIT_BITS = {"bfloat16": (0xE7, 0x1F), "float16": (0x1EF, 0x1F)}  # AVX-512 BF16 / FP16, AVX2_VNNI_2
+
+
+def onednn_isa_cap() -> tuple[str, str] | None:
+    """(variable, value) of the oneDNN ISA cap set in this process's environment; None without one (or `ALL`, an
+    unknown value: oneDNN ignores those)."""
+    for variable in ONEDNN_ISA_VARIABLES:
+        value = os.environ.get(variable, "").strip().upper()
+        if value in ONEDNN_ISA_BITS:
+            return variable, value
+    return None
+
+
+def capped_16bit(support: dict[str, bool], cap: str | None) -> dict[str, bool]:
+    """`support` with the types that oneDNN capped at `cap` (an ONEDNN_ISA_BITS key) runs emulated marked so."""
+    if cap is None:
+        return support
+    bits = ONEDNN_ISA_BITS[cap]
+    return {dtype: native and any(bits & needed == needed for needed in ONEDNN_NATIVE_16BIT_BITS[dtype])
+            for dtype, native in support.items()}
+
+
 def cpu_16bit_support(flags: frozenset[str] | set[str] | None = None) -> dict[str, bool]:
     """{"bfloat16": bool, "float16": bool}: whether the CPU has native arithmetic for each 16-bit float type.
 
     `flags` (a set of /proc/cpuinfo flags) replaces this machine's, so that the answer for any CPU can be tested;
-    for this machine's CPU, MEMBENCH_CPU_16BIT=emulated or native (`cpu_16bit_setting`) overrides the answer."""
+    for this machine's CPU, MEMBENCH_CPU_16BIT=emulated or native (`cpu_16bit_setting`) overrides the answer, and a
+    oneDNN ISA cap below a type's instructions (`onednn_isa_cap`) makes it emulated."""
     if flags is None and cpu_16bit_setting() != "auto":
         return dict.fromkeys(NATIVE_16BIT_FLAGS, cpu_16bit_setting() == "native")
+    this_machine = flags is None
     flags = cpu_flags() if flags is None else frozenset(flags)
     if flags is None:
-        return {dtype: _torch_says_native(dtype) for dtype in NATIVE_16BIT_FLAGS}
-    return {dtype: any(flag in flags for flag in names) for dtype, names in NATIVE_16BIT_FLAGS.items()}
+        support = {dtype: _torch_says_native(dtype) for dtype in NATIVE_16BIT_FLAGS}
+    else:
+        support = {dtype: any(flag in flags for flag in names) for dtype, names in NATIVE_16BIT_FLAGS.items()}
+    cap = onednn_isa_cap() if this_machine else None
+    return capped_16bit(support, cap and cap[1])
 
 
 def emulated_on_cpu(dtype: str | None, device: str, support: dict[str, bool] | None = None) -> bool:
@@ -120,6 +158,13 @@ def emulated_on_cpu(dtype: str | None, device: str, support: dict[str, bool] | N
     if device != "cpu" or dtype not in NATIVE_16BIT_FLAGS:
         return False
     return not (support or cpu_16bit_support())[dtype]
+
+
+def cpu_capability() -> str:
+    """The instruction set of PyTorch's CPU kernels (`torch.backends.cpu.get_cpu_capability()`: AVX2, AVX512, ...),
+    and oneDNN's cap where one is set (`AVX512; oneDNN AVX2`)."""
+    cap = onednn_isa_cap()
+    return torch.backends.cpu.get_cpu_capability() + (f"; oneDNN {cap[1]}" if cap else "")
 
 
 def device_name(device: str) -> str:
@@ -139,7 +184,7 @@ def environment(device: str) -> dict:
         "cuda_version": torch.version.cuda or "none",
         "cudnn_version": str(cudnn) if cudnn else "none",
         "cpu_threads": torch.get_num_threads(),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_capability": cpu_capability(),
         "cpu_bf16_native": support["bfloat16"],
         "cpu_fp16_native": support["float16"],
         "git_commit": git_commit(),

@@ -88,9 +88,12 @@ def load_results(csv_path: Path) -> pd.DataFrame:
             frame[column] = float("nan")
     frame["run_id"] = _text(frame["run_id"], csv_path.stem)
     frame["status"] = _text(frame["status"], "error").str.strip().str.lower()
-    frame["matches_baseline"] = [_to_bool(v) for v in frame.get("matches_baseline", [None] * len(frame))]
+    # object columns of True, False and None: a column of booleans alone would become numpy.bool_, which
+    # `is False` never is (a file whose every row was verified drew its mismatches as matches)
+    frame["matches_baseline"] = pd.Series([_to_bool(v) for v in frame.get("matches_baseline", [None] * len(frame))],
+                                          index=frame.index, dtype=object)
     if "noisy" in frame:
-        frame["noisy"] = [_to_bool(v) for v in frame["noisy"]]
+        frame["noisy"] = pd.Series([_to_bool(v) for v in frame["noisy"]], index=frame.index, dtype=object)
     for column in ("workload", "device", "device_name", "data", "phase", "strategy", "message", *ROLE):
         frame[column] = _text(frame[column])
     frame["_source"] = str(csv_path)
