@@ -87,6 +87,9 @@ def test_a_onednn_cap_below_the_cpu_s_16bit_instructions_makes_them_emulated(mon
     assert env.environment("cpu")["cpu_bf16_native"] is False
     line = cpu_16bit_lines()[0]
     assert "EMULATED" in line and f"capped at AVX2 by {variable}" in line and "avx512_bf16" in line, line
+    case = Case("deep_mlp", "amp", "train", 8, "cpu")
+    note = eta.emulation_warning(case, "bfloat16", "a CPU", 100.0, slowdown=(30.0, 40.0))
+    assert f"capped at AVX2 by {variable}" in note and "has no instructions" not in note, note
     monkeypatch.setenv("MEMBENCH_CPU_16BIT", "native")  # the setting still overrides
     assert env.cpu_16bit_support()["bfloat16"] is True
 
