@@ -292,6 +292,20 @@ def test_chunked_loss_predicts_less_logits_at_the_peak():
     assert chunked["predicted_logits_bytes"] < whole["predicted_logits_bytes"]
 
 
+def test_a_cuda_prediction_on_the_cpu_s_operators_says_its_attention_is_not_cuda_s():
+    # without the fake-CUDA environment a CUDA case is traced on the CPU's operators, whose attention kernel keeps
+    # no probabilities; CUDA's math kernel (float32 with grouped-query heads) keeps them: llama-3.1-8b at 4096
+    # tokens was 146.2 GiB here against 209.8 GiB on fake CUDA, and no row said so
+    pytest.importorskip("transformers")
+    llama = predict.predict_case(Case("hf:tiny-llama:seq_len=32", "baseline", "train", 2, "cuda", data="synthetic"))
+    assert llama["status"] == "ok" and llama["engine"] != "fake-cuda", llama
+    assert predict.CPU_ATTENTION_NOTE in llama["message"], llama
+    on_cpu = predict.predict_case(Case("hf:tiny-llama:seq_len=32", "baseline", "train", 2, "cpu", data="synthetic"))
+    assert predict.CPU_ATTENTION_NOTE not in (on_cpu["message"] or "")  # the CPU's kernel is the CPU's answer
+    mlp = predict.predict_case(Case(MLP, "baseline", "train", 2, "cuda", data="synthetic"))
+    assert predict.CPU_ATTENTION_NOTE not in (mlp["message"] or "")  # no attention
+
+
 def test_sdpa_priority_order_and_hardware_ranges_follow_pytorch(monkeypatch):
     monkeypatch.delenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", raising=False)
     assert sdpa_kernel.priority_order((9, 0), 92000) == ["cudnn", "flash", "efficient", "math"]

@@ -133,3 +133,17 @@ class SdpaKernelChoice(TorchFunctionMode):
     def summary(self) -> str:
         """The kernels used, each once, in the order first used (`math`; `cudnn,math` when calls differ)."""
         return ",".join(dict.fromkeys(self.kernels))
+
+
+class SdpaCalls(TorchFunctionMode):
+    """Inside, counts the calls of `F.scaled_dot_product_attention` on any device (`calls`): a CUDA step traced on
+    the CPU's operators runs the CPU's attention kernel, not the one CUDA would choose, and says so."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.scaled_dot_product_attention:
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
