@@ -136,7 +136,7 @@ def _live_tensor_bytes() -> int:
 def test_an_in_process_sweep_keeps_nothing_of_a_finished_case():
     # the baseline's snapshot (gradients and stepped weights) is kept once for all the strategies compared with it;
     # it was kept once per strategy, and a sweep of 8 GiB cases of a 1B-parameter model grew by 3 GiB a case
-    cases = [Case("deep_mlp", spec, "train", 4, "cpu", warmup=0, steps=1)
+    cases = [Case("deep_mlp:layers=20:width=64", spec, "train", 4, "cpu", warmup=0, steps=1)
              for spec in ("baseline", "checkpoint", "amp", "checkpoint+amp", "selective_checkpoint")]
     _baseline_snapshot.cache_clear()  # earlier tests' snapshots would leave the cache as these cases run
     run_case(cases[0])
