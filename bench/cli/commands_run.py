@@ -303,13 +303,13 @@ def cpu_16bit_lines(flags=None) -> list[str]:
     setting = env.cpu_16bit_setting() if this_machine else "auto"
     flags = env.cpu_flags() if this_machine else frozenset(flags)
     cap = env.onednn_isa_cap() if this_machine and setting == "auto" else None
+    support = env.cpu_16bit_support(flags)  # the CPU's own answer; the cap, where set, lowers it
     lines = []
-    for dtype, native in env.cpu_16bit_support(flags).items():
-        native = native and not (cap and not env.capped_16bit({dtype: True}, cap[1])[dtype])
+    for dtype, native in env.capped_16bit(support, cap and cap[1]).items():
         seen = [flag for flag in env.NATIVE_16BIT_FLAGS[dtype] if flags and flag in flags]
-        if cap and seen and not native:
+        if support[dtype] and not native:
             lines.append(f"{'cpu ' + dtype:<16} EMULATED in float32: oneDNN capped at {cap[1]} by {cap[0]} (the CPU "
-                         f"itself: native, {', '.join(seen)})")
+                         f"itself: native, {', '.join(seen) or 'as torch probes it'})")
             continue
         text = (f"native ({', '.join(seen)})" if native and seen else "native" if native else
                 f"EMULATED in float32 (no {'/'.join(env.NATIVE_16BIT_FLAGS[dtype])}): autocast to {dtype} runs far "
