@@ -109,7 +109,7 @@ def tracked_step(case, spec: str, engine: str = "fake", block_bytes: int = 1, cu
                                            record_events=record_events)
     # the peak only: no step after the measured one (mem_growth_bytes_per_step is not predicted)
     options = {"warmup_steps": warmup_steps, "growth_steps": 0, "prepare": _file_logits}
-    attention = None
+    attention = cpu_attention = None
     if engine == "fake-cuda":
         if not torch.cuda.is_available():
             raise RuntimeError("the fake-cuda engine runs in a torch that sees a CUDA device: a GPU's, or the "
@@ -120,8 +120,8 @@ def tracked_step(case, spec: str, engine: str = "fake", block_bytes: int = 1, cu
             measured = memory_pass(replace(case, device="cuda"), strategy, tracker=tracker, **options)
     else:
         # a CUDA case on the CPU's operators: its attention calls are counted (they run the CPU's kernel)
-        cpu_attention = SdpaCalls() if case.device == "cuda" else contextlib.nullcontext()
-        with cpu_attention:
+        cpu_attention = SdpaCalls() if case.device == "cuda" else None
+        with cpu_attention or contextlib.nullcontext():
             if engine == "fake":
                 # the CPU kernels' storages for a CPU figure; CUDA's kernels return the meta kernels' ones
                 measured = fake_memory_pass(replace(case, device="cpu"), strategy, tracker=tracker,
@@ -131,7 +131,7 @@ def tracked_step(case, spec: str, engine: str = "fake", block_bytes: int = 1, cu
     return TrackedStep(int(measured["peak_mem_bytes"]), tracker.events if record_events else None, engine, tracker,
                        dict(tracker.peak_by_category),
                        (attention.summary() or None) if attention is not None else None,
-                       getattr(cpu_attention, "calls", 0) if attention is None else 0)
+                       cpu_attention.calls if cpu_attention is not None else 0)
 
 
 def _file_logits(session, tracker: breakdown.CategorizedTracker) -> None:

@@ -302,12 +302,11 @@ def cpu_16bit_lines(flags=None) -> list[str]:
     this_machine = flags is None
     setting = env.cpu_16bit_setting() if this_machine else "auto"
     flags = env.cpu_flags() if this_machine else frozenset(flags)
-    cap = env.onednn_isa_cap() if this_machine and setting == "auto" else None
-    support = env.cpu_16bit_support(flags)  # the CPU's own answer; the cap, where set, lowers it
     lines = []
-    for dtype, native in env.capped_16bit(support, cap and cap[1]).items():
+    for dtype, native in env.cpu_16bit_support(flags).items():  # the CPU's own answer (no cap: flags are given)
         seen = [flag for flag in env.NATIVE_16BIT_FLAGS[dtype] if flags and flag in flags]
-        if support[dtype] and not native:
+        cap = env.onednn_cap_emulating(dtype) if this_machine and setting == "auto" else None
+        if cap:
             lines.append(f"{'cpu ' + dtype:<16} EMULATED in float32: oneDNN capped at {cap[1]} by {cap[0]} (the CPU "
                          f"itself: native, {', '.join(seen) or 'as torch probes it'})")
             continue

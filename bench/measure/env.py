@@ -135,6 +135,15 @@ def capped_16bit(support: dict[str, bool], cap: str | None) -> dict[str, bool]:
             for dtype, native in support.items()}
 
 
+def onednn_cap_emulating(dtype: str) -> tuple[str, str] | None:
+    """(variable, value) of the oneDNN cap that makes `dtype` emulated on this machine's CPU, which has native
+    instructions for it; None where there is no such cap (or the CPU itself lacks them)."""
+    cap = onednn_isa_cap()
+    flags = cpu_flags()
+    native = _torch_says_native(dtype) if flags is None else any(f in flags for f in NATIVE_16BIT_FLAGS[dtype])
+    return cap if cap and native and not capped_16bit({dtype: True}, cap[1])[dtype] else None
+
+
 def cpu_16bit_support(flags: frozenset[str] | set[str] | None = None) -> dict[str, bool]:
     """{"bfloat16": bool, "float16": bool}: whether the CPU has native arithmetic for each 16-bit float type.
 

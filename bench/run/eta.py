@@ -102,10 +102,9 @@ def emulation_warning(case: Case, dtype: str, cpu: str, baseline_step_ms: float 
     """The line printed before an emulated case starts: what is emulated, how much slower this machine runs it
     (`slowdown`, default measured now: `emulated_slowdown`), and for how long."""
     low, high = slowdown or emulated_slowdown(dtype)
-    cap = env.onednn_isa_cap()
+    cap = env.onednn_cap_emulating(dtype)
     why = (f"which oneDNN, capped at {cap[1]} by {cap[0]}, runs without this CPU's ({cpu}) {dtype} instructions"
-           if cap and env.cpu_16bit_support(env.cpu_flags())[dtype] else
-           f"which this CPU ({cpu}) has no instructions for")
+           if cap else f"which this CPU ({cpu}) has no instructions for")
     text = (f"note: {case.strategy} autocasts to {dtype}, {why}: PyTorch "
             f"emulates it in float32 ({low:.1f}-{high:.1f}x float32's time for a {dtype} matrix product and "
             "convolution, measured here); verified at a small batch, memory counted on fake tensors, timing capped")

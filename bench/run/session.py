@@ -44,16 +44,18 @@ class Session:
                 for watcher in list(watchers.values()):
                     watcher(param)
 
-            watched = set()
-            for param in self.base_model.parameters():
-                if param.requires_grad:
-                    param.register_post_accumulate_grad_hook(grad_ready)
-                    watched.add(id(param))
+            watched: set[int] = set()
+
+            def watch_trainable() -> None:
+                for param in self.base_model.parameters():
+                    if param.requires_grad and id(param) not in watched:
+                        param.register_post_accumulate_grad_hook(grad_ready)
+                        watched.add(id(param))
+
+            watch_trainable()  # before the strategy's hooks, so that the watchers see each gradient first
         self.model = strategy.prepare_model(self.base_model, workload.checkpoint_units(self.base_model))
-        if observe_grads:  # the parameters the strategy added (LoRA's adapters) are watched too
-            for param in self.base_model.parameters():
-                if param.requires_grad and id(param) not in watched:
-                    param.register_post_accumulate_grad_hook(grad_ready)
+        if observe_grads:
+            watch_trainable()  # the parameters the strategy added (LoRA's adapters)
         self.optimizer = strategy.wrap_optimizer(workload.make_optimizer(self.base_model), self.base_model)
         self.host_batch = strategy.shard_batch(self.load_host_batch())
         inputs, target = self.host_batch
