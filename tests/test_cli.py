@@ -107,7 +107,7 @@ def test_compare_end_to_end_on_cpu(tmp_path):
 def test_report_redraws_a_run_from_its_csv_alone(tmp_path, capsys):
     fixture = ROOT / "tests" / "fixtures" / "single_batch.csv"
     assert main(["report", str(fixture), "--out", str(tmp_path), "--budget", "4GiB"]) == 0
-    assert (tmp_path / "REPORT.md").is_file() and list(tmp_path.glob("*.png"))
+    assert (tmp_path / "single_batch.REPORT.md").is_file() and list(tmp_path.glob("*.png"))
     assert main(["report", "--budget", "4 furlongs", str(fixture)]) == 2
     assert "furlongs" in capsys.readouterr().err
     assert main(["report", "--results", str(tmp_path / "empty")]) == 2

@@ -21,6 +21,7 @@ import pytest
 from bench.cli.main import main
 from bench.core.errors import UsageError
 from bench.report import html as html_report
+from bench.report import html_page
 
 MLP = "deep_mlp:layers=4:width=8"
 BROWSER_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--enable-logging=stderr",
@@ -73,20 +74,28 @@ def report(tmp_path_factory) -> Path:
 
 
 def _results(folder: Path) -> pd.DataFrame:
+    return pd.read_csv(_run_csv(folder))
+
+
+def _run_csv(folder: Path) -> Path:
     [csv] = [p for p in folder.glob("2*.csv") if not p.name.endswith(".timeline.csv")]
-    return pd.read_csv(csv)
+    return csv
+
+
+def _page(folder: Path) -> Path:
+    return folder / f"{_run_csv(folder).stem}.REPORT.html"
 
 
 def test_the_page_is_one_file_that_loads_nothing(report):
-    page = (report / "REPORT.html").read_text()
-    assert (report / "REPORT.md").exists() and list(report.glob("*.png"))  # the Markdown report stays
+    page = _page(report).read_text()
+    assert (report / f"{_run_csv(report).stem}.REPORT.md").exists() and list(report.glob("*.png"))  # the Markdown
     assert len(page.encode()) < html_report.PAGE_LIMIT_BYTES
     assert "Content-Security-Policy" in page and "default-src 'none'" in page
     assert not re.search(r"""<(script|link|img|iframe)[^>]+(src|href)=["']?(https?:)?//""", page)
 
 
 def test_chromium_draws_the_timeline_to_the_csv_peak_without_errors_or_requests(report, chromium):
-    dom, console, seconds = _browse(chromium, report / "REPORT.html", "--dump-dom")
+    dom, console, seconds = _browse(chromium, _page(report), "--dump-dom")
     assert console == [], console  # no error, no warning, no blocked request
     assert 'data-report-ready="1"' in dom, "the page's script did not run to its end"
     rows = _results(report)
@@ -108,7 +117,7 @@ def test_a_request_from_the_page_would_be_caught(chromium, tmp_path):
     """The control for the test above: the same policy on a page that asks the network is blocked and says so."""
     control = tmp_path / "control.html"
     control.write_text(f'<!DOCTYPE html><html><head><meta http-equiv="Content-Security-Policy" '
-                       f'content="{html_report.CSP}"></head><body><img src="http://example.invalid/x.png">'
+                       f'content="{html_page.csp("1")}"></head><body><img src="http://example.invalid/x.png">'
                        f'<script>fetch("https://example.invalid/y").catch(() => 0)</script></body></html>')
     _, console, _ = _browse(chromium, control, "--dump-dom")
     assert any("example.invalid" in line and "Content Security Policy" in line for line in console), console
@@ -118,7 +127,7 @@ def test_the_charts_render_a_picture(report, chromium, tmp_path):
     from PIL import Image
 
     shot = tmp_path / "report.png"
-    _browse(chromium, report / "REPORT.html", f"--screenshot={shot}", "--window-size=1200,2000")
+    _browse(chromium, _page(report), f"--screenshot={shot}", "--window-size=1200,2000")
     image = Image.open(shot).convert("RGB").resize((300, 500))
     colors = image.getcolors(maxcolors=300 * 500)
     not_white = sum(count for count, rgb in colors if min(rgb) < 235) / (300 * 500)

@@ -57,7 +57,7 @@ def full_report(tmp_path_factory) -> Path:
                           timeout=300)
     assert done.returncode == 0, done.stderr
     assert "clean" in done.stdout
-    return out / "REPORT.md"
+    return out / f"{FULL.stem}.REPORT.md"
 
 
 def test_report_reads_only_csv_and_never_imports_torch(full_report: Path):

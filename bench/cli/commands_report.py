@@ -1,18 +1,23 @@
-"""`report`: the charts and REPORT.md from results CSVs alone; this module, like bench.report, never imports torch."""
+"""`report`: the charts and the run's REPORT.md (and REPORT.html) from results CSVs alone; this module, like
+bench.report, never imports torch."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from bench.core.errors import UsageError
 from bench.core.results import REPORT_COLUMNS, read_results_file
-from bench.report.html import build_html, plotly_bundle
+from bench.report.data import report_name
+from bench.report.html import build_html, is_predict_csv, plotly_bundle
 from bench.report.markdown import build_report, newest_csv, parse_size
 from bench.run.preflight import check_output_dir
 
 
 def cmd_report(args) -> int:
-    """Draws the charts and REPORT.md from results CSVs alone (default: the newest CSV in results/)."""
+    """Draws the charts and `<run>.REPORT.md` from results CSVs alone (default: the newest CSV in results/); with
+    --html, `<run>.REPORT.html` too. Each report is named after its CSVs, so no run's report overwrites another's.
+    A `predict` CSV gets the HTML page alone (its predictions and predicted snapshots)."""
     try:
         budget = parse_size(args.budget) if args.budget else None
     except ValueError as error:
@@ -25,12 +30,23 @@ def cmd_report(args) -> int:
         except FileNotFoundError:
             raise UsageError(f"no results CSV in {args.results!r}; run `python -m bench compare` first, or name "
                              "a CSV (the reference runs are under results/reference/)") from None
-    for path in paths:
-        read_results_file(path, "cannot report on", REPORT_COLUMNS)  # every file checked before anything is drawn
+    predictions = [p for p in paths if p.is_file() and is_predict_csv(p)]
+    if predictions and len(predictions) < len(paths):
+        raise UsageError("report either results CSVs or predict CSVs, not both at once: "
+                         f"{', '.join(str(p) for p in predictions)} are predictions")
+    if predictions and not args.html:
+        raise UsageError(f"{predictions[0]} is a `predict` table: `report --html` draws its predictions and predicted "
+                         "snapshots; REPORT.md and the PNG charts are drawn from measured runs")
+    if not predictions:
+        for path in paths:
+            read_results_file(path, "cannot report on", REPORT_COLUMNS)  # every file checked before anything is drawn
     out = check_output_dir(args.out or paths[0].parent, "--out" if args.out else "the results file's folder")
     page = plotly_bundle() if args.html else None  # a missing plotly is said before anything is drawn
-    report = build_report(paths, out, budget)
-    print(f"wrote {report}")
+    if not predictions:
+        print(f"wrote {build_report(paths, out, budget, report_name(paths, '.md'))}")
     if page is not None:
-        print(f"wrote {build_html(paths, out)}")
+        path, skipped = build_html(paths, out, report_name(paths, ".html"))
+        for line in skipped:
+            print(line, file=sys.stderr)
+        print(f"wrote {path}")
     return 0

@@ -9,6 +9,13 @@ trace is the live memory itself and its maximum is the row's peak. A snapshot th
 (`torch.cuda.memory._record_memory_history`) starts from what was allocated before recording began, which membench
 keeps as `membench["allocated_at_start_bytes"]`.
 
+Reading a snapshot never runs code: a results folder may come from someone else, and `pickle.load` would call
+whatever a crafted file names. `read_snapshot` admits the plain types the format is made of (dict, list, tuple,
+str, bytes, int, float, bool, None: pickle builds those without naming any class) and refuses a file that names
+any class or function (`UnsafeSnapshotError`); it opens regular files only (a FIFO or a device is refused without
+blocking: `NotASnapshotFileError`). `plain()` makes a snapshot of those types before membench writes it, so every
+file membench writes reads back, and still opens at pytorch.org/memory_viz.
+
 Example:
     snapshot = read_snapshot(Path("results/<run>.snapshots/<case>.pickle"))
     allocated, reserved = replay_peaks(snapshot)
@@ -16,7 +23,9 @@ Example:
 
 from __future__ import annotations
 
+import os
 import pickle
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,10 +37,62 @@ SNAPSHOT_SUFFIX = ".pickle"
 SNAPSHOT_FOLDER_SUFFIX = ".snapshots"
 
 
+PLAIN_TYPES = (dict, list, tuple, str, bytes, int, float, bool, type(None))
+
+
+class UnsafeSnapshotError(pickle.UnpicklingError):
+    """A snapshot file that names a class or function: refused, never loaded."""
+
+
+class NotASnapshotFileError(OSError):
+    """A path that is not a regular file (a FIFO, a device, a folder): never read."""
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Builds the plain types alone: any global a pickle names (a class, a function such as `os.system`) is
+    refused, so loading can call nothing; persistent ids are refused by pickle's own default."""
+
+    def __init__(self, handle, path: Path):
+        super().__init__(handle)
+        self.path = path
+
+    def find_class(self, module: str, name: str):
+        raise UnsafeSnapshotError(f"{self.path}: refused, it names {module}.{name}; a memory snapshot holds only "
+                                  "plain data (dict, list, str, int, float, bool, None), so it was not loaded")
+
+
 def read_snapshot(path: Path) -> dict[str, Any]:
-    """The snapshot pickled at `path` (a file membench wrote, or torch.cuda.memory._dump_snapshot's)."""
-    with open(path, "rb") as handle:
-        return pickle.load(handle)
+    """The snapshot pickled at `path` (a file membench wrote, or torch.cuda.memory._dump_snapshot's), loaded with
+    the plain types alone; an UnsafeSnapshotError for a file that names any class or function, a
+    NotASnapshotFileError for anything but a regular file (opened without blocking, so a FIFO cannot hang)."""
+    path = Path(path)
+    try:
+        descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as error:
+        raise NotASnapshotFileError(f"{path}: cannot open ({error.strerror})") from None
+    with os.fdopen(descriptor, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            raise NotASnapshotFileError(f"{path}: not a regular file (a FIFO, a device or a folder), not read")
+        return _PlainUnpickler(handle, path).load()
+
+
+def plain(value: Any) -> Any:
+    """`value` made of the plain types `read_snapshot` admits: containers walked, a numpy or torch scalar as its
+    Python number, anything else (a Path, an enum) as its text."""
+    if isinstance(value, dict):
+        return {plain(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(plain(v) for v in value) if type(value) in (list, tuple) else [plain(v) for v in value]
+    if isinstance(value, (bool, type(None))) or type(value) in (str, bytes, int, float):
+        return value
+    if isinstance(value, (int, float)) or hasattr(value, "item"):
+        try:
+            number = value.item() if hasattr(value, "item") else value
+            if type(number) in (int, float, bool):
+                return number
+        except (TypeError, ValueError):
+            pass
+    return str(value)
 
 
 def snapshot_folder(results_csv: Path) -> Path:
@@ -134,6 +195,36 @@ def category_timeline(snapshot: dict[str, Any], max_points: int | None = None) -
     return Timeline(events, max(first - 1, 0), [index[i] for i in keep], [stages[i] for i in keep],
                     {c: [series[c][i] for i in keep] for c in CATEGORIES}, [total[i] for i in keep], peak,
                     keep.index(position), *where)
+
+
+def reserved_series(snapshot: dict[str, Any], index: list[int]) -> list[int]:
+    """The reserved bytes (segment allocs minus segment frees) just after each event number in `index` (sorted),
+    as `category_timeline` samples the live bytes."""
+    out, reserved, at = [], 0, 0
+    trace = device_trace(snapshot)
+    for number in index:
+        for event in trace[at: number + 1]:
+            if event["action"] == "segment_alloc":
+                reserved += event["size"]
+            elif event["action"] == "segment_free":
+                reserved -= event["size"]
+        at = max(at, number + 1)
+        out.append(reserved)
+    return out
+
+
+def largest_live(snapshot: dict[str, Any], event_number: int, count: int = 10) -> list[dict[str, Any]]:
+    """The `count` largest allocations live just after event `event_number` of the trace (the peak's, for
+    `Timeline.index[Timeline.peak_position]`), largest first: size, category, module, operator and stage."""
+    live: dict[int, dict[str, Any]] = {}
+    for event in device_trace(snapshot)[: event_number + 1]:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+        elif event["action"] == "free_completed":
+            live.pop(event["addr"], None)
+    largest = sorted(live.values(), key=lambda e: -e["size"])[:count]
+    return [{"bytes": e["size"], "category": e.get("category", "temporaries"), "module": e.get("module", ""),
+             "op": e.get("op", ""), "stage": e.get("stage", "")} for e in largest]
 
 
 def _thinned(total: list[int], max_points: int, peak_position: int) -> list[int]:

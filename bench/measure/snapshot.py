@@ -29,8 +29,9 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from bench.core.atomic import atomic_path
+from bench.core.filenames import bounded_name
 from bench.measure import breakdown, cuda_allocator, memory
-from bench.core.snapshots import SNAPSHOT_SUFFIX
+from bench.core.snapshots import SNAPSHOT_SUFFIX, plain
 
 CATEGORY_OF_COLUMN = {
     "peak_params_bytes": "weights", "peak_grads_bytes": "gradients", "peak_optimizer_bytes": "optimizer_state",
@@ -57,7 +58,7 @@ class ModuleScope:
     def __init__(self, root: torch.nn.Module, tracker: memory.LiveTensorTracker):
         self.tracker = tracker
         self.names = {id(module): name or type(module).__name__ for name, module in root.named_modules()}
-        self.stack: list[tuple[int, str]] = []  # (id, name) of the modules whose forward is running
+        self.stack: list[tuple[int, str, int | None]] = []  # (id, name, first node number) of running forwards
         self.handles: list = []
 
     def __enter__(self) -> "ModuleScope":
@@ -89,15 +90,39 @@ class ModuleScope:
         return self.names.get(id(module), type(module).__name__)
 
     def _entered(self, module: torch.nn.Module, args: Any) -> None:
-        self.stack.append((id(module), self._name(module)))
+        self.stack.append((id(module), self._name(module), _sequence_number()))
 
     def _left(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        while self.stack and self.stack.pop()[0] != id(module):
-            pass
-        for value in tree_flatten(output)[0]:
-            node = getattr(value, "grad_fn", None) if isinstance(value, torch.Tensor) else None
-            if node is not None:
-                node.metadata.setdefault(self.METADATA_KEY, self._name(module))
+        began = None
+        while self.stack:
+            entry = self.stack.pop()
+            if entry[0] == id(module):
+                began = entry[2]
+                break
+        name = self._name(module)
+        # every node this forward made, not only its outputs' (a Linear on a 3-d input ends in a view, and its
+        # MmBackward0 lies behind it): from the outputs back to the nodes made before the forward began; an inner
+        # module's post-hook ran first, so its nodes keep the inner name
+        pending = [getattr(v, "grad_fn", None) for v in tree_flatten(output)[0] if isinstance(v, torch.Tensor)]
+        seen: set[int] = set()
+        while pending:
+            node = pending.pop()
+            if node is None or id(node) in seen or (began is not None and node._sequence_nr() < began):
+                continue
+            seen.add(id(node))
+            if began is None:  # no sequence numbers: the outputs' nodes alone, as before
+                node.metadata.setdefault(self.METADATA_KEY, name)
+                continue
+            if "AccumulateGrad" in node.name():
+                continue
+            node.metadata.setdefault(self.METADATA_KEY, name)
+            pending.extend(next_node for next_node, _ in node.next_functions)
+
+
+def _sequence_number() -> int | None:
+    """The number the next autograd node made on this thread gets (None where torch does not say)."""
+    getter = getattr(getattr(torch._C, "_autograd", None), "_get_sequence_nr", None)
+    return getter() if getter is not None else None
 
 
 def frames(op: str, module: str, stage: str) -> list[dict[str, Any]]:
@@ -300,12 +325,13 @@ def cuda_history(about: dict[str, Any]) -> Iterator[dict[str, Any]]:
 
 
 def file_name(about: dict[str, Any]) -> str:
-    """The snapshot's file name from its case (workload, strategy, phase, batch, data, device) and rank."""
+    """The snapshot's file name from its case (workload, strategy, phase, batch, data, device) and rank; a long
+    one (a workload spec with many options) shortened with a hash to 255 bytes (`bounded_name`)."""
     parts = [about.get(k) for k in ("workload", "strategy", "phase", "batch_size", "data", "device")]
     name = "-".join(str(p) for p in parts if p not in (None, ""))
     if about.get("rank") is not None:
         name += f".rank{about['rank']}"
-    return re.sub(r"[^A-Za-z0-9.+=_-]", "_", name) + SNAPSHOT_SUFFIX
+    return bounded_name(re.sub(r"[^A-Za-z0-9.+=_-]", "_", name), SNAPSHOT_SUFFIX)
 
 
 def write_snapshot(snapshot: dict[str, Any], folder: Path) -> Path:
@@ -315,5 +341,5 @@ def write_snapshot(snapshot: dict[str, Any], folder: Path) -> Path:
     path = folder / file_name(snapshot["membench"])
     with atomic_path(path) as temporary:
         with open(temporary, "wb") as handle:
-            pickle.dump(snapshot, handle)
+            pickle.dump(plain(snapshot), handle)
     return path

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from bench.core.filenames import bounded_name
 from bench.report.bar_charts import chart_memory, chart_time
 from bench.report.data import Group, plan_rows
 from bench.report.line_charts import chart_batch, chart_timeline, load_timeline
@@ -31,7 +32,7 @@ def draw_all(group: Group, out_dir: Path, budget_bytes: int | None) -> None:
     out_dir = Path(out_dir)
 
     def target(name: str) -> Path:
-        return out_dir / f"{group.stem}.{name}.png"
+        return out_dir / bounded_name(group.stem, f".{name}.png")
 
     rows = group.at_batch()
     measured = rows[rows["status"] == "ok"]

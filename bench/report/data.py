@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from bench.core.filenames import bounded_name
 from bench.core.results import REPORT_COLUMNS, Role, add_relative_columns, read_results_file
 from bench.core.units import format_size, parse_size  # noqa: F401 - the report's and the charts' size helpers
 
@@ -159,6 +160,13 @@ class Group:
         batch = batch or f"batch {self.chosen_batch}"
         return (f"{self.first('device_name', self.device)} ({self.device}) · {self.workload} · {batch} · "
                 f"torch {self.first('torch_version')}")
+
+
+def report_name(csv_paths: list[Path], extension: str) -> str:
+    """The report's file name, after the run it reports: `<csv stem>.REPORT.md` (`.html`) for one CSV, the stems
+    joined with `+` for several; so a run's report never overwrites another run's (at most 255 bytes)."""
+    stem = "+".join(dict.fromkeys(Path(p).stem for p in csv_paths))
+    return bounded_name(stem, f".REPORT{extension}")
 
 
 def safe_name(text: str) -> str:

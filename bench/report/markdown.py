@@ -16,7 +16,7 @@ from bench.core.units import format_mib
 from bench.core.atomic import write_text_atomic
 from bench.report import charts
 from bench.report.data import (  # noqa: F401 - newest_csv and parse_size are part of this module's API
-    Group, MISMATCH_LABEL, STATUS_LABEL, find_timeline, format_size, load_results, make_groups, newest_csv,
+    Group, MISMATCH_LABEL, STATUS_LABEL, find_timeline, format_size, load_results, make_groups, newest_csv, report_name,
     parse_size, row_flag, strategy_order, is_checkpoint_plan, pitfall_strategies, plan_label, plan_rows, settings_of, state_floor_bytes,
 )
 from bench.report.pareto_charts import pareto_front
@@ -272,9 +272,10 @@ def render_markdown(groups: list[Group], out_dir: Path, budget_bytes: int | None
 # --- entry point -----------------------------------------------------------------------------------------
 
 
-def build_report(csv_paths: list[Path], out_dir: Path, budget_bytes: int | None = None) -> Path:
-    """Reads the results CSVs, writes charts (`<run_id>.<chart>.png`) and REPORT.md into `out_dir`, returns
-    the path of REPORT.md. Charts 1-3 use batch size 100 if present, else the largest; chart 4 needs several
+def build_report(csv_paths: list[Path], out_dir: Path, budget_bytes: int | None = None,
+                 name: str | None = None) -> Path:
+    """Reads the results CSVs, writes charts (`<run_id>.<chart>.png`) and the report `name` (default
+    `<csv stem>.REPORT.md`, `report_name`: one per run) into `out_dir`, returns its path. Charts 1-3 use batch size 100 if present, else the largest; chart 4 needs several
     batch sizes; chart 5 needs `<run_id>.timeline.csv` next to the results file."""
     csv_paths = [Path(p) for p in csv_paths]
     if not csv_paths:
@@ -302,6 +303,6 @@ def build_report(csv_paths: list[Path], out_dir: Path, budget_bytes: int | None 
         group.timeline = timelines.get(group.run_id)
         charts.draw_all(group, out_dir, budget_bytes)
 
-    report = out_dir / "REPORT.md"
+    report = out_dir / (name or report_name(csv_paths, ".md"))
     write_text_atomic(report, render_markdown(groups, out_dir, budget_bytes))
     return report
