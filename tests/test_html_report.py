@@ -61,6 +61,28 @@ def _browse(chromium: str, page: Path, *extra: str) -> tuple[str, list[str], flo
     return done.stdout, console, time.perf_counter() - started
 
 
+def _browse_at_width(chromium: str, page: Path, width: int, *extra: str) -> tuple[str, list[str]]:
+    """(the DOM once drawn, the console's messages) of `page` in a frame `width` CSS pixels wide: headless Chromium
+    will not make its window narrower than 500 px, so a page beside it holds the report in an <iframe> and copies
+    the report's DOM, once its script has run to its end, into a <textarea> (whose text the DOM dump escapes)."""
+    wrapper = page.with_name(f"{page.stem}.at-{width}px.html")
+    wrapper.write_text(f"""<!DOCTYPE html><html><body style="margin:0">
+<iframe id="frame" src="{page.name}" width="{width}" height="900" style="border:0"></iframe>
+<textarea id="inner"></textarea><script>
+const frame = document.getElementById("frame");
+function copy() {{
+  const d = frame.contentDocument;
+  if (d && d.body && d.body.getAttribute("data-report-ready")) {{
+    document.getElementById("inner").textContent = d.documentElement.outerHTML;
+  }} else setTimeout(copy, 50);
+}}
+frame.addEventListener("load", copy);
+</script></body></html>""")
+    dom, console, _ = _browse(chromium, wrapper, "--dump-dom", "--allow-file-access-from-files", *extra)
+    inner = re.search(r'<textarea id="inner">(.*)</textarea>', dom, re.S)
+    return html.unescape(inner.group(1)) if inner else "", console
+
+
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> Path:
     """A compare run with snapshots, a prediction of the same cases with snapshots, and the HTML report of both."""
@@ -140,3 +162,75 @@ def test_html_without_plotly_is_one_line(monkeypatch, capsys, tmp_path):
     monkeypatch.setitem(sys.modules, "plotly.offline", None)  # import fails as if plotly were not installed
     with pytest.raises(UsageError, match="pip install"):
         html_report.plotly_bundle()
+
+
+HOSTILE = ("<!--<script>\u2028</script><img src=x onerror=\"document.body.setAttribute('data-pwned','1')\">"
+           "$TITLE $DATA $SCRIPT $CSP $PLOTLY '\"&amp;\u2029</style><b>")
+
+
+def _hostile_folder(folder: Path) -> Path:
+    """A results CSV whose every text cell is hostile (the run id, the names, the messages; one pitfall, one noisy
+    row), a snapshot of its baseline whose module, operator and stage names are hostile, a plan CSV with hostile
+    labels, and beside them a crafted pickle that would run code and a FIFO."""
+    import os
+    import pickle
+
+    frame = pd.read_csv(Path(__file__).parent / "fixtures" / "single_batch.csv")
+    for column in ("run_id", "workload", "device_name", "data", "message", "strategy_settings", "peak_stage",
+                   "torch_version", "platform", "memory_method"):
+        frame[column] = [f"{HOSTILE}{i}" for i in range(len(frame))] if column != "run_id" else HOSTILE
+    frame["workload"] = HOSTILE  # one workload, so the verdicts and charts group the rows
+    frame["strategy"] = [s if s == "baseline" else f"{HOSTILE}{s}" for s in frame["strategy"]]
+    frame["strategy_role"] = ["pitfall" if i == 3 else "" for i in range(len(frame))]
+    frame["noisy"] = [i == 2 for i in range(len(frame))]
+    frame["step_time_ms_ci95_low"] = frame["step_time_ms_median"] * 0.9
+    frame["step_time_ms_ci95_high"] = frame["step_time_ms_median"] * 1.1
+    csv = folder / "20250301T120000Z-hostile.csv"
+    frame.to_csv(csv, index=False)
+    snapshots = folder / "20250301T120000Z-hostile.snapshots"
+    snapshots.mkdir()
+    about = {"workload": HOSTILE, "strategy": "baseline", "phase": "train", "batch_size": 100, "device": "cpu",
+             "data": HOSTILE, "kind": "measured", "source": HOSTILE, "rank": None}
+    trace = [{"action": "alloc", "addr": 4096 * i, "size": 1000 * (i + 1), "category": "activations",
+              "module": HOSTILE, "op": HOSTILE, "stage": HOSTILE, "frames": []} for i in range(3)]
+    (snapshots / "case.pickle").write_bytes(pickle.dumps({"segments": [], "device_traces": [trace],
+                                                          "membench": about}))
+
+    class RunsCode:
+        def __reduce__(self):
+            return (os.system, (f"touch {folder / 'pwned'}",))
+
+    (snapshots / "crafted.pickle").write_bytes(pickle.dumps({"membench": RunsCode()}))
+    os.mkfifo(snapshots / "fifo.pickle")
+    pd.DataFrame({"plan": [HOSTILE, HOSTILE + "2"], "predicted_peak_bytes": [1e6, 2e6],
+                  "step_time_ms": [1.0, 2.0]}).to_csv(folder / "plan-hostile.csv", index=False)
+    return csv
+
+
+def test_hostile_text_in_every_field_is_shown_as_text_and_runs_nothing(chromium, tmp_path):
+    """Every text a results folder holds, hostile (`<!--<script>`, `</script><img onerror>`, the template's
+    placeholder names, quotes, U+2028): Chromium at 420 px draws the whole page (its script runs to the end, every
+    row in the table, the text shown as it was written), no injected element exists, nothing runs, no crafted
+    pickle is loaded and the FIFO is not opened (it would block), and nothing is cut off at 420 px."""
+    pytest.importorskip("plotly", reason="report --html needs plotly (pip install 'membench[report]')")
+    csv = _hostile_folder(tmp_path)
+    page, skipped = html_report.build_html([csv], tmp_path, f"{csv.stem}.REPORT.html")  # `report --html` prints these
+    assert any("crafted.pickle: refused, it names posix.system" in line for line in skipped), skipped
+    assert any("fifo.pickle: not a regular file" in line for line in skipped), skipped
+    assert not (tmp_path / "pwned").exists()
+    raw = page.read_text()
+    assert raw.count("<script") == 3 and "<img" not in raw.split("<script>", 2)[2]  # no element from the data
+    dom, console = _browse_at_width(chromium, page, 420)
+    assert console == [], console  # no error, and no inline handler the policy had to refuse
+    assert 'data-report-ready="1"' in dom and 'data-pwned="1"' not in dom
+    assert not re.search(r"<img[^>]*src=\"?x", dom) and "<b>" not in dom
+    rows = pd.read_csv(csv)
+    shown = html.escape(HOSTILE.replace("\u2028", "\u2028"), quote=False)
+    assert dom.count('data-column="message"') == len(rows) + 1  # every row, the baseline's eval twice (pitfalls)
+    assert f"<h1>membench report: {shown}</h1>" in dom
+    assert dom.count(f'data-column="strategy" class="">{shown}checkpoint<') == 2  # train, eval
+    verdicts = re.findall(r'<p class="verdict">([^<]*)</p>', dom)
+    assert len(verdicts) == 2 and all(v.startswith(shown + " · ") for v in verdicts), verdicts  # train, eval
+    assert '<p class="note">No pitfall' not in dom and '<p class="note">~ noisy' in dom and re.search(r"[0-9]~<", dom)
+    assert len(re.findall(r'class="chart timeline', dom)) == 1 and f'data-column="module" class="">{shown}<' in dom
+    assert 'data-window-width="420"' in dom and int(re.search(r'data-scroll-width="(\d+)"', dom).group(1)) <= 420

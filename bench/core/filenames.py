@@ -1,11 +1,13 @@
-"""File names that every file system takes: at most 255 bytes, a long name shortened with a hash that keeps it
-unique and its start readable."""
+"""File names that every file system takes: at most 255 bytes with the atomic writer's temporary name, a long name
+shortened with a hash that keeps it unique and its start readable."""
 
 from __future__ import annotations
 
 import hashlib
 
-NAME_LIMIT_BYTES = 255  # a file name's limit on ext4, XFS, btrfs, APFS and NTFS (in UTF-16 units there)
+FILE_SYSTEM_LIMIT_BYTES = 255  # a file name's limit on ext4, XFS, btrfs, APFS and NTFS (in UTF-16 units there)
+# the atomic writer's temporary beside it is `.<name>.<8 random>.tmp` (bench.core.atomic): 14 bytes more, and room
+NAME_LIMIT_BYTES = FILE_SYSTEM_LIMIT_BYTES - 24
 
 
 def bounded_name(stem: str, suffix: str = "", limit: int = NAME_LIMIT_BYTES) -> str:

@@ -124,8 +124,8 @@ function el(tag, attrs, text) {  // attributes and text only: nothing from the d
   if (text != null) e.textContent = text;
   return e;
 }
-function plotText(text) {  // plotly reads a few tags in its labels: the data's text is shown as it is
-  return String(text).replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
+function plotText(text) {  // plotly reads a few tags, and $...$ as TeX, in its labels: the data's text as it is
+  return String(text).replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;").replace(/\$/g, "&#36;");
 }
 function cell(row, column, kind) {
   const v = row[column];
@@ -334,6 +334,9 @@ if (pitfalls.length) {
 barCharts();
 timelines();
 plans();
+// wider than the window: something is cut off (or scrolls sideways)
+document.body.setAttribute("data-scroll-width", String(document.documentElement.scrollWidth));
+document.body.setAttribute("data-window-width", String(window.innerWidth));
 document.body.setAttribute("data-render-ms", String(Math.round(performance.now())));  // since navigation began
 document.body.setAttribute("data-report-ready", "1");
 """
