@@ -233,4 +233,7 @@ def test_hostile_text_in_every_field_is_shown_as_text_and_runs_nothing(chromium,
     assert len(verdicts) == 2 and all(v.startswith(shown + " · ") for v in verdicts), verdicts  # train, eval
     assert '<p class="note">No pitfall' not in dom and '<p class="note">~ noisy' in dom and re.search(r"[0-9]~<", dom)
     assert len(re.findall(r'class="chart timeline', dom)) == 1 and f'data-column="module" class="">{shown}<' in dom
+    from bench.measure.stats import NOISE_THRESHOLD
+
+    assert html_report.NOISE_THRESHOLD == NOISE_THRESHOLD  # the page's "~ noisy" line says the runner's threshold
     assert 'data-window-width="420"' in dom and int(re.search(r'data-scroll-width="(\d+)"', dom).group(1)) <= 420

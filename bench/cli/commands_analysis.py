@@ -18,7 +18,7 @@ from bench.cli.commands_run import apply_memory_limit
 from bench.cli.console import status
 from bench.core.errors import Unsupported, UsageError
 from bench.core.results import FIT, PREDICT, new_run_id, write_table
-from bench.core.snapshots import snapshot_folder
+from bench.core.snapshots import snapshot_folder, writable_snapshot_folder
 from bench.core.units import format_size
 from bench.measure import env, fake_cuda, snapshot
 from bench.run import preflight
@@ -137,7 +137,7 @@ def cmd_predict(args) -> int:
         status(predict.progress_line(index, len(cases), case))
 
     path = out / f"predict-{new_run_id(device)}.csv"
-    snapshots = snapshot_folder(path) if args.snapshot else None
+    snapshots = writable_snapshot_folder(path) if args.snapshot else None
     rows = predict.predict_cases(cases, engine, args.ranks, compute_capability, on_case=progress,
                                  snapshot_dir=None if snapshots is None else str(snapshots))
     print(f"predicted peak memory on {device}" + (" (torch.cuda.max_memory_allocated and max_memory_reserved)"

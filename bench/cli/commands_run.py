@@ -18,7 +18,7 @@ from bench.core import progress
 from bench.core.atomic import WriteFailed
 from bench.core.errors import UsageError
 from bench.core.results import new_run_id, to_frame
-from bench.core.snapshots import snapshot_folder
+from bench.core.snapshots import writable_snapshot_folder
 from bench.core.units import fraction_or_size
 from bench.measure import env
 from bench.run import preflight
@@ -191,7 +191,7 @@ def _run_suite(args, suite: Suite, device: str, options: RunOptions, overrides: 
     out_path = _output_path(args, device)
     _state["out_path"] = out_path
     if getattr(args, "snapshot", False):  # each case's memory snapshot goes to <run>.snapshots/
-        options = replace(options, snapshot_dir=str(snapshot_folder(out_path)))
+        options = replace(options, snapshot_dir=str(writable_snapshot_folder(out_path)))
     with preflight.RunLock(out_path):
         if args.resume:
             resumed = load_resume(out_path, cases, options)  # read under the lock: another run may have written it

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.core.errors import UsageError
+
 # The categories of a timeline, in stacking order (the breakdown columns of bench.measure.breakdown, named as a
 # reader says them).
 CATEGORIES = ("weights", "gradients", "optimizer_state", "activations", "temporaries", "batch")
@@ -99,6 +101,18 @@ def snapshot_folder(results_csv: Path) -> Path:
     """The folder of the snapshots of a results CSV: `<run>.snapshots/` beside `<run>.csv`."""
     results_csv = Path(results_csv)
     return results_csv.with_name(results_csv.stem + SNAPSHOT_FOLDER_SUFFIX)
+
+
+def writable_snapshot_folder(results_csv: Path) -> Path:
+    """`snapshot_folder(results_csv)` for writing into: a UsageError where it is a symbolic link (writing through
+    it would put files wherever it points, as a results folder from someone else chose) or is not a folder."""
+    folder = snapshot_folder(results_csv)
+    if folder.is_symlink():
+        raise UsageError(f"{str(folder)!r} is a symbolic link; membench writes snapshots only into a real folder "
+                         "beside the results file: remove the link, or run without --snapshot")
+    if folder.exists() and not folder.is_dir():
+        raise UsageError(f"{str(folder)!r} is not a folder; remove it, or run without --snapshot")
+    return folder
 
 
 def device_trace(snapshot: dict[str, Any]) -> list[dict[str, Any]]:

@@ -26,13 +26,19 @@ CAPTIONS = {
 }
 
 
+def chart_path(group: Group, out_dir: Path, name: str) -> Path:
+    """`<run_id><suffix>.<name>.png` in `out_dir`, shortened with a hash where a long workload spec in the suffix
+    would pass the file system's limit on a name."""
+    return Path(out_dir) / bounded_name(group.stem, f".{name}.png")
+
+
 def draw_all(group: Group, out_dir: Path, budget_bytes: int | None) -> None:
     """Draws the charts the group's rows allow into `out_dir`, filling `group.charts` (name -> path) and
     `group.skipped` (name -> why)."""
     out_dir = Path(out_dir)
 
     def target(name: str) -> Path:
-        return out_dir / bounded_name(group.stem, f".{name}.png")
+        return chart_path(group, out_dir, name)
 
     rows = group.at_batch()
     measured = rows[rows["status"] == "ok"]

@@ -73,7 +73,8 @@ def parse_batch_sizes(text: str, option: str = "--batch-size") -> list[int]:
 
 
 def check_output_dir(path: Path | str, option: str) -> Path:
-    """`path` as a folder we can write into (created if missing); a UsageError naming `option` otherwise.
+    """`path` as a folder we can write into (created if missing), absolute (a workload that changes the working
+    directory does not move it); a UsageError naming `option` otherwise.
 
     Checked by creating and removing a file in it, since permissions alone do not tell: a read-only file system,
     a folder where a file is, or a path under a file fail only when written to."""
@@ -91,16 +92,17 @@ def check_output_dir(path: Path | str, option: str) -> Path:
         if error.errno == errno.ENOTDIR:
             reason = "a part of the path is a file"
         raise UsageError(f"{option} {str(path)!r} is not a writable folder: {reason}") from None
-    return path
+    return Path(os.path.abspath(path))
 
 
 def check_output_file(path: Path | str, option: str) -> Path:
-    """A file we will rewrite (atomically, so its folder must be writable too): a UsageError naming `option`."""
+    """A file we will rewrite (atomically, so its folder must be writable too), absolute as `check_output_dir`'s
+    folder; a UsageError naming `option`."""
     path = Path(path)
     check_output_dir(path.parent, f"{option}'s folder")
     if path.exists() and not os.access(path, os.W_OK):
         raise UsageError(f"{option} {str(path)!r} is not writable")
-    return path
+    return Path(os.path.abspath(path))
 
 
 def available_cores() -> int:
