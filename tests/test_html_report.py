@@ -237,3 +237,29 @@ def test_hostile_text_in_every_field_is_shown_as_text_and_runs_nothing(chromium,
 
     assert html_report.NOISE_THRESHOLD == NOISE_THRESHOLD  # the page's "~ noisy" line says the runner's threshold
     assert 'data-window-width="420"' in dom and int(re.search(r'data-scroll-width="(\d+)"', dom).group(1)) <= 420
+
+
+def test_a_predict_csv_is_a_page_of_its_predicted_snapshots(chromium, tmp_path, capsys):
+    """`report predict-….csv --html`: a page of its own (no REPORT.md: nothing was measured), each predicted
+    snapshot drawn alone, its allocated bytes peaking at the row's `predicted_bytes` and the allocator model's
+    reserved bytes at `predicted_reserved_bytes`, with the largest live blocks at the peak."""
+    pytest.importorskip("plotly", reason="report --html needs plotly (pip install 'membench[report]')")
+    assert main(["predict", "--workload", MLP, "--strategies", "checkpoint", "--phases", "train", "--device", "cuda",
+                 "--engine", "fake", "--batch-size", "4", "--threads", "1", "--snapshot", "--out", str(tmp_path)]) == 0
+    [csv] = tmp_path.glob("predict-*.csv")
+    assert main(["report", str(csv)]) == 2 and "report --html" in capsys.readouterr().err
+    assert main(["report", str(csv), "--html"]) == 0
+    page = tmp_path / f"{csv.stem}.REPORT.html"
+    assert page.exists() and not list(tmp_path.glob("*.REPORT.md"))
+    dom, console, _ = _browse(chromium, page, "--dump-dom")
+    assert console == [] and 'data-report-ready="1"' in dom, console
+    predicted = pd.read_csv(csv)
+    drawn = [dict(re.findall(r'(data-[a-z-]+)="([^"]*)"', html.unescape(a)))
+             for a in re.findall(r'<div ([^>]*class="chart timeline[^>]*)>', dom)]
+    assert len(drawn) == len(predicted) == 2
+    for values in drawn:
+        row = predicted[predicted["strategy"] == values["data-strategy"]].iloc[0]
+        assert values["data-kind"] == "predicted"
+        assert int(float(values["data-drawn-peak-bytes"])) == row["predicted_bytes"]
+        assert int(float(values["data-drawn-reserved-bytes"])) == row["predicted_reserved_bytes"]
+    assert dom.count("<p class=\"note\">The largest live tensors at the peak") == 2 and 'data-column="module" class="">' in dom

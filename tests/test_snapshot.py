@@ -150,3 +150,45 @@ def test_cuda_snapshot_is_recorded_by_the_allocator(tmp_path):
     allocated, _ = replay_peaks(snapshot)
     # CUDA's trace records the bytes requested, max_memory_allocated the blocks handed out (rounded to 512 B or more)
     assert 0.95 * row["peak_mem_bytes"] <= allocated <= row["peak_mem_bytes"]
+
+
+def test_the_backward_of_a_linear_layer_names_its_module_as_the_forward_does(tmp_path):
+    """A Linear on a 3-d input ends its forward in a view, behind which its MmBackward0 lies: the backward's
+    allocations name the layer (`1 (MmBackward0)`), as the forward's do, and the largest live tensors at the peak
+    say their size, category, module and operator."""
+    from bench.core.snapshots import largest_live
+    from bench.measure import memory
+    from bench.measure.snapshot import ModuleScope
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4, bias=False))
+    tracker = memory.LiveTensorTracker("cpu", record_events=True)
+    with ModuleScope(model, tracker) as scope:
+        loss = model(torch.rand(2, 3, 8)).sum()
+        names = {}
+        for node in _nodes(loss.grad_fn):
+            names[node.name()] = node.metadata.get(ModuleScope.METADATA_KEY)
+        seen = []
+        hook = lambda *_: seen.append(scope.current())  # noqa: E731 - the module named while each node runs
+        handles = [n.register_prehook(hook) for n in _nodes(loss.grad_fn) if n.name() == "MmBackward0"]
+        loss.backward()
+    for handle in handles:
+        handle.remove()
+    assert names["AddmmBackward0"] == "0" and names["ReluBackward0"] == "1" and names["MmBackward0"] == "2"
+    assert seen and all(s == "2 (MmBackward0)" for s in seen), seen
+    trace = [{"action": "alloc", "addr": i, "size": s, "category": c, "module": m, "op": "mm", "stage": "backward"}
+             for i, (s, c, m) in enumerate([(10, "activations", "0"), (30, "gradients", "2 (MmBackward0)")])]
+    assert largest_live({"device_traces": [trace]}, 1)[0] == {"bytes": 30, "category": "gradients",
+                                                              "module": "2 (MmBackward0)", "op": "mm",
+                                                              "stage": "backward"}
+
+
+def _nodes(root):
+    out, pending, seen = [], [root], set()
+    while pending:
+        node = pending.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        out.append(node)
+        pending.extend(n for n, _ in node.next_functions)
+    return out
