@@ -31,7 +31,7 @@ from bench.core.errors import UsageError
 from bench.core.results import read_results
 from bench.core.snapshots import (CATEGORIES, SNAPSHOT_SUFFIX, category_timeline, largest_live, read_snapshot,
                                   replay_peaks, reserved_series, snapshot_folder)
-from bench.report.data import load_results, pitfall_strategies, row_flag, strategy_order
+from bench.report.data import format_size, load_results, pitfall_strategies, row_flag, strategy_order
 from bench.report.html_page import render_html  # noqa: F401 - part of this module's API
 
 MAX_POINTS = 1500
@@ -192,7 +192,7 @@ def verdicts(frame: pd.DataFrame, pitfalls: set[str]) -> list[str]:
         saves = base.empty or best["peak_mem_bytes"] < base["peak_mem_bytes"].min()
         lines.append(f"{label}: " + ("the smallest matching technique is " if saves else
                                      "no technique saves memory; the smallest matching is ") +
-                     f"{best['strategy']}, peak {best['peak_mem_bytes'] / 2**20:,.1f} MiB ({cost})")
+                     f"{best['strategy']}, peak {format_size(best['peak_mem_bytes'])} ({cost})")
     return lines
 
 

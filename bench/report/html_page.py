@@ -196,6 +196,9 @@ function barCharts() {
     box.appendChild(el("h3", {}, key));
     const wrap = box.appendChild(el("div", {class: "ranks"}));
     const mem = wrap.appendChild(el("div", {class: "chart"}));
+    const timed = ok.filter(r => r.step_time_ms_median != null);
+    // both boxes first, so that each chart is drawn at its width beside the other
+    const time = timed.length ? wrap.appendChild(el("div", {class: "chart"})) : null;
     const names = ok.map(r => plotText(r.strategy + (r.pitfall ? " (pitfall)" : "")));
     const [memUnit, memSize] = unit(Math.max(...ok.map(r => r.peak_mem_bytes)));
     Plotly.newPlot(mem, [{type: "bar", x: names, y: ok.map(r => r.peak_mem_bytes / memSize),
@@ -206,9 +209,7 @@ function barCharts() {
       {title: {text: DATA.kind === "predict" ? "predicted peak (" + memUnit + ")" : "peak memory (" + memUnit + ")"},
        margin: {t: 40, b: 90, l: 50, r: 10}, yaxis: {title: {text: memUnit}}},
       {displayModeBar: false, responsive: true});
-    const timed = ok.filter(r => r.step_time_ms_median != null);
-    if (!timed.length) continue;
-    const time = wrap.appendChild(el("div", {class: "chart"}));
+    if (!time) continue;
     Plotly.newPlot(time, [{type: "bar", x: timed.map(r => plotText(r.strategy)), y: timed.map(r => r.step_time_ms_median),
       error_y: {type: "data", symmetric: false,
                 array: timed.map(r => r.step_time_ms_ci95_high == null ? 0
@@ -270,7 +271,7 @@ function timelineChart(target, t, predicted, title) {
                         showarrow: true, arrowhead: 2, ax: 0, ay: -36, font: {size: 11}}];
   Plotly.newPlot(target, traces, {title: {text: plotText(title), font: {size: 13}}, margin: {t: 70, r: 10, l: 50},
     xaxis: {title: {text: "fraction of the step's allocator events"}, range: [0, 1]},
-    yaxis: {title: {text: "live " + yUnit}}, shapes: stageShapes(t), annotations, legend: {orientation: "h", y: -0.25},
+    yaxis: {title: {text: "live " + yUnit}}, shapes: stageShapes(t), annotations, legend: {orientation: "h", y: -0.3},
     hovermode: "x unified"}, {displayModeBar: false, responsive: true});
 }
 function largestTable(t) {
