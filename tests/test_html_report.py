@@ -229,6 +229,8 @@ def test_hostile_text_in_every_field_is_shown_as_text_and_runs_nothing(chromium,
     assert dom.count('data-column="message"') == len(rows) + 1  # every row, the baseline's eval twice (pitfalls)
     assert f"<h1>membench report: {shown}</h1>" in dom
     assert dom.count(f'data-column="strategy" class="">{shown}checkpoint<') == 2  # train, eval
+    intervals = re.findall(r'data-value="([^"]*)" data-column="step_time_ms_ci"', dom)
+    assert intervals and all(v == "" or float(v) >= 0 for v in intervals)  # sorted by its low end, as a number
     verdicts = re.findall(r'<p class="verdict">([^<]*)</p>', dom)
     assert len(verdicts) == 2 and all(v.startswith(shown + " · ") for v in verdicts), verdicts  # train, eval
     assert '<p class="note">No pitfall' not in dom and '<p class="note">~ noisy' in dom and re.search(r"[0-9]~<", dom)

@@ -291,3 +291,22 @@ def test_charts_and_the_report_are_written_atomically(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         markdown.build_report([FULL], tmp_path)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_each_run_keeps_its_own_report(tmp_path, capsys):
+    """`report --results DIR` reports the newest run under its own name: an earlier run's report (and page) stays
+    as it was, and reporting the earlier run again rewrites only its own."""
+    from bench.cli.main import main
+
+    rows = pd.read_csv(FIXTURES / "single_batch.csv").head(2)  # baseline train and eval: two quick charts
+    first, second = tmp_path / "20250101T000000Z-cpu-aaaa.csv", tmp_path / "20250102T000000Z-cpu-bbbb.csv"
+    rows.assign(run_id=first.stem).to_csv(first, index=False)
+    assert main(["report", str(first)]) == 0
+    earlier = (tmp_path / f"{first.stem}.REPORT.md").read_text()
+    rows.assign(run_id=second.stem, workload="second_model").to_csv(second, index=False)
+    os.utime(second, (time.time() + 5, time.time() + 5))  # the newest
+    assert main(["report", "--results", str(tmp_path)]) == 0
+    assert f"wrote {tmp_path / f'{second.stem}.REPORT.md'}" in capsys.readouterr().out
+    assert (tmp_path / f"{first.stem}.REPORT.md").read_text() == earlier
+    assert "second_model" in (tmp_path / f"{second.stem}.REPORT.md").read_text()
+    assert not (tmp_path / "REPORT.md").exists()
