@@ -2,7 +2,9 @@
 installed here where it is absent and the machine can; skipped with the reason otherwise) logs nothing to the
 console, fetches nothing (its Content-Security-Policy would block and log any request, and a control page shows that
 such a request is caught), draws charts (a screenshot that is not blank), and the memory timeline it draws peaks at
-the CSV's `peak_mem_bytes`, with the prediction of the same case overlaid at the predicted peak.
+the CSV's `peak_mem_bytes`, with the prediction of the same case overlaid at the predicted peak; a results folder
+whose every text is hostile is drawn whole, as text, at 420 px, with nothing injected or run; a predict CSV is a page
+of its predicted snapshots.
 """
 
 from __future__ import annotations
