@@ -173,7 +173,7 @@ HOSTILE = ("<!--<script>\u2028</script><img src=x onerror=\"document.body.setAtt
 def _hostile_folder(folder: Path) -> Path:
     """A results CSV whose every text cell is hostile (the run id, the names, the messages; one pitfall, one noisy
     row), a snapshot of its baseline whose module, operator and stage names are hostile, a plan CSV with hostile
-    labels, and beside them a crafted pickle that would run code and a FIFO."""
+    labels, and beside them a crafted pickle that would run code, a FIFO and a pickle of plain data that is no trace."""
     import os
     import pickle
 
@@ -204,6 +204,8 @@ def _hostile_folder(folder: Path) -> Path:
 
     (snapshots / "crafted.pickle").write_bytes(pickle.dumps({"membench": RunsCode()}))
     os.mkfifo(snapshots / "fifo.pickle")
+    (snapshots / "malformed.pickle").write_bytes(pickle.dumps({"membench": {"batch_size": "x"},
+                                                               "device_traces": [[{"size": 1}]]}))
     pd.DataFrame({"plan": [HOSTILE, HOSTILE + "2"], "predicted_peak_bytes": [1e6, 2e6],
                   "step_time_ms": [1.0, 2.0]}).to_csv(folder / "plan-hostile.csv", index=False)
     return csv
@@ -219,6 +221,7 @@ def test_hostile_text_in_every_field_is_shown_as_text_and_runs_nothing(chromium,
     page, skipped = html_report.build_html([csv], tmp_path, f"{csv.stem}.REPORT.html")  # `report --html` prints these
     assert any("crafted.pickle: refused, it names posix.system" in line for line in skipped), skipped
     assert any("fifo.pickle: not a regular file" in line for line in skipped), skipped
+    assert any("malformed.pickle: not a memory snapshot membench can draw" in line for line in skipped), skipped
     assert not (tmp_path / "pwned").exists()
     raw = page.read_text()
     assert raw.count("<script") == 3 and "<img" not in raw.split("<script>", 2)[2]  # no element from the data

@@ -69,7 +69,9 @@ def plotly_bundle() -> str:
 
 
 def _case_key(values: dict[str, Any]) -> tuple:
-    return tuple(str(values.get(k)) if k != "batch_size" else str(int(values.get(k) or 0)) for k in CASE_KEYS)
+    number = _number(values.get("batch_size"))
+    batch = str(int(number)) if number is not None and math.isfinite(number) else str(values.get("batch_size"))
+    return tuple(str(values.get(k)) if k != "batch_size" else batch for k in CASE_KEYS)
 
 
 def _number(value: Any) -> float | None:
@@ -93,6 +95,12 @@ def _snapshots_in(folder: Path, skipped: list[str]) -> list[dict[str, Any]]:
             continue
         if isinstance(snapshot, dict) and isinstance(snapshot.get("membench"), dict):
             snapshot["membench"]["file"] = path.name
+            try:  # plain data, but maybe not a trace: drawn once here, so a malformed one is said, not a crash
+                snapshot["membench"]["_drawn"] = _timeline_json(snapshot, MAX_POINTS)
+            except (KeyError, TypeError, ValueError, AttributeError, IndexError) as error:
+                skipped.append(f"skipped {folder.name}/{path.name}: not a memory snapshot membench can draw "
+                               f"({type(error).__name__}: {str(error)[:80]})")
+                continue
             found.append(snapshot)
     return found
 
@@ -111,6 +119,11 @@ def _timeline_json(snapshot: dict[str, Any], points: int) -> dict[str, Any]:
             "replayed_peak_bytes": allocated, "replayed_reserved_bytes": reserved,
             "reserved": reserved_series(snapshot, timeline.index) if reserved is not None else None,
             "largest": largest_live(snapshot, timeline.index[timeline.peak_position]) if timeline.index else []}
+
+
+def _drawn(snapshot: dict[str, Any], points: int) -> dict[str, Any]:
+    """The snapshot's timeline at `points` points (the one `_snapshots_in` drew where that is as many)."""
+    return snapshot["membench"].pop("_drawn") if points >= MAX_POINTS else _timeline_json(snapshot, points)
 
 
 def _row_json(row: pd.Series, pitfalls: set[str]) -> dict[str, Any]:
@@ -206,11 +219,11 @@ def _timelines(measured: list[dict], predicted: list[dict], rows: list[dict], or
         about = snapshot["membench"]
         case = cases.setdefault(_case_key(about), {"case": {k: about.get(k) for k in CASE_KEYS},
                                                    "ranks": [], "predicted": None})
-        case["ranks"].append(_timeline_json(snapshot, points))
+        case["ranks"].append(_drawn(snapshot, points))
     for snapshot in [] if alone else predicted:
         case = cases.get(_case_key(snapshot["membench"]))
         if case is not None and case["predicted"] is None:
-            case["predicted"] = _timeline_json(snapshot, points)
+            case["predicted"] = _drawn(snapshot, points)
     by_key = {_case_key(row): row for row in rows}
     for key, case in cases.items():
         case["ranks"].sort(key=lambda t: -1 if not isinstance(t["rank"], int) else t["rank"])
