@@ -192,3 +192,20 @@ def _nodes(root):
         out.append(node)
         pending.extend(n for n, _ in node.next_functions)
     return out
+
+
+def test_a_forward_that_raises_leaves_the_module_scope():
+    """torch.utils.checkpoint stops a recomputation early by raising inside the modules' forwards: the scope must
+    not go on naming those modules for every allocation after it."""
+    from bench.measure import memory
+    from bench.measure.snapshot import ModuleScope
+
+    class Stops(torch.nn.Module):
+        def forward(self, x):
+            raise RuntimeError("stop")
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), Stops())
+    with ModuleScope(model, memory.LiveTensorTracker("cpu", record_events=True)) as scope:
+        with pytest.raises(RuntimeError, match="stop"):
+            model(torch.rand(1, 2))
+        assert scope.current() == "" and scope.stack == []

@@ -66,7 +66,9 @@ class ModuleScope:
             from torch.nn.modules import module as nn_module
 
             self.handles = [nn_module.register_module_forward_pre_hook(self._entered),
-                            nn_module.register_module_forward_hook(self._left)]
+                            # always_call: a forward that raises still leaves (checkpoint's recomputation stops
+                            # early by raising, and its modules would otherwise name every later allocation)
+                            nn_module.register_module_forward_hook(self._left, always_call=True)]
             self.tracker.module_of = self.current
         return self
 
