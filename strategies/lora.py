@@ -105,6 +105,11 @@ class Lora(Strategy):
         self.total = 0
 
     def check(self, context) -> None:
+        if self.settings["targets"] == ALL_LINEAR and getattr(context.workload, "model_type", None) is None:
+            # peft leaves a transformers model's output head out of the preset; in another model it would adapt it
+            raise Unsupported(f"{self.name}:targets={ALL_LINEAR} has nothing to adapt in {context.phase}: "
+                              f"{self.model_owner()} is not an hf: architecture, whose output head peft leaves out; "
+                              f"name its modules with {self.name}:targets=a{TARGET_SEPARATOR}b")
         # the workload first: a model with nothing to adapt is unsupported in either phase, for that reason
         model_type = getattr(context.workload, "model_type", None)  # an hf: workload's transformers architecture
         auto = self.settings["targets"] == "auto"
