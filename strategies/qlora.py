@@ -5,11 +5,12 @@ into blocks of `block` (64) values, each value stored as the index (4 bits, two 
 NormalFloat levels, and each block's absolute maximum (its scale) is itself quantised ("double quantisation") to an
 int8 per block, with one float scale per `scaler_block` (256) block scales and one mean per weight. This strategy
 puts peft's LoRA layers on the target modules (as `lora` does; `targets=all-linear` by default, the paper's
-choice: every linear layer but the output head), then replaces each adapted layer's base weight by
-`torchao.quantization.to_nf4(weight, block, scaler_block)` in a frozen module that computes with it as torchtune's
-`FrozenNF4Linear` and `LoRALinear(quantize_base=True)` do: torchao's `linear_nf4`, an autograd function that
-dequantises the weight to the input's dtype for the product, in forward and again in backward, and saves only the
-4-bit weight (transformers' Conv1D, which stores its weight as (in, out), gets the same function on `x @ W`).
+choice: every linear layer but the output head), then replaces each adapted layer's base weight, and every other
+linear layer of the workload's layers, by `torchao.quantization.to_nf4(weight, block, scaler_block)` in a frozen
+module that computes with it as torchtune's `FrozenNF4Linear` and `LoRALinear(quantize_base=True)` do: torchao's
+`linear_nf4`, an autograd function that dequantises the weight to the input's dtype for the product, in forward and
+again in backward, and saves only the 4-bit weight (transformers' Conv1D, which stores its weight as (in, out), gets
+the same function on `x @ W`).
 
 Storage of a quantised weight of N values in dtype d (s bytes), all of it counted by the live-tensor tracker (the
 NF4Tensor is a wrapper subclass: the tracker counts the tensors inside it): N/2 bytes of codes (uint8), N/block int8
@@ -31,7 +32,10 @@ only the adapters train: the row differs by design; its message gives the measur
 
 Limitations: train phase only. The base weights are quantised from the workload's float32 weights (torchtune
 quantises bfloat16 ones: `qlora+bf16_weights` does that, quantising after the conversion); the computation runs in
-the input's dtype. Only the adapted layers are quantised; embeddings, norms and the output head keep their dtype.
+the input's dtype. Quantised: the base layer of every adapted module, and every other linear layer of the
+workload's layers (its checkpoint units: the decoder or encoder blocks), as torchtune's QLoRA models (a projection
+without an adapter is a `FrozenNF4Linear`) and bitsandbytes' 4-bit loading do; embeddings, norms and the output head
+keep their dtype.
 On fake tensors (predict) torchao's quantisation runs on the fake weights: the same shapes, hence the same bytes.
 """
 
@@ -106,6 +110,30 @@ class FrozenNF4Linear(nn.Module):
         return f"{tuple(self.weight.shape)}, nf4, transposed={self.transposed}"
 
 
+def _is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"  # transformers' (in, out) layer
+
+
+def _quantised_layers(model: nn.Module, units: list[nn.Module]) -> dict[str, tuple[nn.Module, str, nn.Module]]:
+    """name -> (parent, attribute, layer) of each linear layer whose weight becomes NF4: the base layer of every
+    module peft adapted, and every other linear layer of the workload's layers (decoder or encoder blocks: its
+    checkpoint units), as torchtune's QLoRA models (`FrozenNF4Linear` where a projection has no adapter) and
+    bitsandbytes' 4-bit loading do; never the adapters, the embeddings, nor the output head outside the layers."""
+    from peft.tuners.lora import LoraLayer
+
+    in_units = {id(m) for unit in units for m in unit.modules()}
+    adapters = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    in_adapters = {id(m) for layer in adapters for m in layer.modules()}  # LoRA layers, their A and B, base layers
+    found: dict[str, tuple[nn.Module, str, nn.Module]] = {}
+    for parent_name, parent in model.named_modules():
+        for attribute, child in parent.named_children():
+            if isinstance(parent, LoraLayer) and attribute == "base_layer":
+                found[parent_name] = (parent, attribute, child)
+            elif _is_linear(child) and id(child) in in_units and id(child) not in in_adapters:
+                found[f"{parent_name}.{attribute}" if parent_name else attribute] = (parent, attribute, child)
+    return found
+
+
 @register_strategy
 class Qlora(Lora):
     """LoRA adapters over 4-bit NF4 base weights (torchao), the QLoRA recipe torchtune follows."""
@@ -134,26 +162,22 @@ class Qlora(Lora):
 
     def prepare_model(self, model: nn.Module, units: list[nn.Module]) -> nn.Module:
         model = super().prepare_model(model, units)
-        from peft.tuners.lora import LoraLayer
-
         to_nf4 = nf4_module().to_nf4
         block, scaler_block = self.settings["block"], self.settings["scaler_block"]
-        layers = [(name, m) for name, m in model.named_modules() if isinstance(m, LoraLayer)]
+        layers = _quantised_layers(model, units)
         self.quantized = self.quantized_params = 0  # each pass prepares a fresh model with this instance
-        for name, layer in layers:  # every check before any change
-            weight = layer.base_layer.weight
-            if weight.numel() % (block * scaler_block):
-                raise Unsupported(f"qlora cannot quantise {name} of {self.model_owner()}: its {weight.numel():,} "
-                                  f"values are not a multiple of block*scaler_block = {block}*{scaler_block} (torchao's "
-                                  "NF4 layout); try smaller blocks (qlora:scaler_block=...)")
-        for name, layer in layers:
-            base = layer.base_layer
-            transposed = type(base).__name__ == "Conv1D"
+        for name, (_, _, linear) in layers.items():  # every check before any change
+            if linear.weight.numel() % (block * scaler_block):
+                raise Unsupported(f"qlora cannot quantise {name} of {self.model_owner()}: its "
+                                  f"{linear.weight.numel():,} values are not a multiple of block*scaler_block = "
+                                  f"{block}*{scaler_block} (torchao's NF4 layout); try smaller blocks "
+                                  "(qlora:scaler_block=...)")
+        for parent, attribute, linear in layers.values():
             with torch.no_grad():
-                quantized = to_nf4(base.weight.detach().contiguous(), block, scaler_block)
-            layer.base_layer = FrozenNF4Linear(quantized, base.bias, transposed)
+                quantized = to_nf4(linear.weight.detach().contiguous(), block, scaler_block)
+            setattr(parent, attribute, FrozenNF4Linear(quantized, linear.bias, type(linear).__name__ == "Conv1D"))
             self.quantized += 1
-            self.quantized_params += base.weight.numel()
+            self.quantized_params += linear.weight.numel()
         return model
 
     def describe(self) -> dict[str, Any]:

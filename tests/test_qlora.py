@@ -81,6 +81,22 @@ def test_qlora_base_weights_are_nf4_and_count_their_bytes_exactly():
 
 
 @needs_peft_and_torchao
+def test_qlora_quantises_every_projection_of_the_layers_adapted_or_not():
+    """torchtune's QLoRA (and bitsandbytes' 4-bit loading): a projection without an adapter is frozen NF4 too; the
+    embedding and the output head, outside the decoder layers, are not."""
+    from strategies.qlora import FrozenNF4Linear
+
+    case = _case(TINY_LLAMA, f"{QLORA_TINY}:targets=q_proj/v_proj")
+    strategy = _bound(case)
+    model = Session(case, strategy).base_model
+    nf4 = sorted({name.split(".")[-1] for name, m in model.named_modules() if isinstance(m, FrozenNF4Linear)})
+    assert nf4 == ["base_layer", "down_proj", "gate_proj", "k_proj", "o_proj", "up_proj"]
+    assert strategy.quantized == 14 and strategy.describe()["qlora.targets"] == "q_proj/v_proj"
+    assert type(model.lm_head) is nn.Linear and model.lm_head.weight.dtype == torch.float32
+    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == 2 * 8 * (64 + 48)  # q, v adapters
+
+
+@needs_peft_and_torchao
 def test_qlora_row_differs_by_design_with_its_measured_difference():
     case = _case(TINY_LLAMA, QLORA_TINY)
     strategy = _bound(case)
