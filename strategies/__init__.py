@@ -13,6 +13,6 @@ from strategies import (  # noqa: E402,F401
     selective_checkpoint, offload, compile,
     grad_accumulation, optimizer_in_backward, optimizer, keep_grads, empty_cache, pinned_loader,
     pitfall_loss_sum, pitfall_retain_graph,
-    chunked_loss, lora, bf16_weights,
+    chunked_loss, lora, qlora, bf16_weights,
     ddp, zero1, fsdp,
 )

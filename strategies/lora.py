@@ -7,10 +7,12 @@ in place (no `PeftModel` wrapper, so the workload's checkpoint units, output hea
 were) and freezes every other parameter; the optimizer is then rebuilt over the trainable parameters only, with the
 workload's hyperparameters.
 
-Options: `r` (8), `alpha` (16), `dropout` (0.0), `targets`: the names of the modules to adapt, separated by `/`
-(`lora:targets=q_proj/k_proj/v_proj/o_proj`), or `auto`: the attention projections peft adapts by default for the
-architecture of an `hf:` workload (`q_proj/v_proj` for Llama, Mistral and Qwen2, `c_attn` for GPT-2,
-`query/value` for BERT).
+Options: `r` (8, the rank), `alpha` (16), `dropout` (0.0), `targets`: the names of the modules to adapt, separated
+by `/` (`lora:r=64:targets=q_proj/k_proj/v_proj/o_proj/gate_proj/up_proj/down_proj`: attention and MLP of Llama);
+`auto`: the attention projections peft adapts by default for the architecture of an `hf:` workload (`q_proj/v_proj`
+for Llama, Mistral and Qwen2, `c_attn` for GPT-2, `query/value` for BERT); or `all-linear`: peft's preset, every
+Linear (and transformers' Conv1D) layer but the output head (the QLoRA paper's choice). The row's `lora.targets`
+names the modules adapted (the preset resolved).
 
 Example: `python -m bench compare --workload hf:llama-3.2-1b:layers=2:seq_len=256 --strategies lora,lora+checkpoint
 --device cpu --batch-size 2 --quick --phases train`.
@@ -44,6 +46,7 @@ from strategies.base import Strategy, register_strategy
 INSTALL_HINT = "pip install 'membench[hf]' (in a checkout: make install)"
 TARGET_SEPARATOR = "/"  # `,` separates the strategies of --strategies, `+` members, `:` options
 BASE_LAYER = ".base_layer."  # peft keeps the adapted module inside its LoRA layer under this name
+ALL_LINEAR = "all-linear"  # peft's preset (INCLUDE_LINEAR_LAYERS_SHORTHAND): every linear layer but the output head
 
 
 def import_peft():
@@ -102,6 +105,11 @@ class Lora(Strategy):
         self.total = 0
 
     def check(self, context) -> None:
+        if self.settings["targets"] == ALL_LINEAR and getattr(context.workload, "model_type", None) is None:
+            # peft leaves a transformers model's output head out of the preset; in another model it would adapt it
+            raise Unsupported(f"{self.name}:targets={ALL_LINEAR} has nothing to adapt in {context.phase}: "
+                              f"{self.model_owner()} is not an hf: architecture, whose output head peft leaves out; "
+                              f"name its modules with {self.name}:targets=a{TARGET_SEPARATOR}b")
         # the workload first: a model with nothing to adapt is unsupported in either phase, for that reason
         model_type = getattr(context.workload, "model_type", None)  # an hf: workload's transformers architecture
         auto = self.settings["targets"] == "auto"
@@ -116,7 +124,9 @@ class Lora(Strategy):
         """The module names to adapt: `targets=`, or peft's default for the bound hf: workload's architecture."""
         import_peft()
         model_type = getattr(self.context.workload, "model_type", None)
-        if self.settings["targets"] != "auto":
+        if self.settings["targets"] == ALL_LINEAR:
+            self.targets = [ALL_LINEAR]  # peft resolves it against the model (`adapted_modules` names them)
+        elif self.settings["targets"] != "auto":
             self.targets = str(self.settings["targets"]).split(TARGET_SEPARATOR)
         elif (targets := default_targets(model_type)) is not None:
             self.targets = targets
@@ -131,7 +141,8 @@ class Lora(Strategy):
         if not self.targets:  # bound but not checked (predict's engines bind a strategy per device)
             self._resolve_targets()
         config = peft.LoraConfig(r=self.settings["r"], lora_alpha=self.settings["alpha"],
-                                 lora_dropout=self.settings["dropout"], target_modules=list(self.targets),
+                                 lora_dropout=self.settings["dropout"],
+                                 target_modules=ALL_LINEAR if self.targets == [ALL_LINEAR] else list(self.targets),
                                  bias="none", fan_in_fan_out=_transposed(model, self.targets))
         fake = any(is_fake(p) for p in model.parameters())
         try:
@@ -144,6 +155,7 @@ class Lora(Strategy):
                               f"{str(error).splitlines()[0]}") from None
         if fake:
             _materialize_meta_parameters(model)
+        self.targets = adapted_modules(model)
         self.trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.total = sum(p.numel() for p in model.parameters())
         return model
@@ -170,6 +182,14 @@ class Lora(Strategy):
                 "baseline's (the adapters start at zero)")
 
 
+def adapted_modules(model: nn.Module) -> list[str]:
+    """The names (last component, as `targets=` takes them) of the modules peft put a LoRA layer on, in order."""
+    from peft.tuners.lora import LoraLayer
+
+    names = [name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, LoraLayer)]
+    return list(dict.fromkeys(names))
+
+
 def _materialize_meta_parameters(model: nn.Module) -> None:
     """Each parameter on meta replaced by zeros of its shape where the model's other parameters are, with their
     dtype (under the fake mode: fake tensors, whose values no one reads)."""
@@ -186,6 +206,6 @@ def _transposed(model: nn.Module, targets: list[str]) -> bool:
     """Whether the target modules store their weight as (in, out): transformers' Conv1D (GPT-2's `c_attn`), for which
     peft needs `fan_in_fan_out` (it would set it itself, with a warning)."""
     for name, module in model.named_modules():
-        if name.split(".")[-1] in targets and type(module).__name__ == "Conv1D":
+        if (targets == [ALL_LINEAR] or name.split(".")[-1] in targets) and type(module).__name__ == "Conv1D":
             return True
     return False

@@ -82,6 +82,7 @@ DEVICE_INDEPENDENT_REASONS = [
     r"has no BatchNorm layer, so no BatchNorm->activation pair",  # bn_act_recompute, inplace_abn on MLPs, GPTs
     r"has no separable output head",  # chunked_loss on the CNNs and MLPs
     r"is not an hf: architecture peft has default targets for",  # lora without targets= on the built-in models
+    r"targets=all-linear has nothing to adapt in (train|eval): .* is not an hf: architecture",  # qlora's default
 ]
 # operators of a step that may touch host memory, by strategy: the batch each step loads from the host, saved
 # activations offloaded to it

@@ -7,6 +7,7 @@ cuDNN's statistics) and named in the row.
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 
 import pytest
@@ -124,3 +125,18 @@ def test_llama_8b_at_full_size_is_predicted_without_its_memory():
     assert row["status"] == "ok" and row["engine"] == "fake-cuda", row
     assert row["predicted_weights_bytes"] == PUBLISHED_PARAMETERS["llama-3.1-8b"] * 4
     assert grown < 2 * 2**30, grown
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
+                    reason="torchao is not in this environment: `make cuda-fake-env` installs it (qlora's NF4 weights)")
+def test_qlora_weights_are_nf4_storages_in_whole_allocator_blocks():
+    # torchao's quantisation runs on the fake CUDA weights: each NF4 weight is five storages (codes, block scales,
+    # their scales, a mean, the 16 levels), each rounded up to the allocator's 512 bytes. tiny-llama per layer, blocks
+    # of 64 and scaler blocks of 8: q, o, k, v 5 x 512 each (their codes are 512 or 256 bytes); gate, up, down 1024
+    # of codes + 4 x 512. Their float32 weights: q, o 4096 bytes, k, v 2048, gate, up, down 8192.
+    lora, qlora = hf_row("lora:targets=all-linear"), hf_row("qlora:scaler_block=8")
+    nf4 = 2 * (4 * 5 * 512 + 3 * (1024 + 4 * 512))
+    dense = 2 * (2 * 4096 + 2 * 2048 + 3 * 8192)
+    assert lora["predicted_weights_bytes"] - qlora["predicted_weights_bytes"] == dense - nf4 == 34816
+    assert qlora["predicted_optimizer_state_bytes"] == lora["predicted_optimizer_state_bytes"]  # the same adapters
+    assert qlora["predicted_bytes"] < lora["predicted_bytes"]

@@ -78,7 +78,9 @@ def snapshot(case: Case, strategy: Strategy) -> Snapshot:
             grads = {name: accumulated.get(id(p)) if p.grad is None else whole(p.grad).detach().float().cpu().clone()
                      for name, p in named}
             strategy.optimizer_step(session.optimizer)
-            stepped = {name: whole(p).detach().float().cpu().clone() for name, p in named}
+            # `to` with a dtype, not `.float()`: a quantised weight (torchao's NF4Tensor, qlora) gives the float32
+            # values it stands for, where `.float()` of its float32 face returns the subclass itself
+            stepped = {name: whole(p).detach().to("cpu", torch.float32).clone() for name, p in named}
         else:
             inputs, _ = session.batch()
             output = session.forward(inputs)
