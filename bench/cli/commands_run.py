@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from bench.analysis import predict
-from bench.cli import interrupt
+from bench.cli import interrupt, preflight_steps
 from bench.cli.arguments import DEFAULT_ISOLATED_CASE_TIMEOUT_S, EXECUTORS, csv_list, size_option
 from bench.cli.console import Progress, announce, finish_run
 from bench.core import progress
@@ -199,12 +199,12 @@ def _run_suite(args, suite: Suite, device: str, options: RunOptions, overrides: 
             print(f"resuming {out_path}: {len(previous)} finished, {len(resumed.remaining)} to run",
                   file=sys.stderr, flush=True)
             cases = resumed.remaining
-        if device == "cpu":
-            limit = options.case_timeout_s and min(options.case_timeout_s, PREFLIGHT_LIMIT_S)
-            preflight.check_memory(cases, _bounded(limit, _meta_baseline_peak))
+        limit = options.case_timeout_s and min(options.case_timeout_s, PREFLIGHT_LIMIT_S)
         calibration_limit = min(options.case_timeout_s or CALIBRATION_LIMIT_S, CALIBRATION_LIMIT_S)
-        announce(cases, out_path, bool(args.resume), quick_overridden_by(args),
-                 _bounded(calibration_limit, _first_case_note)(cases))
+        # these run the user's model: under --isolate in a child, so that its os._exit cannot end this process
+        steps = preflight_steps.user_code_steps_in_child if options.isolate else preflight_steps.user_code_steps
+        note = steps(cases, device == "cpu", limit, calibration_limit) if cases else None
+        announce(cases, out_path, bool(args.resume), quick_overridden_by(args), note)
         interrupt.set_note(interrupt.resume_note(out_path) if args.resume else
                            f"interrupted before the first case finished: nothing was written (the results would "
                            f"have gone to {out_path})")

@@ -206,7 +206,7 @@ def check_memory(cases: Iterable[Any], baseline_peak: Callable[[Any, int], int])
     for case in largest.values():
         try:
             need = _memory_need(case, baseline_peak)
-        except Exception:  # noqa: BLE001 - a model meta cannot run: no estimate, no check
+        except (Exception, SystemExit):  # noqa: BLE001 - a model meta cannot run (or exits): no estimate, no check
             continue
         what = (f"--batch-size {case.batch_size} of {case.workload} ({case.phase}) needs about "
                 f"{format_size(need.bytes)} for one baseline step")

@@ -83,10 +83,17 @@ def measure_case(case: Case, env: dict | None = None, options: RunOptions | None
             row.update(status=(Status.OOM if is_oom(error) else Status.ERROR).value,
                        message=f"{type(error).__name__}: {error}".splitlines()[0][:500])
             forget_traceback(error)
+        except SystemExit as error:  # the workload's own code called sys.exit: its row, not the end of the sweep
+            row.update(status=Status.ERROR.value, message=exited_message(error))
         finally:
             if case.device == "cuda":
                 release_cuda_memory()
     return result
+
+
+def exited_message(error: SystemExit) -> str:
+    """The row's message for a case whose workload (or strategy) code called sys.exit."""
+    return f"the workload's code called sys.exit({error.code!r}) during the case; no figures were kept"[:500]
 
 
 # A 16-bit case whose arithmetic the CPU emulates (bench.measure.env.emulated_on_cpu; 15-23x slower than float32 on
