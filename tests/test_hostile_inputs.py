@@ -92,3 +92,84 @@ def test_a_crashed_workers_row_shows_its_last_real_line_not_a_marker():
 def test_a_workload_whose_factory_or_init_raises_is_one_line(name, error, tmp_path):
     done = _main("compare", "--strategies", "baseline", "--workload", f"{HOSTILE}:{name}", *TINY, "--out", tmp_path)
     _one_line_exit_2(done, name, error)
+
+
+# --- configuration files with wrong types ------------------------------------------------------------------------
+
+def _config(tmp_path, **changes) -> Path:
+    import json
+
+    from workloads.hf_presets import PRESETS
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**PRESETS["tiny-llama"], **changes}).replace("Infinity", "1e400"))
+    return path
+
+
+@pytest.mark.parametrize("changes, named", [
+    ({"num_hidden_layers": "2"}, ["num_hidden_layers", "'2'", "str", "integer"]),
+    ({"num_hidden_layers": 2.5}, ["num_hidden_layers", "2.5", "float"]),
+    ({"num_hidden_layers": -1}, ["num_hidden_layers", "-1"]),
+    ({"hidden_size": float("inf")}, ["hidden_size", "1e400"]),
+    ({"vocab_size": [512]}, ["vocab_size", "[512]", "list"]),
+    ({"num_attention_heads": True}, ["num_attention_heads", "bool"]),
+    ({"intermediate_size": -64}, ["intermediate_size", "-64", "or null"]),
+    ({"max_position_embeddings": "128"}, ["max_position_embeddings", "'128'"]),
+    ({"model_type": ["llama"]}, ["model_type", "['llama']"]),
+    ({"rms_norm_eps": "small"}, ["rms_norm_eps", "transformers refuses"]),
+])
+def test_a_config_value_of_the_wrong_type_or_range_is_one_line_naming_the_field(changes, named, tmp_path):
+    path = _config(tmp_path, **changes)
+    done = _main("predict", "--workload", f"hf:{path}", "--batch-size", "1", "--phases", "train", "--device", "cpu",
+                 "--out", tmp_path)
+    _one_line_exit_2(done, str(path), *named)
+
+
+def test_a_gpt2_style_config_is_checked_under_its_own_field_names(tmp_path):
+    from workloads.hf_presets import PRESETS
+
+    path = tmp_path / "gpt2.json"
+    path.write_text(__import__("json").dumps({**PRESETS["gpt2"], "n_layer": "12"}))
+    done = _main("predict", "--workload", f"hf:{path}", "--out", tmp_path)
+    _one_line_exit_2(done, "n_layer (num_hidden_layers)", "'12'")
+
+
+def test_a_config_whose_model_needs_petabytes_is_refused_with_the_figure_before_any_case(tmp_path):
+    path = _config(tmp_path, num_hidden_layers=10**9, hidden_size=4096, intermediate_size=14336)
+    done = _main("compare", "--strategies", "baseline", "--workload", f"hf:{path}", *TINY, "--out", tmp_path)
+    _one_line_exit_2(done, "PiB of float32 weights", "2.27e+17 parameters", "num_hidden_layers=1,000,000,000")
+    assert not list(tmp_path.glob("*.csv"))
+
+
+def test_the_parameter_count_on_meta_is_the_models_own():
+    """One and two layers counted on meta, extrapolated to three: the real three-layer model's count (tied heads
+    counted once)."""
+    from workloads import get_workload, hf, hf_checks
+
+    model = get_workload("hf:tiny-llama").build_model()  # two layers
+    values = {**hf.config_values("tiny-llama"), "num_hidden_layers": 3}
+    transformers = hf.import_transformers()
+
+    def build(layers):
+        return type(model)(hf.make_config(transformers, values, layers))
+
+    three = sum(p.numel() for p in build(3).parameters())
+    assert hf_checks.parameter_count(values, "causal_lm", 3, build) == three
+    assert hf_checks.parameter_count(values, "causal_lm", 2, build) == sum(p.numel() for p in model.parameters())
+
+
+# --- numbers beyond range ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("budget", ["1e30", "2000TiB"])
+def test_a_budget_beyond_a_petabyte_is_refused_before_the_search(budget, tmp_path):
+    done = _main("plan", "--budget", budget, "--workload", "deep_mlp:layers=4:width=8", "--out", tmp_path)
+    _one_line_exit_2(done, "--budget", budget, "1.0 PiB")
+    assert not list(tmp_path.iterdir())
+
+
+def test_predict_where_no_case_is_predicted_exits_1_with_a_line(tmp_path):
+    path = _config(tmp_path, num_key_value_heads=3)  # 4 heads do not share 3 key/value heads: every row an error
+    done = _main("predict", "--workload", f"hf:{path}", "--batch-size", "1", "--phases", "train", "--device", "cpu",
+                 "--out", tmp_path)
+    assert done.returncode == 1, done.stderr
+    assert "no case was predicted (1 error)" in done.stderr

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
+from collections import Counter
 from dataclasses import replace
 from typing import Callable, Iterator
 
@@ -151,6 +153,11 @@ def cmd_predict(args) -> int:
     print(f"\nwrote {path}")
     if snapshots is not None and snapshots.exists():
         print(f"memory snapshots in {snapshots} (open one at https://pytorch.org/memory_viz)")
+    if not any(row["status"] == "ok" for row in rows):  # as `run`: a table of refusals only is a failed command
+        counts = Counter(row["status"] for row in rows)
+        print(f"error: no case was predicted ({', '.join(f'{n} {s}' for s, n in counts.items()) or 'no rows'}); "
+              f"the message column of {path} says why", file=sys.stderr)
+        return 1
     return 0
 
 
