@@ -173,3 +173,48 @@ def test_predict_where_no_case_is_predicted_exits_1_with_a_line(tmp_path):
                  "--out", tmp_path)
     assert done.returncode == 1, done.stderr
     assert "no case was predicted (1 error)" in done.stderr
+
+
+@pytest.mark.parametrize("args, named", [
+    (["compare", "--strategies", "checkpoint:segments=2:segments=3"], ["checkpoint:segments", "twice"]),
+    (["predict", "--workload", "deep_mlp:layers=4:layers=8"], ["deep_mlp:layers", "twice"]),
+])
+def test_an_option_given_twice_is_refused_naming_it(args, named, tmp_path):
+    extra = [] if "--workload" in args else ["--workload", "deep_mlp:layers=4:width=8"]
+    _one_line_exit_2(_main(*args, *extra, "--device", "cpu", "--out", tmp_path), *named)
+
+
+@pytest.mark.parametrize("args, named", [
+    (["predict", "--ranks", "1000000"], ["--ranks", "1,000,000", "131,072"]),
+    (["plan", "--budget", "1GiB", "--ranks", "1000000"], ["--ranks", "131,072"]),
+    (["compare", "--strategies", "ddp", "--device", "cpu", "--ranks", "4096"], ["--ranks", "4,096", "CPU cores"]),
+])
+def test_ranks_beyond_what_can_run_are_refused(args, named, tmp_path):
+    _one_line_exit_2(_main(*args, "--workload", "deep_mlp:layers=4:width=8", "--out", tmp_path), *named)
+
+
+def _tiny_run(tmp_path) -> Path:
+    done = _main("compare", "--strategies", "baseline", "--workload", "deep_mlp:layers=4:width=8", *TINY,
+                 "--no-isolate", "--out", tmp_path)
+    assert done.returncode == 0, done.stderr
+    return next(p for p in tmp_path.glob("*.csv") if not p.name.endswith(".timeline.csv"))
+
+
+def test_resume_refuses_a_file_of_a_newer_schema_and_keeps_whole_numbers_whole(tmp_path):
+    from bench.core.results import RESULTS, SCHEMA_VERSION
+
+    path = _tiny_run(tmp_path)
+    done = _main("compare", "--strategies", "baseline,inplace_relu", "--workload", "deep_mlp:layers=4:width=8",
+                 *TINY, "--no-isolate", "--resume", path)
+    assert done.returncode == 0, done.stderr
+    text = pd.read_csv(path, dtype=str)
+    assert len(text) == 2
+    for column in RESULTS.names_of("int"):
+        if column in text:
+            assert not text[column].dropna().str.endswith(".0").any(), (column, text[column].tolist())
+    frame = pd.read_csv(path)
+    frame["schema_version"] = SCHEMA_VERSION + 1
+    frame.to_csv(path, index=False)
+    done = _main("compare", "--strategies", "baseline,inplace_relu,amp", "--workload", "deep_mlp:layers=4:width=8",
+                 *TINY, "--no-isolate", "--resume", path)
+    _one_line_exit_2(done, "newer membench", f"schema_version {SCHEMA_VERSION + 1}")

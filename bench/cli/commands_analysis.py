@@ -125,6 +125,7 @@ def cmd_predict(args) -> int:
     device = analysis_device(args.device)
     engine = check_choice("engine", args.engine, predict.ENGINES)
     compute_capability = capability(args.capability)
+    preflight.check_ranks(args.ranks, None)
     phases = [check_choice("phase", p, PHASES) for p in csv_list(args.phases)]
     specs = ["baseline"] + [s for s in csv_list(args.strategies or "") if s != "baseline"]
     for spec in specs:

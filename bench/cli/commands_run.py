@@ -183,6 +183,7 @@ def _run_suite(args, suite: Suite, device: str, options: RunOptions, overrides: 
     counts and thread count are sane, every case's strategy applies to its workload, the largest batch fits in
     memory, and nobody else is writing the same file (bench.run.preflight.RunLock)."""
     preflight.check_threads(options.threads)
+    preflight.check_ranks(options.ranks, device)
     executor = _executor(args, options, suite)
     cases = suite.cases(device)
     overrides.check_steps(cases)

@@ -127,6 +127,32 @@ def check_threads(threads: int | None) -> None:
                          f"give at most {cores}")
 
 
+# `--ranks` where no real process runs (predict's and plan's fake process group): more than the largest training
+# clusters is a typo
+MAX_PREDICTED_RANKS = 1 << 17
+
+
+def check_ranks(ranks: int, device: str | None) -> None:
+    """`--ranks` that this machine can start as processes (`device` cpu or cuda: one process per core, or per GPU,
+    each with its own copy of the model), or at most MAX_PREDICTED_RANKS where none is started (`device` None)."""
+    if ranks <= 1:
+        return
+    if device is None:
+        if ranks > MAX_PREDICTED_RANKS:
+            raise UsageError(f"--ranks {ranks:,} is more than {MAX_PREDICTED_RANKS:,}, more ranks than any training "
+                             "cluster has; give at most that")
+        return
+    if device == "cuda":
+        import torch
+
+        have, what = torch.cuda.device_count(), "GPUs (one rank per GPU)"
+    else:
+        have, what = available_cores(), "CPU cores available here (one rank process per core)"
+    if ranks > have:
+        raise UsageError(f"--ranks {ranks:,} is more than the {have} {what}; give at most {have} (predict and plan "
+                         "--ranks N answer for more without starting them)")
+
+
 def check_steps(value: int | None, option: str, minimum: int) -> None:
     """A step count between `minimum` and MAX_STEPS; a UsageError naming `option` and the limit otherwise."""
     if value is None:
