@@ -218,3 +218,54 @@ def test_resume_refuses_a_file_of_a_newer_schema_and_keeps_whole_numbers_whole(t
     done = _main("compare", "--strategies", "baseline,inplace_relu,amp", "--workload", "deep_mlp:layers=4:width=8",
                  *TINY, "--no-isolate", "--resume", path)
     _one_line_exit_2(done, "newer membench", f"schema_version {SCHEMA_VERSION + 1}")
+
+
+# --- the environment a job runs in -------------------------------------------------------------------------------
+
+LAUNCHER = {"WORLD_SIZE": "8", "RANK": "3", "LOCAL_RANK": "3", "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29500",
+            "TORCHELASTIC_RUN_ID": "job"}
+
+
+def test_a_torchrun_shells_variables_reach_no_process_membench_starts(monkeypatch):
+    from bench.run.isolation import worker_env
+
+    for name, value in LAUNCHER.items():
+        monkeypatch.setenv(name, value)
+    assert not set(LAUNCHER) & set(worker_env())
+    done = _main("list")
+    assert done.returncode == 0
+    assert done.stderr.count("note: ignoring") == 1 and "WORLD_SIZE=8" in done.stderr, done.stderr
+    import os
+
+    assert not set(LAUNCHER) & set(os.environ)  # cleared here too: every child (plan, predict, Ray) starts clean
+
+
+@pytest.mark.parametrize("command", [["predict"], ["explain", "--strategy", "baseline"],
+                                     ["compare", "--strategies", "baseline", *TINY], ["plan", "--budget", "1GiB"]])
+def test_a_bad_cpu_16bit_setting_is_refused_before_anything_by_every_command(command, monkeypatch, tmp_path):
+    monkeypatch.setenv("MEMBENCH_CPU_16BIT", "garbage")
+    done = _main(*command, "--workload", "deep_mlp:layers=4:width=8", "--out", tmp_path)
+    _one_line_exit_2(done, "MEMBENCH_CPU_16BIT", "'garbage'", "auto, emulated, native")
+    assert done.stdout == "" and not list(tmp_path.iterdir())
+
+
+def test_the_cpu_16bit_choices_are_the_measuring_ones():
+    from bench.core import job_environment
+    from bench.measure import env
+
+    assert job_environment.CPU_16BIT_CHOICES == env.CPU_16BIT_CHOICES
+    assert job_environment.CPU_16BIT_VARIABLE == env.CPU_16BIT_VARIABLE
+
+
+def test_a_missing_plugin_module_is_refused_before_the_first_case(monkeypatch, tmp_path):
+    monkeypatch.setenv("MEMBENCH_PLUGINS", "json,no_such_membench_plugin")
+    done = _main("compare", "--strategies", "baseline", "--workload", "deep_mlp:layers=4:width=8", *TINY,
+                 "--out", tmp_path)
+    _one_line_exit_2(done, "MEMBENCH_PLUGINS", "'no_such_membench_plugin'")
+
+
+def test_a_garbage_ray_address_in_the_environment_is_refused_before_ray_starts(monkeypatch, tmp_path):
+    monkeypatch.setenv("RAY_ADDRESS", "not an address")
+    done = _main("compare", "--strategies", "baseline", "--workload", "deep_mlp:layers=4:width=8", *TINY,
+                 "--executor", "ray", "--out", tmp_path)
+    _one_line_exit_2(done, "$RAY_ADDRESS", "'not an address'")

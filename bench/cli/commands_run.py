@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -148,11 +149,13 @@ def _executor(args, options: RunOptions, suite: Suite):
         return local_executor
     address = args.ray_address or suite.ray_address
     option = "--ray-address" if args.ray_address else "the suite's ray_address"
-    if address:
-        check_address(address, option)  # its form first: a typo is named before Ray is even imported
+    checked = address or os.environ.get("RAY_ADDRESS", "").strip()  # ray.init() reads $RAY_ADDRESS without one
+    option = option if address else "$RAY_ADDRESS"
+    if checked:
+        check_address(checked, option)  # its form first: a typo is named before Ray is even imported
     import_ray()  # a missing package is an error before any case
-    if address:
-        probe_address(address, option)  # seconds, not Ray's retries, to learn that nothing answers there
+    if checked:
+        probe_address(checked, option)  # seconds, not Ray's retries, to learn that nothing answers there
     return RayExecutor(address)
 
 

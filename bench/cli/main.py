@@ -19,6 +19,7 @@ from bench.cli.arguments import (DEFAULT_OUT, WORKLOAD_HELP, add_case_options, a
                                  non_negative_int, positive_float, positive_int)
 from bench.core import gpus
 from bench.core.errors import UsageError, shortened
+from bench.core.job_environment import check_job_environment
 
 DESCRIPTION = ("Measures what each PyTorch memory-saving technique saves and costs (peak memory, step time, whether "
                "the result still matches the baseline) on a model you choose, on this machine. Results go to "
@@ -201,6 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     interrupt.start(sys.argv[1:] if argv is None else argv)
     try:
         args = build_parser().parse_args(argv)
+        check_job_environment(args.command)
         return command_function(args.command)(args)
     except UsageError as error:
         print(f"error: {shortened(str(error))}", file=sys.stderr)

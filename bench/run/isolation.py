@@ -29,6 +29,7 @@ from typing import Any, Iterator
 
 import torch
 
+from bench.core.job_environment import without_launcher_variables
 from bench.core.results import Status, new_row
 from bench.run.result import CaseResult
 
@@ -135,8 +136,9 @@ def process_state(threads: int | None = None, deterministic: bool = False) -> It
 
 
 def worker_env() -> dict[str, str]:
-    """The environment of a worker process (isolated case, Ray-less rank): this one's, with the checkout importable."""
-    env = dict(os.environ)
+    """The environment of a worker process (isolated case, Ray-less rank): this one's, with the checkout importable
+    and without a job launcher's rendezvous variables (bench.core.job_environment)."""
+    env = without_launcher_variables(os.environ)  # a torchrun/SLURM shell's RANK, WORLD_SIZE: not this worker's
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     if "CUBLAS_WORKSPACE_CONFIG" not in env:
         env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # needed by use_deterministic_algorithms on CUDA >= 10.2
