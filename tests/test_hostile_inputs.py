@@ -269,3 +269,45 @@ def test_a_garbage_ray_address_in_the_environment_is_refused_before_ray_starts(m
     done = _main("compare", "--strategies", "baseline", "--workload", "deep_mlp:layers=4:width=8", *TINY,
                  "--executor", "ray", "--out", tmp_path)
     _one_line_exit_2(done, "$RAY_ADDRESS", "'not an address'")
+
+
+# --- messages that do not help -----------------------------------------------------------------------------------
+
+def test_lora_without_default_targets_lists_the_models_linear_module_names():
+    from bench.core.errors import Unsupported
+    from bench.run.case import bind_case
+
+    strategy, context = bind_case(Case("gpt_mini:layers=2", "lora", "train", 2, "cpu"))
+    with pytest.raises(Unsupported) as raised:
+        strategy.check(context)
+    message = str(raised.value)
+    listed = message.split("its Linear modules: ")[1].rstrip(")").split(", ")
+    assert len(listed) == len(set(listed)) >= 2, message  # each suffix once, however many layers repeat it
+    assert all("." not in name for name in listed), message
+
+
+def test_the_linear_names_are_read_on_a_model_that_holds_no_memory(monkeypatch):
+    from strategies import module_names
+    from workloads import get_workload
+
+    workload = get_workload("deep_mlp:layers=3:width=8")
+    built = []
+    original = type(workload).build_model
+
+    def spying(self):
+        model = original(self)
+        built.append({p.device.type for p in model.parameters()})
+        return model
+
+    monkeypatch.setattr(type(workload), "build_model", spying)
+    assert module_names.linear_module_suffixes(workload) == ["0", "1", "2"]
+    assert built == [{"meta"}]
+
+
+def test_progress_lines_name_every_option_of_the_workload_even_at_its_default():
+    from workloads import get_workload
+
+    canonical = get_workload("deep_mlp:layers=1000:width=8").spec()  # a suite's cases and rows leave defaults out
+    assert canonical == "deep_mlp:width=8"
+    case = Case(canonical, "baseline", "eval", 2, "cpu")
+    assert case.label().startswith("deep_mlp:layers=1000:width=8 baseline eval bs=2")
