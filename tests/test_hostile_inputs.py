@@ -79,6 +79,15 @@ def test_os_exit_in_a_users_loss_under_isolate_is_an_error_row_not_the_end_of_th
     assert STAGE_MARKER.strip() not in row["message"]
 
 
+@pytest.mark.parametrize("command", [["predict", "--device", "cpu", "--phases", "train"],
+                                     ["explain", "--strategy", "baseline"]])
+def test_sys_exit_in_a_users_loss_ends_other_commands_with_a_line_not_silently(command, tmp_path):
+    done = _main(*command, "--workload", f"{HOSTILE}:Tiny:mode=exit", "--batch-size", "2", "--out", tmp_path)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1].startswith(f"error: the workload's code called sys.exit(0) during "
+                                                           f"`{command[0]}`"), done.stderr
+
+
 def test_a_crashed_workers_row_shows_its_last_real_line_not_a_marker():
     stderr = f"{STAGE_MARKER}verification\nRuntimeError: boom\n{STAGE_MARKER}timing\n"
     assert crash_message(1, stderr) == "worker crashed (exit code 1): RuntimeError: boom"
@@ -311,3 +320,9 @@ def test_progress_lines_name_every_option_of_the_workload_even_at_its_default():
     assert canonical == "deep_mlp:width=8"
     case = Case(canonical, "baseline", "eval", 2, "cpu")
     assert case.label().startswith("deep_mlp:layers=1000:width=8 baseline eval bs=2")
+
+
+def test_a_workload_that_fails_to_build_inside_a_case_is_an_error_row_not_unsupported():
+    case = Case(f"{HOSTILE}:broken_factory", "baseline", "train", 2, "cpu", data="synthetic", warmup=0, steps=1)
+    row = measure_case(case).row
+    assert row["status"] == "error" and "the factory is broken" in row["message"], row

@@ -22,7 +22,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
-from bench.core.errors import UsageError, choices_error
+from bench.core.errors import UsageError, WorkloadCodeError, choices_error
 from bench.core.options import parse_option_parts
 from workloads.base import WORKLOADS, Workload
 
@@ -129,11 +129,11 @@ def _users_code(what: str, function, *args, **kwargs):
     except UsageError:
         raise
     except SystemExit as error:
-        raise UsageError(f"workload {what!r}: its code called sys.exit({error.code!r}) while building the "
+        raise WorkloadCodeError(f"workload {what!r}: its code called sys.exit({error.code!r}) while building the "
                          "workload") from None
     except Exception as error:  # noqa: BLE001 - the user's own bug, named in one line
         detail = f"{type(error).__name__}: {error}".splitlines()[0] if str(error) else type(error).__name__
-        raise UsageError(f"workload {what!r} failed while building the workload: {detail}") from None
+        raise WorkloadCodeError(f"workload {what!r} failed while building the workload: {detail}") from None
 
 
 def _instantiate(made: type[Workload] | Workload, reference: str, parts: list[str], text: str) -> Workload:

@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 import pandas as pd
 import torch
 
-from bench.core.errors import Unsupported, UsageError
+from bench.core.errors import Unsupported, UsageError, WorkloadCodeError
 from bench.core.results import Status, new_run_id, now_iso, write_csv_atomic, write_rows
 from bench.measure import snapshot as memory_snapshot, timing
 from bench.measure.env import emulated_on_cpu, environment
@@ -73,6 +73,8 @@ def measure_case(case: Case, env: dict | None = None, options: RunOptions | None
                     row["message"] = "; ".join(filter(None, [row.get("message"), emulated_note(verified[0])]))
             _measure(case, strategy, options.repeats, result, emulated, options.snapshot_dir)
             row.update(declared_columns(strategy))  # with what the model resolved (segments=auto, the plan)
+        except WorkloadCodeError as error:  # the user's workload failed to build here: a failure, not a finding
+            row.update(status=Status.ERROR.value, message=str(error)[:500])
         except (Unsupported, UsageError) as error:
             # a value the pre-run checks (bench.run.preflight) let through that this one case cannot take: its row
             # says so and the sweep goes on with the unrelated cases after it
