@@ -197,8 +197,9 @@ def test_an_option_given_twice_is_refused_naming_it(args, named, tmp_path):
     (["predict", "--ranks", "1000000"], ["--ranks", "1,000,000", "131,072"]),
     (["plan", "--budget", "1GiB", "--ranks", "1000000"], ["--ranks", "131,072"]),
     (["compare", "--strategies", "ddp", "--device", "cpu", "--ranks", "4096"], ["--ranks", "4,096", "CPU cores"]),
+    (["compare", "--strategies", "baseline", "--device", "cpu", "--repeats", "1000000000"], ["--repeats", "100"]),
 ])
-def test_ranks_beyond_what_can_run_are_refused(args, named, tmp_path):
+def test_ranks_and_repeats_beyond_what_can_run_are_refused(args, named, tmp_path):
     _one_line_exit_2(_main(*args, "--workload", "deep_mlp:layers=4:width=8", "--out", tmp_path), *named)
 
 

@@ -187,6 +187,7 @@ def _run_suite(args, suite: Suite, device: str, options: RunOptions, overrides: 
     memory, and nobody else is writing the same file (bench.run.preflight.RunLock)."""
     preflight.check_threads(options.threads)
     preflight.check_ranks(options.ranks, device)
+    preflight.check_repeats(options.repeats)
     executor = _executor(args, options, suite)
     cases = suite.cases(device)
     overrides.check_steps(cases)

@@ -127,6 +127,18 @@ def check_threads(threads: int | None) -> None:
                          f"give at most {cores}")
 
 
+# More repeats of a case than this is a typo: each repeat is a full timing and memory pass (a fresh process under
+# --isolate); pyperf's default is 20 processes
+MAX_REPEATS = 100
+
+
+def check_repeats(repeats: int) -> None:
+    """`--repeats` up to MAX_REPEATS; a UsageError naming the limit otherwise."""
+    if repeats > MAX_REPEATS:
+        raise UsageError(f"--repeats {repeats:,} is more than the limit of {MAX_REPEATS} per case; 3 to 10 repeats "
+                         "give a confidence interval of the median")
+
+
 # `--ranks` where no real process runs (predict's and plan's fake process group): more than the largest training
 # clusters is a typo
 MAX_PREDICTED_RANKS = 1 << 17
