@@ -327,3 +327,15 @@ def test_a_workload_that_fails_to_build_inside_a_case_is_an_error_row_not_unsupp
     case = Case(f"{HOSTILE}:broken_factory", "baseline", "train", 2, "cpu", data="synthetic", warmup=0, steps=1)
     row = measure_case(case).row
     assert row["status"] == "error" and "the factory is broken" in row["message"], row
+
+
+def test_predict_keeps_a_workloads_global_state_in_its_own_case():
+    from bench.analysis.predict import predict_cases
+
+    def case(mode):
+        return Case(f"{HOSTILE}:Tiny:mode={mode}", "baseline", "train", 2, "cpu", data="synthetic")
+
+    (clean,) = predict_cases([case("none")])
+    leaky, after = predict_cases([case("dtype"), case("none")])
+    assert torch.get_default_dtype() == torch.float32
+    assert after["predicted_bytes"] == clean["predicted_bytes"] != leaky["predicted_bytes"]
