@@ -41,6 +41,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from bench.core.errors import Unsupported, UsageError
+from strategies import module_names
 from strategies.base import Strategy, register_strategy
 
 INSTALL_HINT = "pip install 'membench[hf]' (in a checkout: make install)"
@@ -116,7 +117,7 @@ class Lora(Strategy):
         if auto and model_type is None:
             raise Unsupported(f"lora has nothing to adapt by default in {context.phase}: {self.model_owner()} is not "
                               "an hf: architecture peft has default targets for; name its modules with "
-                              f"lora:targets=a{TARGET_SEPARATOR}b")
+                              f"lora:targets=a{TARGET_SEPARATOR}b{self._linear_names()}")
         super().check(context)
         self._resolve_targets()
 
@@ -133,8 +134,14 @@ class Lora(Strategy):
         else:
             raise Unsupported(f"lora has nothing to adapt by default in {self.context.phase}: peft has no default "
                               f"targets for {model_type} ({self.model_owner()}); name its modules with "
-                              f"lora:targets=a{TARGET_SEPARATOR}b")
+                              f"lora:targets=a{TARGET_SEPARATOR}b{self._linear_names()}")
         return self.targets
+
+    def _linear_names(self) -> str:
+        """`; its Linear modules: a, b, ...` for a message that asks the user to name modules (the names read on a
+        model built on meta); empty where there are none to list."""
+        names = module_names.linear_module_suffixes(self.context.workload) if self.context.workload else []
+        return f" (its Linear modules: {module_names.listed(names)})" if names else ""
 
     def prepare_model(self, model: nn.Module, units: list[nn.Module]) -> nn.Module:
         peft = import_peft()
@@ -152,7 +159,7 @@ class Lora(Strategy):
                 peft.inject_adapter_in_model(config, model)
         except ValueError as error:  # peft: "Target modules {...} not found in the base model"
             raise Unsupported(f"lora has nothing to adapt in {self.context.phase}: {self.model_owner()}: "
-                              f"{str(error).splitlines()[0]}") from None
+                              f"{str(error).splitlines()[0]}{self._linear_names()}") from None
         if fake:
             _materialize_meta_parameters(model)
         self.targets = adapted_modules(model)

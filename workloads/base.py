@@ -160,6 +160,14 @@ class Workload:
                 part for part in changed if not part.startswith(f"{self.positional_option}=")]
         return ":".join([self.reference or self.name, *changed])
 
+    def full_spec(self) -> str:
+        """Every option spelled out, defaults included (`hf:gpt2:layers=0:seq_len=128:attn=sdpa:task=auto`): what
+        the progress lines print, so that an option the user gave at its default value still shows."""
+        parts = [f"{key}={value}" for key, value in self.settings.items() if key != self.positional_option]
+        if self.positional_option:
+            parts.insert(0, str(self.settings[self.positional_option]))
+        return ":".join([self.reference or self.name, *parts])
+
     def __repr__(self) -> str:
         return f"<workload {self.spec()}>"
 

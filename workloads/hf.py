@@ -45,7 +45,7 @@ from torch.nn import functional as F
 
 from bench.core.errors import UsageError
 from bench.core.quiet_import import import_torchao
-from workloads import text_data
+from workloads import hf_checks, text_data
 from workloads.base import DeferredHead, Workload, register_workload
 from workloads.hf_presets import MASK_TOKEN_IDS, PRESETS
 
@@ -172,13 +172,17 @@ def config_values(model: str) -> dict[str, Any]:
     return dict(PRESETS[model])
 
 
-def make_config(transformers, values: dict[str, Any], layers: int):
-    """The transformers configuration object of `values`, with `layers` layers (0: its own) and no KV cache."""
+def make_config(transformers, values: dict[str, Any], layers: int, source: str = "the configuration"):
+    """The transformers configuration object of `values`, with `layers` layers (0: its own) and no KV cache;
+    `source` names the values in an error."""
     model_type = values["model_type"]
     if model_type not in transformers.CONFIG_MAPPING:
         raise UsageError(f"hf: model_type {model_type!r} is not known to transformers {transformers.__version__}")
     values = {key: value for key, value in values.items() if key not in ("torch_dtype", "dtype")}
-    config = transformers.CONFIG_MAPPING[model_type].from_dict(values)
+    try:
+        config = transformers.CONFIG_MAPPING[model_type].from_dict(values)
+    except Exception as error:  # noqa: BLE001 - transformers' own validation of a value hf_checks does not read
+        raise hf_checks.config_error(source, error) from None
     if layers:
         config.num_hidden_layers = layers
         if isinstance(getattr(config, "layer_types", None), list):  # per-layer attention kinds (Qwen2, Mistral...)
@@ -227,7 +231,9 @@ class HfWorkload(Workload):
         if s["attn"] not in ATTENTION_IMPLEMENTATIONS:
             raise UsageError(f"unknown hf attn {s['attn']!r}; valid choices: {', '.join(ATTENTION_IMPLEMENTATIONS)}")
         values = config_values(str(s["model"]))
-        full = make_config(transformers, values, 0)
+        source = str(s["model"])
+        hf_checks.check_values(values, source, transformers)
+        full = make_config(transformers, values, 0, source)
         if s["layers"] < 0 or s["layers"] > full.num_hidden_layers:
             raise UsageError(f"hf:{s['model']}:layers={s['layers']} must be between 1 and "
                              f"{full.num_hidden_layers} (the model's own; 0 for all)")
@@ -241,6 +247,9 @@ class HfWorkload(Workload):
                              f"{', '.join(['auto', *tasks])}")
         self.task = tasks[0] if s["task"] == "auto" else s["task"]
         self._values = values
+        auto_class = _auto_classes(transformers)[self.task][0]
+        hf_checks.check_size(values, self.task, s["layers"] or full.num_hidden_layers, source, lambda layers: (
+            auto_class.from_config(make_config(transformers, values, layers, source), dtype=torch.float32)))
         positions = getattr(full, "max_position_embeddings", None)
         if s["seq_len"] < 1 or (positions and s["seq_len"] > positions):
             raise UsageError(f"hf:{s['model']}:seq_len={s['seq_len']} must be between 1 and {positions} "

@@ -22,7 +22,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
-from bench.core.errors import UsageError, choices_error
+from bench.core.errors import UsageError, WorkloadCodeError, choices_error
 from bench.core.options import parse_option_parts
 from workloads.base import WORKLOADS, Workload
 
@@ -114,11 +114,26 @@ def _user_class(source: str, attribute: str) -> type[Workload] | Workload:
             raise UsageError(f"{source}:{attribute} is a class but not a subclass of workloads.Workload")
         return obj
     if callable(obj):
-        made = obj()
+        made = _users_code(f"{source}:{attribute}()", obj)
         if isinstance(made, Workload) or (inspect.isclass(made) and issubclass(made, Workload)):
             return made
         raise UsageError(f"{source}:{attribute}() returned {type(made).__name__}, not a workloads.Workload")
     raise UsageError(f"{source}:{attribute} is a {type(obj).__name__}, not a Workload subclass or a function")
+
+
+def _users_code(what: str, function, *args, **kwargs):
+    """`function(*args, **kwargs)`, code of the user's workload (a factory, `__init__`, `configure`): what it raises
+    (or a sys.exit in it) is a one-line UsageError naming the workload and the error, not a traceback."""
+    try:
+        return function(*args, **kwargs)
+    except UsageError:
+        raise
+    except SystemExit as error:
+        raise WorkloadCodeError(f"workload {what!r}: its code called sys.exit({error.code!r}) while building the "
+                         "workload") from None
+    except Exception as error:  # noqa: BLE001 - the user's own bug, named in one line
+        detail = f"{type(error).__name__}: {error}".splitlines()[0] if str(error) else type(error).__name__
+        raise WorkloadCodeError(f"workload {what!r} failed while building the workload: {detail}") from None
 
 
 def _instantiate(made: type[Workload] | Workload, reference: str, parts: list[str], text: str) -> Workload:
@@ -126,12 +141,12 @@ def _instantiate(made: type[Workload] | Workload, reference: str, parts: list[st
     owner = reference or cls.name
     options = parse_option_parts("workload", owner, parts, cls.options, text)
     if inspect.isclass(made):
-        workload = made(**options)
+        workload = _users_code(text, made, **options) if reference else made(**options)
     else:
         workload = made
         if options:
             workload.settings = {**workload.settings, **options}
-            workload.configure()
+            _users_code(text, workload.configure)
     workload.reference = reference
     return workload
 

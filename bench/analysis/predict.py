@@ -31,6 +31,7 @@ from bench.core.units import MiB
 from bench.measure import breakdown, cuda_allocator, fake_cuda, memory, snapshot
 from bench.measure.sdpa_kernel import SdpaCalls, SdpaKernelChoice
 from bench.measure.fake_cuda_mode import FakeAllocator, fake_cuda as fake_cuda_tensors, is_fake_device
+from bench.run.isolation import process_state
 from bench.run.ranks import fake_process_group, in_rank_process
 from bench.run.runner import CaseMeter, MEMORY_WARMUP_STEPS, bind_case, forget_traceback, memory_pass
 
@@ -401,7 +402,8 @@ def predict_cases(cases: list, engine: str = "auto", ranks: int = 1, capability:
     for index, case in enumerate(cases):
         if on_case is not None:
             on_case(index, case)
-        row = predict_case(case, engine, ranks, capability, snapshot_dir)
+        with process_state():  # what a user's workload sets globally (its default dtype) stays in its case
+            row = predict_case(case, engine, ranks, capability, snapshot_dir)
         if note and case.device == "cuda":
             row["message"] = "; ".join(x for x in (note, row["message"]) if x)
         rows.append(row)

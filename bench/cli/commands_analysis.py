@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
+from collections import Counter
 from dataclasses import replace
 from typing import Callable, Iterator
 
@@ -123,6 +125,7 @@ def cmd_predict(args) -> int:
     device = analysis_device(args.device)
     engine = check_choice("engine", args.engine, predict.ENGINES)
     compute_capability = capability(args.capability)
+    preflight.check_ranks(args.ranks, None)
     phases = [check_choice("phase", p, PHASES) for p in csv_list(args.phases)]
     specs = ["baseline"] + [s for s in csv_list(args.strategies or "") if s != "baseline"]
     for spec in specs:
@@ -151,6 +154,11 @@ def cmd_predict(args) -> int:
     print(f"\nwrote {path}")
     if snapshots is not None and snapshots.exists():
         print(f"memory snapshots in {snapshots} (open one at https://pytorch.org/memory_viz)")
+    if not any(row["status"] == "ok" for row in rows):  # as `run`: a table of refusals only is a failed command
+        counts = Counter(row["status"] for row in rows)
+        print(f"error: no case was predicted ({', '.join(f'{n} {s}' for s, n in counts.items()) or 'no rows'}); "
+              f"the message column of {path} says why", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -21,13 +21,14 @@ from bench.core.units import MiB, format_size
 from bench.measure import env
 from bench.measure.op_cost import measure_cpu_speed
 from bench.report.pareto_charts import chart_plan
-from bench.run.preflight import check_output_dir
+from bench.run.preflight import check_output_dir, check_ranks
 
 
 def _request(args) -> tuple[plan.PlanRequest, str]:
     """The plan's request from the options, checked before anything runs; and how the limit was made."""
     gpu = gpus.find_gpu(args.gpu) if args.gpu else None
     device = analysis_device(args.device or ("cuda" if gpu else "cpu"))
+    check_ranks(args.ranks, None)
     if gpu and device != "cuda":
         raise UsageError(f"--gpu {args.gpu} plans for CUDA: drop --device {device} (or give --budget for the CPU)")
     if device == "cuda" and gpu is None:

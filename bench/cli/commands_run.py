@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -11,7 +12,7 @@ from pathlib import Path
 import torch
 
 from bench.analysis import predict
-from bench.cli import interrupt
+from bench.cli import interrupt, preflight_steps
 from bench.cli.arguments import DEFAULT_ISOLATED_CASE_TIMEOUT_S, EXECUTORS, csv_list, size_option
 from bench.cli.console import Progress, announce, finish_run
 from bench.core import progress
@@ -148,11 +149,13 @@ def _executor(args, options: RunOptions, suite: Suite):
         return local_executor
     address = args.ray_address or suite.ray_address
     option = "--ray-address" if args.ray_address else "the suite's ray_address"
-    if address:
-        check_address(address, option)  # its form first: a typo is named before Ray is even imported
+    checked = address or os.environ.get("RAY_ADDRESS", "").strip()  # ray.init() reads $RAY_ADDRESS without one
+    option = option if address else "$RAY_ADDRESS"
+    if checked:
+        check_address(checked, option)  # its form first: a typo is named before Ray is even imported
     import_ray()  # a missing package is an error before any case
-    if address:
-        probe_address(address, option)  # seconds, not Ray's retries, to learn that nothing answers there
+    if checked:
+        probe_address(checked, option)  # seconds, not Ray's retries, to learn that nothing answers there
     return RayExecutor(address)
 
 
@@ -183,6 +186,8 @@ def _run_suite(args, suite: Suite, device: str, options: RunOptions, overrides: 
     counts and thread count are sane, every case's strategy applies to its workload, the largest batch fits in
     memory, and nobody else is writing the same file (bench.run.preflight.RunLock)."""
     preflight.check_threads(options.threads)
+    preflight.check_ranks(options.ranks, device)
+    preflight.check_repeats(options.repeats)
     executor = _executor(args, options, suite)
     cases = suite.cases(device)
     overrides.check_steps(cases)
@@ -199,12 +204,12 @@ def _run_suite(args, suite: Suite, device: str, options: RunOptions, overrides: 
             print(f"resuming {out_path}: {len(previous)} finished, {len(resumed.remaining)} to run",
                   file=sys.stderr, flush=True)
             cases = resumed.remaining
-        if device == "cpu":
-            limit = options.case_timeout_s and min(options.case_timeout_s, PREFLIGHT_LIMIT_S)
-            preflight.check_memory(cases, _bounded(limit, _meta_baseline_peak))
+        limit = options.case_timeout_s and min(options.case_timeout_s, PREFLIGHT_LIMIT_S)
         calibration_limit = min(options.case_timeout_s or CALIBRATION_LIMIT_S, CALIBRATION_LIMIT_S)
-        announce(cases, out_path, bool(args.resume), quick_overridden_by(args),
-                 _bounded(calibration_limit, _first_case_note)(cases))
+        # these run the user's model: under --isolate in a child, so that its os._exit cannot end this process
+        steps = preflight_steps.user_code_steps_in_child if options.isolate else preflight_steps.user_code_steps
+        note = steps(cases, device == "cpu", limit, calibration_limit) if cases else None
+        announce(cases, out_path, bool(args.resume), quick_overridden_by(args), note)
         interrupt.set_note(interrupt.resume_note(out_path) if args.resume else
                            f"interrupted before the first case finished: nothing was written (the results would "
                            f"have gone to {out_path})")

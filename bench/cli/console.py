@@ -11,6 +11,7 @@ import pandas as pd
 
 from bench.core.units import MiB
 from bench.measure.stats import NOISE_THRESHOLD
+from bench.run.case import full_workload_spec
 from bench.run.eta import duration, emulation_warning
 
 RELATIVE_FORMAT = "{:.2f}x"
@@ -211,7 +212,7 @@ def announce(cases, out_path: Path, resumed: bool, quick_with: tuple[str, ...] =
     if not cases:
         print(f"nothing left to run in {out_path}", file=sys.stderr, flush=True)
         return
-    workloads = list(dict.fromkeys(c.workload for c in cases))
+    workloads = list(dict.fromkeys(full_workload_spec(c.workload) for c in cases))
     per_case = "; ".join(dict.fromkeys(timing_text(c) for c in cases))
     print(f"{'resuming' if resumed else 'running'} {len(cases)} case(s) of {', '.join(workloads)} on "
           f"{cases[0].device}, {per_case} (plus a verification and a memory pass), into "

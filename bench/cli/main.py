@@ -19,6 +19,7 @@ from bench.cli.arguments import (DEFAULT_OUT, WORKLOAD_HELP, add_case_options, a
                                  non_negative_int, positive_float, positive_int)
 from bench.core import gpus
 from bench.core.errors import UsageError, shortened
+from bench.core.job_environment import check_job_environment
 
 DESCRIPTION = ("Measures what each PyTorch memory-saving technique saves and costs (peak memory, step time, whether "
                "the result still matches the baseline) on a model you choose, on this machine. Results go to "
@@ -200,8 +201,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Runs one command; exit code 2 for a usage error (one line on stderr), 130 for an interrupt."""
     interrupt.start(sys.argv[1:] if argv is None else argv)
     try:
-        args = build_parser().parse_args(argv)
-        return command_function(args.command)(args)
+        args = build_parser().parse_args(argv)  # --help ends here with argparse's SystemExit(0), as it should
+        check_job_environment(args.command)
+        try:
+            return command_function(args.command)(args)
+        except SystemExit as error:  # no command of ours exits: a user's workload code called sys.exit
+            print(f"error: the workload's code called sys.exit({error.code!r}) during `{args.command}`, which "
+                  "stopped it there; the workload must return, not exit", file=sys.stderr)
+            return 1
     except UsageError as error:
         print(f"error: {shortened(str(error))}", file=sys.stderr)
         return 2

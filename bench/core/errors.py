@@ -11,6 +11,11 @@ class UsageError(Exception):
     """Bad input from the user: the CLI prints the message on one line and exits 2."""
 
 
+class WorkloadCodeError(UsageError):
+    """The user's own workload code (its factory, `__init__`, `configure`) failed: one line before a run, and an
+    `error` row (not `unsupported`) where it fails only inside a case."""
+
+
 class Unsupported(Exception):
     """A case that cannot run (strategy on the wrong device or phase): becomes a row with status `unsupported`."""
 

@@ -40,6 +40,8 @@ def parse_option_parts(kind: str, owner: str, parts: list[str], declared: dict[s
         if not sep:
             raise UsageError(f"bad {kind} option {part!r} in {text!r}; expected {owner}:option=value")
         check_option_names(kind, owner, [key], declared)
+        if key in options:  # which one was meant? taking the last silently would measure what nobody asked for
+            raise UsageError(f"{kind} option {owner}:{key} is given twice in {text!r}; give it once")
         options[key] = parse_value(raw, declared[key], owner, key)
     return options
 

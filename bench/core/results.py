@@ -236,9 +236,24 @@ def write_csv_atomic(frame: pd.DataFrame, path: Path) -> None:
 
 
 def write_rows(rows: list[dict], path: Path) -> pd.DataFrame:
-    """The rows as a results CSV at `path` (atomically); returns the frame written."""
+    """The rows as a results CSV at `path` (atomically), each whole-number column written as whole numbers
+    (`7596999104`, not `7596999104.0`, also beside an empty cell or after a resume read it back as floats);
+    returns the frame (as the rows hold it)."""
     frame = to_frame(rows)
-    write_csv_atomic(frame, path)
+    write_csv_atomic(_whole_numbers(frame), path)
+    return frame
+
+
+def _whole_numbers(frame: pd.DataFrame) -> pd.DataFrame:
+    """`frame` with each declared int column whose values are all whole numbers as a nullable integer column."""
+    frame = frame.copy()
+    for column in RESULTS.names_of("int"):
+        if column not in frame:
+            continue
+        numbers = pd.to_numeric(frame[column], errors="coerce")
+        present = frame[column].notna()
+        if numbers[present].notna().all() and (numbers[present] % 1 == 0).all():
+            frame[column] = numbers.round().astype("Int64")
     return frame
 
 

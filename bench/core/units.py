@@ -12,6 +12,9 @@ _UNITS = {
 }
 KiB = 2**10
 MiB = 2**20  # bytes in a mebibyte: the unit of every table and chart that prints memory
+# The largest size any option or configuration may name: beyond it is a typo (`1e30`), and the searches, charts and
+# CSV writes that follow would work on absurd figures (an int64 column overflows at 8 EiB)
+MAX_SIZE_BYTES = 2**50  # 1 PiB
 
 _SIZE = re.compile(r"\s*((?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*")
 
@@ -32,6 +35,9 @@ def parse_size(text: str | int | float) -> int:
         value = float(number) * multiplier
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"cannot read {text!r} as a size: it must be a finite, non-negative number of bytes")
+    if value > MAX_SIZE_BYTES:
+        raise ValueError(f"{text!r} is more than {format_size(MAX_SIZE_BYTES)}, the largest size membench takes "
+                         "(no machine has that much memory)")
     return int(round(value))
 
 
@@ -54,7 +60,7 @@ def fraction_or_size(text: str | int | float) -> float | None:
 
 def format_size(n_bytes: float) -> str:
     """4294967296 -> '4.0 GiB'."""
-    for unit, factor in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    for unit, factor in (("PiB", 2**50), ("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n_bytes) >= factor:
             return f"{n_bytes / factor:.1f} {unit}"
     return f"{int(n_bytes)} B"

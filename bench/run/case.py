@@ -48,7 +48,8 @@ class Case:
             object.__setattr__(self, "data", get_workload(self.workload).data_sources[0])
 
     def label(self) -> str:
-        return f"{self.workload} {self.strategy} {self.phase} bs={self.batch_size} {self.device}"
+        """The case as progress lines name it: the workload with every option (`full_workload_spec`)."""
+        return f"{full_workload_spec(self.workload)} {self.strategy} {self.phase} bs={self.batch_size} {self.device}"
 
     def timing_policy(self) -> timing.TimingPolicy:
         """How the timing pass of this case decides how many steps to time (bench.measure.timing.TimingPolicy)."""
@@ -57,6 +58,16 @@ class Case:
     def to_json(self) -> dict[str, Any]:
         """The case as JSON values (`Case(**value)` makes it back, in another process)."""
         return {**asdict(self), "strategy": str(self.strategy)}
+
+
+@functools.lru_cache(maxsize=64)
+def full_workload_spec(spec: str) -> str:
+    """`spec` with every option of its workload spelled out, defaults included (`workloads.base.Workload.full_spec`);
+    `spec` itself where it does not resolve here."""
+    try:
+        return get_workload(spec).full_spec()
+    except Exception:  # noqa: BLE001 - a label only: the case's own row says why its workload fails
+        return str(spec)
 
 
 @functools.lru_cache(maxsize=8)

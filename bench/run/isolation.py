@@ -1,9 +1,10 @@
 """Keeping one case's process-wide state out of the next: a state guard in-process, or a fresh worker process.
 
 In-process (`isolate=False`) every case runs inside `process_state()`, which sets the thread count and the
-determinism flags the run asked for and, on exit, restores every process-wide torch flag a strategy might
+determinism flags the run asked for and, on exit, restores every process-wide torch flag a strategy or a user's workload might
 flip (cuDNN benchmark/deterministic/enabled/TF32, deterministic algorithms, float32 matmul precision, grad
-mode, thread count), so that even a strategy that forgets to restore a flag cannot change the next case.
+mode, thread count, default dtype and device, anomaly mode, the attention kernels, the CPU generator), so that
+even code that forgets to restore a flag cannot change the next case.
 What the guard cannot undo: the CUDA caching allocator's pool, cuDNN's autotuner cache, autocast caches, and
 anything a strategy builds in C++. Hence `isolate=True` (the default on CUDA): each case -- and each repeat --
 runs in a fresh `python -m bench.run._worker` process, which gets the case as JSON on stdin and prints its result
@@ -28,6 +29,7 @@ from typing import Any, Iterator
 
 import torch
 
+from bench.core.job_environment import without_launcher_variables
 from bench.core.results import Status, new_row
 from bench.run.result import CaseResult
 
@@ -65,9 +67,22 @@ class RunOptions:
         return replace(self, threads=self.threads or torch.get_num_threads())
 
 
+# The scaled-dot-product-attention kernels a user's code may switch off (each changes the step's memory)
+_SDP_KERNELS = ("flash", "mem_efficient", "math", "cudnn")
+
+
 def _flags() -> dict[str, Any]:
     cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
-    return {
+    sdp = {f"sdp.{kernel}": getattr(torch.backends.cuda, f"{kernel}_sdp_enabled")() for kernel in _SDP_KERNELS
+           if hasattr(torch.backends.cuda, f"{kernel}_sdp_enabled")}
+    return {**sdp,
+        # what a user's workload may set globally and forget (torch.set_default_dtype in build_model): the next
+        # case would run in float64 with status ok
+        "default_dtype": torch.get_default_dtype(), "default_device": _default_device_set(),
+        "anomaly": torch.is_anomaly_enabled(), "anomaly_check_nan": torch.is_anomaly_check_nan_enabled(),
+        "rng": torch.get_rng_state(),
+        "matmul.fp16_reduction": matmul.allow_fp16_reduced_precision_reduction,
+        "matmul.bf16_reduction": matmul.allow_bf16_reduced_precision_reduction,
         "cudnn.benchmark": cudnn.benchmark, "cudnn.deterministic": cudnn.deterministic,
         "cudnn.enabled": cudnn.enabled, "cudnn.allow_tf32": cudnn.allow_tf32, "matmul.allow_tf32": matmul.allow_tf32,
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
@@ -75,6 +90,12 @@ def _flags() -> dict[str, Any]:
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
         "grad_enabled": torch.is_grad_enabled(), "threads": torch.get_num_threads(),
     }
+
+
+def _default_device_set():
+    """The device torch.set_default_device set (None where none is: then no device mode intercepts every call)."""
+    context = getattr(getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None), "device_context", None)
+    return None if context is None else context.device
 
 
 def _restore(flags: dict[str, Any]) -> None:
@@ -87,6 +108,16 @@ def _restore(flags: dict[str, Any]) -> None:
     torch.set_grad_enabled(flags["grad_enabled"])
     if torch.get_num_threads() != flags["threads"]:
         torch.set_num_threads(flags["threads"])
+    torch.set_default_dtype(flags["default_dtype"])
+    if _default_device_set() != flags["default_device"]:
+        torch.set_default_device(flags["default_device"])
+    torch.autograd.set_detect_anomaly(flags["anomaly"], check_nan=flags["anomaly_check_nan"])
+    torch.set_rng_state(flags["rng"])
+    matmul.allow_fp16_reduced_precision_reduction = flags["matmul.fp16_reduction"]
+    matmul.allow_bf16_reduced_precision_reduction = flags["matmul.bf16_reduction"]
+    for kernel in _SDP_KERNELS:
+        if f"sdp.{kernel}" in flags:
+            getattr(torch.backends.cuda, f"enable_{kernel}_sdp")(flags[f"sdp.{kernel}"])
 
 
 @contextlib.contextmanager
@@ -105,8 +136,9 @@ def process_state(threads: int | None = None, deterministic: bool = False) -> It
 
 
 def worker_env() -> dict[str, str]:
-    """The environment of a worker process (isolated case, Ray-less rank): this one's, with the checkout importable."""
-    env = dict(os.environ)
+    """The environment of a worker process (isolated case, Ray-less rank): this one's, with the checkout importable
+    and without a job launcher's rendezvous variables (bench.core.job_environment)."""
+    env = without_launcher_variables(os.environ)  # a torchrun/SLURM shell's RANK, WORLD_SIZE: not this worker's
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     if "CUBLAS_WORKSPACE_CONFIG" not in env:
         env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # needed by use_deterministic_algorithms on CUDA >= 10.2
@@ -114,7 +146,9 @@ def worker_env() -> dict[str, str]:
 
 
 def crash_message(returncode: int, stderr: str) -> str:
-    """What a worker that died says in its row: how it ended, and the last line of its stderr."""
+    """What a worker that died says in its row: how it ended, and the last line of its stderr that is not one of
+    membench's own stage markers (the stage it was in where it printed nothing else). A worker that exits 0 without
+    a row was ended by the workload's own code (`os._exit`, `sys.exit` in a thread): the row says so."""
     if returncode < 0:
         try:
             how = f"killed by signal {signal.Signals(-returncode).name}"
@@ -122,7 +156,13 @@ def crash_message(returncode: int, stderr: str) -> str:
             how = f"killed by signal {-returncode}"
     else:
         how = f"exit code {returncode}"
-    last = next((line.strip() for line in reversed(stderr.splitlines()) if line.strip()), "")
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    last = next((line for line in reversed(lines) if not line.startswith(STAGE_MARKER)), "")
+    if returncode == 0:
+        return (f"the workload's code exited (exit code 0, os._exit or sys.exit) during {last_stage(stderr)}, "
+                "before the case had a result" + (f": {last}" if last else ""))[:500]
+    if not last and lines:
+        last = f"during {last_stage(stderr)}"
     return (f"worker crashed ({how})" + (f": {last}" if last else ""))[:500]
 
 

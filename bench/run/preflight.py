@@ -129,6 +129,44 @@ def check_threads(threads: int | None) -> None:
                          f"give at most {cores}")
 
 
+# More repeats of a case than this is a typo: each repeat is a full timing and memory pass (a fresh process under
+# --isolate); pyperf's default is 20 processes
+MAX_REPEATS = 100
+
+
+def check_repeats(repeats: int) -> None:
+    """`--repeats` up to MAX_REPEATS; a UsageError naming the limit otherwise."""
+    if repeats > MAX_REPEATS:
+        raise UsageError(f"--repeats {repeats:,} is more than the limit of {MAX_REPEATS} per case; 3 to 10 repeats "
+                         "give a confidence interval of the median")
+
+
+# `--ranks` where no real process runs (predict's and plan's fake process group): more than the largest training
+# clusters is a typo
+MAX_PREDICTED_RANKS = 1 << 17
+
+
+def check_ranks(ranks: int, device: str | None) -> None:
+    """`--ranks` that this machine can start as processes (`device` cpu or cuda: one process per core, or per GPU,
+    each with its own copy of the model), or at most MAX_PREDICTED_RANKS where none is started (`device` None)."""
+    if ranks <= 1:
+        return
+    if device is None:
+        if ranks > MAX_PREDICTED_RANKS:
+            raise UsageError(f"--ranks {ranks:,} is more than {MAX_PREDICTED_RANKS:,}, more ranks than any training "
+                             "cluster has; give at most that")
+        return
+    if device == "cuda":
+        import torch
+
+        have, what = torch.cuda.device_count(), "GPUs (one rank per GPU)"
+    else:
+        have, what = available_cores(), "CPU cores available here (one rank process per core)"
+    if ranks > have:
+        raise UsageError(f"--ranks {ranks:,} is more than the {have} {what}; give at most {have} (predict and plan "
+                         "--ranks N answer for more without starting them)")
+
+
 def check_steps(value: int | None, option: str, minimum: int) -> None:
     """A step count between `minimum` and MAX_STEPS; a UsageError naming `option` and the limit otherwise."""
     if value is None:
@@ -208,7 +246,7 @@ def check_memory(cases: Iterable[Any], baseline_peak: Callable[[Any, int], int])
     for case in largest.values():
         try:
             need = _memory_need(case, baseline_peak)
-        except Exception:  # noqa: BLE001 - a model meta cannot run: no estimate, no check
+        except (Exception, SystemExit):  # noqa: BLE001 - a model meta cannot run (or exits): no estimate, no check
             continue
         what = (f"--batch-size {case.batch_size} of {case.workload} ({case.phase}) needs about "
                 f"{format_size(need.bytes)} for one baseline step")

@@ -22,7 +22,7 @@ from pathlib import Path
 import pandas as pd
 
 from bench.core.errors import UsageError
-from bench.core.results import CASE_KEY, Status, read_results_file
+from bench.core.results import CASE_KEY, SCHEMA_VERSION, Status, read_results_file
 from bench.run.isolation import RunOptions
 
 FINISHED = tuple(status.value for status in (Status.OK, Status.OOM, Status.UNSUPPORTED, Status.TIMEOUT))
@@ -71,6 +71,11 @@ def load_resume(path: Path | str, cases: list, options: RunOptions) -> Resumed:
     """Reads the run at `path`, checks that `cases`/`options` are consistent with it, and splits off what is done."""
     path = Path(path)
     frame = read_results_file(path, "cannot resume")
+    versions = pd.to_numeric(frame.get("schema_version", pd.Series(dtype=float)), errors="coerce").dropna()
+    if len(versions) and versions.max() > SCHEMA_VERSION:  # its rows mean what a newer membench says they mean
+        raise UsageError(f"cannot resume {str(path)!r}: it was written by a newer membench (schema_version "
+                         f"{int(versions.max())}; this one writes {SCHEMA_VERSION}); resume it with that version, "
+                         "or start a new run")
     run_ids = frame["run_id"].dropna().unique()
     run_id = str(run_ids[0]) if len(run_ids) else path.stem
     options = options.resolved()

@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 import pandas as pd
 import torch
 
-from bench.core.errors import Unsupported, UsageError
+from bench.core.errors import Unsupported, UsageError, WorkloadCodeError
 from bench.core.results import Status, new_run_id, now_iso, write_csv_atomic, write_rows
 from bench.measure import snapshot as memory_snapshot, timing
 from bench.measure.env import emulated_on_cpu, environment
@@ -73,6 +73,8 @@ def measure_case(case: Case, env: dict | None = None, options: RunOptions | None
                     row["message"] = "; ".join(filter(None, [row.get("message"), emulated_note(verified[0])]))
             _measure(case, strategy, options.repeats, result, emulated, options.snapshot_dir)
             row.update(declared_columns(strategy))  # with what the model resolved (segments=auto, the plan)
+        except WorkloadCodeError as error:  # the user's workload failed to build here: a failure, not a finding
+            row.update(status=Status.ERROR.value, message=str(error)[:500])
         except (Unsupported, UsageError) as error:
             # a value the pre-run checks (bench.run.preflight) let through that this one case cannot take: its row
             # says so and the sweep goes on with the unrelated cases after it
@@ -83,10 +85,17 @@ def measure_case(case: Case, env: dict | None = None, options: RunOptions | None
             row.update(status=(Status.OOM if is_oom(error) else Status.ERROR).value,
                        message=f"{type(error).__name__}: {error}".splitlines()[0][:500])
             forget_traceback(error)
+        except SystemExit as error:  # the workload's own code called sys.exit: its row, not the end of the sweep
+            row.update(status=Status.ERROR.value, message=exited_message(error))
         finally:
             if case.device == "cuda":
                 release_cuda_memory()
     return result
+
+
+def exited_message(error: SystemExit) -> str:
+    """The row's message for a case whose workload (or strategy) code called sys.exit."""
+    return f"the workload's code called sys.exit({error.code!r}) during the case; no figures were kept"[:500]
 
 
 # A 16-bit case whose arithmetic the CPU emulates (bench.measure.env.emulated_on_cpu; 15-23x slower than float32 on

@@ -1,0 +1,91 @@
+"""The pre-flight steps that run the user's model before the first case (the memory estimate on meta, the first
+case's calibration): in this process with its global state restored, or under --isolate in a child process, so
+that a workload that calls `os._exit` or crashes ends neither the run nor the rows its cases become.
+
+`python -m bench.cli.preflight_steps` is the child: it reads {"cases", "check_memory", "memory_limit_s",
+"calibration_limit_s"} as JSON on stdin and prints {"usage_error", "note"} as one `MEMBENCH_PREFLIGHT {json}` line
+on stdout; its warnings go to its stderr, which the parent passes on.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from bench.core.errors import UsageError
+
+RESULT_MARKER = "MEMBENCH_PREFLIGHT "
+CHILD_IMPORT_S = 60.0  # the child's own start (importing torch and the workload) on a loaded machine
+
+
+def user_code_steps(cases: list, check_memory: bool, memory_limit_s: float | None,
+                    calibration_limit_s: float) -> str | None:
+    """In this process: the memory check of `cases` (a UsageError where the largest batch cannot fit) when
+    `check_memory`, and the first case's note (None where its calibration failed), each bounded in seconds; global
+    torch state (default dtype, grad mode, ...) restored after, and a workload's sys.exit taken as a failed
+    estimate (the case itself becomes a row that says so)."""
+    from bench.cli import commands_run
+    from bench.run import preflight
+    from bench.run.isolation import process_state
+
+    with process_state():
+        if check_memory:
+            preflight.check_memory(cases, commands_run._bounded(memory_limit_s, commands_run._meta_baseline_peak))
+        try:
+            return commands_run._bounded(calibration_limit_s, commands_run._first_case_note)(cases)
+        except SystemExit:
+            return None
+
+
+def user_code_steps_in_child(cases: list, check_memory: bool, memory_limit_s: float | None,
+                             calibration_limit_s: float) -> str | None:
+    """`user_code_steps` in a fresh process; a child that ends without a result (the workload's code exited or
+    crashed) is a warning line and no check: each case then runs in its own worker and its row says why."""
+    from bench.run.isolation import worker_env
+
+    job = {"cases": [case.to_json() for case in cases], "check_memory": check_memory,
+           "memory_limit_s": memory_limit_s, "calibration_limit_s": calibration_limit_s}
+    limit = CHILD_IMPORT_S + (memory_limit_s or 0) * max(len(cases), 1) + calibration_limit_s
+    try:
+        done = subprocess.run([sys.executable, "-m", "bench.cli.preflight_steps"], input=json.dumps(job), text=True,
+                              capture_output=True, env=worker_env(), timeout=limit)
+    except subprocess.TimeoutExpired:
+        _warn(f"the pre-flight checks did not finish within {limit:g} s; the cases run without them")
+        return None
+    for line in done.stderr.splitlines():
+        if line.startswith("warning: "):
+            print(line, file=sys.stderr, flush=True)
+    result = next((json.loads(line[len(RESULT_MARKER):]) for line in done.stdout.splitlines()
+                   if line.startswith(RESULT_MARKER)), None)
+    if result is None:
+        _warn(f"the pre-flight checks (memory estimate, calibration) ended without a result (exit code "
+              f"{done.returncode}): the workload's code exited or crashed; each case runs in its own process")
+        return None
+    if result["usage_error"]:
+        raise UsageError(result["usage_error"])
+    return result["note"]
+
+
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def main() -> int:
+    from bench.run.runner import Case
+
+    job = json.loads(sys.stdin.read())
+    cases = [Case(**case) for case in job["cases"]]
+    result = {"usage_error": None, "note": None}
+    try:
+        result["note"] = user_code_steps(cases, job["check_memory"], job["memory_limit_s"],
+                                         job["calibration_limit_s"])
+    except UsageError as error:
+        result["usage_error"] = str(error)
+    sys.stdout.write(RESULT_MARKER + json.dumps(result) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

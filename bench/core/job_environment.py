@@ -1,0 +1,79 @@
+"""The environment a command runs in, checked and cleaned before it does anything: a torchrun or SLURM shell's
+rendezvous variables (which membench's own rank processes and workers must not inherit), $MEMBENCH_PLUGINS and
+$MEMBENCH_CPU_16BIT (a bad value refused in one line before the first case, by every command that computes).
+
+Nothing here imports torch: `report` and a usage error stay quick.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+from bench.core.errors import UsageError
+
+# torch.distributed's env:// rendezvous (what torchrun sets, and SLURM scripts export for it). Inherited, they make
+# an isolated worker think it is one rank of a job that does not exist: it waits for peers until the case timeout.
+# membench launches its own ranks (bench.run.ranks) with values of its own.
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                      "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
+LAUNCHER_PREFIXES = ("TORCHELASTIC_",)
+PLUGINS_VARIABLE = "MEMBENCH_PLUGINS"
+CPU_16BIT_VARIABLE = "MEMBENCH_CPU_16BIT"  # bench.measure.env reads it; its choices are checked there too
+CPU_16BIT_CHOICES = ("auto", "emulated", "native")
+
+
+def launcher_variables(environ=None) -> list[str]:
+    """The launcher's variables set in `environ` (default this process's), in a stable order."""
+    environ = os.environ if environ is None else environ
+    return [name for name in environ if name in LAUNCHER_VARIABLES or name.startswith(LAUNCHER_PREFIXES)]
+
+
+def without_launcher_variables(environ) -> dict[str, str]:
+    """`environ` without a launcher's variables: the environment of a process membench starts."""
+    found = set(launcher_variables(environ))
+    return {name: value for name, value in environ.items() if name not in found}
+
+
+def clear_launcher_variables() -> None:
+    """Removes a launcher's variables from this process (so that no process it starts inherits them), saying so
+    once on stderr."""
+    found = launcher_variables()
+    if not found:
+        return
+    shown = ", ".join(f"{name}={os.environ[name]}" for name in sorted(found)[:6])
+    more = f" and {len(found) - 6} more" if len(found) > 6 else ""
+    print(f"note: ignoring {shown}{more} from this shell (a torchrun or SLURM job's): membench starts its own "
+          "processes, and ranks with --ranks N", file=sys.stderr, flush=True)
+    for name in found:
+        del os.environ[name]
+
+
+def check_plugins() -> None:
+    """Each module $MEMBENCH_PLUGINS names can be found (not imported: a worker imports it), or a UsageError."""
+    for module in filter(None, (m.strip() for m in os.environ.get(PLUGINS_VARIABLE, "").split(","))):
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise UsageError(f"{PLUGINS_VARIABLE} names the module {module!r}, which cannot be imported here (not on "
+                             f"sys.path); fix or unset {PLUGINS_VARIABLE}")
+
+
+def check_cpu_16bit() -> None:
+    """$MEMBENCH_CPU_16BIT is unset or one of its choices, or a UsageError (as bench.measure.env says it)."""
+    value = os.environ.get(CPU_16BIT_VARIABLE, "").strip().lower() or "auto"
+    if value not in CPU_16BIT_CHOICES:
+        raise UsageError(f"{CPU_16BIT_VARIABLE}={os.environ[CPU_16BIT_VARIABLE]!r}: unknown setting; valid choices: "
+                         f"{', '.join(CPU_16BIT_CHOICES)}")
+
+
+def check_job_environment(command: str) -> None:
+    """Everything above, before `command` does anything; `report` draws from files and needs none of it."""
+    if command == "report":
+        return
+    check_cpu_16bit()
+    check_plugins()
+    clear_launcher_variables()
