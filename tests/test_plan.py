@@ -248,3 +248,36 @@ def test_on_the_gpu_every_confirmed_peak_is_as_predicted_and_the_times_in_the_es
     assert (confirmed["peak_error_pct"].abs() <= 1.0).all(), confirmed[["strategy", "peak_error_pct"]]
     rho = plan.spearman(list(confirmed["est_step_time_ms"]), list(confirmed["measured_step_time_ms"]))
     assert rho is None or rho >= 0.8, (rho, confirmed[["strategy", "est_step_time_ms", "measured_step_time_ms"]])
+
+
+# --- full size: nothing is built for real ---------------------------------------------------------------------------
+
+FULL_SIZE_LISTING = """
+import resource, sys
+limit = int(sys.argv[1])
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+from bench.analysis import plan_candidates
+from bench.run.runner import Case, bind_case
+from strategies.base import PlanSpace
+context = bind_case(Case("hf:llama-3.1-8b:seq_len=4096", "baseline", "train", 1, "cuda"))[1]
+accepted, refused = plan_candidates.settings(PlanSpace(context, 76 * 2**30))
+pairs = plan_candidates.combinations(accepted, 2, context)
+print(len(accepted), len(refused), len(pairs), sorted(r.spec for r in refused))
+"""
+
+
+def test_a_full_size_presets_candidates_are_listed_and_checked_without_building_its_model():
+    """Issue 31 §1: listing llama-3.1-8b's candidates runs every strategy's check() (bn_act_recompute's and
+    inplace_abn's look for BatchNorm layers) on a model that holds no memory: the real one is 32 GB of float32
+    weights, here in a process limited to 6 GB of address space (torch and transformers take about 3)."""
+    import os
+    import subprocess
+    import sys
+
+    limit = 6 * 10**9
+    done = subprocess.run([sys.executable, "-c", FULL_SIZE_LISTING, str(limit)],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert done.returncode == 0, done.stderr[-2000:]
+    accepted, refused, pairs = (int(x) for x in done.stdout.split()[:3])
+    assert accepted >= 5 and pairs >= 5
+    assert "bn_act_recompute" in done.stdout and "inplace_abn" in done.stdout  # refused: no BatchNorm, found on meta
