@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 import torch
 
-from bench.analysis import plan, plan_candidates, plan_cost
+from bench.analysis import plan, plan_candidates, plan_cost, plan_search
 from bench.cli.main import main
 from bench.core import gpus
 from bench.core.errors import UsageError
@@ -34,7 +34,7 @@ def _request(limit_bytes: int = 2**30, **changes) -> plan.PlanRequest:
 
 @pytest.fixture(scope="module")
 def searched() -> list:
-    return plan.search(_request())
+    return plan_search.search(_request()).rows
 
 
 def _space(device: str, ranks: int = 1) -> PlanSpace:
@@ -211,15 +211,94 @@ def test_list_gpus_prints_the_table(capsys):
     assert all(name in out for name in gpus.GPUS) and "CUDA context" in out
 
 
-def test_a_budget_nothing_reaches_exits_1_with_the_smallest_peak(tmp_path, capsys, monkeypatch):
+TINY = "deep_mlp:layers=12:width=16"  # the search's own tests: a fraction of a second a candidate
+FEW = ("checkpoint", "amp", "optimizer:impl=foreach")
+
+
+def _few_settings(monkeypatch) -> None:
+    """The planner's settings cut to FEW (and what the case refuses): a whole search of a few seconds."""
+    settings = plan_candidates.settings
+
+    def few(space):
+        accepted, refused = settings(space)
+        return [s for s in accepted if s.spec in FEW], refused
+    monkeypatch.setattr(plan_candidates, "settings", few)
+
+
+def _fixed_cpu_speed(monkeypatch) -> None:
     monkeypatch.setattr("bench.cli.commands_plan.measure_cpu_speed", lambda: CpuSpeed(
         {(MATMUL, "float32"): 1e10, (CONV, "float32"): 1e10}, 1e10, 1e-6))
-    code = main(["plan", "--workload", WORKLOAD, "--batch-size", str(BATCH), "--budget", "1KiB", "--device", "cpu",
-                 "--max-candidates", "4", "--out", str(tmp_path)])
+
+
+def test_a_budget_nothing_reaches_exits_1_with_the_smallest_peak(tmp_path, capsys, monkeypatch):
+    _fixed_cpu_speed(monkeypatch)
+    _few_settings(monkeypatch)
+    code = main(["plan", "--workload", TINY, "--batch-size", "4", "--budget", "1KiB", "--device", "cpu",
+                 "--jobs", "1", "--out", str(tmp_path)])
     out = capsys.readouterr().out.strip()
     assert code == 1 and len(out.splitlines()) == 1
     assert "smallest reachable" in out and "no candidate fits" in out
     assert list(tmp_path.glob("plan-*.csv"))
+
+
+@pytest.mark.parametrize("option, value, stopped", [("--max-candidates", "3", "count"),
+                                                   ("--max-search-s", "0.001", "time")])
+def test_a_search_cut_short_says_what_it_did_not_try_and_concludes_nothing_from_it(option, value, stopped, tmp_path,
+                                                                                    capsys, monkeypatch):
+    """Issue 31 §2: a search stopped by its count or time limit never says "no candidate fits" nor "the smallest
+    reachable": it says what it did not try and the option that tries it."""
+    _fixed_cpu_speed(monkeypatch)
+    searched = plan_search.search(_request(1024, workload=TINY, batch_size=4, **(
+        {"max_candidates": 3} if stopped == "count" else {"max_search_s": 0.001})))
+    assert searched.stopped == stopped and searched.untried_settings
+    assert searched.tried == (3 if stopped == "count" else 1)  # the baseline always runs
+    code = main(["plan", "--workload", TINY, "--batch-size", "4", "--budget", "1KiB", "--device", "cpu", "--jobs", "1",
+                 option, value, "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "no candidate fits" not in out and "smallest reachable" not in out
+    assert "no candidate tried fits" in out and "cut short" in out and f"the search stopped at {option}" in out
+    assert any(spec in out for spec in searched.untried_settings) and "tries them" in out
+
+
+def _row(spec: str, judged: int, ms: float, members: int = 1) -> dict:
+    row = plan.empty_row(_request(), spec, members)
+    row.update(judged_bytes=judged, est_step_time_ms=ms, differs_by_design=None)
+    return row
+
+
+def test_a_combination_that_promises_to_fit_runs_before_the_settings_not_yet_tried():
+    """Issue 31 §2: once checkpoint and amp ran (neither fits alone, together they promise to), checkpoint+amp
+    starts before any setting still untried: a setting that cannot fit is not worth its seconds first."""
+    space = _space("cpu")
+    accepted, _ = plan_candidates.settings(space)
+    queue = plan_search._Queue(_request(400), accepted, space.context)
+    queue.rows.update(baseline=_row("baseline", 1000, 100, 0), checkpoint=_row("checkpoint", 600, 120),
+                      amp=_row("amp", 600, 80))
+    assert queue.next() == ("checkpoint+amp", 2)
+    queue.rows["checkpoint+amp"] = None  # running
+    assert queue.next()[1] == 1  # then the settings not tried, first declared first
+    assert all(spec in queue.untried()[0] for spec in ("inplace_relu", "checkpoint:segments=sqrt"))
+
+
+def test_the_search_in_two_processes_finds_what_the_serial_search_finds(monkeypatch):
+    """The same candidates, figures and answer with --jobs 2 (forked workers) as in this process alone."""
+    _few_settings(monkeypatch)
+    request = _request(workload=TINY, batch_size=256)
+    serial, parallel = plan_search.search(request), plan_search.search(dataclasses.replace(request, jobs=2))
+    assert serial.stopped is None and parallel.stopped is None and parallel.jobs == 2
+    figures = {r["strategy"]: (r["status"], r["judged_bytes"], r["est_step_time_ms"]) for r in serial.rows}
+    assert figures == {r["strategy"]: (r["status"], r["judged_bytes"], r["est_step_time_ms"]) for r in parallel.rows}
+    assert serial.rows[0]["strategy"] == parallel.rows[0]["strategy"] == "baseline"
+    assert any("+" in spec for spec in figures)  # combinations ran
+    for limit in sorted(r["judged_bytes"] for r in serial.rows if r["judged_bytes"]):
+        answers = []
+        for rows in ([dict(r) for r in serial.rows], [dict(r) for r in parallel.rows]):
+            for row in rows:
+                row["fits"] = row["judged_bytes"] is not None and row["judged_bytes"] <= limit
+            answer = plan.decide(rows, allow_different=False)
+            answers.append(answer and answer["strategy"])
+        assert answers[0] == answers[1]
 
 
 def _table_gpu_of_this_machine() -> str | None:
