@@ -89,6 +89,9 @@ def _declaration_rank(settings: list) -> dict[str, int]:
 # --- running a candidate here or in a worker process ------------------------------------------------------------
 
 def _worker_start() -> None:
+    from bench.run._worker import import_plugins
+
+    import_plugins()  # a forkserver's worker: the plugins the planner's process imported (the fake-CUDA mode)
     torch.set_num_threads(1)  # fake tensors do no arithmetic; one thread each, and no OpenMP pool across the fork
 
 
@@ -114,9 +117,17 @@ class _Inline:
 
 
 def _executor(jobs: int):
+    """One job: this process. More: forked workers; where this torch sees CUDA (the fake-CUDA environment's, or a
+    GPU), which a forked child cannot use again, workers forked from a fresh server process that imported this
+    module once."""
     if jobs <= 1:
         return _Inline()
-    return futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"), initializer=_worker_start)
+    if torch.cuda.is_available():
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload([__name__])
+    else:
+        context = multiprocessing.get_context("fork")
+    return futures.ProcessPoolExecutor(jobs, mp_context=context, initializer=_worker_start)
 
 
 # --- the search ---------------------------------------------------------------------------------------------------
