@@ -4,12 +4,13 @@ not try (`bench.analysis.plan` evaluates one candidate and decides the answer).
 The search runs the baseline and every declared setting alone (`plan_candidates.settings`), and pairs and triples
 of the settings that saved memory or time alone (`plan_candidates.combinations`; a triple once its pairs ran, never
 when one of them failed). Its order is by what can still be the answer: each time a process is free it starts,
-first, the combinations whose members' ratios promise to fit (fastest promise first), then the settings not yet
-tried that are their strategy's first declared one, then the combinations that do not promise to fit (smallest
-promise first), then the other settings (a strategy's second and third ones: checkpoint's sqrt(N) and budget
-plans, the optimizer's other implementations). A setting that cannot fit cannot help a combination fit unless it
-saves memory, and what it saves is known only once it ran: a combination of two settings that did is not held up
-behind the settings still untried.
+first, the combinations whose members' ratios promise to fit and to be faster than any candidate that ran and
+fits (fastest promise first); then the settings not yet tried that are their strategy's first declared one; then
+the other combinations (those that promise to fit, then the others by smallest promise); then the other settings
+(a strategy's second and third ones: checkpoint's sqrt(N) and budget plans, the optimizer's other
+implementations). A setting that cannot fit cannot help a combination fit unless it saves memory, and what it
+saves is known only once it ran: a combination of two settings that did is not held up behind the settings still
+untried.
 
 The same candidates run in the same order with `jobs` processes as with one, but for which of the ones that may
 start at a moment finishes first; with no limit reached the rows are the same (a test). Candidates run in worker
@@ -26,7 +27,9 @@ import concurrent.futures as futures
 import itertools
 import math
 import multiprocessing
+import signal
 import time
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
@@ -92,6 +95,7 @@ def _worker_start() -> None:
     from bench.run._worker import import_plugins
 
     import_plugins()  # a forkserver's worker: the plugins the planner's process imported (the fake-CUDA mode)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the planner's: it ends its workers
     torch.set_num_threads(1)  # fake tensors do no arithmetic; one thread each, and no OpenMP pool across the fork
 
 
@@ -128,6 +132,25 @@ def _executor(jobs: int):
     else:
         context = multiprocessing.get_context("fork")
     return futures.ProcessPoolExecutor(jobs, mp_context=context, initializer=_worker_start)
+
+
+def _lost(request: plan.PlanRequest, spec: str, error: BaseException) -> Row:
+    row = plan.empty_row(request, spec, spec.count("+") + 1 if spec != "baseline" else 0)
+    row.update(status=Status.ERROR.value, message=f"its worker process died ({type(error).__name__}: {error})"[:300])
+    return row
+
+
+def _restarted(pool, jobs: int):
+    pool.shutdown(wait=False, cancel_futures=True)
+    return _executor(jobs)
+
+
+def _end_workers(pool) -> None:
+    """Ends the worker processes this search started (Ctrl-C, an error), without waiting for their candidates."""
+    processes = dict(getattr(pool, "_processes", None) or {})
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes.values():
+        process.terminate()
 
 
 # --- the search ---------------------------------------------------------------------------------------------------
@@ -198,18 +221,29 @@ class _Queue:
                 ready.append(((1 if self.rank[setting.spec] == 0 else 3, self.rank[setting.spec], 0.0),
                               setting.spec, 1))
         if base is not None and base["status"] == Status.OK.value and base["judged_bytes"]:
+            fastest = self._fastest_fitting()
             for members, spec in self.combinations():
                 if spec in self.rows or (len(members) > 2 and not self._pairs_ran(members)):
                     continue
                 memory = math.prod(_ratio(self.rows[m.spec], base, "judged_bytes") for m in members)
                 speed = math.prod(_ratio(self.rows[m.spec], base, "est_step_time_ms") for m in members)
                 fits = memory * base["judged_bytes"] <= self.request.limit_bytes
-                ready.append(((0, len(members), speed) if fits else (2, len(members), memory), spec, len(members)))
+                if fits and speed * (base["est_step_time_ms"] or 0) < fastest:  # may be the answer
+                    ready.append(((0, len(members), speed), spec, len(members)))
+                else:  # fits but promises to be slower than one that fits, or does not promise to fit
+                    ready.append(((2, 0 if fits else 1, speed if fits else memory), spec, len(members)))
         if not ready:
             return None
         # the order of declaration among equals: stable, the same in every process count
         _, spec, members = min(ready, key=lambda item: item[0])
         return spec, members
+
+    def _fastest_fitting(self) -> float:
+        """The estimated time of the fastest candidate that ran, fits and may be the answer (inf: none yet)."""
+        return min((row["est_step_time_ms"] for row in self.rows.values()
+                    if row is not None and row["status"] == Status.OK.value and row["est_step_time_ms"] is not None
+                    and row["judged_bytes"] is not None and row["judged_bytes"] <= self.request.limit_bytes
+                    and (self.request.allow_different or not row["differs_by_design"])), default=math.inf)
 
     def untried(self) -> tuple[list[str], list[str]]:
         settings = [s.spec for s in self.accepted if s.spec not in self.rows]
@@ -261,7 +295,15 @@ def search(request: plan.PlanRequest, progress: Callable[[str], None] = lambda t
                 break
             done, _ = futures.wait(running, return_when=futures.FIRST_COMPLETED)
             for future in done:
-                queue.rows[running.pop(future)] = future.result()
+                spec = running.pop(future)
+                try:
+                    queue.rows[spec] = future.result()
+                except BrokenProcessPool as error:  # a worker died (the OOM killer): its candidates are errors
+                    queue.rows[spec] = _lost(request, spec, error)
+                    pool = _restarted(pool, jobs)
+    except BaseException:
+        _end_workers(pool)
+        raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
     elapsed = time.monotonic() - started
