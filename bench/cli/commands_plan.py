@@ -78,7 +78,7 @@ def cmd_plan(args) -> int:
     csv_path, chart_path = out / f"plan-{run_id}.csv", out / f"plan-{run_id}.png"
     if answer is None:
         write_table(PLAN, rows, csv_path)
-        print(_nothing_fits(request, searched, csv_path))
+        print(_nothing_fits(request, searched, csv_path) + (f"\n  note: {note}" if note else ""))
         return 1
     print(_summary(request, how, searched, searched_s, cpu_s, note))
     print(_front_table(rows))
