@@ -215,13 +215,13 @@ TINY = "deep_mlp:layers=12:width=16"  # the search's own tests: a fraction of a 
 FEW = ("checkpoint", "amp", "optimizer:impl=foreach")
 
 
-def _few_settings(monkeypatch) -> None:
-    """The planner's settings cut to FEW (and what the case refuses): a whole search of a few seconds."""
+def _few_settings(monkeypatch, kept: tuple[str, ...] = FEW) -> None:
+    """The planner's settings cut to `kept` (and what the case refuses): a whole search of a few seconds."""
     settings = plan_candidates.settings
 
     def few(space):
         accepted, refused = settings(space)
-        return [s for s in accepted if s.spec in FEW], refused
+        return [s for s in accepted if s.spec in kept], refused
     monkeypatch.setattr(plan_candidates, "settings", few)
 
 
@@ -288,7 +288,7 @@ def test_a_combination_that_promises_to_fit_runs_before_the_settings_not_yet_tri
 
 def test_the_search_in_two_processes_finds_what_the_serial_search_finds(monkeypatch):
     """The same candidates, figures and answer with --jobs 2 (forked workers) as in this process alone."""
-    _few_settings(monkeypatch)
+    _few_settings(monkeypatch, ("checkpoint", "amp"))
     request = _request(workload=TINY, batch_size=256)
     serial, parallel = plan_search.search(request), plan_search.search(dataclasses.replace(request, jobs=2))
     assert serial.stopped is None and parallel.stopped is None and parallel.jobs == 2

@@ -273,11 +273,15 @@ def search(request: plan.PlanRequest, progress: Callable[[str], None] = lambda t
     jobs = max(1, request.jobs)
     started, stopped = time.monotonic(), None
     running: dict[futures.Future, str] = {}
-    pool = _executor(jobs)
+    # the baseline here, then the workers: forked after it, they inherit what its step warmed (the batch, the fake
+    # tensors' dispatch caches), and the first settings start knowing the baseline
+    pool = _Inline()
     as_json = asdict(request)
     try:
         while True:
-            while len(running) < jobs:
+            if isinstance(pool, _Inline) and jobs > 1 and queue.base() is not None:
+                pool = _executor(jobs)
+            while len(running) < (1 if isinstance(pool, _Inline) else jobs):
                 late = queue.rows and time.monotonic() - started > request.max_search_s
                 full = len(queue.rows) >= request.max_candidates
                 if late or full:
