@@ -87,12 +87,24 @@ def _is_constant(value: Any) -> bool:
                                                   any(isinstance(v, fx.Node) for v in value))
 
 
+_HAS_BATCHNORM: dict[str, bool] = {}  # workload spec -> whether its model has a BatchNorm layer
+
+
+def has_batchnorm(workload: Any) -> bool:
+    """Whether `workload`'s model has a BatchNorm layer, looked up on its model that holds no memory
+    (`Workload.model_structure`: a check must not build an 8B model to count its layers), once per spec."""
+    spec = workload.spec()
+    if spec not in _HAS_BATCHNORM:
+        _HAS_BATCHNORM[spec] = any(type(m) in BATCHNORMS for m in workload.model_structure().modules())
+    return _HAS_BATCHNORM[spec]
+
+
 def require_batchnorm(name: str, workload: Any) -> None:
     """Unsupported, in any phase, when `workload`'s model has no BatchNorm layer (checked before the phase: the
     row then says why the strategy can never apply to it)."""
     if workload is None:
         return
-    if not any(type(m) in BATCHNORMS for m in workload.build_model().modules()):
+    if not has_batchnorm(workload):
         raise Unsupported(f"{name}: workload {workload.spec()!r} has no BatchNorm layer, so no BatchNorm->activation "
                           "pair")
 

@@ -283,7 +283,7 @@ class Checkpoint(Strategy):
             raise Unsupported(f"checkpoint:budget plans what backward recomputes; in {self.context.phase} there is "
                               "no backward, so no plan changes the peak")
         started = time.perf_counter()
-        units = len(self.context.workload.checkpoint_units(self.context.workload.build_model()))
+        units = self.context.workload.checkpoint_unit_count()  # counted without building the real model
         if units < 2:
             raise Unsupported(f"checkpoint needs at least 2 checkpoint units; {self.model_owner()} names {units}")
         if self.budget_bytes is None:

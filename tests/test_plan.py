@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 import torch
 
-from bench.analysis import plan, plan_candidates, plan_cost
+from bench.analysis import plan, plan_candidates, plan_cost, plan_search
 from bench.cli.main import main
 from bench.core import gpus
 from bench.core.errors import UsageError
@@ -19,7 +19,7 @@ from bench.run.runner import Case, bind_case
 from strategies import STRATEGIES, Strategy, StrategySpec
 from strategies.base import PlanSpace
 
-WORKLOAD = "deep_mlp:layers=32:width=32"  # Adam: another optimizer (sgd) differs by design
+WORKLOAD = "deep_mlp:layers=32:width=32"  # Adam: another optimizer (sgd) or bfloat16 weights differ by design
 BATCH = 256  # activations dominate the peak
 # fixed figures instead of timing this CPU: the tests check the search, not the calibration
 FIGURES = plan_cost.cpu_figures(CpuSpeed({(kind, dtype): 1e10 for kind in (MATMUL, CONV)
@@ -34,7 +34,7 @@ def _request(limit_bytes: int = 2**30, **changes) -> plan.PlanRequest:
 
 @pytest.fixture(scope="module")
 def searched() -> list:
-    return plan.search(_request())
+    return plan_search.search(_request()).rows
 
 
 def _space(device: str, ranks: int = 1) -> PlanSpace:
@@ -160,7 +160,7 @@ def test_the_answer_fits_and_is_the_fastest_eligible_candidate_that_fits(searche
 def test_candidates_that_change_what_is_trained_are_kept_out_unless_allowed(searched):
     rows = [dict(r) for r in searched]
     different = [r for r in rows if r["status"] == "ok" and r["differs_by_design"]]
-    assert any(r["strategy"] == "optimizer:name=sgd" for r in different)
+    assert any(r["strategy"] == "bf16_weights" for r in different)  # bfloat16 weights: another model is trained
     plan.decide(rows, allow_different=False)
     assert not any(r["eligible"] or r["answer"] or r["on_front"] for r in different)
     plan.decide(rows, allow_different=True)
@@ -211,15 +211,99 @@ def test_list_gpus_prints_the_table(capsys):
     assert all(name in out for name in gpus.GPUS) and "CUDA context" in out
 
 
-def test_a_budget_nothing_reaches_exits_1_with_the_smallest_peak(tmp_path, capsys, monkeypatch):
+TINY = "deep_mlp:layers=12:width=16"  # the search's own tests: a fraction of a second a candidate
+FEW = ("checkpoint", "amp", "optimizer:impl=foreach")
+
+
+def _few_settings(monkeypatch, kept: tuple[str, ...] = FEW) -> None:
+    """The planner's settings cut to `kept` (and what the case refuses): a whole search of a few seconds."""
+    settings = plan_candidates.settings
+
+    def few(space):
+        accepted, refused = settings(space)
+        return [s for s in accepted if s.spec in kept], refused
+    monkeypatch.setattr(plan_candidates, "settings", few)
+
+
+def _fixed_cpu_speed(monkeypatch) -> None:
     monkeypatch.setattr("bench.cli.commands_plan.measure_cpu_speed", lambda: CpuSpeed(
         {(MATMUL, "float32"): 1e10, (CONV, "float32"): 1e10}, 1e10, 1e-6))
-    code = main(["plan", "--workload", WORKLOAD, "--batch-size", str(BATCH), "--budget", "1KiB", "--device", "cpu",
-                 "--max-candidates", "4", "--out", str(tmp_path)])
+
+
+def test_a_budget_nothing_reaches_exits_1_with_the_smallest_peak(tmp_path, capsys, monkeypatch):
+    _fixed_cpu_speed(monkeypatch)
+    _few_settings(monkeypatch)
+    code = main(["plan", "--workload", TINY, "--batch-size", "4", "--budget", "1KiB", "--device", "cpu",
+                 "--jobs", "1", "--out", str(tmp_path)])
     out = capsys.readouterr().out.strip()
     assert code == 1 and len(out.splitlines()) == 1
     assert "smallest reachable" in out and "no candidate fits" in out
     assert list(tmp_path.glob("plan-*.csv"))
+
+
+@pytest.mark.parametrize("option, value, stopped", [("--max-candidates", "3", "count"),
+                                                   ("--max-search-s", "0.001", "time")])
+def test_a_search_cut_short_says_what_it_did_not_try_and_concludes_nothing_from_it(option, value, stopped, tmp_path,
+                                                                                    capsys, monkeypatch):
+    """Issue 31 §2: a search stopped by its count or time limit never says "no candidate fits" nor "the smallest
+    reachable": it says what it did not try and the option that tries it."""
+    _fixed_cpu_speed(monkeypatch)
+    searched = plan_search.search(_request(1024, workload=TINY, batch_size=4, **(
+        {"max_candidates": 3} if stopped == "count" else {"max_search_s": 0.001})))
+    assert searched.stopped == stopped and searched.untried_settings
+    assert searched.tried == (3 if stopped == "count" else 1)  # the baseline always runs
+    code = main(["plan", "--workload", TINY, "--batch-size", "4", "--budget", "1KiB", "--device", "cpu", "--jobs", "1",
+                 option, value, "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "no candidate fits" not in out and "smallest reachable" not in out
+    assert "no candidate tried fits" in out and "cut short" in out and f"the search stopped at {option}" in out
+    assert any(spec in out for spec in searched.untried_settings) and "tries them" in out
+
+
+def _row(spec: str, judged: int, ms: float, members: int = 1) -> dict:
+    row = plan.empty_row(_request(), spec, members)
+    row.update(judged_bytes=judged, est_step_time_ms=ms, differs_by_design=None)
+    return row
+
+
+def test_a_combination_that_promises_to_fit_runs_before_the_settings_not_yet_tried():
+    """Issue 31 §2: once checkpoint and amp ran (neither fits alone, together they promise to), checkpoint+amp
+    starts before any setting still untried: a setting that cannot fit is not worth its seconds first. Once a
+    candidate that fits ran, a combination that promises to fit but to be slower waits behind the untried ones."""
+    space = _space("cpu")
+    accepted, _ = plan_candidates.settings(space)
+    queue = plan_search._Queue(_request(400), accepted, space.context)
+    queue.rows.update(baseline=_row("baseline", 1000, 100, 0), checkpoint=_row("checkpoint", 600, 120),
+                      amp=_row("amp", 600, 80), del_intermediates=_row("del_intermediates", 650, 130))
+    assert queue.next() == ("checkpoint+amp", 2)  # promises 360 bytes at 96 ms; amp+del_intermediates at 104 ms
+    queue.rows["checkpoint+amp"] = None  # running
+    assert queue.next() == ("amp+del_intermediates", 2)  # nothing that fits ran yet: it may be the answer
+    queue.rows["checkpoint+amp"] = _row("checkpoint+amp", 350, 90, 2)
+    following = queue.next()
+    assert following[1] == 1 and following[0] not in queue.rows  # a setting not tried, before a slower promise
+    assert all(spec in queue.untried()[0] for spec in ("inplace_relu", "checkpoint:segments=sqrt"))
+    assert "amp+del_intermediates" in queue.untried()[1]
+
+
+def test_the_search_in_two_processes_finds_what_the_serial_search_finds(monkeypatch):
+    """The same candidates, figures and answer with --jobs 2 (forked workers) as in this process alone."""
+    _few_settings(monkeypatch, ("checkpoint", "amp"))
+    request = _request(workload=TINY, batch_size=256)
+    serial, parallel = plan_search.search(request), plan_search.search(dataclasses.replace(request, jobs=2))
+    assert serial.stopped is None and parallel.stopped is None and parallel.jobs == 2
+    figures = {r["strategy"]: (r["status"], r["judged_bytes"], r["est_step_time_ms"]) for r in serial.rows}
+    assert figures == {r["strategy"]: (r["status"], r["judged_bytes"], r["est_step_time_ms"]) for r in parallel.rows}
+    assert serial.rows[0]["strategy"] == parallel.rows[0]["strategy"] == "baseline"
+    assert any("+" in spec for spec in figures)  # combinations ran
+    for limit in sorted(r["judged_bytes"] for r in serial.rows if r["judged_bytes"]):
+        answers = []
+        for rows in ([dict(r) for r in serial.rows], [dict(r) for r in parallel.rows]):
+            for row in rows:
+                row["fits"] = row["judged_bytes"] is not None and row["judged_bytes"] <= limit
+            answer = plan.decide(rows, allow_different=False)
+            answers.append(answer and answer["strategy"])
+        assert answers[0] == answers[1]
 
 
 def _table_gpu_of_this_machine() -> str | None:
@@ -248,3 +332,36 @@ def test_on_the_gpu_every_confirmed_peak_is_as_predicted_and_the_times_in_the_es
     assert (confirmed["peak_error_pct"].abs() <= 1.0).all(), confirmed[["strategy", "peak_error_pct"]]
     rho = plan.spearman(list(confirmed["est_step_time_ms"]), list(confirmed["measured_step_time_ms"]))
     assert rho is None or rho >= 0.8, (rho, confirmed[["strategy", "est_step_time_ms", "measured_step_time_ms"]])
+
+
+# --- full size: nothing is built for real ---------------------------------------------------------------------------
+
+FULL_SIZE_LISTING = """
+import resource, sys
+limit = int(sys.argv[1])
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+from bench.analysis import plan_candidates
+from bench.run.runner import Case, bind_case
+from strategies.base import PlanSpace
+context = bind_case(Case("hf:llama-3.1-8b:seq_len=4096", "baseline", "train", 1, "cuda"))[1]
+accepted, refused = plan_candidates.settings(PlanSpace(context, 76 * 2**30))
+pairs = plan_candidates.combinations(accepted, 2, context)
+print(len(accepted), len(refused), len(pairs), sorted(r.spec for r in refused))
+"""
+
+
+def test_a_full_size_presets_candidates_are_listed_and_checked_without_building_its_model():
+    """Issue 31 §1: listing llama-3.1-8b's candidates runs every strategy's check() (bn_act_recompute's and
+    inplace_abn's look for BatchNorm layers) on a model that holds no memory: the real one is 32 GB of float32
+    weights, here in a process limited to 6 GB of address space (torch and transformers take about 3)."""
+    import os
+    import subprocess
+    import sys
+
+    limit = 6 * 10**9
+    done = subprocess.run([sys.executable, "-c", FULL_SIZE_LISTING, str(limit)],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert done.returncode == 0, done.stderr[-2000:]
+    accepted, refused, pairs = (int(x) for x in done.stdout.split()[:3])
+    assert accepted >= 5 and pairs >= 5
+    assert "bn_act_recompute" in done.stdout and "inplace_abn" in done.stdout  # refused: no BatchNorm, found on meta

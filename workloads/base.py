@@ -95,12 +95,32 @@ class Workload:
         return list(model.children()) if isinstance(model, nn.Sequential) else []
 
     def checkpoint_unit_count(self) -> int:
-        """How many checkpoint units the model has; the model is built once per workload spec in this process (a
-        workload whose model is costly to build may count its units without building it)."""
+        """How many checkpoint units the model has, counted on a model that holds no memory (`model_structure`),
+        once per workload spec in this process."""
         spec = self.spec()
         if spec not in _UNIT_COUNTS:
-            _UNIT_COUNTS[spec] = len(self.checkpoint_units(self.build_model()))
+            _UNIT_COUNTS[spec] = len(self.checkpoint_units(self.model_structure()))
         return _UNIT_COUNTS[spec]
+
+    def model_structure(self) -> nn.Module:
+        """The model `build_model` builds, holding no memory: built on the meta device, else (a model whose
+        construction meta tensors cannot run) under PyTorch's fake tensors. Its modules, shapes and dtypes are the
+        real model's, its values none: what a strategy's `check()` or a planner may look at (the real model of an
+        8B preset is 32 GB). A model neither can build is built for real (a user's model that reads its values
+        while it is built)."""
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with torch.random.fork_rng(devices=[]):
+            try:
+                with torch.device("meta"):
+                    return self.build_model()
+            except Exception:  # noqa: BLE001 - a construction meta tensors cannot run: fake tensors may
+                pass
+            try:
+                with FakeTensorMode(allow_non_fake_inputs=True):
+                    return self.build_model()
+            except Exception:  # noqa: BLE001 - nor fake tensors: the real model, as the runner builds it
+                return self.build_model()
 
     def has_output_head(self) -> bool:
         """Whether the model has a separable output head (`output_head`), known without building it."""

@@ -16,8 +16,10 @@ from typing import Any, Callable
 from bench.measure import fake_cuda
 
 
-def run_in_fake_cuda(python: Path, worker_module: str, request: dict[str, Any]) -> tuple[list[dict] | None, str]:
-    """The worker's rows, and "" ; or None and why it failed."""
+def run_in_fake_cuda(python: Path, worker_module: str, request: dict[str, Any],
+                     whole: bool = False) -> tuple[Any, str]:
+    """The worker's rows (with `whole`, its whole answer: {"rows": [...], ...}), and "" ; or None and why it
+    failed."""
     with tempfile.TemporaryDirectory(prefix="membench-fake-cuda-") as folder:
         request_file, rows_file = Path(folder) / "request.json", Path(folder) / "rows.json"
         request_file.write_text(json.dumps(request))
@@ -25,12 +27,13 @@ def run_in_fake_cuda(python: Path, worker_module: str, request: dict[str, Any]) 
                               env=fake_cuda.python_environment(), stdout=subprocess.DEVNULL)
         answer = json.loads(rows_file.read_text()) if rows_file.exists() else {}
     if done.returncode == 0 and "rows" in answer:
-        return answer["rows"], ""
+        return (answer if whole else answer["rows"]), ""
     return None, answer.get("error") or f"its Python exited with code {done.returncode}"
 
 
-def serve(request_path: str, rows_path: str, answer: Callable[[dict[str, Any]], list[dict]]) -> int:
-    """The worker's side: `answer(request)` gives the rows; the exit status the caller reads."""
+def serve(request_path: str, rows_path: str, answer: Callable[[dict[str, Any]], list[dict] | dict]) -> int:
+    """The worker's side: `answer(request)` gives the rows (or a dict with "rows" and more); the exit status the
+    caller reads."""
     from bench.run._worker import import_plugins
 
     try:
@@ -41,5 +44,5 @@ def serve(request_path: str, rows_path: str, answer: Callable[[dict[str, Any]], 
     except Exception as error:  # noqa: BLE001 - the caller does the work in its own process instead, saying why
         Path(rows_path).write_text(json.dumps({"error": f"{type(error).__name__}: {error}".splitlines()[0]}))
         return 1
-    Path(rows_path).write_text(json.dumps({"rows": rows}))
+    Path(rows_path).write_text(json.dumps(rows if isinstance(rows, dict) else {"rows": rows}))
     return 0

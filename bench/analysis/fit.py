@@ -304,6 +304,11 @@ def fit_cpu(spec: str, budget: int, phase: str, workload: str, data: str, max_ba
         slope = max(max(slope_s for _, slope_s in lines.values()), 1.0)
         batch, method = _largest_on_stage_lines(lines, budget, max_batch), "per-stage linear model"
     batch = _confirmed_batch(batch, tracked, estimate, method, slope, low, high)
+    if batch < 1 and method == "fake probe" and 1 not in tracked.peaks:
+        # batch 1's fake count is over the budget and nothing was run: no real step of a model that may not fit
+        # this machine (a full-size preset) to learn what the fake count says to the byte
+        return FitResult(spec, phase, "cpu", budget, 0, None, False, estimate(1), "fake probe", None,
+                         "even batch 1 exceeds the budget (its fake-tensor count; no real run)", tracked.runs)
     if batch < 1:  # the next batch's peak is batch 1's, measured: the smallest this strategy reaches
         return FitResult(spec, phase, "cpu", budget, 0, None, False, tracked.peak(1), "measured", None,
                          "even batch 1 exceeds the budget", tracked.runs)

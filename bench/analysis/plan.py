@@ -4,9 +4,9 @@ measurements that confirm it.
 Each candidate (`bench.analysis.plan_candidates`) runs one tracked step on fake tensors, as `predict` does
 (`bench.analysis.predict.tracked_step`, CUDA's caching allocator replayed for CUDA), with an operator counter
 (`bench.measure.op_cost`) in the same step: one trace gives both its peak and its operators, whose time is
-estimated against the device's figures (`bench.analysis.plan_cost`). The search tries every declared setting
-alone, then combinations of the settings that helped, most promising first, up to `max_candidates`. Each candidate
-is a row of the declared plan table (`bench.core.results.PLAN`).
+estimated against the device's figures (`bench.analysis.plan_cost`). The search (`bench.analysis.plan_search`) tries
+every declared setting alone and combinations of the settings that helped, by what can still be the answer. Each
+candidate is a row of the declared plan table (`bench.core.results.PLAN`).
 
 Limitations: a sharded strategy's step runs rank by rank elsewhere, so it gets no time estimate and is never the
 answer; communication is not modelled. Times are estimates for ranking: the confirmation measures.
@@ -15,38 +15,30 @@ answer; communication is not modelled. Times are estimates for ranking: the conf
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
-import time
 import warnings
-from dataclasses import asdict, dataclass, replace
-from typing import Callable
+from dataclasses import dataclass, replace
 
 import torch
 from torch._subclasses import fake_tensor
 
-from bench.analysis import plan_candidates, plan_cost
-from bench.analysis.fake_cuda_worker import run_in_fake_cuda
+from bench.analysis import plan_cost
 from bench.analysis.predict import PredictionMeter, bound_device, cublas_workspace, tracked_step
 from bench.core.errors import Unsupported
 from bench.core.gpus import DEFAULT_MAX_CANDIDATES, DEFAULT_MAX_SEARCH_S
 from bench.core.results import PLAN, Status
 from bench.core.schema import Row
 from bench.core.units import format_size
-from bench.measure import cuda_allocator, fake_cuda
+from bench.measure import cuda_allocator
 from bench.measure.op_cost import OperatorCostCounter, step_totals
 from bench.run.isolation import RunOptions
 from bench.run.runner import MEMORY_WARMUP_STEPS, Case, bind_case, forget_traceback, run_case
-from strategies.base import PlanSpace
 
 # what fake tensors cannot run but a real step can (an output whose shape depends on the values): the fallback to a
 # real CPU step is for these only
 FAKE_TENSOR_LIMITS = tuple(getattr(fake_tensor, name) for name in (
     "DataDependentOutputException", "DynamicOutputShapeException", "UnsupportedOperatorException",
     "UnsupportedFakeTensorException") if hasattr(fake_tensor, name))
-# a combination is tried when each of its members, alone, saved memory (1%) or time (0.5%) against the baseline: a
-# saving of time alone (a faster optimizer implementation) still combines with one of memory
-USEFUL_MEMORY_RATIO, USEFUL_TIME_RATIO = 0.99, 0.995
 # estimates this close to the fastest count as equally fast: the answer is then the one with fewer techniques
 SAME_TIME_RATIO = 1.005
 
@@ -68,12 +60,13 @@ class PlanRequest:
     allow_different: bool = False
     max_candidates: int = DEFAULT_MAX_CANDIDATES
     max_search_s: float = DEFAULT_MAX_SEARCH_S  # no candidate starts after this many seconds of search
+    jobs: int = 1  # processes evaluating candidates at once (`bench.analysis.plan_search`)
 
     def case(self, spec: str) -> Case:
         return Case(self.workload, spec, "train", self.batch_size, self.device, data=self.data)
 
 
-def _empty_row(request: PlanRequest, spec: str, members: int) -> Row:
+def empty_row(request: PlanRequest, spec: str, members: int) -> Row:
     row = PLAN.row({name: None for name in PLAN.names if name != "schema_version"})
     row.update(workload=request.workload, batch_size=request.batch_size, ranks=request.ranks, device=request.device,
                target=request.target, strategy=spec, members=members, status=Status.OK.value, message="",
@@ -81,7 +74,8 @@ def _empty_row(request: PlanRequest, spec: str, members: int) -> Row:
     return row
 
 
-def _bind(case: Case, ranks: int):
+def bind_for_plan(case: Case, ranks: int):
+    """(strategy, context) of `case`, bound as predict binds it (to CUDA on a machine without it)."""
     with warnings.catch_warnings():  # a strategy bound to CUDA on a machine without it (as predict does)
         warnings.filterwarnings("ignore", message=".*GradScaler is enabled, but CUDA is not available.*")
         return bind_case(case, ranks)
@@ -112,11 +106,11 @@ def _engines(device: str, distributed: bool) -> list[str]:
 def evaluate(request: PlanRequest, spec: str, members: int, figures: plan_cost.DeviceFigures) -> Row:
     """One candidate's row: its predicted peak (and on CUDA reserved memory), its step's operators and estimated
     time, and what it changes in training; `unsupported` or `error` with why."""
-    row = _empty_row(request, spec, members)
+    row = empty_row(request, spec, members)
     case = request.case(spec)
     cuda = request.device == "cuda"
     try:
-        strategy, context = _bind(case, request.ranks)
+        strategy, context = bind_for_plan(case, request.ranks)
         row["strategy"] = strategy.spec()
         strategy.check(context)
     except Unsupported as error:
@@ -126,7 +120,7 @@ def evaluate(request: PlanRequest, spec: str, members: int, figures: plan_cost.D
     for engine in engines:
         counter = OperatorCostCounter()
         try:
-            planned = _bind(replace(case, device=bound_device(engine)), request.ranks)[0]
+            planned = bind_for_plan(replace(case, device=bound_device(engine)), request.ranks)[0]
             planned.plan(PredictionMeter(case))
             step = tracked_step(case, spec, engine, 1, cuda_autocast=cuda, ranks=request.ranks, record_events=cuda,
                                 warmup_steps=MEMORY_WARMUP_STEPS["cuda"] if cuda else None,
@@ -174,85 +168,6 @@ def _memory(row: Row, step, request: PlanRequest) -> None:
                    predicted_reserved_bytes=replayed.max_reserved_bytes,
                    judged_bytes=replayed.max_reserved_bytes + request.context_bytes)
     row["fits"] = row["judged_bytes"] <= request.limit_bytes
-
-
-# --- the search -----------------------------------------------------------------------------------------------
-
-def _ratio(row: Row, base: Row, column: str) -> float:
-    if row["status"] != Status.OK.value or row[column] is None or not base[column]:
-        return math.inf
-    return row[column] / base[column]
-
-
-def _breadth_first(settings: list) -> list:
-    """The settings ordered by their rank within their strategy's declaration (stable otherwise)."""
-    seen: dict[str, int] = {}
-    ranks = []
-    for setting in settings:
-        ranks.append(seen.get(setting.strategy, 0))
-        seen[setting.strategy] = ranks[-1] + 1
-    return [setting for _, setting in sorted(zip(ranks, settings), key=lambda pair: pair[0])]
-
-
-def search(request: PlanRequest, progress: Callable[[str], None] = lambda text: None) -> list[Row]:
-    """Every candidate's row: the baseline, each declared setting alone, then combinations of two or three of the
-    settings that saved memory or time alone, those predicted (from their members' ratios) to fit and be fast
-    first, until `max_candidates` have run or `max_search_s` has passed (the baseline always runs). Declared
-    settings the case refuses are rows too (no step run)."""
-    figures = plan_cost.from_json(request.figures)
-    context = _bind(request.case("baseline"), request.ranks)[1]
-    # a budget plan of checkpointing gets the limit less the context: its plan is judged on predicted peaks
-    space = PlanSpace(context, max(1, request.limit_bytes - request.context_bytes))
-    accepted, refused = plan_candidates.settings(space)
-    rows: dict[str, Row] = {}
-    started = time.monotonic()
-
-    evaluated = [0]
-
-    def run(spec: str, members: int) -> Row | None:
-        late = evaluated[0] > 0 and time.monotonic() - started > request.max_search_s
-        if spec in rows or evaluated[0] >= request.max_candidates or late:
-            return rows.get(spec)
-        evaluated[0] += 1
-        progress(f"[{evaluated[0]}/{request.max_candidates} at most, {time.monotonic() - started:.0f} s] {spec} ...")
-        rows[spec] = evaluate(request, spec, members, figures)
-        return rows[spec]
-
-    base = run("baseline", 0)
-    # breadth first: each strategy's first declared setting, then each one's second, ...: a search cut short by
-    # its time limit has still tried every technique once
-    singles = {s.spec: run(s.spec, 1) for s in _breadth_first(accepted)}
-    for item in refused:
-        row = _empty_row(request, item.spec, 1)
-        row.update(status=Status.UNSUPPORTED.value, message=item.reason)
-        rows.setdefault(item.spec, row)
-    useful = [s for s in accepted if (r := singles.get(s.spec)) is not None and r["status"] == Status.OK.value
-              and (request.allow_different or not r["differs_by_design"])
-              and (_ratio(r, base, "judged_bytes") < USEFUL_MEMORY_RATIO
-                   or _ratio(r, base, "est_step_time_ms") < USEFUL_TIME_RATIO)]
-    combined = plan_candidates.combinations(useful, 2, context) + plan_candidates.combinations(useful, 3, context)
-
-    def promise(item) -> tuple:
-        members, _ = item
-        memory = math.prod(_ratio(singles[m.spec], base, "judged_bytes") for m in members) * base["judged_bytes"]
-        speed = math.prod(_ratio(singles[m.spec], base, "est_step_time_ms") for m in members)
-        fits = memory <= request.limit_bytes
-        return (not fits, speed if fits else memory, len(members))
-
-    spec_of = {frozenset(m.spec for m in members): spec for members, spec in combined}
-
-    def runs(members: tuple) -> bool:
-        """Runs a combination after the smaller ones inside it (a triple's pairs), unless one of those failed."""
-        if len(members) > 2 and not all(runs(pair) for pair in itertools.combinations(members, len(members) - 1)):
-            return False
-        spec = spec_of.get(frozenset(m.spec for m in members))
-        row = run(spec, len(members)) if spec is not None else None
-        return row is not None and row["status"] == Status.OK.value
-
-    if base["status"] == Status.OK.value and base["judged_bytes"]:
-        for members, _ in sorted(combined, key=promise):
-            runs(members)
-    return list(rows.values())
 
 
 # --- the answer -----------------------------------------------------------------------------------------------
@@ -340,23 +255,6 @@ def spearman(xs: list[float], ys: list[float]) -> float | None:
     cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
     sx, sy = math.sqrt(sum((a - mx) ** 2 for a in rx)), math.sqrt(sum((b - my) ** 2 for b in ry))
     return None if sx == 0 or sy == 0 else cov / (sx * sy)
-
-
-# --- the search in the fake-CUDA environment --------------------------------------------------------------------
-
-def search_where_cuda_runs(request: PlanRequest, progress: Callable[[str], None]) -> tuple[list[Row], str]:
-    """`search`, for a CUDA plan on CUDA's own operators: here when this torch sees a CUDA device, else in the
-    fake-CUDA environment's Python (`python -m bench.analysis._plan_worker`), else here on the CPU's operators
-    with a note saying so."""
-    if request.device != "cuda" or torch.cuda.is_available():
-        return search(request, progress), ""
-    python = fake_cuda.environment_python()
-    if python is None:
-        return search(request, progress), f"{fake_cuda.unavailable_reason()}: predicted on the CPU's operators"
-    rows, why = run_in_fake_cuda(python, "bench.analysis._plan_worker", asdict(request))
-    if rows is not None:
-        return [PLAN.row(values) for values in rows], ""
-    return search(request, progress), f"the fake-CUDA environment failed ({why[:200]}): predicted here"
 
 
 # --- confirmation by the harness --------------------------------------------------------------------------------

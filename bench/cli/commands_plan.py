@@ -7,8 +7,7 @@ import math
 import os
 import time
 
-from bench.analysis import plan
-from bench.analysis import plan_cost
+from bench.analysis import plan, plan_cost, plan_search
 from bench.analysis.predict import has_gpu
 from bench.cli import interrupt
 from bench.cli.arguments import analysis_device, one_batch_size, size_option
@@ -57,7 +56,8 @@ def _request(args) -> tuple[plan.PlanRequest, str]:
         how += "; exact live tensor bytes judged against it"
     request = plan.PlanRequest(workload, data, batch, device, gpu.name if gpu else "this CPU", limit, context,
                                plan_cost.to_json(figures), args.ranks, gpu.capability if gpu else None,
-                               args.allow_different, args.max_candidates, args.max_search_s)
+                               args.allow_different, args.max_candidates, args.max_search_s,
+                               args.jobs or plan_search.default_jobs())
     return request, how
 
 
@@ -71,18 +71,19 @@ def cmd_plan(args) -> int:
     out = check_output_dir(args.out, "--out")
     interrupt.set_note("interrupted: nothing was written (plan writes its table when the search is done)")
     started, cpu_started = time.monotonic(), _cpu_seconds()
-    rows, note = plan.search_where_cuda_runs(request, status)
+    searched, note = plan_search.search_where_cuda_runs(request, status)
+    rows = searched.rows
     searched_s, cpu_s = time.monotonic() - started, _cpu_seconds() - cpu_started
     answer = plan.decide(rows, request.allow_different)
     run_id = new_run_id(request.device)
     csv_path, chart_path = out / f"plan-{run_id}.csv", out / f"plan-{run_id}.png"
     if answer is None:
         write_table(PLAN, rows, csv_path)
-        print(_nothing_fits(request, rows, csv_path))
+        print(_nothing_fits(request, searched, csv_path) + (f"\n  note: {note}" if note else ""))
         return 1
-    print(_summary(request, how, rows, searched_s, cpu_s, note))
+    print(_summary(request, how, searched, searched_s, cpu_s, note))
     print(_front_table(rows))
-    print(_answer_lines(request, rows, answer))
+    print(_answer_lines(request, searched, answer))
     if args.confirm or args.confirm_front:
         print(_confirm(request, rows, answer, args.confirm_front, args.threads))
     write_table(PLAN, rows, csv_path)
@@ -107,7 +108,9 @@ def _ms(value) -> str:
     return "-" if value is None else f"{value:,.0f}"
 
 
-def _summary(request: plan.PlanRequest, how: str, rows: list, searched_s: float, cpu_s: float, note: str) -> str:
+def _summary(request: plan.PlanRequest, how: str, searched: plan_search.Searched, searched_s: float, cpu_s: float,
+             note: str) -> str:
+    rows = searched.rows
     counts: dict[str, int] = {}
     for row in rows:
         counts[row["status"]] = counts.get(row["status"], 0) + 1
@@ -116,13 +119,13 @@ def _summary(request: plan.PlanRequest, how: str, rows: list, searched_s: float,
     lines = [f"plan for {request.workload}, batch {request.batch_size}, training, on {request.target}"
              + (f", {request.ranks} ranks" if request.ranks > 1 else ""),
              f"  limit {format_size(request.limit_bytes)} ({request.limit_bytes:,} B): {how}",
-             f"  {len(rows)} candidates in {searched_s:.0f} s ({cpu_s:.0f} s of CPU time; "
+             f"  {len(rows)} candidates in {searched_s:.0f} s ({cpu_s:.0f} s of CPU time, {searched.jobs} "
+             f"process{'es' if searched.jobs > 1 else ''}; "
              f"{', '.join(f'{n} {s}' for s, n in counts.items())}); memory predicted on the {'/'.join(engines)} "
              f"engine",
              f"  time: {estimator}"]
-    if searched_s > request.max_search_s:
-        lines.append(f"  the search stopped at --max-search-s {request.max_search_s:g}: candidates not yet tried were "
-                     f"left out (--max-search-s or --max-candidates for more)")
+    if searched.stopped:
+        lines.append(f"  {_cut_short(request, searched)}")
     if note:
         lines.append(f"  note: {note}")
     return "\n".join(lines)
@@ -145,7 +148,8 @@ def _front_table(rows: list) -> str:
     return "\n".join(lines)
 
 
-def _answer_lines(request: plan.PlanRequest, rows: list, answer) -> str:
+def _answer_lines(request: plan.PlanRequest, searched: plan_search.Searched, answer) -> str:
+    rows = searched.rows
     base = next((r for r in rows if r["strategy"] == "baseline"), None)
     relative = ""
     if base is not None and base["est_step_time_ms"]:
@@ -153,6 +157,9 @@ def _answer_lines(request: plan.PlanRequest, rows: list, answer) -> str:
                     f"baseline {_mib(base['judged_bytes'])} MiB)")
     lines = [f"\nanswer: {answer['strategy']}: {_mib(answer['judged_bytes'])} MiB predicted of "
              f"{_mib(request.limit_bytes)} MiB, estimated {_ms(answer['est_step_time_ms'])} ms per step{relative}"]
+    if searched.stopped:
+        lines.append(f"  (the fastest of the {searched.tried} candidates tried: {searched.untried()} not tried may be "
+                     f"faster; {_option_for_more(request, searched)} tries them)")
     front = sorted((r for r in rows if r["on_front"] and r["members"]), key=lambda r: r["est_step_time_ms"])
     explained = [(r["strategy"], plan.contributions(r, rows)) for r in front]
     if any(parts for _, parts in explained):
@@ -166,13 +173,48 @@ def _answer_lines(request: plan.PlanRequest, rows: list, answer) -> str:
     return "\n".join(lines)
 
 
-def _nothing_fits(request: plan.PlanRequest, rows: list, csv_path) -> str:
-    smallest = plan.smallest(rows)
+def _nothing_fits(request: plan.PlanRequest, searched: plan_search.Searched, csv_path) -> str:
+    """One line when the search tried every candidate; else what it tried, and what it did not with the option
+    that tries it (no conclusion that needs the candidates not tried)."""
+    smallest = plan.smallest(searched.rows)
+    limit = f"{format_size(request.limit_bytes)} ({request.limit_bytes:,} B)"
+    if searched.stopped:
+        found = ("none could be predicted" if smallest is None else
+                 f"the smallest of them {format_size(smallest['judged_bytes'])} with {smallest['strategy']}")
+        return (f"no candidate tried fits {limit}, but the search was cut short ({found}; every candidate tried: "
+                f"{csv_path})\n  {_cut_short(request, searched)}")
     if smallest is None:
         return (f"no candidate fits {format_size(request.limit_bytes)}: none could be predicted (see {csv_path})")
-    return (f"no candidate fits {format_size(request.limit_bytes)} ({request.limit_bytes:,} B): the smallest "
-            f"reachable is {format_size(smallest['judged_bytes'])} ({smallest['judged_bytes']:,} B) with "
-            f"{smallest['strategy']} (every candidate: {csv_path})")
+    return (f"no candidate fits {limit}: the smallest reachable is {format_size(smallest['judged_bytes'])} "
+            f"({smallest['judged_bytes']:,} B) with {smallest['strategy']} (every candidate: {csv_path})")
+
+
+def _listed(specs: list[str], most: int = 6) -> str:
+    return ", ".join(specs[:most]) + (f" and {len(specs) - most} more" if len(specs) > most else "")
+
+
+def _option_for_more(request: plan.PlanRequest, searched: plan_search.Searched) -> str:
+    """The option that lets the search try what it did not: more time, or more candidates."""
+    if searched.stopped == plan_search.COUNT:
+        return f"--max-candidates {request.max_candidates + searched.untried()} (or more)"
+    per = searched.seconds_per_candidate or 1.0
+    more = request.max_search_s + searched.untried() * per
+    return f"--max-search-s {math.ceil(more / 10) * 10:g} (about {per:.1f} s a candidate here)"
+
+
+def _cut_short(request: plan.PlanRequest, searched: plan_search.Searched) -> str:
+    """What a search cut short did not try, and the option that tries it."""
+    limit = (f"--max-search-s {request.max_search_s:g}" if searched.stopped == plan_search.TIME
+             else f"--max-candidates {request.max_candidates}")
+    parts = []
+    if searched.untried_settings:
+        parts.append(f"{len(searched.untried_settings)} settings alone ({_listed(searched.untried_settings)}) and "
+                     "their combinations")
+    if searched.untried_combinations:
+        parts.append(f"{len(searched.untried_combinations)} combinations "
+                     f"({_listed(searched.untried_combinations, 4)})")
+    return (f"the search stopped at {limit} before trying {' and '.join(parts)}: {_option_for_more(request, searched)}"
+            " tries them")
 
 
 def _confirm(request: plan.PlanRequest, rows: list, answer, front: bool, threads: int | None) -> str:

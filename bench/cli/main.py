@@ -177,6 +177,9 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--max-search-s", type=positive_float, default=gpus.DEFAULT_MAX_SEARCH_S, metavar="SECONDS",
                    help=f"no candidate starts after this many seconds of search (default "
                         f"{gpus.DEFAULT_MAX_SEARCH_S:g})")
+    p.add_argument("--jobs", type=positive_int, default=None,
+                   help="processes predicting candidates at once (default: the cores this process may use, at most "
+                        "4)")
     p.add_argument("--confirm", action="store_true",
                    help="measure the answer with the harness (the planned device must be this machine's: the CPU, or "
                         "a GPU here; default off)")

@@ -32,7 +32,7 @@ class Session:
         seed_everything(workload.seed)
         self.case = case
         self.strategy = strategy
-        self.base_model = self.place(workload.build_model())
+        self.base_model = self.place(self.build_model(workload))
         self.observe_grads = observe_grads
         self._grad_watchers: OrderedDict[int, Callable[[torch.Tensor], None]] = OrderedDict()  # RemovableHandle's
         if observe_grads:
@@ -66,6 +66,17 @@ class Session:
         self.kept: dict[str, Any] = {}
         # dropout draws from the global generator: every pass starts its steps from the same random state
         seed_everything(workload.seed + 1)
+
+    def build_model(self, workload) -> torch.nn.Module:
+        """The workload's model; for a case on the meta device built there (a hook point), so that no real copy of a
+        full-size model is made to be moved to meta (a checkpoint budget's plan at 8B parameters)."""
+        if self.case.device != "meta":
+            return workload.build_model()
+        try:
+            with torch.device("meta"):
+                return workload.build_model()
+        except Exception:  # noqa: BLE001 - a construction meta tensors cannot run: built on the CPU, then moved
+            return workload.build_model()
 
     def place(self, value: Any) -> Any:
         """The freshly built model, or a (nested) batch, on the case's device (a hook point: the fake-tensor

@@ -1,0 +1,339 @@
+"""The plan's search: which candidates run, in which order, in how many processes, and what a search cut short did
+not try (`bench.analysis.plan` evaluates one candidate and decides the answer).
+
+The search runs the baseline and every declared setting alone (`plan_candidates.settings`), and pairs and triples
+of the settings that saved memory or time alone (`plan_candidates.combinations`; a triple once its pairs ran, never
+when one of them failed). Its order is by what can still be the answer: each time a process is free it starts,
+first, the combinations whose members' ratios promise to fit and to be faster than any candidate that ran and
+fits (fastest promise first); then the settings not yet tried that are their strategy's first declared one; then
+the other combinations (those that promise to fit, then the others by smallest promise); then the other settings
+(a strategy's second and third ones: checkpoint's sqrt(N) and budget plans, the optimizer's other
+implementations). A setting that cannot fit cannot help a combination fit unless it saves memory, and what it
+saves is known only once it ran: a combination of two settings that did is not held up behind the settings still
+untried.
+
+The same candidates run in the same order with `jobs` processes as with one, but for which of the ones that may
+start at a moment finishes first; with no limit reached the rows are the same (a test). Candidates run in worker
+processes forked from this one (its imports and caches inherited: the workload's batch, its checkpoint units, its
+BatchNorm lookup), each with one thread: fake tensors do no arithmetic.
+
+A search cut short by `max_search_s` or `max_candidates` says which candidates it knew of and did not try
+(`Searched.untried`), and the settings not tried alone, whose combinations it cannot know.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as futures
+import itertools
+import math
+import multiprocessing
+import signal
+import time
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+from bench.analysis import plan, plan_candidates, plan_cost
+from bench.analysis.fake_cuda_worker import run_in_fake_cuda
+from bench.core.results import PLAN, Status
+from bench.core.schema import Row
+from bench.measure import fake_cuda
+from strategies.base import PlanSpace
+
+# a combination is tried when each of its members, alone, saved memory (1%) or time (0.5%) against the baseline: a
+# saving of time alone (a faster optimizer implementation) still combines with one of memory
+USEFUL_MEMORY_RATIO, USEFUL_TIME_RATIO = 0.99, 0.995
+TIME, COUNT = "time", "count"  # why a search stopped early
+
+
+@dataclass
+class Searched:
+    """The rows of the candidates that ran (the baseline first) and of the settings the case refuses; and, for a
+    search cut short (`stopped`: "time" or "count"), the candidates it knew of and did not try: settings not tried
+    alone (whose combinations it cannot know) and combinations of settings that ran."""
+
+    rows: list[Row]
+    stopped: str | None = None
+    untried_settings: list[str] = field(default_factory=list)
+    untried_combinations: list[str] = field(default_factory=list)
+    seconds_per_candidate: float | None = None  # wall-clock seconds per candidate that ran, with `jobs` processes
+    jobs: int = 1
+    tried: int = 0  # candidates that ran (the refused settings are rows too, but ran nothing)
+
+    def untried(self) -> int:
+        return len(self.untried_settings) + len(self.untried_combinations)
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "rows": [dict(r) for r in self.rows]}
+
+    @classmethod
+    def from_json(cls, values: dict) -> "Searched":
+        return cls(**{**values, "rows": [PLAN.row(r) for r in values["rows"]]})
+
+
+def _ratio(row: Row | None, base: Row, column: str) -> float:
+    if row is None or row["status"] != Status.OK.value or row[column] is None or not base[column]:
+        return math.inf
+    return row[column] / base[column]
+
+
+def _declaration_rank(settings: list) -> dict[str, int]:
+    """Each setting's rank within its strategy's declaration (0: the strategy's first)."""
+    seen: dict[str, int] = {}
+    ranks = {}
+    for setting in settings:
+        ranks[setting.spec] = seen.get(setting.strategy, 0)
+        seen[setting.strategy] = ranks[setting.spec] + 1
+    return ranks
+
+
+# --- running a candidate here or in a worker process ------------------------------------------------------------
+
+def _worker_start() -> None:
+    from bench.run._worker import import_plugins
+
+    import_plugins()  # a forkserver's worker: the plugins the planner's process imported (the fake-CUDA mode)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the planner's: it ends its workers
+    torch.set_num_threads(1)  # fake tensors do no arithmetic; one thread each, and no OpenMP pool across the fork
+
+
+def _evaluate(request: dict, spec: str, members: int) -> Row:
+    values = {**request, "capability": tuple(request["capability"]) if request.get("capability") else None}
+    the_request = plan.PlanRequest(**values)
+    return plan.evaluate(the_request, spec, members, plan_cost.from_json(the_request.figures))
+
+
+class _Inline:
+    """An executor that runs each candidate at once in this process (one job)."""
+
+    def submit(self, function, *args):
+        future: futures.Future = futures.Future()
+        try:
+            future.set_result(function(*args))
+        except BaseException as error:  # noqa: BLE001 - delivered where the result is read, as a pool does
+            future.set_exception(error)
+        return future
+
+    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
+        pass
+
+
+def _executor(jobs: int):
+    """One job: this process. More: forked workers; where this torch sees CUDA (the fake-CUDA environment's, or a
+    GPU), which a forked child cannot use again, workers forked from a fresh server process that imported this
+    module once."""
+    if jobs <= 1:
+        return _Inline()
+    if torch.cuda.is_available():
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload([__name__])
+    else:
+        context = multiprocessing.get_context("fork")
+    return futures.ProcessPoolExecutor(jobs, mp_context=context, initializer=_worker_start)
+
+
+def _lost(request: plan.PlanRequest, spec: str, error: BaseException) -> Row:
+    row = plan.empty_row(request, spec, spec.count("+") + 1 if spec != "baseline" else 0)
+    row.update(status=Status.ERROR.value, message=f"its worker process died ({type(error).__name__}: {error})"[:300])
+    return row
+
+
+def _restarted(pool, jobs: int):
+    pool.shutdown(wait=False, cancel_futures=True)
+    return _executor(jobs)
+
+
+def _end_workers(pool) -> None:
+    """Ends the worker processes this search started (Ctrl-C, an error), without waiting for their candidates."""
+    processes = dict(getattr(pool, "_processes", None) or {})
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes.values():
+        process.terminate()
+
+
+# --- the search ---------------------------------------------------------------------------------------------------
+
+class _Queue:
+    """What the search knows: the rows so far, the settings, and the candidates that may start now, by priority."""
+
+    def __init__(self, request: plan.PlanRequest, accepted: list, context):
+        self.request = request
+        self.accepted = accepted
+        self.rank = _declaration_rank(accepted)
+        self.context = context
+        self.rows: dict[str, Row | None] = {}  # spec -> row (None while it runs), in the order they started
+        self.combined: dict[frozenset, tuple[tuple, str | None]] = {}  # member specs -> (members, spec or None)
+
+    def base(self) -> Row | None:
+        return self.rows.get("baseline")
+
+    def _useful(self) -> list:
+        base = self.base()
+        if base is None or base["status"] != Status.OK.value or not base["judged_bytes"]:
+            return []
+        found = []
+        for setting in self.accepted:
+            row = self.rows.get(setting.spec)
+            if row is not None and row["status"] == Status.OK.value \
+                    and (self.request.allow_different or not row["differs_by_design"]) \
+                    and (_ratio(row, base, "judged_bytes") < USEFUL_MEMORY_RATIO
+                         or _ratio(row, base, "est_step_time_ms") < USEFUL_TIME_RATIO):
+                found.append(setting)
+        return found
+
+    def _combination(self, members: tuple) -> str | None:
+        key = frozenset(m.spec for m in members)
+        if key not in self.combined:
+            self.combined[key] = (members, plan_candidates.compose(members, self.context))
+        return self.combined[key][1]
+
+    def combinations(self) -> list[tuple[tuple, str]]:
+        """Every composable pair and triple of useful settings whose smaller combinations did not fail."""
+        useful = self._useful()
+        found = []
+        for size in (2, 3):
+            for members in _combinations_of(useful, size):
+                spec = self._combination(members)
+                if spec is not None and (size == 2 or not self._a_pair_failed(members)):
+                    found.append((members, spec))
+        return found
+
+    def _a_pair_failed(self, members: tuple) -> bool:
+        for pair in _combinations_of(list(members), 2):
+            spec = self._combination(pair)
+            row = self.rows.get(spec) if spec is not None else None
+            if spec is None or (row is not None and row["status"] != Status.OK.value):
+                return True
+        return False
+
+    def _pairs_ran(self, members: tuple) -> bool:
+        return all(self.rows.get(self._combination(pair)) is not None for pair in _combinations_of(list(members), 2))
+
+    def next(self) -> tuple[str, int] | None:
+        """The candidate to start now (spec, members), or None when none may start yet (or at all)."""
+        if "baseline" not in self.rows:
+            return "baseline", 0
+        base, ready = self.base(), []
+        for setting in self.accepted:
+            if setting.spec not in self.rows:
+                ready.append(((1 if self.rank[setting.spec] == 0 else 3, self.rank[setting.spec], 0.0),
+                              setting.spec, 1))
+        if base is not None and base["status"] == Status.OK.value and base["judged_bytes"]:
+            fastest = self._fastest_fitting()
+            for members, spec in self.combinations():
+                if spec in self.rows or (len(members) > 2 and not self._pairs_ran(members)):
+                    continue
+                memory = math.prod(_ratio(self.rows[m.spec], base, "judged_bytes") for m in members)
+                speed = math.prod(_ratio(self.rows[m.spec], base, "est_step_time_ms") for m in members)
+                fits = memory * base["judged_bytes"] <= self.request.limit_bytes
+                if fits and speed * (base["est_step_time_ms"] or 0) < fastest:  # may be the answer
+                    ready.append(((0, len(members), speed), spec, len(members)))
+                else:  # fits but promises to be slower than one that fits, or does not promise to fit
+                    ready.append(((2, 0 if fits else 1, speed if fits else memory), spec, len(members)))
+        if not ready:
+            return None
+        # the order of declaration among equals: stable, the same in every process count
+        _, spec, members = min(ready, key=lambda item: item[0])
+        return spec, members
+
+    def _fastest_fitting(self) -> float:
+        """The estimated time of the fastest candidate that ran, fits and may be the answer (inf: none yet)."""
+        return min((row["est_step_time_ms"] for row in self.rows.values()
+                    if row is not None and row["status"] == Status.OK.value and row["est_step_time_ms"] is not None
+                    and row["judged_bytes"] is not None and row["judged_bytes"] <= self.request.limit_bytes
+                    and (self.request.allow_different or not row["differs_by_design"])), default=math.inf)
+
+    def untried(self) -> tuple[list[str], list[str]]:
+        settings = [s.spec for s in self.accepted if s.spec not in self.rows]
+        combinations = [spec for _, spec in self.combinations() if spec not in self.rows]
+        return settings, combinations
+
+
+def _combinations_of(pool: list, size: int) -> list[tuple]:
+    return list(itertools.combinations(pool, size))
+
+
+def default_jobs() -> int:
+    """Worker processes for a search: the cores this process may use, at most 4."""
+    from bench.run.preflight import available_cores
+
+    return max(1, min(4, available_cores()))
+
+
+def search(request: plan.PlanRequest, progress: Callable[[str], None] = lambda text: None) -> Searched:
+    """Every candidate's row, in the order above, until `max_candidates` have started or `max_search_s` has passed
+    (no candidate starts after it; the baseline always runs), in `request.jobs` processes."""
+    context = plan.bind_for_plan(request.case("baseline"), request.ranks)[1]
+    # a budget plan of checkpointing gets the limit less the context: its plan is judged on predicted peaks
+    space = PlanSpace(context, max(1, request.limit_bytes - request.context_bytes))
+    accepted, refused = plan_candidates.settings(space)
+    queue = _Queue(request, accepted, context)
+    jobs = max(1, request.jobs)
+    started, stopped = time.monotonic(), None
+    running: dict[futures.Future, str] = {}
+    # the baseline here, then the workers: forked after it, they inherit what its step warmed (the batch, the fake
+    # tensors' dispatch caches), and the first settings start knowing the baseline
+    pool = _Inline()
+    as_json = asdict(request)
+    try:
+        while True:
+            if isinstance(pool, _Inline) and jobs > 1 and queue.base() is not None:
+                pool = _executor(jobs)
+            while len(running) < (1 if isinstance(pool, _Inline) else jobs):
+                late = queue.rows and time.monotonic() - started > request.max_search_s
+                full = len(queue.rows) >= request.max_candidates
+                if late or full:
+                    stopped = stopped or (TIME if late else COUNT)
+                    break
+                candidate = queue.next()
+                if candidate is None:
+                    break
+                spec, members = candidate
+                queue.rows[spec] = None
+                progress(f"[{len(queue.rows)}/{request.max_candidates} at most, {time.monotonic() - started:.0f} s] "
+                         f"{spec} ...")
+                running[pool.submit(_evaluate, as_json, spec, members)] = spec
+            if not running:
+                break
+            done, _ = futures.wait(running, return_when=futures.FIRST_COMPLETED)
+            for future in done:
+                spec = running.pop(future)
+                try:
+                    queue.rows[spec] = future.result()
+                except BrokenProcessPool as error:  # a worker died (the OOM killer): its candidates are errors
+                    queue.rows[spec] = _lost(request, spec, error)
+                    pool = _restarted(pool, jobs)
+    except BaseException:
+        _end_workers(pool)
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    elapsed = time.monotonic() - started
+    rows = [row for row in queue.rows.values() if row is not None]
+    for item in refused:
+        if item.spec not in queue.rows:
+            row = plan.empty_row(request, item.spec, 1)
+            row.update(status=Status.UNSUPPORTED.value, message=item.reason)
+            rows.append(row)
+    untried_settings, untried_combinations = queue.untried() if stopped else ([], [])
+    if stopped and not untried_settings and not untried_combinations:
+        stopped = None  # it stopped when nothing was left to try
+    return Searched(rows, stopped, untried_settings, untried_combinations,
+                    elapsed / max(1, len(queue.rows)), jobs, len(queue.rows))
+
+
+def search_where_cuda_runs(request: plan.PlanRequest, progress: Callable[[str], None]) -> tuple[Searched, str]:
+    """`search`, for a CUDA plan on CUDA's own operators: here when this torch sees a CUDA device, else in the
+    fake-CUDA environment's Python (`python -m bench.analysis._plan_worker`), else here on the CPU's operators
+    with a note saying so."""
+    if request.device != "cuda" or torch.cuda.is_available():
+        return search(request, progress), ""
+    python = fake_cuda.environment_python()
+    if python is None:
+        return search(request, progress), f"{fake_cuda.unavailable_reason()}: predicted on the CPU's operators"
+    answer, why = run_in_fake_cuda(python, "bench.analysis._plan_worker", asdict(request), whole=True)
+    if answer is not None:
+        return Searched.from_json(answer), ""
+    return search(request, progress), f"the fake-CUDA environment failed ({why[:200]}): predicted here"
