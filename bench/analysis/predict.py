@@ -33,6 +33,7 @@ from bench.measure.sdpa_kernel import SdpaCalls, SdpaKernelChoice
 from bench.measure.fake_cuda_mode import FakeAllocator, fake_cuda as fake_cuda_tensors, is_fake_device
 from bench.run.ranks import fake_process_group, in_rank_process
 from bench.run.runner import CaseMeter, MEMORY_WARMUP_STEPS, bind_case, forget_traceback, memory_pass
+from strategies.composite import recompute_plan_of
 
 CUDA_BLOCK_BYTES = 512
 ENGINES = ("auto", "fake-cuda", "fake", "meta", "cpu")
@@ -53,6 +54,8 @@ class TrackedStep:
     sdpa_kernel: str | None = None
     # the other engines: how many calls of scaled_dot_product_attention ran the CPU's kernel
     cpu_sdpa_calls: int = 0
+    # what the step's backward recomputed (`strategies.composite.recompute_plan_of`); none without a backward
+    recompute_plan: str = "none"
 
 
 class _UsesAutocast(Exception):
@@ -131,7 +134,8 @@ def tracked_step(case, spec: str, engine: str = "fake", block_bytes: int = 1, cu
     return TrackedStep(int(measured["peak_mem_bytes"]), tracker.events if record_events else None, engine, tracker,
                        dict(tracker.peak_by_category),
                        (attention.summary() or None) if attention is not None else None,
-                       cpu_attention.calls if cpu_attention is not None else 0)
+                       cpu_attention.calls if cpu_attention is not None else 0,
+                       recompute_plan_of(strategy) if case.phase == "train" else "none")
 
 
 def _file_logits(session, tracker: breakdown.CategorizedTracker) -> None:
@@ -247,7 +251,8 @@ def predict_case(case, engine: str = "auto", ranks: int = 1, capability: tuple[i
                                              capability=capability)
         if case.device == "cuda" and step.cpu_sdpa_calls:
             notes.append(CPU_ATTENTION_NOTE)
-        row.update(engine=name, message="; ".join(notes), sdpa_kernel=step.sdpa_kernel)
+        row.update(engine=name, message="; ".join(notes), sdpa_kernel=step.sdpa_kernel,
+                   recompute_plan=step.recompute_plan)
         _fill_figures(row, step, capability, notes)
         if snapshot_dir is not None:
             _write_snapshot(case, row, step, capability, snapshot_dir)
