@@ -56,6 +56,7 @@ class TrackedStep:
     cpu_sdpa_calls: int = 0
     # what the step's backward recomputed (`strategies.composite.recompute_plan_of`); none without a backward
     recompute_plan: str = "none"
+    offload_host_peak_bytes: int | None = None  # host memory an offloading strategy's copies held at most
 
 
 class _UsesAutocast(Exception):
@@ -135,7 +136,8 @@ def tracked_step(case, spec: str, engine: str = "fake", block_bytes: int = 1, cu
                        dict(tracker.peak_by_category),
                        (attention.summary() or None) if attention is not None else None,
                        cpu_attention.calls if cpu_attention is not None else 0,
-                       recompute_plan_of(strategy) if case.phase == "train" else "none")
+                       recompute_plan_of(strategy) if case.phase == "train" else "none",
+                       strategy.columns().get("offload_host_peak_bytes"))
 
 
 def _file_logits(session, tracker: breakdown.CategorizedTracker) -> None:
@@ -252,7 +254,7 @@ def predict_case(case, engine: str = "auto", ranks: int = 1, capability: tuple[i
         if case.device == "cuda" and step.cpu_sdpa_calls:
             notes.append(CPU_ATTENTION_NOTE)
         row.update(engine=name, message="; ".join(notes), sdpa_kernel=step.sdpa_kernel,
-                   recompute_plan=step.recompute_plan)
+                   recompute_plan=step.recompute_plan, offload_host_peak_bytes=step.offload_host_peak_bytes)
         _fill_figures(row, step, capability, notes)
         if snapshot_dir is not None:
             _write_snapshot(case, row, step, capability, snapshot_dir)
