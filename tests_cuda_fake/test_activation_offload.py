@@ -89,3 +89,13 @@ def test_predict_bf16_with_every_layer_checkpointed_and_offloaded_on_an_a100():
     assert row["status"] == "ok" and row["engine"] == "fake-cuda" and "failed" not in row["message"], row
     assert row["recompute_plan"] == "0 1" and row["sdpa_kernel"] == "flash"
     assert row["offload_host_peak_bytes"] >= 2 * 2 * 64 * 32 * 2  # the two layers' inputs at least
+
+
+def test_predict_a_packed_row_runs_the_masked_kernel_and_says_what_it_does_not_trace():
+    # packed rows give SDPA transformers' block-diagonal mask: flash takes no mask, so bf16 on sm80 runs the
+    # memory-efficient kernel; torchtune packs with FlexAttention's block mask instead, which the row names
+    pytest.importorskip("transformers")
+    row = predict.predict_case(Case("hf:tiny-llama:seq_len=64:packed=4", "bf16_weights", "train", 2, "cuda",
+                                    data="synthetic"), capability=(8, 0))
+    assert row["status"] == "ok" and row["engine"] == "fake-cuda", row
+    assert row["sdpa_kernel"] == "efficient" and "FlexAttention" in row["message"], row

@@ -245,6 +245,7 @@ def predict_case(case, engine: str = "auto", ranks: int = 1, capability: tuple[i
             engines = [name for name in engines if name != "fake"] or ["cpu"]
         planned = _planned_strategies(case, engines, ranks)
         notes = _notes_before_the_step(strategy, planned, ranks)
+        notes += [note for note in [getattr(context.workload, "prediction_note", lambda: None)()] if note]
         if strategy.distributed:
             row["ranks"] = ranks
         row["message"] = "; ".join(notes)
