@@ -1,5 +1,6 @@
-"""Activation offloading on fake CUDA (`offload_activations`, torchtune's kind): device bytes against hand-derived
-counts, alone and with each layer checkpointed; and the kernel SDPA picks, also in a checkpoint's recompute.
+"""The published fine-tuning recipes' features on fake CUDA: activation offloading (`offload_activations`,
+torchtune's kind), device bytes against hand-derived counts, alone and with each layer checkpointed; the kernel SDPA
+picks for bf16 on sm80 and sm90, also in a checkpoint's recompute; packed rows.
 
 Hand-derived: a chain of `exp` (each saves its output, E bytes) keeps every output on the device through the
 forward; offloaded, only what Python still holds stays (and, with torchtune's streams, the last
