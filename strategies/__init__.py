@@ -16,3 +16,4 @@ from strategies import (  # noqa: E402,F401
     chunked_loss, lora, qlora, bf16_weights,
     ddp, zero1, fsdp,
 )
+from strategies import offload_activations  # noqa: E402,F401

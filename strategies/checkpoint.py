@@ -136,6 +136,13 @@ def segment_plan(units: int, segments: int, chain: bool) -> Plan:
     return tuple(groups) if chain else tuple((unit,) for group in groups for unit in group)
 
 
+def every_unit_plan(units: int) -> Plan:
+    """Every unit its own checkpoint, none left to run plainly: what transformers' `gradient_checkpointing_enable`
+    and torchtune's `enable_activation_checkpointing` do to each decoder layer (chained or not: a checkpoint per
+    unit keeps each unit's input and recomputes one unit at a time in backward)."""
+    return tuple((unit,) for unit in range(units))
+
+
 def sqrt_segments(units: int) -> int:
     """Chen et al. (2016): about sqrt(N) segments of about sqrt(N) units each, so that the segment inputs kept and
     the one segment recomputed at a time both grow like sqrt(N)."""
@@ -161,7 +168,7 @@ PREFIX_MAX_UNITS = 16
 
 
 def candidate_plans(units: int, chain: bool) -> list[Plan]:
-    """The plans the budget search considers, without duplicates (see PREFIX_MAX_UNITS)."""
+    """The plans the budget search considers, without duplicates (see PREFIX_MAX_UNITS), the every-unit plan last."""
     most = units if units <= PREFIX_MAX_UNITS else min(units, 4 * math.ceil(math.sqrt(units)))
     plans: dict[Plan, None] = {(): None}
     for segments in range(2, most + 1):
@@ -170,6 +177,7 @@ def candidate_plans(units: int, chain: bool) -> list[Plan]:
             for j in range(1, len(full)):
                 plans.setdefault(full[:j])
         plans.setdefault(full)
+    plans.setdefault(every_unit_plan(units))
     return list(plans)
 
 
@@ -192,8 +200,11 @@ class Checkpoint(Strategy):
     Options:
     - `segments` (default `auto`): how many chunks the workload's N checkpoint units are cut into, of `N // segments`
       units each; all but the last are checkpointed (the rest runs plainly). A number, `sqrt` (round(sqrt(N)),
-      Chen et al. 2016: activation memory grows like sqrt(N) instead of N), or `auto` = min(6, N); the
-      row's settings give the number used. More segments than units is an `unsupported` row. 6 was chosen on the
+      Chen et al. 2016: activation memory grows like sqrt(N) instead of N), `auto` = min(6, N), or `all`: every
+      unit its own checkpoint and none left unchecked (N checkpoints where `segments=N` makes N - 1), as
+      transformers' `gradient_checkpointing_enable` and torchtune's `enable_activation_checkpointing` checkpoint
+      every decoder layer of an `hf:` model; the row's settings give the number used. More segments than units is
+      an `unsupported` row. 6 was chosen on the
       captcha ResNet's 10 units (stem, 8 blocks, head). Evidence: train peak
       of live tensor bytes at batch 8 on the CPU (exact tracker, synthetic data; baseline 221,420,444, of which
       ~180 MB are weights, gradients and Adam state, so only ~40 MB are activations to save):
@@ -229,22 +240,24 @@ class Checkpoint(Strategy):
 
     @classmethod
     def plan_options(cls, space):
-        """The default plan, the sqrt(N) plan, and the plan of least recompute that fits the planner's limit."""
-        return [{}, {"segments": "sqrt"}, {"budget": f"{space.budget_bytes // 2**20}MiB"}]
+        """The default plan, the sqrt(N) plan, every unit (the published recipes' plan), and the plan of least
+        recompute that fits the planner's limit."""
+        return [{}, {"segments": "sqrt"}, {"segments": "all"}, {"budget": f"{space.budget_bytes // 2**20}MiB"}]
 
     def __init__(self, **options):
         super().__init__(**options)
         segments = str(self.settings["segments"])
         # at most 9 digits: int() of a longer text may exceed Python's digit limit, and no model has that many units
-        if segments not in ("auto", "sqrt") and not (segments.isdigit() and len(segments) <= 9 and int(segments) >= 1):
-            raise UsageError(f"checkpoint:segments={segments} must be a positive integer, sqrt or auto")
+        if segments not in ("auto", "sqrt", "all") and not (segments.isdigit() and len(segments) <= 9
+                                                            and int(segments) >= 1):
+            raise UsageError(f"checkpoint:segments={segments} must be a positive integer, sqrt, auto or all")
         self.budget_fraction, self.budget_bytes = (None, None)
         if self.settings["budget"]:
             if segments != "auto":
                 raise UsageError("checkpoint: give segments or budget, not both (a budget chooses the plan)")
             self.budget_fraction, self.budget_bytes = parse_budget(self.settings["budget"])
         self.plan_used: Plan | None = None  # fixed by plan() under a budget; otherwise set by prepare_model
-        self.segments_used: int | None = None
+        self.segments_used: int | str | None = None  # "all": every unit its own checkpoint
         self.predicted_peak_bytes: int | None = None
         self.recompute_flops: int | None = None
         self.planning_s: float | None = None
@@ -254,6 +267,8 @@ class Checkpoint(Strategy):
         segments = str(self.settings["segments"])
         if segments == "auto":
             return min(self.auto_segments, units)
+        if segments == "all":
+            return units
         return sqrt_segments(units) if segments == "sqrt" else int(segments)
 
     def check(self, context):
@@ -307,9 +322,13 @@ class Checkpoint(Strategy):
                           f"(plan {format_plan(smallest[1])}, predicted on meta)")
 
     def prepare_model(self, model, units):
-        if len(units) < 2:
-            raise Unsupported(f"checkpoint needs at least 2 checkpoint units; {self.model_owner()} names {len(units)}")
-        if self.plan_used is None:
+        every_unit = str(self.settings["segments"]) == "all"
+        if len(units) < (1 if every_unit else 2):  # one segment of several units would leave it unchecked
+            needed = "a checkpoint unit" if every_unit else "at least 2 checkpoint units"
+            raise Unsupported(f"checkpoint needs {needed}; {self.model_owner()} names {len(units)}")
+        if self.plan_used is None and every_unit:
+            self.plan_used, self.segments_used = every_unit_plan(len(units)), "all"
+        elif self.plan_used is None:
             if self.settings["budget"]:
                 raise Unsupported("checkpoint:budget chooses its plan per case before the case runs "
                                   "(`compare`, `run`, `explain`); this command does not plan")

@@ -10,7 +10,8 @@ from bench.core.errors import UsageError
 from bench.run.runner import (Case, CaseMeter, allocator_memory_pass, bind_case, memory_pass, run_case, timing_pass,
                           verify)
 from strategies import parse_strategy
-from strategies.checkpoint import candidate_plans, format_plan, parse_budget, segment_plan, sqrt_segments
+from strategies.checkpoint import (candidate_plans, every_unit_plan, format_plan, parse_budget, segment_plan,
+                                   sqrt_segments)
 from strategies.offload import HostBytes, counted_save_on_cpu
 
 MLP = "deep_mlp:layers=24:width=8"
@@ -49,6 +50,25 @@ def test_sqrt_segments_resolve_to_the_rounded_square_root():
     assert row["status"] == "ok" and row["matches_baseline"] is True, row
     assert "checkpoint.segments=5" in row["strategy_settings"] and "checkpoint.plan=0-3 4-7 8-11 12-15" in \
         row["strategy_settings"], row["strategy_settings"]
+
+
+# --- checkpoint:segments=all ---------------------------------------------------------------------------------
+
+def test_segments_all_checkpoints_every_unit_the_last_included():
+    # segments=N leaves its last segment (one unit) unchecked; `all` checkpoints that one too, one unit per
+    # checkpoint even where units chain (deep_mlp's 4 Linear layers do). Its memory against transformers' own
+    # checkpointing: tests/test_loop_lifetimes.py.
+    assert every_unit_plan(3) == ((0,), (1,), (2,)) and segment_plan(3, 3, True) == ((0,), (1,))
+    row = run_case(_case("deep_mlp:layers=4:width=8", "checkpoint:segments=all", 8), env={})
+    assert row["status"] == "ok" and row["matches_baseline"] is True, row
+    settings = dict(part.split("=", 1) for part in row["strategy_settings"].split(";"))
+    assert settings["checkpoint.segments"] == "all" and settings["checkpoint.plan"] == "0 1 2 3"
+    assert row["recompute_plan"] == "0 1 2 3"
+    with pytest.raises(UsageError, match="sqrt, auto or all"):
+        parse_strategy("checkpoint:segments=every")
+    with pytest.raises(UsageError, match="not both"):
+        parse_strategy("checkpoint:segments=all:budget=0.5")
+    assert every_unit_plan(4) == candidate_plans(4, chain=True)[-1]  # the budget search's last resort
 
 
 # --- checkpoint:budget ---------------------------------------------------------------------------------------

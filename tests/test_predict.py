@@ -284,6 +284,22 @@ def test_predict_splits_the_peak_into_weights_state_activations_and_logits(devic
     assert mlp["predicted_logits_bytes"] == 0 and sum(mlp[part] for part in PARTS) == mlp["predicted_bytes"]
 
 
+def test_a_predict_row_names_the_recompute_plan_it_used():
+    # hf:tiny-llama has 2 decoder layers: the default plan checkpoints layer 0 only (the last segment runs plainly),
+    # segments=all both, also composed; in eval nothing is recomputed, whatever the plan
+    pytest.importorskip("transformers")
+    plans = {}
+    for spec in ("checkpoint", "amp+checkpoint:segments=all"):
+        row = predict.predict_case(Case("hf:tiny-llama:seq_len=8", spec, "train", 1, "cpu", data="synthetic"))
+        assert row["status"] == "ok", row
+        plans[spec] = row["recompute_plan"]
+    for spec, phase in (("baseline", "train"), ("selective_checkpoint", "train"), ("checkpoint", "eval")):
+        plans[f"{spec} {phase}"] = predict.predict_case(Case(MLP, spec, phase, 2, "cpu", data="synthetic"))[
+            "recompute_plan"]
+    assert plans == {"checkpoint": "0", "amp+checkpoint:segments=all": "0 1", "baseline train": "none",
+                     "selective_checkpoint train": "each unit, saving compute", "checkpoint eval": "none"}
+
+
 def test_chunked_loss_predicts_less_logits_at_the_peak():
     pytest.importorskip("transformers")
     whole, chunked = (predict.predict_case(Case("hf:tiny-llama:seq_len=32", spec, "train", 2, "cuda",

@@ -51,6 +51,8 @@ EXPECTATIONS = {
     # Train only; its memory effect is pinned in tests/test_activation_memory.py on gpt_mini.
     "selective_checkpoint": {"phases": ("train",), "matches": True, "memory": {"train": None}},
     "offload": {"phases": (), "matches": True, "memory": {}},  # CUDA only (save_on_cpu is a no-op on the CPU)
+    # CUDA only; its device bytes are pinned on fake CUDA (tests_cuda_fake/test_activation_offload.py)
+    "offload_activations": {"phases": (), "matches": True, "memory": {}},
     # Memory counted at the allocator on the CPU (the tracker cannot see compiled steps); pinned in
     # tests/test_activation_memory.py. Run here with the eager partition backend (FAST_SPECS).
     "compile": {"phases": ("train",), "matches": True, "memory": {"train": None}},

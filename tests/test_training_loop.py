@@ -86,6 +86,24 @@ def test_optimizer_in_backward_matches_and_holds_no_gradient():
     assert row["peak_grads_bytes"] <= largest < _memory(MLP, "baseline")["peak_grads_bytes"]
 
 
+def test_optimizer_in_backward_composes_with_bf16_weights():
+    # torchtune's full fine-tune recipe with optimizer_in_bwd and bfloat16 weights: each bf16 parameter gets its own
+    # AdamW step in backward; the update is the one bf16_weights alone makes (the same per-parameter arithmetic, to
+    # the bit), and at the peak at most one bf16 gradient is alive where bf16_weights alone holds all of them
+    def one_step(spec):
+        case = _case(MLP, spec)
+        session = Session(case, bind_case(case)[0])
+        session.step()
+        return [p.detach().clone() for p in session.base_model.parameters()]
+
+    for alone, early in zip(one_step("bf16_weights"), one_step("optimizer_in_backward+bf16_weights")):
+        assert early.dtype == torch.bfloat16 and torch.equal(early, alone)
+    largest = max(p.numel() * 2 for p in get_workload(MLP).build_model().parameters())
+    together, alone = _memory(MLP, "optimizer_in_backward+bf16_weights"), _memory(MLP, "bf16_weights")
+    assert together["peak_grads_bytes"] <= largest < alone["peak_grads_bytes"], (together, alone)
+    assert together["peak_optimizer_bytes"] == alone["peak_optimizer_bytes"]  # the same bf16 AdamW state
+
+
 def test_optimizer_in_backward_refuses_what_needs_every_gradient_at_once():
     for other in ("amp", "grad_accumulation", "keep_grads"):
         with pytest.raises(UsageError, match="cannot be combined"):

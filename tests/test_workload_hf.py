@@ -238,11 +238,36 @@ def test_baseline_and_checkpoint_verify(spec, strategy):
     assert row["status"] == "ok" and row["matches_baseline"] is True, row["message"]
 
 
+# --- packed rows ---------------------------------------------------------------------------------------------
+
+@needs_hf
+def test_packed_rows_restart_positions_and_attend_within_each_document():
+    workload = resolve_workload("hf:tiny-llama:seq_len=10:packed=3")  # documents of 3, 3 and 4 tokens
+    inputs, target = workload.make_batch(2, "synthetic")
+    assert inputs["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 0, 1, 2, 3]] * 2
+    assert (target[:, [2, 5]] == -100).all() and (target[:, [0, 1, 3, 4, 6, 7, 8, 9]] != -100).all()
+    model = workload.build_model()
+    changed = dict(inputs, input_ids=inputs["input_ids"].clone())
+    changed["input_ids"][:, 0] = (changed["input_ids"][:, 0] + 1) % 512  # the first document's first token
+    with torch.no_grad():
+        moved = (workload.run_model(model, inputs) - workload.run_model(model, changed)).abs().amax(-1)
+    assert (moved[:, :3] > 0).all() and (moved[:, 3:] == 0).all()  # the other documents never see it
+    # the mask is batch x sequence^2 on top of the unpacked step (peak in backward, CPU exact count)
+    peaks = {spec: memory_pass(cpu_case(spec, batch=2), bind_case(cpu_case(spec, batch=2))[0])["peak_mem_bytes"]
+             for spec in ("hf:tiny-llama:seq_len=64", "hf:tiny-llama:seq_len=64:packed=4")}
+    assert peaks["hf:tiny-llama:seq_len=64:packed=4"] - peaks["hf:tiny-llama:seq_len=64"] >= 2 * 64 * 64
+    for bad in ("hf:tiny-llama:seq_len=8:packed=1", "hf:tiny-llama:seq_len=8:packed=9",
+                "hf:tiny-bert:seq_len=8:packed=2"):
+        with pytest.raises(UsageError, match="packed="):
+            resolve_workload(bad)
+
+
 # --- prediction, exact at small size -------------------------------------------------------------------------
 
 @needs_hf
 @pytest.mark.parametrize("spec", ["hf:gpt2:layers=2:seq_len=8", "hf:tiny-llama:seq_len=8",
-                                  "hf:tiny-llama:seq_len=8:attn=eager", "hf:tiny-bert:seq_len=8"])
+                                  "hf:tiny-llama:seq_len=8:attn=eager", "hf:tiny-bert:seq_len=8",
+                                  "hf:tiny-llama:seq_len=8:packed=2"])
 def test_the_fake_engine_predicts_the_cpu_count_to_the_byte(spec):
     case = cpu_case(spec)
     measured = memory_pass(case, bind_case(case)[0])["peak_mem_bytes"]

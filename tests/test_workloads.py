@@ -59,7 +59,8 @@ UNSUPPORTED = {
 # strategy -> phases it runs in on the CPU on any workload (cudnn_benchmark, empty_cache, pinned_loader: CUDA only)
 PHASES = {"baseline": ("train", "eval"), "inplace_relu": ("train", "eval"), "checkpoint": ("train", "eval"),
           "amp": ("train", "eval"), "del_intermediates": ("train", "eval"), "no_grad_eval": ("eval",),
-          "cudnn_benchmark": (), "selective_checkpoint": ("train",), "offload": (), "compile": ("train",),
+          "cudnn_benchmark": (), "selective_checkpoint": ("train",), "offload": (), "offload_activations": (),
+          "compile": ("train",),
           "ddp": (), "zero1": (), "fsdp": (),  # sharded: need --ranks (tests/test_ranks.py)
           "grad_accumulation": ("train",), "optimizer_in_backward": ("train",),
           "optimizer": ("train",), "keep_grads": ("train",), "empty_cache": (), "pinned_loader": (),

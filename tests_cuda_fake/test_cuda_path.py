@@ -89,6 +89,8 @@ DEVICE_INDEPENDENT_REASONS = [
 HOST_OPS = {
     "pinned_loader": {"_to_copy", "pin_memory", "_pin_memory", "stack", "select", "is_pinned", "copy_"},
     "offload": {"_to_copy", "empty", "copy_", "pin_memory", "_pin_memory", "is_pinned", "empty_strided", "detach"},
+    "offload_activations": {"_to_copy", "empty_like", "empty", "copy_", "pin_memory", "_pin_memory", "is_pinned",
+                            "empty_strided", "detach"},
 }
 MATMULS = ("mm", "addmm", "bmm", "convolution", "cudnn_convolution", "_scaled_dot_product_efficient_attention",
            "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention", "baddbmm")

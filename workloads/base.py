@@ -168,6 +168,11 @@ class Workload:
                              f"{', '.join(self.data_sources)}")
         return data
 
+    def prediction_note(self) -> str | None:
+        """What a prediction of this workload's step cannot see (a kernel the model's source would run that the
+        trace does not), for the predict row's message; None when nothing."""
+        return None
+
     def describe(self) -> dict[str, Any]:
         """The settings this workload runs with, for the row's `workload_settings`."""
         return dict(self.settings)

@@ -10,7 +10,12 @@ Options (`hf:llama-3.2-1b:layers=2:seq_len=256:attn=eager`):
 - `seq_len`: tokens per sequence (at most the model's `max_position_embeddings`);
 - `attn`: transformers' `attn_implementation`, `sdpa` (the default) or `eager`;
 - `task`: `causal_lm` for decoders; `masked_lm` or `seq_cls` (sequence classification, the config's
-  `num_labels` classes) for encoders; `auto` picks the first of these that the architecture has.
+  `num_labels` classes) for encoders; `auto` picks the first of these that the architecture has;
+- `packed`: causal LM only, documents packed into each row of `seq_len` tokens (0: not packed; N >= 2: N
+  documents of equal length, the last taking the rest), as torchtune's and TRL's packing makes them: the position ids
+  restart at each document (`position_ids` passed to the model), the last token of a document predicts nothing, and
+  transformers' `sdpa` and `eager` attention see the documents apart through its block-diagonal causal mask (one
+  batch x sequence x sequence mask, which SDPA takes as an attention bias: no flash kernel on CUDA).
 
 Data: `text`, the standard library's source (`workloads.text_data`) mapped into the vocabulary without a
 tokenizer: each token is two consecutive bytes, `(256 * first + second) % vocab_size`, deterministic; or
@@ -25,7 +30,9 @@ chain in membench's sense (the model passes each one the attention mask and rota
 each is checkpointed on its own.
 
 Limitations: float32 weights (the published `torch_dtype` is left to strategies); `use_cache` is off (a training
-step keeps no key/value cache); no padding, no attention mask (every sequence is full length).
+step keeps no key/value cache); no padding, no attention mask (every sequence is full length). Packed rows run
+transformers' masked attention; sources that pack with FlexAttention's block mask (torchtune) or flash-attention's
+variable-length kernel keep no sequence x sequence mask, which a prediction says (`prediction_note`).
 transformers is an optional dependency (`membench[hf]`): this module imports without it, and naming the workload
 then says, in one line, how to install it.
 """
@@ -114,8 +121,15 @@ def _auto_classes(transformers) -> dict[str, Any]:
                         auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)}
 
 
+def packed_sequence_indices(position_ids: torch.Tensor) -> torch.Tensor:
+    """transformers' `find_packed_sequence_indices` without its host-side check of whether any row is packed (the
+    workload knows its rows are): the document index of each position, where position ids stop counting up by 1."""
+    first = position_ids[:, :1] - 1
+    return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+
+
 @contextlib.contextmanager
-def sequences_not_packed() -> Iterator[None]:
+def sequences_not_packed(packed: bool = False) -> Iterator[None]:
     """Inside, transformers' causal masks take every batch row as one sequence, without looking at the data.
 
     Given no attention mask, transformers 5 checks the position ids for several sequences packed into one row
@@ -124,13 +138,14 @@ def sequences_not_packed() -> Iterator[None]:
     so a full (batch, 1, seq, seq) mask is built where the CPU and CUDA run SDPA with `is_causal` and no mask. This
     workload's rows are never packed (positions 0..seq_len-1 in each), so the answer is given instead of read: the
     step is the same on the CPU, on meta and on fake tensors, and what it runs is what transformers runs on a real
-    unpadded batch. Restored on exit; a transformers without that function is left alone."""
+    unpadded batch. With `packed` the rows are packed, and the answer is the documents' indices, computed on any
+    device (`packed_sequence_indices`). Restored on exit; a transformers without that function is left alone."""
     masking_utils = sys.modules.get("transformers.masking_utils")
     original = getattr(masking_utils, "find_packed_sequence_indices", None)
     if original is None:
         yield
         return
-    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    masking_utils.find_packed_sequence_indices = packed_sequence_indices if packed else lambda position_ids: None
     try:
         yield
     finally:
@@ -220,7 +235,7 @@ class HfWorkload(Workload):
     seed = 0
     data_sources = ("text", "synthetic")
     positional_option = "model"
-    options = {"model": "gpt2", "layers": 0, "seq_len": 128, "attn": "sdpa", "task": "auto"}
+    options = {"model": "gpt2", "layers": 0, "seq_len": 128, "attn": "sdpa", "task": "auto", "packed": 0}
     units_chain = False  # each layer gets the attention mask and rotary embeddings as arguments besides its input
     learning_rate = 5e-5  # transformers' Trainer defaults: AdamW, lr 5e-5, no weight decay
     weight_decay = 0.0
@@ -254,6 +269,9 @@ class HfWorkload(Workload):
         if s["seq_len"] < 1 or (positions and s["seq_len"] > positions):
             raise UsageError(f"hf:{s['model']}:seq_len={s['seq_len']} must be between 1 and {positions} "
                              "(the model's max_position_embeddings)")
+        if s["packed"] and (self.task != "causal_lm" or not 2 <= s["packed"] <= s["seq_len"]):
+            raise UsageError(f"hf:{s['model']}:packed={s['packed']} must be 0 (not packed) or between 2 and seq_len "
+                             f"({s['seq_len']}) documents per row, for a causal LM (this task: {self.task})")
 
     def config(self):
         """The transformers configuration this workload builds its model from (a new object each call)."""
@@ -266,7 +284,7 @@ class HfWorkload(Workload):
 
     def run_model(self, model: nn.Module, inputs) -> torch.Tensor:
         """The logits: transformers' models return a ModelOutput, the loss is computed here (see `loss`)."""
-        with sequences_not_packed():
+        with sequences_not_packed(bool(self.settings["packed"])):
             output = model(**inputs)
         return output.logits if hasattr(output, "logits") else output
 
@@ -279,11 +297,34 @@ class HfWorkload(Workload):
             ids = token_windows(batch_size, tokens, config.vocab_size, self.seed)
         else:
             ids = torch.randint(config.vocab_size, (batch_size, tokens), generator=gen)
+        if causal and self.settings["packed"]:
+            return self._packed(ids)
         if causal:
             return {"input_ids": ids[:, :-1].contiguous()}, ids[:, 1:].contiguous()
         if self.task == "seq_cls":
             return {"input_ids": ids}, torch.randint(config.num_labels, (batch_size,), generator=gen)
         return self._masked(ids, config.vocab_size, gen)
+
+    def _packed(self, ids: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Rows of `packed` documents: position ids restarting at each, and no target for a document's last token
+        (its next token is the next document's first)."""
+        batch_size, seq_len = ids.shape[0], ids.shape[1] - 1
+        documents = self.settings["packed"]
+        length = seq_len // documents  # the positions are Python's: no value is read from a (fake) tensor
+        starts = [min(i // length, documents - 1) * length for i in range(seq_len)]
+        positions = torch.tensor([i - start for i, start in enumerate(starts)]).expand(batch_size, seq_len)
+        positions = positions.contiguous()
+        target = ids[:, 1:].clone()
+        target[:, [d * length - 1 for d in range(1, documents)]] = IGNORE_INDEX
+        return {"input_ids": ids[:, :-1].contiguous(), "position_ids": positions}, target
+
+    def prediction_note(self) -> str | None:
+        """What a prediction of a packed row does not see: the sources' own attention for packed documents."""
+        if not self.settings["packed"]:
+            return None
+        return ("packed rows run transformers' block-diagonal mask (batch x sequence^2, an SDPA attention bias); "
+                "FlexAttention's block mask (torchtune) or flash-attention's variable-length kernel, which keep no such "
+                "mask, are not traced")
 
     def _masked(self, ids: torch.Tensor, vocab_size: int, gen: torch.Generator):
         """Masked-LM inputs and targets: a fixed share of each row's positions, drawn with `gen`, replaced by the
@@ -307,7 +348,7 @@ class HfWorkload(Workload):
 
     def hidden_states(self, model: nn.Module, inputs) -> torch.Tensor:
         """The base model's last hidden state (after its final norm): what the causal LM's head takes."""
-        with sequences_not_packed():
+        with sequences_not_packed(bool(self.settings["packed"])):
             return model.base_model(**inputs).last_hidden_state
 
     def loss(self, output: torch.Tensor | DeferredHead, target: torch.Tensor) -> torch.Tensor:

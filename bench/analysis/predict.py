@@ -34,6 +34,7 @@ from bench.measure.fake_cuda_mode import FakeAllocator, fake_cuda as fake_cuda_t
 from bench.run.isolation import process_state
 from bench.run.ranks import fake_process_group, in_rank_process
 from bench.run.runner import CaseMeter, MEMORY_WARMUP_STEPS, bind_case, forget_traceback, memory_pass
+from strategies.composite import recompute_plan_of
 
 CUDA_BLOCK_BYTES = 512
 ENGINES = ("auto", "fake-cuda", "fake", "meta", "cpu")
@@ -54,6 +55,9 @@ class TrackedStep:
     sdpa_kernel: str | None = None
     # the other engines: how many calls of scaled_dot_product_attention ran the CPU's kernel
     cpu_sdpa_calls: int = 0
+    # what the step's backward recomputed (`strategies.composite.recompute_plan_of`); none without a backward
+    recompute_plan: str = "none"
+    offload_host_peak_bytes: int | None = None  # host memory an offloading strategy's copies held at most
 
 
 class _UsesAutocast(Exception):
@@ -132,7 +136,9 @@ def tracked_step(case, spec: str, engine: str = "fake", block_bytes: int = 1, cu
     return TrackedStep(int(measured["peak_mem_bytes"]), tracker.events if record_events else None, engine, tracker,
                        dict(tracker.peak_by_category),
                        (attention.summary() or None) if attention is not None else None,
-                       cpu_attention.calls if cpu_attention is not None else 0)
+                       cpu_attention.calls if cpu_attention is not None else 0,
+                       recompute_plan_of(strategy) if case.phase == "train" else "none",
+                       strategy.columns().get("offload_host_peak_bytes"))
 
 
 def _file_logits(session, tracker: breakdown.CategorizedTracker) -> None:
@@ -251,6 +257,7 @@ def predict_case(case, engine: str = "auto", ranks: int = 1, capability: tuple[i
             engines = [name for name in engines if name != "fake"] or ["cpu"]
         planned = _planned_strategies(case, engines, ranks)
         notes = _notes_before_the_step(strategy, planned, ranks)
+        notes += [note for note in [getattr(context.workload, "prediction_note", lambda: None)()] if note]
         if strategy.distributed:
             row["ranks"] = ranks
         row["message"] = "; ".join(notes)
@@ -259,7 +266,8 @@ def predict_case(case, engine: str = "auto", ranks: int = 1, capability: tuple[i
                                              capability=capability)
         if case.device == "cuda" and step.cpu_sdpa_calls:
             notes.append(CPU_ATTENTION_NOTE)
-        row.update(engine=name, message="; ".join(notes), sdpa_kernel=step.sdpa_kernel)
+        row.update(engine=name, message="; ".join(notes), sdpa_kernel=step.sdpa_kernel,
+                   recompute_plan=step.recompute_plan, offload_host_peak_bytes=step.offload_host_peak_bytes)
         _fill_figures(row, step, capability, notes)
         if snapshot_dir is not None:
             _write_snapshot(case, row, step, capability, snapshot_dir)

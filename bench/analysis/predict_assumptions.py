@@ -16,7 +16,8 @@ ENGINE_ASSUMPTIONS = {
         " are not seen, and choices that depend on the GPU model are made for the device that torch sees (the"
         " stubs' is an H100-like compute capability 9.0), whatever --capability says, but for the one below",
         "engine fake-cuda: each scaled_dot_product_attention call runs the kernel CUDA chooses (column sdpa_kernel:"
-        " flash, efficient, cudnn or math), forced in the trace so that its outputs (logsumexp, cuDNN's statistics,"
+        " flash, efficient, cudnn or math), forced in the trace (a checkpointed layer's recompute in backward included)"
+        " so that its outputs (logsumexp, cuDNN's statistics,"
         " math's whole attention matrix) are what is counted: PyTorch's priority order and hardware ranges for"
         " --capability (cuDNN first on 9.x/10.x with cuDNN > 9.15), its own checks of dtype, head dimension,"
         " grouped-query heads, mask and dropout for the device torch sees; under autocast for the inputs autocast"

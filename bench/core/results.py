@@ -125,7 +125,9 @@ def new_row(values: dict | None = None, **more) -> Row:
 # 1: the columns of the first undeclared files, and schema_version
 # 2: the predicted peak by category (weights, gradients, optimizer state, activations, logits, other) and the
 #    attention kernel of scaled_dot_product_attention (`sdpa_kernel`), after `ranks`
-PREDICT_SCHEMA_VERSION = 2
+# 3: `recompute_plan`, what the step recomputed in backward (the checkpoint units of each checkpoint, a selective
+#    policy, or `none`), and `offload_host_peak_bytes` (host memory of offloaded activations), after `sdpa_kernel`
+PREDICT_SCHEMA_VERSION = 3
 PREDICT = Table("predict", PREDICT_SCHEMA_VERSION, [
     *columns("int", "schema_version"),
     *columns("text", "workload strategy phase"), *columns("int", "batch_size"), *columns("text", "device"),
@@ -135,7 +137,7 @@ PREDICT = Table("predict", PREDICT_SCHEMA_VERSION, [
     *columns("text", "engine status message"), *columns("int", "ranks"),
     *columns("int", "predicted_weights_bytes predicted_grads_bytes predicted_optimizer_state_bytes "
                     "predicted_activations_bytes predicted_logits_bytes predicted_other_bytes"),
-    *columns("text", "sdpa_kernel"),
+    *columns("text", "sdpa_kernel recompute_plan"), *columns("int", "offload_host_peak_bytes"),
 ])
 
 # `python -m bench fit`: one row per strategy (bench.analysis.fit.fit_rows, the fields of FitResult)

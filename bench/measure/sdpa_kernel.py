@@ -86,6 +86,13 @@ def chosen_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, a
     return "math"
 
 
+def reachable_kernels(capability: tuple[int, int], cudnn_version: int | None) -> list[str]:
+    """The kernels a call can get on a device of `capability`, in priority order: those that run there, up to math
+    (which takes every call that reaches it)."""
+    order = [kernel for kernel in priority_order(capability, cudnn_version) if runs_on(kernel, capability)]
+    return order[:order.index("math") + 1]
+
+
 def _backend(kernel: str):
     from torch.nn.attention import SDPBackend
 
@@ -101,6 +108,26 @@ class SdpaKernelChoice(TorchFunctionMode):
         super().__init__()
         self.capability = capability
         self.kernels: list[str] = []
+        self._flags = None  # the process-wide flags of the capability while entered (see the module docstring)
+
+    def __enter__(self):
+        from torch.nn.attention import sdpa_kernel
+
+        capability = tuple(self.capability or torch.cuda.get_device_capability(0))
+        kernels = reachable_kernels(capability, torch.backends.cudnn.version())
+        self._flags = sdpa_kernel([_backend(kernel) for kernel in kernels], set_priority=True)
+        self._flags.__enter__()
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._flags.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._flags.__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
