@@ -21,7 +21,7 @@ from bench.core.errors import Unsupported, UsageError
 from bench.core.results import Status, new_run_id, now_iso, write_csv_atomic, write_rows
 from bench.measure import snapshot as memory_snapshot, timing
 from bench.measure.env import emulated_on_cpu, environment
-from bench.measure.resident import RESIDENT_COLUMNS, ResidentMeter
+from bench.measure.resident import RESIDENT_COLUMNS, ResidentMeter, release_host_memory
 from bench.measure.stats import summarize_timing
 from bench.run.case import Case, _cpu_batch, bind_case, rule_of_thumb_bytes, seed_everything  # noqa: F401
 from bench.run.fake_pass import fake_memory_pass
@@ -71,6 +71,7 @@ def measure_case(case: Case, env: dict | None = None, options: RunOptions | None
             if verify_result:
                 verified = emulated_verification(case, strategy, options.ranks) if emulated else (case, strategy)
                 row.update(verify(*verified), verify_batch_size=verified[0].batch_size)
+                release_host_memory()  # the verification's sessions, freed: their pages back to the system
                 if emulated:
                     row["message"] = "; ".join(filter(None, [row.get("message"), emulated_note(verified[0])]))
             _measure(case, strategy, options.repeats, result, emulated, options.snapshot_dir)
@@ -153,6 +154,7 @@ def _measure(case: Case, strategy: Strategy, repeats: int, result: CaseResult, e
     timed = timing_pass(timed_case, strategy, repeats)
     result.row.update(timed, warmup_steps=timed_case.warmup)
     result.step_times_ms = timed.step_times_ms
+    release_host_memory()
     measure_memory = emulated_memory_pass if emulated else memory_pass
     for index in range(repeats):
         measured = measure_memory(case, strategy, record_timeline=index == 0 and case.phase == "train",
