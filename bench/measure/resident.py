@@ -97,6 +97,24 @@ def release_host_memory() -> None:
     trim_heap()
 
 
+_warmed: set[str] = set()
+
+
+def warm_libraries(device: str = "cpu") -> None:
+    """One tiny training step on `device`, once per process: the libraries' lazy state (oneDNN's and the autograd
+    engine's first use: about 35 MiB on the CPU) is part of the process at rest, not of the first case's harness."""
+    if device in _warmed or device not in ("cpu", "cuda"):
+        return
+    _warmed.add(device)
+    import torch
+
+    with torch.random.fork_rng(devices=[]), torch.enable_grad():
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1)).to(device)
+        optimizer = torch.optim.Adam(model.parameters())
+        model(torch.ones(2, 8, device=device)).sum().backward()
+        optimizer.step()
+
+
 @dataclass
 class ResidentMeter:
     """The resident memory of one case: `start()` before it, `columns(counted_peak)` after it."""
@@ -105,6 +123,7 @@ class ResidentMeter:
     method: str = "ru_maxrss"
 
     def start(self) -> "ResidentMeter":
+        warm_libraries("cpu")
         release_host_memory()
         self.rest_bytes = current_rss_bytes()
         if self.rest_bytes is None:  # no /proc: the peak so far is the best figure of the process at rest
