@@ -84,3 +84,36 @@ def test_preflight_warns_naming_the_resident_need_and_the_free_memory(monkeypatc
     monkeypatch.setattr(preflight, "available_bytes", lambda: 8 * 2**30)
     preflight.check_memory([case], lambda c, batch: 2 * 2**30)
     assert capsys.readouterr().err == ""
+
+
+def test_a_stored_comparison_reads_pieces_and_agrees_with_the_whole_tensors(tmp_path, monkeypatch):
+    from bench.run import tensor_store
+    from bench.run.verify import Snapshot, compare
+    from strategies.base import Tolerance
+
+    class Strict:
+        tolerance = Tolerance()
+
+    monkeypatch.setattr(tensor_store, "CHUNK_ELEMENTS", 7)  # several pieces per tensor, the last one short
+    ref = {"w": torch.randn(5, 6), "b": torch.randn(3)}
+    got = {"w": ref["w"] + 1e-3 * torch.randn(5, 6), "b": ref["b"].clone()}
+    got["b"][1] = float("nan")
+
+    def stored(tensors: dict, missing=()) -> Snapshot:
+        store = FileStore(str(tmp_path))
+        for group in ("grads", "stepped"):
+            for name, tensor in tensors.items():
+                store.put((group, name), tensor)
+        return Snapshot(1.0, [], StoredTensors(store, "grads", list(tensors), missing), {},
+                        StoredTensors(store, "stepped", list(tensors)), store)
+
+    whole = compare(Snapshot(1.0, [], got, {}, got), Snapshot(1.0, [], ref, {}, ref), Strict())
+    pieces = compare(stored(got), stored(ref), Strict())
+    assert whole["max_abs_grad_diff"] != whole["max_abs_grad_diff"]  # the NaN is seen, whole or in pieces
+    assert pieces["max_abs_grad_diff"] != pieces["max_abs_grad_diff"]
+    assert pieces["matches_baseline"] is whole["matches_baseline"] is False
+    clean = compare(stored({"w": got["w"]}), stored({"w": ref["w"]}), Strict())
+    expected = float((got["w"] - ref["w"]).norm() / ref["w"].norm())
+    assert clean["max_grad_rel_diff"] == pytest.approx(expected, rel=1e-5)
+    assert clean["max_abs_grad_diff"] == pytest.approx(float((got["w"] - ref["w"]).abs().max()), rel=1e-5)
+    assert compare(stored({"w": got["w"]}, missing=["b"]), stored(ref), Strict())["params_without_grad"] == 1

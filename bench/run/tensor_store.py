@@ -68,6 +68,23 @@ class FileStore:
     def shape(self, key: Any) -> torch.Size:
         return self._index[key][2]
 
+    def chunks(self, key: Any, elements: int) -> Iterator[torch.Tensor]:
+        """The tensor under `key`, flattened, in pieces of at most `elements`: a tensor larger than memory allows
+        twice (an embedding's gradient) is compared without holding it whole."""
+        offset, dtype, shape = self._index[key]
+        total = shape.numel()
+        size = torch.empty((), dtype=dtype).element_size()
+        for start in range(0, total, elements):
+            piece = torch.empty(min(elements, total - start), dtype=dtype)
+            self._file.seek(offset + start * size)
+            view = memoryview(piece.view(torch.uint8).numpy())
+            while len(view):
+                read = self._file.readinto(view)
+                if not read:
+                    raise EOFError(f"verification file ended inside {key!r}")
+                view = view[read:]
+            yield piece
+
     def __contains__(self, key: Any) -> bool:
         return key in self._index
 
@@ -96,6 +113,10 @@ class StoredTensors(Mapping[str, Any]):
         if (self.group, name) not in self.store:
             raise KeyError(name)
         return self.store.get((self.group, name))
+
+    def present(self) -> list[str]:
+        """The names that have a tensor (not None)."""
+        return [name for name in self._names if name not in self._missing]
 
     def __contains__(self, name: object) -> bool:  # without reading the tensor, as Mapping's would
         return name in self._missing or (self.group, name) in self.store
@@ -136,3 +157,38 @@ def store_for(tensors: Callable[[], Iterator[torch.Tensor]]) -> Store:
     if first is not None and (is_fake(first) or first.device.type == "meta"):
         return MemoryStore()
     return FileStore()
+
+
+CHUNK_ELEMENTS = 1 << 20  # 4 MiB of float32 per piece
+
+
+def difference_norms(result: Mapping[str, Any], reference: Mapping[str, Any], name: str) -> tuple[float, float, float]:
+    """(max |got - ref|, ||got - ref||, ||ref||) of one tensor of two snapshots, read piece by piece where both are
+    in file stores with the same shape (at most two pieces held at once), else from the whole tensors."""
+    if isinstance(result, StoredTensors) and isinstance(reference, StoredTensors) \
+            and isinstance(result.store, FileStore) and isinstance(reference.store, FileStore) \
+            and result.store.shape((result.group, name)) == reference.store.shape((reference.group, name)):
+        worst, diff_sq, ref_sq = 0.0, 0.0, 0.0
+        pieces = zip(result.store.chunks((result.group, name), CHUNK_ELEMENTS),
+                     reference.store.chunks((reference.group, name), CHUNK_ELEMENTS))
+        for got, ref in pieces:  # float32 pieces; their squared norms summed in Python's float (double)
+            diff = got - ref
+            worst = _nan_max(worst, float(diff.abs().max())) if diff.numel() else worst
+            diff_sq += float(torch.linalg.vector_norm(diff)) ** 2
+            ref_sq += float(torch.linalg.vector_norm(ref)) ** 2
+        return worst, diff_sq ** 0.5, ref_sq ** 0.5
+    got, ref = result[name], reference[name]
+    diff = got - ref
+    return (float(diff.abs().max()) if diff.numel() else 0.0), float(diff.norm()), float(ref.norm())
+
+
+def tensor_norm(tensors: Mapping[str, Any], name: str) -> float:
+    """||tensor||, read piece by piece from a file store."""
+    if isinstance(tensors, StoredTensors) and isinstance(tensors.store, FileStore):
+        return sum(float(torch.linalg.vector_norm(piece)) ** 2 for piece in
+                   tensors.store.chunks((tensors.group, name), CHUNK_ELEMENTS)) ** 0.5
+    return float(tensors[name].norm())
+
+
+def _nan_max(a: float, b: float) -> float:
+    return a + b if a != a or b != b else max(a, b)

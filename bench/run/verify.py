@@ -16,7 +16,9 @@ from bench.core import progress
 from bench.measure.fake_cuda_mode import clear_on_fake_mode_change
 from bench.run.case import Case, bind_case
 from bench.run.session import Session
-from bench.run.tensor_store import MemoryStore, Store, StoredList, StoredTensors, store_for
+from bench.run.tensor_store import (
+    MemoryStore, Store, StoredList, StoredTensors, difference_norms, store_for, tensor_norm,
+)
 from strategies import Strategy
 from workloads.base import tensors_of
 
@@ -166,18 +168,16 @@ def compare(result: Snapshot, reference: Snapshot, strategy: Strategy) -> dict[s
     loss_rel_diff = abs(result.loss - reference.loss) / max(abs(reference.loss), 1e-12)
     max_abs, max_rel, missing = 0.0, 0.0, 0
     # a gradient that is ~0 in exact arithmetic is judged against a share of the largest one (Tolerance)
-    floor = tol.grad_floor * max((float(ref.norm()) for ref in reference.grads.values() if ref is not None),
-                                 default=0.0)
-    for name, ref in reference.grads.items():
-        got = result.grads.get(name)
-        if ref is None:
-            continue
-        if got is None:
+    # each tensor read (and compared) piece by piece where it is in a file store: at most two pieces held at once
+    has_grad, got_grad = _with_grad(reference.grads), set(_with_grad(result.grads))
+    floor = tol.grad_floor * max((tensor_norm(reference.grads, name) for name in has_grad), default=0.0)
+    for name in has_grad:
+        if name not in got_grad:
             missing += 1
             continue
-        diff = (got - ref).abs()
-        max_abs = _worst(max_abs, float(diff.max()))
-        max_rel = _worst(max_rel, float((got - ref).norm() / ref.norm().clamp_min(max(floor, 1e-12))))
+        worst, diff_norm, ref_norm = difference_norms(result.grads, reference.grads, name)
+        max_abs = _worst(max_abs, worst)
+        max_rel = _worst(max_rel, diff_norm / max(ref_norm, floor, 1e-12))
     bn_match = True
     for name, ref in reference.buffers.items():
         got = result.buffers[name]
@@ -188,8 +188,9 @@ def compare(result: Snapshot, reference: Snapshot, strategy: Strategy) -> dict[s
             bn_match &= bool(torch.allclose(got.to(ref.dtype), ref, rtol=tol.grad_rtol, atol=tol.output_atol))
     output_rel_diff = _output_rel_diff(result.outputs, reference.outputs, tol.output_atol)
     output_match = output_rel_diff <= tol.output_rtol
-    param_rel = functools.reduce(_worst, (float((result.stepped[name] - ref).norm() / ref.norm().clamp_min(1e-12))
-                                          for name, ref in reference.stepped.items() if name in result.stepped), 0.0)
+    param_rel = functools.reduce(_worst, (diff / max(ref, 1e-12) for diff, ref in
+                                          (difference_norms(result.stepped, reference.stepped, name)[1:]
+                                           for name in reference.stepped if name in result.stepped)), 0.0)
     matches = (loss_rel_diff <= tol.loss_rtol and max_rel <= tol.grad_rtol and missing == 0 and bn_match
                and param_rel <= tol.step_rtol and (output_match or bool(reference.grads)))
     failed = _failed_checks(tol, loss_rel_diff, max_rel, missing, bn_match, param_rel, output_rel_diff,
@@ -207,6 +208,11 @@ def compare(result: Snapshot, reference: Snapshot, strategy: Strategy) -> dict[s
     if failed:
         columns["message"] = "differs from the baseline: " + "; ".join(failed)
     return columns
+
+
+def _with_grad(grads: Mapping[str, torch.Tensor | None]) -> list[str]:
+    """The names of a snapshot's gradients that exist (without reading a stored one)."""
+    return grads.present() if isinstance(grads, StoredTensors) else [n for n, g in grads.items() if g is not None]
 
 
 def _failed_checks(tol, loss_rel_diff: float, grad_rel: float, missing: int, bn_match: bool, param_rel: float,
