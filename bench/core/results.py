@@ -23,7 +23,9 @@ from bench.core.schema import Row, Table, columns
 #    that the report groups rows without knowing any strategy by name
 # 6: verify_batch_size (a 16-bit case the CPU emulates is verified at a small batch); memory_method
 #    cpu_fake_live_tensor_bytes (its memory counted on fake tensors)
-SCHEMA_VERSION = 6
+# 7: RESIDENT_COLUMNS: the process's peak resident memory over the case, the process at rest before it, and the
+#    harness's share (bench.measure.resident)
+SCHEMA_VERSION = 7
 
 
 class Status(str, Enum):
@@ -105,11 +107,16 @@ _SWEEP = [
 _ROLE = columns("text", "strategy_role recompute_plan recompute_plan_kind")
 RECOMPUTE_PLAN_KINDS = ("none", "units", "operators")  # nothing recomputed; whole units; operators within units
 
+# The process's own memory over the case (bench.measure.resident): its peak resident set, the process at rest before
+# the case, the harness's share (peak - counted peak - rest), and how the peak was read.
+_RESIDENT = [*columns("int", "process_peak_rss_bytes process_rest_rss_bytes harness_rss_bytes"),
+             *columns("text", "process_rss_method")]
+
 # the sweep columns stay last, as they have been since version 3
-RESULTS = Table("results", SCHEMA_VERSION, _CORE + _STRATEGY + _TIMING + _ROLE + _SWEEP)
+RESULTS = Table("results", SCHEMA_VERSION, _CORE + _STRATEGY + _TIMING + _ROLE + _RESIDENT + _SWEEP)
 COLUMNS = RESULTS.names
-STRATEGY_COLUMNS, TIMING_COLUMNS, ROLE_COLUMNS, SWEEP_COLUMNS = (
-    [column.name for column in group] for group in (_STRATEGY, _TIMING, _ROLE, _SWEEP))
+STRATEGY_COLUMNS, TIMING_COLUMNS, ROLE_COLUMNS, RESIDENT_COLUMNS, SWEEP_COLUMNS = (
+    [column.name for column in group] for group in (_STRATEGY, _TIMING, _ROLE, _RESIDENT, _SWEEP))
 
 
 def new_row(values: dict | None = None, **more) -> Row:

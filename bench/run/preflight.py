@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from bench.core.errors import Unsupported, UnsupportedValue, UsageError, choices_error
 from bench.core.units import format_size
+from bench.measure.resident import GOAL_FACTOR, available_bytes, current_rss_bytes
 
 # The steps of a case unless the suite or the command line says otherwise.
 DEFAULT_WARMUP_STEPS = 3
@@ -32,9 +33,10 @@ DEFAULT_TARGET_CI = 0.05
 # More measured (or warm-up) steps than this per case is a typo, not a benchmark: at a tenth of a second a step,
 # the limit alone is 17 minutes of one case.
 MAX_STEPS = 10_000
-# A run holds more than one step's live tensors: the verification keeps the baseline's result (outputs, gradients)
-# beside the strategy's, and the batch is cached between passes. Twice the step's peak covers what we have seen.
-RUN_MEMORY_FACTOR = 2
+# A run holds more than one step's live tensors (the heap's free pages between tensors, what the harness keeps):
+# at most GOAL_FACTOR (1.3) x the step's peak, plus the process at rest (bench.measure.resident; measured by
+# benchmarks/resident_memory.py on every built-in workload).
+RUN_MEMORY_FACTOR = GOAL_FACTOR
 MEMORY_PROBE_BATCH = 64
 
 
@@ -232,11 +234,14 @@ def check_memory(cases: Iterable[Any], baseline_peak: Callable[[Any, int], int])
 
     `baseline_peak(case, batch_size)`: the baseline's exact tracked peak of `case` at that batch, in bytes (the CLI
     gives bench.analysis.predict's on the meta device: no memory used); where it raises, that case is not checked.
-    More than the machine's memory is an error before anything runs (the system would kill the run); more than
-    its share once verification is counted (RUN_MEMORY_FACTOR), a warning."""
+    More than the machine's memory is an error before anything runs (the system would kill the run). The resident
+    memory the run will hold (`resident_need`) beyond what this process holds now, more than the machine has free
+    now (MemAvailable), is a warning naming both: free memory is a moment's figure on a shared machine (another job
+    may end before the largest case starts, or begin after the check), so it warns where the physical memory refuses."""
     memory = machine_memory_bytes()
     if memory is None:
         return
+    free, rest = available_bytes(), current_rss_bytes() or 0
     largest: dict[tuple, Any] = {}
     for case in cases:
         if case.device == "cpu":
@@ -254,9 +259,21 @@ def check_memory(cases: Iterable[Any], baseline_peak: Callable[[Any, int], int])
             hint = (f"; give a batch size below {int(case.batch_size - (need.bytes - memory) / need.per_sample):,}"
                     if need.per_sample else "")
             raise UsageError(f"{what}, more than this machine's {format_size(memory)} of memory{hint}")
-        if need.bytes * RUN_MEMORY_FACTOR > memory:
-            warn(f"{what}, and a run holds up to {RUN_MEMORY_FACTOR}x that: more than this machine's "
-                 f"{format_size(memory)} of memory; expect `oom` rows, or the system ending the run")
+        resident = resident_need(need.bytes, rest)
+        holds = (f"the run holds about {format_size(resident)} resident ({RUN_MEMORY_FACTOR:g}x that, plus "
+                 f"{format_size(rest)} for the process at rest)")
+        if resident > memory:
+            warn(f"{what}, and {holds}: more than this machine's {format_size(memory)} of memory; expect `oom` "
+                 "rows, or the system ending the run")
+        elif free is not None and resident - rest > free:
+            warn(f"{what}, and {holds}: {format_size(resident - rest)} more than now, and this machine has "
+                 f"{format_size(free)} free (MemAvailable); expect the system to end the run, or free memory first")
+
+
+def resident_need(counted_peak: int, rest: int) -> int:
+    """The resident memory a run of a case whose step counts `counted_peak` holds at most: RUN_MEMORY_FACTOR x
+    that (the goal the harness is held to: bench.measure.resident) plus the process at rest `rest`."""
+    return int(RUN_MEMORY_FACTOR * counted_peak) + rest
 
 
 class RunLock:

@@ -21,6 +21,7 @@ from bench.core.errors import Unsupported, UsageError, WorkloadCodeError
 from bench.core.results import Status, new_run_id, now_iso, write_csv_atomic, write_rows
 from bench.measure import snapshot as memory_snapshot, timing
 from bench.measure.env import emulated_on_cpu, environment
+from bench.measure.resident import RESIDENT_COLUMNS, ResidentMeter, release_host_memory
 from bench.measure.stats import summarize_timing
 from bench.run.case import Case, _cpu_batch, bind_case, rule_of_thumb_bytes, seed_everything  # noqa: F401
 from bench.run.fake_pass import fake_memory_pass
@@ -54,6 +55,7 @@ def measure_case(case: Case, env: dict | None = None, options: RunOptions | None
     options = options or RunOptions()
     result = CaseResult(base_row(case, env, options))
     row = result.row
+    resident = ResidentMeter().start()  # the process at rest, and its peak resident set from here
     with process_state(options.threads, options.deterministic):
         row["cpu_threads"] = torch.get_num_threads()
         try:
@@ -69,6 +71,7 @@ def measure_case(case: Case, env: dict | None = None, options: RunOptions | None
             if verify_result:
                 verified = emulated_verification(case, strategy, options.ranks) if emulated else (case, strategy)
                 row.update(verify(*verified), verify_batch_size=verified[0].batch_size)
+                release_host_memory()  # the verification's sessions, freed: their pages back to the system
                 if emulated:
                     row["message"] = "; ".join(filter(None, [row.get("message"), emulated_note(verified[0])]))
             _measure(case, strategy, options.repeats, result, emulated, options.snapshot_dir)
@@ -90,6 +93,8 @@ def measure_case(case: Case, env: dict | None = None, options: RunOptions | None
         finally:
             if case.device == "cuda":
                 release_cuda_memory()
+            if row.get("process_peak_rss_bytes") is None:  # a sharded case's come from its ranks
+                row.update(resident.columns(row.get("peak_mem_bytes") if row["status"] == Status.OK.value else None))
     return result
 
 
@@ -158,6 +163,7 @@ def _measure(case: Case, strategy: Strategy, repeats: int, result: CaseResult, e
     timed = timing_pass(timed_case, strategy, repeats)
     result.row.update(timed, warmup_steps=timed_case.warmup)
     result.step_times_ms = timed.step_times_ms
+    release_host_memory()
     measure_memory = emulated_memory_pass if emulated else memory_pass
     for index in range(repeats):
         measured = measure_memory(case, strategy, record_timeline=index == 0 and case.phase == "train",
@@ -238,6 +244,9 @@ def pool_repeats(case: Case, repeats: list[CaseResult], options: RunOptions) -> 
     times = [t for r in repeats for t in r.step_times_ms]
     pooled.step_times_ms, pooled.peaks = times, [p for r in repeats for p in r.peaks]
     row.update(summarize_timing(case.batch_size, times), **peak_columns(pooled.peaks))
+    # each repeat ran in its own process: the case's resident figures are those of the one that held the most
+    largest = max(repeats, key=lambda r: r.row.get("process_peak_rss_bytes") or 0).row
+    row.update({column: largest.get(column) for column in RESIDENT_COLUMNS})
     reasons = ",".join(r.row["timing_stop_reason"] for r in repeats).split(",")
     row.update(measured_steps=sum(len(t) for t in times), timing_stop_reason=",".join(dict.fromkeys(reasons)),
                timing_ci_rel=timing.median_ci_rel_width([t for repeat in times for t in repeat]),

@@ -8,6 +8,7 @@ from typing import Any, Callable
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from bench.measure.resident import trim_heap
 from bench.run.case import Case, _cpu_batch, seed_everything
 from strategies import Strategy
 from workloads import get_workload
@@ -33,6 +34,7 @@ class Session:
         self.case = case
         self.strategy = strategy
         self.base_model = self.place(self.build_model(workload))
+        trim_heap()  # what building it freed (an initializer's temporaries) goes back to the system, not to the step
         self.observe_grads = observe_grads
         self._grad_watchers: OrderedDict[int, Callable[[torch.Tensor], None]] = OrderedDict()  # RemovableHandle's
         if observe_grads:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -16,6 +16,9 @@ from bench.core import progress
 from bench.measure.fake_cuda_mode import clear_on_fake_mode_change
 from bench.run.case import Case, bind_case
 from bench.run.session import Session
+from bench.run.tensor_store import (
+    MemoryStore, Store, StoredList, StoredTensors, difference_norms, store_for, tensor_norm,
+)
 from strategies import Strategy
 from workloads.base import tensors_of
 
@@ -37,13 +40,17 @@ def non_finite_loss(loss: float, where: str, reference: float | None = None) -> 
 
 @dataclass
 class Snapshot:
-    """The result of one forward (and in training backward and one optimizer step) from the seeded start."""
+    """The result of one forward (and in training backward and one optimizer step) from the seeded start.
+
+    Its tensors are mappings (and a sequence for the outputs): plain dicts, or views of a `tensor_store` store
+    that read each tensor on access, so that a snapshot kept for a whole sweep costs no resident memory."""
 
     loss: float
-    outputs: list[torch.Tensor]
-    grads: dict[str, torch.Tensor | None]
-    buffers: dict[str, torch.Tensor]
-    stepped: dict[str, torch.Tensor] = field(default_factory=dict)  # the weights after the optimizer step
+    outputs: Sequence[torch.Tensor]
+    grads: Mapping[str, torch.Tensor | None]
+    buffers: Mapping[str, torch.Tensor]
+    stepped: Mapping[str, torch.Tensor] = field(default_factory=dict)  # the weights after the optimizer step
+    store: Any = None  # what holds the tensors (a FileStore's file lives as long as the snapshot)
 
 
 def snapshot(case: Case, strategy: Strategy) -> Snapshot:
@@ -51,16 +58,22 @@ def snapshot(case: Case, strategy: Strategy) -> Snapshot:
 
     Gradients are brought to true scale; a gradient that a strategy frees as soon as it exists (a step taken in
     backward) is the one seen when it was accumulated. Outputs of micro-batches are joined along the batch.
+    Each tensor is written to the snapshot's store (`bench.run.tensor_store`: an unlinked temporary file) as soon
+    as it is final, and no copy is kept: the process holds nothing beyond the session's own step while it runs.
     """
-    accumulated: dict[int, torch.Tensor] = {}  # by id: a parameter as a key would make a cycle through its hook
+    # by id: a parameter as a key would make a cycle through its hook. The gradient itself, not a copy, with its
+    # version: only a strategy that frees it (optimizer_in_backward) makes this hold it longer than the step does
+    accumulated: dict[int, tuple[torch.Tensor, int]] = {}
 
     def keep_grad(param: torch.Tensor) -> None:
-        accumulated[id(param)] = param.grad.detach().float().cpu().clone()
+        accumulated[id(param)] = (param.grad, param.grad._version)
 
     session = Session(case, strategy, observe_grads=True)
     session.watch_grads(keep_grad)
-    grads: dict[str, torch.Tensor | None] = {}
-    stepped: dict[str, torch.Tensor] = {}
+    store = store_for(session.base_model.parameters)
+    grads: list[str] = []
+    no_grads: list[str] = []
+    stepped: list[str] = []
     with strategy.session():
         if case.phase == "train":
             parts: list[list[torch.Tensor]] = []
@@ -72,23 +85,56 @@ def snapshot(case: Case, strategy: Strategy) -> Snapshot:
 
             session.forward_backward(seen=seen)
             loss = sum(losses)
-            outputs = [torch.cat(pieces) if len(pieces) > 1 else pieces[0] for pieces in zip(*parts)]
+            outputs = _store_outputs(store, [torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+                                             for pieces in zip(*parts)])
+            del parts
             strategy.unscale_grads(session.optimizer)
             named = [(strategy.baseline_parameter_name(name), p) for name, p in session.base_model.named_parameters()]
-            grads = {name: accumulated.get(id(p)) if p.grad is None else whole(p.grad).detach().float().cpu().clone()
-                     for name, p in named}
+            for name, p in named:
+                grad = p.grad if p.grad is not None else _freed_grad(accumulated.get(id(p)), name)
+                if grad is None:
+                    no_grads.append(name)
+                else:
+                    store.put(("grads", name), whole(grad).detach().float().cpu())
+                    grads.append(name)
+            accumulated.clear()
             strategy.optimizer_step(session.optimizer)
             # `to` with a dtype, not `.float()`: a quantised weight (torchao's NF4Tensor, qlora) gives the float32
             # values it stands for, where `.float()` of its float32 face returns the subclass itself
-            stepped = {name: whole(p).detach().to("cpu", torch.float32).clone() for name, p in named}
+            for name, p in named:
+                store.put(("stepped", name), whole(p).detach().to("cpu", torch.float32))
+                stepped.append(name)
         else:
             inputs, _ = session.batch()
             output = session.forward(inputs)
             loss = float(session.loss(output).detach())
-            outputs = tensors_of(_detached(output))
-    buffers = {name: b.detach().cpu().clone() for name, b in session.base_model.named_buffers()}
-    outputs = [t.float() for t in outputs if t.is_floating_point()]
-    return Snapshot(strategy.reduce_loss(loss), outputs, grads, buffers, stepped)
+            outputs = _store_outputs(store, tensors_of(_detached(output)))
+    buffers = []
+    for name, b in session.base_model.named_buffers():
+        store.put(("buffers", name), b.detach().cpu())
+        buffers.append(name)
+    return Snapshot(strategy.reduce_loss(loss), StoredList(store, "outputs", outputs),
+                    StoredTensors(store, "grads", grads, no_grads), StoredTensors(store, "buffers", buffers),
+                    StoredTensors(store, "stepped", stepped), store)
+
+
+def _store_outputs(store: Store, outputs: list[torch.Tensor]) -> int:
+    """Writes the floating-point outputs (as float32) to `store`; returns how many."""
+    floating = [t for t in outputs if t.is_floating_point()]
+    for index, tensor in enumerate(floating):
+        store.put(("outputs", index), tensor.float())
+    return len(floating)
+
+
+def _freed_grad(seen: tuple[torch.Tensor, int] | None, name: str) -> torch.Tensor | None:
+    """The gradient a strategy freed after it was accumulated, as it was then; None if it never had one."""
+    if seen is None:
+        return None
+    grad, version = seen
+    if grad._version != version:
+        raise RuntimeError(f"the gradient of {name} was changed in place after backward and then freed: the "
+                           "verification cannot see the value it had")
+    return grad
 
 
 def _detached(output: Any) -> Any:
@@ -124,18 +170,16 @@ def compare(result: Snapshot, reference: Snapshot, strategy: Strategy) -> dict[s
     loss_rel_diff = abs(result.loss - reference.loss) / max(abs(reference.loss), 1e-12)
     max_abs, max_rel, missing = 0.0, 0.0, 0
     # a gradient that is ~0 in exact arithmetic is judged against a share of the largest one (Tolerance)
-    floor = tol.grad_floor * max((float(ref.norm()) for ref in reference.grads.values() if ref is not None),
-                                 default=0.0)
-    for name, ref in reference.grads.items():
-        got = result.grads.get(name)
-        if ref is None:
-            continue
-        if got is None:
+    # each tensor read (and compared) piece by piece where it is in a file store: at most two pieces held at once
+    has_grad, got_grad = _with_grad(reference.grads), set(_with_grad(result.grads))
+    floor = tol.grad_floor * max((tensor_norm(reference.grads, name) for name in has_grad), default=0.0)
+    for name in has_grad:
+        if name not in got_grad:
             missing += 1
             continue
-        diff = (got - ref).abs()
-        max_abs = _worst(max_abs, float(diff.max()))
-        max_rel = _worst(max_rel, float((got - ref).norm() / ref.norm().clamp_min(max(floor, 1e-12))))
+        worst, diff_norm, ref_norm = difference_norms(result.grads, reference.grads, name)
+        max_abs = _worst(max_abs, worst)
+        max_rel = _worst(max_rel, diff_norm / max(ref_norm, floor, 1e-12))
     bn_match = True
     for name, ref in reference.buffers.items():
         got = result.buffers[name]
@@ -146,8 +190,9 @@ def compare(result: Snapshot, reference: Snapshot, strategy: Strategy) -> dict[s
             bn_match &= bool(torch.allclose(got.to(ref.dtype), ref, rtol=tol.grad_rtol, atol=tol.output_atol))
     output_rel_diff = _output_rel_diff(result.outputs, reference.outputs, tol.output_atol)
     output_match = output_rel_diff <= tol.output_rtol
-    param_rel = functools.reduce(_worst, (float((result.stepped[name] - ref).norm() / ref.norm().clamp_min(1e-12))
-                                          for name, ref in reference.stepped.items() if name in result.stepped), 0.0)
+    param_rel = functools.reduce(_worst, (diff / max(ref, 1e-12) for diff, ref in
+                                          (difference_norms(result.stepped, reference.stepped, name)[1:]
+                                           for name in reference.stepped if name in result.stepped)), 0.0)
     matches = (loss_rel_diff <= tol.loss_rtol and max_rel <= tol.grad_rtol and missing == 0 and bn_match
                and param_rel <= tol.step_rtol and (output_match or bool(reference.grads)))
     failed = _failed_checks(tol, loss_rel_diff, max_rel, missing, bn_match, param_rel, output_rel_diff,
@@ -165,6 +210,11 @@ def compare(result: Snapshot, reference: Snapshot, strategy: Strategy) -> dict[s
     if failed:
         columns["message"] = "differs from the baseline: " + "; ".join(failed)
     return columns
+
+
+def _with_grad(grads: Mapping[str, torch.Tensor | None]) -> list[str]:
+    """The names of a snapshot's gradients that exist (without reading a stored one)."""
+    return grads.present() if isinstance(grads, StoredTensors) else [n for n, g in grads.items() if g is not None]
 
 
 def _failed_checks(tol, loss_rel_diff: float, grad_rel: float, missing: int, bn_match: bool, param_rel: float,
@@ -201,13 +251,26 @@ def _worst(a: float, b: float) -> float:
 def _output_rel_diff(outputs: list[torch.Tensor], references: list[torch.Tensor], atol: float) -> float:
     """The largest |out - ref| / |ref| (norms) over the output tensors; 0 for one within `atol` element by
     element; infinite when the outputs differ in number or shape."""
-    if len(outputs) != len(references) or any(o.shape != r.shape for o, r in zip(outputs, references)):
+    if len(outputs) != len(references) or _shapes(outputs) != _shapes(references):
         return float("inf")
     worst = 0.0
     for got, ref in zip(outputs, references):
         if not torch.allclose(got, ref, rtol=0, atol=atol):
             worst = _worst(worst, float((got - ref).norm() / ref.norm().clamp_min(1e-12)))
     return worst
+
+
+def _shapes(tensors: Sequence[torch.Tensor]) -> list[torch.Size]:
+    """The shapes of a snapshot's outputs, without reading a stored one."""
+    return tensors.shapes() if isinstance(tensors, StoredList) else [t.shape for t in tensors]
+
+
+def _is_fake(result: Snapshot) -> bool:
+    """Whether the snapshot was taken on fake tensors (kept in memory: a file store holds real values only)."""
+    if result.store is not None and not isinstance(result.store, MemoryStore):
+        return False
+    values = (*result.outputs, *result.buffers.values(), *result.grads.values())
+    return any(is_fake(t) for t in values if t is not None)
 
 
 def verify(case: Case, strategy: Strategy) -> dict[str, Any]:
@@ -219,8 +282,7 @@ def verify(case: Case, strategy: Strategy) -> dict[str, Any]:
     finite there is nothing to compare with: `matches_baseline` is empty and `message` says why."""
     progress.report("verification", 0, 1)
     result = snapshot(case, strategy)
-    values = (*result.outputs, *result.buffers.values(), *result.grads.values())
-    if any(is_fake(t) for t in values if t is not None):
+    if _is_fake(result):
         return {"matches_baseline": None, "message": "not verified: the step ran on fake tensors, which have no values"}
     reference = baseline_snapshot(case)
     where = "at step 1 (verification, from the seeded start)"

@@ -1,0 +1,119 @@
+"""The harness's own memory (issue 31 §3): each row's resident columns, the goal on a small workload, the verification's
+file store, and the pre-run warning against the machine's free memory."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from bench.core.results import RESIDENT_COLUMNS, RESULTS
+from bench.measure import resident
+from bench.run import preflight
+from bench.run.runner import Case, run_case
+from bench.run.tensor_store import FileStore, StoredTensors
+from bench.run.verify import _baseline_snapshot
+
+# 4 x Linear(1536, 1536): 36 MiB of weights, a counted training peak of about 4x that (weights, gradients, Adam's
+# two moments): large enough that the harness's copies (2x the weights for the baseline's snapshot) would show
+WIDE_MLP = "deep_mlp:layers=4:width=1536"
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM and its reset are Linux's")
+
+
+def _case(strategy: str) -> Case:
+    return Case(WIDE_MLP, strategy, "train", 4, "cpu", warmup=0, steps=1)
+
+
+def test_the_resident_columns_are_declared_after_the_role_and_before_the_sweep_columns():
+    assert RESIDENT_COLUMNS == list(resident.RESIDENT_COLUMNS)
+    names = RESULTS.names
+    assert names.index("process_peak_rss_bytes") > names.index("recompute_plan_kind")
+    assert names.index("process_rss_method") < names.index("isolated")
+
+
+@linux_only
+def test_a_case_records_its_resident_peak_and_the_harness_keeps_within_the_goal():
+    _baseline_snapshot.cache_clear()
+    first = run_case(_case("baseline"))
+    second = run_case(_case("checkpoint"))  # compared with the baseline's snapshot kept since the first case
+    for row in (first, second):
+        assert row["status"] == "ok", row["message"]
+        assert row["process_rss_method"] == "vmhwm_reset"
+        counted, peak, rest = row["peak_mem_bytes"], row["process_peak_rss_bytes"], row["process_rest_rss_bytes"]
+        assert counted > 120 * 2**20
+        assert row["harness_rss_bytes"] == peak - counted - rest
+        # the step's tensors were resident at its peak: the peak is above the process at rest by about the count
+        assert peak - rest >= 0.9 * counted
+        assert resident.within_goal(peak, counted, rest), (
+            f"resident {peak >> 20} MiB > {resident.GOAL_FACTOR} x {counted >> 20} MiB + {rest >> 20} MiB at rest")
+    # the baseline's snapshot (gradients and stepped weights: 2x the 36 MiB of weights) is not kept resident between
+    # cases: the process at rest before the second case holds no more than a share of the weights beyond the first
+    assert second["process_rest_rss_bytes"] - first["process_rest_rss_bytes"] < 18 * 2**20
+
+
+def test_the_file_store_gives_back_every_tensor_whole_and_reads_none_for_a_membership_test(tmp_path):
+    store = FileStore(str(tmp_path))
+    tensors = {"w": torch.randn(3, 5), "half": torch.randn(7).to(torch.bfloat16), "count": torch.tensor(3),
+               "empty": torch.zeros(0, 4), "strided": torch.randn(4, 6).t()}
+    for name, tensor in tensors.items():
+        store.put(("grads", name), tensor)
+    store.put(("grads", "w"), tensors["w"] * 2)  # a later put replaces
+    assert not list(tmp_path.iterdir())  # unlinked: nothing left behind, even by a killed process
+    for name, tensor in tensors.items():
+        got = store.get(("grads", name))
+        expected = tensor * 2 if name == "w" else tensor
+        assert got.dtype == expected.dtype and got.shape == expected.shape and torch.equal(got, expected)
+    view = StoredTensors(store, "grads", list(tensors), missing=["frozen"])
+    reads = []
+    original = store.get
+    store.get = lambda key: reads.append(key) or original(key)
+    assert "w" in view and "frozen" in view and "nope" not in view and not reads
+    assert view["frozen"] is None and view.get("nope") is None and len(view) == 6
+
+
+def test_preflight_warns_naming_the_resident_need_and_the_free_memory(monkeypatch, capsys):
+    case = Case("deep_mlp", "baseline", "train", 8, "cpu")
+    monkeypatch.setattr(preflight, "available_bytes", lambda: 1 * 2**30)
+    monkeypatch.setattr(preflight, "current_rss_bytes", lambda: 500 * 2**20)
+    monkeypatch.setattr(preflight, "machine_memory_bytes", lambda: 64 * 2**30)
+    preflight.check_memory([case], lambda c, batch: 2 * 2**30)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "warning:" in err
+    assert "3.1 GiB resident" in err and "1.0 GiB free (MemAvailable)" in err, err
+    monkeypatch.setattr(preflight, "available_bytes", lambda: 8 * 2**30)
+    preflight.check_memory([case], lambda c, batch: 2 * 2**30)
+    assert capsys.readouterr().err == ""
+
+
+def test_a_stored_comparison_reads_pieces_and_agrees_with_the_whole_tensors(tmp_path, monkeypatch):
+    from bench.run import tensor_store
+    from bench.run.verify import Snapshot, compare
+    from strategies.base import Tolerance
+
+    class Strict:
+        tolerance = Tolerance()
+
+    monkeypatch.setattr(tensor_store, "CHUNK_ELEMENTS", 7)  # several pieces per tensor, the last one short
+    ref = {"w": torch.randn(5, 6), "b": torch.randn(3)}
+    got = {"w": ref["w"] + 1e-3 * torch.randn(5, 6), "b": ref["b"].clone()}
+    got["b"][1] = float("nan")
+
+    def stored(tensors: dict, missing=()) -> Snapshot:
+        store = FileStore(str(tmp_path))
+        for group in ("grads", "stepped"):
+            for name, tensor in tensors.items():
+                store.put((group, name), tensor)
+        return Snapshot(1.0, [], StoredTensors(store, "grads", list(tensors), missing), {},
+                        StoredTensors(store, "stepped", list(tensors)), store)
+
+    whole = compare(Snapshot(1.0, [], got, {}, got), Snapshot(1.0, [], ref, {}, ref), Strict())
+    pieces = compare(stored(got), stored(ref), Strict())
+    assert whole["max_abs_grad_diff"] != whole["max_abs_grad_diff"]  # the NaN is seen, whole or in pieces
+    assert pieces["max_abs_grad_diff"] != pieces["max_abs_grad_diff"]
+    assert pieces["matches_baseline"] is whole["matches_baseline"] is False
+    clean = compare(stored({"w": got["w"]}), stored({"w": ref["w"]}), Strict())
+    expected = float((got["w"] - ref["w"]).norm() / ref["w"].norm())
+    assert clean["max_grad_rel_diff"] == pytest.approx(expected, rel=1e-5)
+    assert clean["max_abs_grad_diff"] == pytest.approx(float((got["w"] - ref["w"]).abs().max()), rel=1e-5)
+    assert compare(stored({"w": got["w"]}, missing=["b"]), stored(ref), Strict())["params_without_grad"] == 1
