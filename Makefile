@@ -20,7 +20,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install bench test perf clean cuda-fake-env test-cuda-fake
+.PHONY: install bench test perf clean cuda-fake-env test-cuda-fake anchors
 
 install: $(STAMP)
 
@@ -41,6 +41,12 @@ bench: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# every published GPU measurement of bench/anchors/ predicted on fake CUDA, the error of each (docs/accuracy.md);
+# one anchor at a time, a full-size model each: tens of minutes on 2 cores. ANCHORS=torchao for one source.
+ANCHORS ?=
+anchors: $(STAMP) $(FAKE_CUDA_STAMP)
+	$(PY) -m bench anchors --out $(OUT) $(if $(ANCHORS),--only $(ANCHORS))
 
 # The fake-CUDA run (tests_cuda_fake/, docs/testing.md "The CUDA path without a GPU"): membench's CUDA code path on a machine
 # without a GPU, in its own environment. PyPI's CUDA build of exactly $(TORCH)'s version (`===` is an exact string

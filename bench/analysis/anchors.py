@@ -77,8 +77,10 @@ class Anchor:
         return int(round(self.figure * UNITS[self.unit]))
 
     def workload(self, model_dir: Path = MODEL_DIR) -> str:
-        """The `hf:` workload spec of the anchor's model (its config.json under bench/anchors/models/)."""
-        return f"hf:{model_dir / (self.model + '.json')}:seq_len={self.seq_len}:attn={self.attn}:task={self.task}"
+        """The `hf:` workload spec of the anchor's model: its config.json under bench/anchors/models/ (`model` is a
+        name there), or the file `model` names (a path ending in .json)."""
+        config = Path(self.model) if self.model.endswith(".json") else model_dir / (self.model + ".json")
+        return f"hf:{config}:seq_len={self.seq_len}:attn={self.attn}:task={self.task}"
 
 
 def _source_ref(source: dict) -> str:
@@ -220,14 +222,16 @@ def _configuration_text(configuration: dict) -> str:
     return "; ".join(f"{key}: {value}" for key, value in configuration.items())
 
 
-def anchor_row(anchor: Anchor, predictor: Callable[[dict, int, tuple[int, int]], tuple[dict | None, str]]
-               = predict_on_fake_cuda) -> Row:
+def anchor_row(anchor: Anchor,
+               predictor: Callable[[dict, int, tuple[int, int]], tuple[dict | None, str]] | None = None) -> Row:
     """The anchors-table row of one anchor: its published figure, membench's prediction of that kind on fake CUDA
-    with the anchor's GPU (`predictor(case, ranks, capability)` gives a predict row), the error, what is not
-    modelled."""
+    with the anchor's GPU (`predictor(case, ranks, capability)` gives a predict row; default
+    `predict_on_fake_cuda`), the error, what is not modelled."""
+    predictor = predictor or predict_on_fake_cuda
     gpu: GPU = find_gpu(anchor.gpu)
     spec, missing = plan_row(anchor)
-    row = ANCHORS.row(
+    row = ANCHORS.row({name: None for name in ANCHORS.names if name != "schema_version"})
+    row.update(
         anchor=anchor.name, source=anchor.source, source_ref=anchor.source_ref, label=anchor.label,
         configuration=_configuration_text(anchor.configuration), gpu=gpu.name,
         capability=f"{gpu.capability[0]}.{gpu.capability[1]}", published_value=anchor.figure,
