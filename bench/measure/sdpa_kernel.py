@@ -101,6 +101,29 @@ class SdpaKernelChoice(TorchFunctionMode):
         super().__init__()
         self.capability = capability
         self.kernels: list[str] = []
+        self._preference = None
+
+    def __enter__(self):
+        # A torch-function mode is this thread's: a call made on another thread -- a checkpoint's recomputation on
+        # autograd's backward thread -- does not come here. PyTorch's backend flags and priority order are the
+        # process's, so while the mode is on they say the same thing for every thread: only the kernels that run
+        # on `capability`, in its priority order, up to math (which always runs: a kernel after it is never
+        # reached). The recomputed call then takes the forward's kernel (flash's logsumexp and RNG state, not
+        # cuDNN's, which the stubs' sm90 device would prefer), as on the GPU.
+        from torch.nn.attention import sdpa_kernel
+
+        capability = tuple(self.capability or torch.cuda.get_device_capability(0))
+        order = priority_order(capability, torch.backends.cudnn.version())
+        order = [k for k in order[:order.index("math") + 1] if runs_on(k, capability)]
+        self._preference = sdpa_kernel([_backend(k) for k in order], set_priority=True)
+        self._preference.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._preference.__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
