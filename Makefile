@@ -73,8 +73,9 @@ FAKE_CUDA_DEPS = filelock "typing-extensions>=4.10.0" "sympy>=1.13.3" mpmath "ne
 	"fsspec>=0.8.5" numpy pandas matplotlib pyyaml captcha pillow pytest pytest-xdist \
 	"transformers>=5.0,<6" psutil
 # the `hf:` workload's peft (LoRA) and its accelerate ask for torch: installed without dependencies, after torch
-# (their others, psutil and what transformers brings, are above), so that pip never fetches the CPU or CUDA build
-FAKE_CUDA_HF_NO_DEPS = "peft>=0.17" accelerate
+# (their others, psutil and what transformers brings, are above), so that pip never fetches the CPU or CUDA build;
+# torchao too (`optimizer:name=adamw8bit`/`adamw4bit`, predicted by the anchors of torchao, torchtune, transformers)
+FAKE_CUDA_HF_NO_DEPS = "peft>=0.17" accelerate "torchao>=0.13"
 # the fake-CUDA tests' processes (pytest-xdist): a fake step is seconds of Python on one core
 FAKE_CUDA_JOBS ?= 2
 
@@ -94,7 +95,7 @@ $(FAKE_CUDA_STAMP): Makefile tests_cuda_fake/make_stubs.py
 		|| echo "pip could not install torchvision===$(TORCHVISION_VERSION) and $(FAKE_CUDA_TIMM) (no network?)" \
 			> $(FAKE_CUDA_TIMM_UNAVAILABLE)
 	$(FAKE_CUDA_PY) -m pip install --quiet --disable-pip-version-check --no-deps $(FAKE_CUDA_HF_NO_DEPS) \
-		|| echo "pip could not install $(FAKE_CUDA_HF_NO_DEPS): the lora strategy cannot run on fake CUDA"
+		|| echo "pip could not install $(FAKE_CUDA_HF_NO_DEPS): lora and the low-bit optimizers cannot run on fake CUDA"
 	$(FAKE_CUDA_PY) tests_cuda_fake/make_stubs.py --torch-version $(TORCH_VERSION)
 	touch $(FAKE_CUDA_STAMP)
 
