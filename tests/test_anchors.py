@@ -183,3 +183,12 @@ def test_the_accuracy_page_is_generated_from_the_csv_alone(tmp_path):
     page = (tmp_path / "accuracy.md").read_text()
     assert "| a |" in page and "+10.0%" in page and "| b |" in page and "not_modelled" in page
     assert "median |error| **10.0%**" in page and "no_such_technique" in page
+
+
+def test_a_per_gpu_batch_becomes_membenchs_global_batch_over_the_ranks():
+    seen = {}
+    anchor = _anchor(ranks=2, batch_size=3, batch_per_rank=True)
+    row = anchors.anchor_row(anchor, lambda case, ranks, capability: (seen.update(case=case, ranks=ranks)
+                                                                       or (_predict_row(), "")))
+    assert seen == {"case": {**seen["case"], "batch_size": 6}, "ranks": 2} and row["batch_size"] == 6
+    assert {a.name: a.global_batch for a in ALL}["fsdp-lora-2048-batch6"] == 12

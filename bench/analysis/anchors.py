@@ -67,10 +67,16 @@ class Anchor:
     seq_len: int = 128
     batch_size: int = 1
     ranks: int = 1
+    batch_per_rank: bool = False  # the source's batch is each GPU's (membench's is the global batch, split by rank)
     configuration: dict = field(default_factory=dict)
     not_modelled: list = field(default_factory=list)
     assumptions: list = field(default_factory=list)
     process_baseline_bytes: int | None = None  # nvidia_smi: the source's own figure of the process before the step
+
+    @property
+    def global_batch(self) -> int:
+        """membench's batch for the case: the source's, times the ranks where the source's is per GPU."""
+        return self.batch_size * (self.ranks if self.batch_per_rank else 1)
 
     @property
     def published_bytes(self) -> int:
@@ -123,7 +129,8 @@ def load_file(path: Path) -> list[Anchor]:
             model=values["model"], strategy=row["strategy"], fallback=row.get("fallback"),
             task=values.get("task", "causal_lm"), attn=values.get("attn", "sdpa"),
             seq_len=int(values.get("seq_len", 128)), batch_size=int(values.get("batch_size", 1)),
-            ranks=int(values.get("ranks", 1)), configuration=configuration,
+            ranks=int(values.get("ranks", 1)), batch_per_rank=bool(values.get("batch_per_rank", False)),
+            configuration=configuration,
             not_modelled=list(row.get("not_modelled") or []),
             assumptions=list(defaults.get("assumptions") or []) + list(row.get("assumptions") or []),
             process_baseline_bytes=_bytes_of(baseline, where) if baseline and values["kind"] == "nvidia_smi" else None))
@@ -237,14 +244,14 @@ def anchor_row(anchor: Anchor,
         capability=f"{gpu.capability[0]}.{gpu.capability[1]}", published_value=anchor.figure,
         published_unit=anchor.unit, published_kind=anchor.kind, published_bytes=anchor.published_bytes,
         strategy_spec=anchor.strategy, predicted_spec=spec, workload=anchor.workload(MODEL_DIR.relative_to(
-            ANCHOR_DIR.parent.parent)), batch_size=anchor.batch_size, ranks=anchor.ranks,
+            ANCHOR_DIR.parent.parent)), batch_size=anchor.global_batch, ranks=anchor.ranks,
         assumptions=" | ".join(anchor.assumptions), status="not_modelled" if spec is None else "ok",
         fully_modelled=False, message="")
     if anchor.kind == "nvidia_smi":
         missing.append(nvidia_smi.NOT_MODELLED)
     start = time.perf_counter()
     if spec is not None:
-        case = {"workload": anchor.workload(), "strategy": spec, "phase": "train", "batch_size": anchor.batch_size,
+        case = {"workload": anchor.workload(), "strategy": spec, "phase": "train", "batch_size": anchor.global_batch,
                 "device": "cuda", "data": "synthetic"}
         predicted, why = predictor(case, anchor.ranks, gpu.capability)
         if predicted is None or predicted.get("status") != "ok":
