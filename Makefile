@@ -20,7 +20,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install bench test perf clean cuda-fake-env test-cuda-fake
+.PHONY: install bench test perf clean cuda-fake-env test-cuda-fake anchors
 
 install: $(STAMP)
 
@@ -41,6 +41,12 @@ bench: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# every published GPU measurement of bench/anchors/ predicted on fake CUDA, the error of each (docs/accuracy.md);
+# one anchor at a time, a full-size model each: tens of minutes on 2 cores. ANCHORS=torchao for one source.
+ANCHORS ?=
+anchors: $(STAMP) $(FAKE_CUDA_STAMP)
+	$(PY) -m bench anchors --out $(OUT) $(if $(ANCHORS),--only $(ANCHORS))
 
 # The fake-CUDA run (tests_cuda_fake/, docs/testing.md "The CUDA path without a GPU"): membench's CUDA code path on a machine
 # without a GPU, in its own environment. PyPI's CUDA build of exactly $(TORCH)'s version (`===` is an exact string
@@ -66,7 +72,8 @@ FAKE_CUDA_TIMM ?= timm==1.0.31
 FAKE_CUDA_DEPS = filelock "typing-extensions>=4.10.0" "sympy>=1.13.3" mpmath "networkx>=2.5.1" jinja2 markupsafe \
 	"fsspec>=0.8.5" numpy pandas matplotlib pyyaml captcha pillow pytest pytest-xdist \
 	"transformers>=5.0,<6" psutil
-# the `hf:` workload's peft (LoRA) and its accelerate ask for torch; torchao (qlora's NF4 weights, the low-bit AdamW)
+# the `hf:` workload's peft (LoRA) and its accelerate ask for torch; torchao (qlora's NF4 weights, the low-bit AdamW
+# that the anchors of torchao, torchtune and transformers predict)
 # needs none: installed without dependencies, after torch (their others, psutil and what transformers brings, are
 # above), so that pip never fetches the CPU or CUDA build
 FAKE_CUDA_HF_NO_DEPS = "peft>=0.17" accelerate "torchao>=0.13"
@@ -89,7 +96,7 @@ $(FAKE_CUDA_STAMP): Makefile tests_cuda_fake/make_stubs.py
 		|| echo "pip could not install torchvision===$(TORCHVISION_VERSION) and $(FAKE_CUDA_TIMM) (no network?)" \
 			> $(FAKE_CUDA_TIMM_UNAVAILABLE)
 	$(FAKE_CUDA_PY) -m pip install --quiet --disable-pip-version-check --no-deps $(FAKE_CUDA_HF_NO_DEPS) \
-		|| echo "pip could not install $(FAKE_CUDA_HF_NO_DEPS): lora and qlora cannot run on fake CUDA"
+		|| echo "pip could not install $(FAKE_CUDA_HF_NO_DEPS): lora, qlora and the low-bit optimizers cannot run on fake CUDA"
 	$(FAKE_CUDA_PY) tests_cuda_fake/make_stubs.py --torch-version $(TORCH_VERSION)
 	touch $(FAKE_CUDA_STAMP)
 

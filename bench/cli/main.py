@@ -37,6 +37,7 @@ COMMAND_HELP = {
     "fit": "find the largest batch size whose peak stays under a memory budget, per strategy, confirmed by a run",
     "plan": "find the fastest combination of techniques whose step fits a memory limit (--budget or --gpu), "
             "predicted, with --confirm measured",
+    "anchors": "predict every published GPU measurement of bench/anchors/ on fake CUDA and print each error",
 }
 
 # Each command's function as (module, name), imported only when that command runs: `report` (drawn on any machine
@@ -51,6 +52,7 @@ COMMANDS = {
     "predict": ("bench.cli.commands_analysis", "cmd_predict"),
     "fit": ("bench.cli.commands_analysis", "cmd_fit"),
     "plan": ("bench.cli.commands_plan", "cmd_plan"),
+    "anchors": ("bench.cli.commands_anchors", "cmd_anchors"),
 }
 
 
@@ -197,6 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_parsers(sub)
     _add_analysis_parsers(sub)
     _add_plan_parser(sub)
+    p = _add_command(sub, "anchors")
+    p.add_argument("--only", default=None, help="comma list of anchor or source names, e.g. torchao or "
+                                               "transformers-vanilla (default: every anchor)")
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"folder for anchors-<run>.csv (default {DEFAULT_OUT}/)")
     return parser
 
 

@@ -70,6 +70,14 @@ GPUS: dict[str, GPU] = {gpu.name: gpu for gpu in (
     # NVIDIA L4 datasheet: FP32 30.3; TF32 120 and FP16/BF16 242 with sparsity (halved here); 24 GB GDDR6, 300 GB/s
     GPU("L4", 24 * GiB, 30.3 * TFLOPS, 60 * TFLOPS, 121 * TFLOPS, 121 * TFLOPS, 300 * GB_PER_S, PCIE4_X16, (8, 9),
         "NVIDIA L4 Tensor Core GPU datasheet"),
+    # NVIDIA Tesla V100 datasheet (SXM2): FP32 15.7, tensor (FP16 with FP32 accumulate) 125; no TF32 or BF16;
+    # 16 GB HBM2 at 900 GB/s
+    GPU("V100", 16 * GiB, 15.7 * TFLOPS, None, 125 * TFLOPS, None, 900 * GB_PER_S, PCIE3_X16, (7, 0),
+        "NVIDIA Tesla V100 GPU datasheet (SXM2)"),
+    # NVIDIA Ampere GA102 whitepaper, appendix A (RTX 3090): FP32 35.6, TF32 35.6, FP16/BF16 (FP32 acc.) 71 (dense);
+    # 24 GB GDDR6X at 936 GB/s
+    GPU("RTX 3090", 24 * GiB, 35.6 * TFLOPS, 35.6 * TFLOPS, 71 * TFLOPS, 71 * TFLOPS, 936 * GB_PER_S, PCIE4_X16,
+        (8, 6), "NVIDIA Ampere GA102 GPU architecture whitepaper, appendix A"),
     # NVIDIA A100 datasheet (SXM): FP32 19.5, TF32 156, FP16/BF16 312 (dense); 1,555 GB/s (40GB), 2,039 GB/s (80GB)
     GPU("A100 40GB", 40 * GiB, 19.5 * TFLOPS, 156 * TFLOPS, 312 * TFLOPS, 312 * TFLOPS, 1555 * GB_PER_S, PCIE4_X16,
         (8, 0), "NVIDIA A100 Tensor Core GPU datasheet (SXM4)"),

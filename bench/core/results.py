@@ -189,8 +189,25 @@ PREDICTION_CHECK = Table("prediction-check", PREDICTION_CHECK_SCHEMA_VERSION, [
     *columns("int", "schema_version"),
 ])
 
+# `python -m bench anchors`: one row per published GPU measurement (bench/anchors/*.yaml) against membench's
+# prediction of the same kind of figure (bench.analysis.anchors)
+# 1: the first anchors files
+ANCHORS_SCHEMA_VERSION = 1
+ANCHORS = Table("anchors", ANCHORS_SCHEMA_VERSION, [
+    *columns("int", "schema_version"),
+    *columns("text", "anchor source source_ref label configuration gpu capability"),
+    *columns("float", "published_value"), *columns("text", "published_unit published_kind"),
+    *columns("int", "published_bytes"),
+    *columns("text", "strategy_spec predicted_spec workload"), *columns("int", "batch_size ranks"),
+    *columns("int", "predicted_bytes predicted_allocated_bytes predicted_reserved_bytes"),
+    *columns("text", "predicted_terms"),
+    *columns("int", "error_bytes"), *columns("float", "error_pct"),
+    *columns("text", "engine sdpa_kernel status"), *columns("bool", "fully_modelled"),
+    *columns("text", "not_modelled assumptions message"), *columns("float", "duration_s"),
+])
+
 # every table membench writes, by name (a test checks results/README.md documents each column and version)
-TABLES = {table.name: table for table in (RESULTS, PREDICT, FIT, PLAN, PREDICTION_CHECK)}
+TABLES = {table.name: table for table in (RESULTS, PREDICT, FIT, PLAN, PREDICTION_CHECK, ANCHORS)}
 
 
 CASE_KEY = ["workload", "strategy", "phase", "device", "batch_size", "data"]
@@ -305,8 +322,9 @@ def read_results(path: Path) -> pd.DataFrame:
 REPORT_COLUMNS = ["strategy", "phase", "device", "batch_size", "status", "peak_mem_bytes"]
 RESUME_COLUMNS = ["run_id", *REPORT_COLUMNS, *(c for c in CASE_KEY if c not in REPORT_COLUMNS)]
 # a column that only one of the other tables has -> what that table is, for the error message
-OTHER_TABLES = {"predicted_bytes": "a `predict` table", "budget_bytes": "a `fit` table",
-                "judged_bytes": "a `plan` table", "live_bytes": "a step timeline (<run>.timeline.csv)"}
+OTHER_TABLES = {"published_bytes": "an `anchors` table", "predicted_bytes": "a `predict` table",
+                "budget_bytes": "a `fit` table", "judged_bytes": "a `plan` table",
+                "live_bytes": "a step timeline (<run>.timeline.csv)"}
 _SNIFF_BYTES = 1 << 16
 
 

@@ -1,0 +1,53 @@
+"""The anchors' mechanisms on fake CUDA at small size: SDPA's kernel under a checkpoint's recomputation (autograd's
+thread), and an anchor row end to end through the fake-CUDA worker, nvidia-smi's terms added to its reserved figure."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from bench.analysis import anchors, nvidia_smi
+from bench.analysis import predict
+from bench.measure.fake_cuda_mode import FakeAllocator, fake_cuda
+from bench.measure.sdpa_kernel import SdpaKernelChoice
+from bench.run.runner import Case
+
+
+def test_a_checkpoints_recomputation_runs_the_forwards_attention_kernel():
+    """Autograd recomputes a checkpointed flash call on its own thread, where the torch-function mode is not: the
+    kernel (and so the saved logsumexp and RNG state) must be the forward's, or the checkpoint refuses the step."""
+    choice = SdpaKernelChoice((8, 0))
+    before = (torch._C._get_sdp_priority_order(), torch.backends.cuda.cudnn_sdp_enabled())
+    with fake_cuda(allocator=FakeAllocator(limit_bytes=2**40), inner=[choice]):
+        q = torch.randn(1, 4, 64, 16, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        out = checkpoint(lambda x: F.scaled_dot_product_attention(x, x, x, dropout_p=0.1, is_causal=True), q,
+                         use_reentrant=False)
+        out.sum().backward()
+    # the recomputation did not pass through the mode (another thread), yet ran flash: on the stubs' sm90 PyTorch
+    # alone picks cuDNN, whose logsumexp and RNG state differ and make the checkpoint raise
+    assert choice.kernels == ["flash"] and q.grad.shape == q.shape
+    assert (torch._C._get_sdp_priority_order(), torch.backends.cuda.cudnn_sdp_enabled()) == before  # restored
+
+
+def test_bf16_weights_with_checkpoint_is_predicted_on_fake_cuda_with_flash():
+    step = predict.tracked_step(Case("hf:tiny-llama:seq_len=64", "bf16_weights+checkpoint", "train", 1, "cuda",
+                                     data="synthetic"), "bf16_weights+checkpoint", engine="fake-cuda",
+                                capability=(8, 0))
+    assert step.sdpa_kernel == "flash" and step.peak_bytes > 0
+
+
+def test_an_nvidia_smi_anchor_is_reserved_plus_the_context_through_the_worker(tmp_path):
+    config = dict(__import__("workloads.hf_presets", fromlist=["PRESETS"]).PRESETS["tiny-llama"])
+    (tmp_path / "tiny.json").write_text(json.dumps(config))
+    anchor = anchors.Anchor(name="tiny", source="test", source_ref="a/b/c@" + "0" * 40, label="tiny", figure=100.0,
+                            unit="MiB", kind="nvidia_smi", gpu="A100 80GB", model=str(tmp_path / "tiny.json"),
+                            strategy="baseline", seq_len=64, batch_size=1, configuration={"model": "tiny"},
+                            process_baseline_bytes=600 * 2**20)
+    row = anchors.anchor_row(anchor)
+    assert row["status"] == "ok" and row["engine"] == "fake-cuda", row["message"]
+    assert row["predicted_reserved_bytes"] >= row["predicted_allocated_bytes"] > 0
+    assert row["predicted_bytes"] == row["predicted_reserved_bytes"] + nvidia_smi.context_term(600 * 2**20).bytes
+    assert row["error_bytes"] == row["predicted_bytes"] - 100 * 2**20
