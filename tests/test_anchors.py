@@ -140,6 +140,10 @@ def test_the_command_writes_the_declared_table_and_prints_the_summary(tmp_path, 
 
     monkeypatch.setattr(fake_cuda, "environment_python", lambda *a: tmp_path / "python")
     monkeypatch.setattr(anchors, "predict_on_fake_cuda", lambda *_: (_predict_row(reserved=12000 * MiB), ""))
+    # as if membench lacked qlora: its row must stay in the table, not modelled
+    lacks_qlora = anchors.spec_problem
+    monkeypatch.setattr(anchors, "spec_problem", lambda spec: "unknown strategy 'qlora'" if "qlora" in spec
+                        else lacks_qlora(spec))
     assert main(["anchors", "--only", "transformers-vanilla,torchtune-qlora", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "median |error|" in out and "transformers-vanilla" in out and "not_modelled" in out
@@ -192,3 +196,15 @@ def test_a_per_gpu_batch_becomes_membenchs_global_batch_over_the_ranks():
                                                                        or (_predict_row(), "")))
     assert seen == {"case": {**seen["case"], "batch_size": 6}, "ranks": 2} and row["batch_size"] == 6
     assert {a.name: a.global_batch for a in ALL}["fsdp-lora-2048-batch6"] == 12
+
+
+def test_packed_rows_reach_the_workload_and_every_source_technique_parses():
+    """A row's `packed` becomes the hf workload's packed option (unpacked rows say nothing); every anchor whose
+    technique membench has is predicted with its own spec: only FSDP's NO_SHARD falls back (to ddp)."""
+    assert _anchor(packed=16, seq_len=4096).workload().endswith(":seq_len=4096:attn=sdpa:task=causal_lm:packed=16")
+    assert "packed" not in _anchor().workload()
+    by_name = {a.name: a for a in ALL}
+    assert by_name["torchtune-packed"].packed == 16 and by_name["torchtune-baseline"].packed == 0
+    fallen = [a.name for a in ALL if anchors.plan_row(a)[0] != a.strategy]
+    assert fallen == ["fsdp-qlora-ddp-batch8", "fsdp-lora-ddp-batch4"]
+    assert all("checkpoint:segments=all" in a.strategy for a in ALL if "checkpoint" in a.strategy)

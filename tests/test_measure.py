@@ -125,3 +125,28 @@ def test_median_interval_from_order_statistics():
     assert timing.median_ci_ranks(1000) == (469, 532)  # the normal approximation
     assert timing.median_ci(list(range(20, 0, -1))) == (6, 15)
     assert timing.median_ci_rel_width([10.0] * 5 + [11.0]) == pytest.approx(0.1)
+
+
+def test_tracker_follows_a_storage_resized_in_place():
+    """FSDP2 frees each unit's all-gathered parameters with `untyped_storage().resize_(0)` after its forward and
+    reallocates them with `resize_(n)` before its backward, the storage object living on: the count (and the event log
+    the allocator model replays) must follow, or every unit's full weights stay counted for the whole step."""
+    from bench.measure.cuda_allocator import replay
+
+    with LiveTensorTracker(record_events=True) as tracker:
+        t = torch.empty(1024, dtype=torch.float32)  # 4 KiB
+        start = tracker.live_bytes
+        t.untyped_storage().resize_(0)
+        assert tracker.live_bytes == start - 4096
+        t.untyped_storage().resize_(2048 * 4)  # 8 KiB, a new block
+        assert tracker.live_bytes == start + 4096
+        assert tracker.peak_bytes == start + 4096
+        del t
+        assert tracker.live_bytes == start - 4096
+    kinds = [(e.kind, e.nbytes) for e in tracker.events if e.kind in ("alloc", "free")]
+    assert kinds == [("alloc", 4096), ("free", 0), ("alloc", 8192), ("free", 0)]
+    replay(tracker.events)  # every block freed once: the allocator model accepts the log
+    # outside any tracker, a resize is a resize
+    u = torch.empty(4)
+    u.untyped_storage().resize_(0)
+    assert u.untyped_storage().nbytes() == 0

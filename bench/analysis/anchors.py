@@ -65,6 +65,7 @@ class Anchor:
     task: str = "causal_lm"
     attn: str = "sdpa"
     seq_len: int = 128
+    packed: int = 0  # documents packed into each row (the hf workload's `packed`); 0: rows not packed
     batch_size: int = 1
     ranks: int = 1
     batch_per_rank: bool = False  # the source's batch is each GPU's (membench's is the global batch, split by rank)
@@ -86,7 +87,8 @@ class Anchor:
         """The `hf:` workload spec of the anchor's model: its config.json under bench/anchors/models/ (`model` is a
         name there), or the file `model` names (a path ending in .json)."""
         config = Path(self.model) if self.model.endswith(".json") else model_dir / (self.model + ".json")
-        return f"hf:{config}:seq_len={self.seq_len}:attn={self.attn}:task={self.task}"
+        packed = f":packed={self.packed}" if self.packed else ""
+        return f"hf:{config}:seq_len={self.seq_len}:attn={self.attn}:task={self.task}{packed}"
 
 
 def _source_ref(source: dict) -> str:
@@ -128,7 +130,7 @@ def load_file(path: Path) -> list[Anchor]:
             figure=float(row["figure"]), unit=values["unit"], kind=values["kind"], gpu=find_gpu(values["gpu"]).name,
             model=values["model"], strategy=row["strategy"], fallback=row.get("fallback"),
             task=values.get("task", "causal_lm"), attn=values.get("attn", "sdpa"),
-            seq_len=int(values.get("seq_len", 128)), batch_size=int(values.get("batch_size", 1)),
+            seq_len=int(values.get("seq_len", 128)), packed=int(values.get("packed", 0)), batch_size=int(values.get("batch_size", 1)),
             ranks=int(values.get("ranks", 1)), batch_per_rank=bool(values.get("batch_per_rank", False)),
             configuration=configuration,
             not_modelled=list(row.get("not_modelled") or []),

@@ -38,7 +38,7 @@ def cuda_peak(step: Callable[[], None]) -> CudaPeak:
 class _StorageInfo:
     nbytes: int
     category: str
-    key: int = 0  # the storage's number in `events`
+    key: int = 0  # the storage's number in `events` (0 while resized to no bytes)
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,10 @@ class LiveTensorTracker(TorchDispatchMode):
     optimizer state) counts as the tensors inside it, not as its face's dtype. Allocations made inside a kernel
     that never become a tensor (workspaces) are not seen: the figure is live *tensor* bytes.
 
+    A storage resized in place (`UntypedStorage.resize_`: FSDP2 frees each unit's all-gathered parameters with
+    `resize_(0)` after its forward and reallocates them with `resize_(n)` before its backward, the storage object
+    living on) counts its new bytes: the old block freed, a new one allocated, as CUDA's allocator does.
+
     `stage` is set by the caller (forward/backward/optimizer); each storage is filed under a category: the one
     given to `track()`, else the stage it was created in.
 
@@ -113,6 +117,41 @@ class LiveTensorTracker(TorchDispatchMode):
         # the module running now, recorded with each alloc (set by bench.measure.snapshot.ModuleScope)
         self.module_of: Callable[[], str] | None = None
         self.window_end_categories: dict[int, str] = {}  # storage key -> category, at `close_window()`
+
+    # in-place storage resizes --------------------------------------------------------------------------
+    def __enter__(self):
+        if self not in _RESIZE_WATCHERS:
+            _RESIZE_WATCHERS.append(self)
+        _patch_storage_resize()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        if self in _RESIZE_WATCHERS:
+            _RESIZE_WATCHERS.remove(self)
+        return super().__exit__(*exc)
+
+    def _resized(self, st: torch.UntypedStorage, nbytes: int) -> None:
+        """A tracked storage now holds `nbytes`: the new block allocated (with a new key), then the old one freed,
+        as `resize_` copies into new memory before it lets the old go; to 0 bytes, only the free."""
+        info = self._storages.get(st)
+        if info is None or self.storage_bytes(nbytes) == info.nbytes:
+            return
+        old_key, old_bytes = info.key, info.nbytes
+        if nbytes:
+            self._keys += 1
+            info.key = self._keys
+            if self.record_events:
+                module = self.module_of() if self.module_of else ""
+                self.events.append(MemoryEvent("alloc", info.key, nbytes, self.stage, module=module,
+                                               category=info.category))
+        else:
+            info.key = 0
+        if self.record_events and old_key:
+            self.events.append(MemoryEvent("free", old_key, stage=self.stage, category=info.category))
+        info.nbytes = self.storage_bytes(nbytes)
+        self.live_bytes += info.nbytes - old_bytes
+        self.live_by_category[info.category] += info.nbytes - old_bytes
+        self._update_peak("resize_")
 
     # registration -------------------------------------------------------------------------------------
     def track(self, tensors: Iterable[torch.Tensor | None], category: str) -> None:
@@ -164,7 +203,7 @@ class LiveTensorTracker(TorchDispatchMode):
                 info.category = category
 
     def _freed(self, info: _StorageInfo) -> None:
-        if self.record_events:
+        if self.record_events and info.key:  # key 0: resized to nothing, its block already freed
             self.events.append(MemoryEvent("free", info.key, stage=self.stage, category=info.category))
         self.live_bytes -= info.nbytes
         self.live_by_category[info.category] -= info.nbytes
@@ -233,6 +272,26 @@ class LiveTensorTracker(TorchDispatchMode):
                 self._register(t, self.stage)
         self._update_peak(func.__name__)
         return out
+
+
+_RESIZE_WATCHERS: list[LiveTensorTracker] = []  # the trackers entered now, told of each storage resize
+
+
+def _patch_storage_resize() -> None:
+    """Wraps `torch.UntypedStorage.resize_` once per process so that each entered tracker hears of the new size
+    (a storage's bytes are otherwise read once, when the tracker first sees it)."""
+    original = torch.UntypedStorage.resize_
+    if getattr(original, "_membench_watched", False):
+        return
+
+    def resize_(storage, size):
+        out = original(storage, size)
+        for tracker in list(_RESIZE_WATCHERS):
+            tracker._resized(storage, storage.nbytes())
+        return out
+
+    resize_._membench_watched = True
+    torch.UntypedStorage.resize_ = resize_
 
 
 def _inner_tensors(wrapper: torch.Tensor) -> list[torch.Tensor]:
