@@ -80,7 +80,7 @@ def _flags() -> dict[str, Any]:
         # case would run in float64 with status ok
         "default_dtype": torch.get_default_dtype(), "default_device": _default_device_set(),
         "anomaly": torch.is_anomaly_enabled(), "anomaly_check_nan": torch.is_anomaly_check_nan_enabled(),
-        "rng": torch.get_rng_state(),
+        "rng": _RngState(torch.get_rng_state()),
         "matmul.fp16_reduction": matmul.allow_fp16_reduced_precision_reduction,
         "matmul.bf16_reduction": matmul.allow_bf16_reduced_precision_reduction,
         "cudnn.benchmark": cudnn.benchmark, "cudnn.deterministic": cudnn.deterministic,
@@ -90,6 +90,19 @@ def _flags() -> dict[str, Any]:
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
         "grad_enabled": torch.is_grad_enabled(), "threads": torch.get_num_threads(),
     }
+
+
+class _RngState:
+    """The CPU generator's state, equal to another by its bytes (a tensor's == is elementwise, so two flag dicts
+    holding it could not be compared)."""
+
+    def __init__(self, state: torch.Tensor):
+        self.state = state
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _RngState) and torch.equal(self.state, other.state)
+
+    __hash__ = None
 
 
 def _default_device_set():
@@ -112,7 +125,7 @@ def _restore(flags: dict[str, Any]) -> None:
     if _default_device_set() != flags["default_device"]:
         torch.set_default_device(flags["default_device"])
     torch.autograd.set_detect_anomaly(flags["anomaly"], check_nan=flags["anomaly_check_nan"])
-    torch.set_rng_state(flags["rng"])
+    torch.set_rng_state(flags["rng"].state)
     matmul.allow_fp16_reduced_precision_reduction = flags["matmul.fp16_reduction"]
     matmul.allow_bf16_reduced_precision_reduction = flags["matmul.bf16_reduction"]
     for kernel in _SDP_KERNELS:
