@@ -11,7 +11,7 @@ import torch
 
 from bench.run.isolation import RunOptions, STAGE_MARKER, _flags, crash_message
 from bench.run.runner import Case, measure_case
-from cli_helpers import main_in_process as _main, one_line_exit_2 as _one_line_exit_2
+from cli_helpers import cli as _cli, main_in_process as _main, one_line_exit_2 as _one_line_exit_2
 
 ROOT = Path(__file__).resolve().parent.parent
 HOSTILE = ROOT / "tests" / "fixtures" / "hostile_workload.py"
@@ -58,6 +58,15 @@ def test_under_isolate_the_preflight_steps_that_run_a_users_loss_run_in_a_child(
     assert user_code_steps_in_child([_tiny_case("os_exit")], False, None, 10.0) is None
     err = capsys.readouterr().err
     assert "pre-flight checks" in err and "exit code 0" in err, err
+
+
+def test_under_isolate_a_workload_that_exits_while_it_is_built_is_one_line_not_silence(tmp_path):
+    """os._exit(0) in a user's workload `__init__` (or its module's import): under --isolate the workload is first
+    built in a child, so the CLI says so in one line and exits 2, where it used to end with exit code 0 and nothing."""
+    done = _cli("compare", "--strategies", "baseline", "--workload", f"{HOSTILE}:ExitingInit", *TINY, "--isolate",
+                "--out", tmp_path)
+    _one_line_exit_2(done, f"{HOSTILE}:ExitingInit", "exit code 0")
+    assert not list(tmp_path.glob("*.csv"))
 
 
 @pytest.mark.parametrize("command", [["predict", "--device", "cpu", "--phases", "train"],

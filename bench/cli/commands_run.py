@@ -56,6 +56,8 @@ def _run_and_print(args, strategies: list[str] | None) -> int:
     device = env.resolve_device(args.device)
     fraction = apply_memory_limit(getattr(args, "memory_limit", None), device)
     overrides = _suite_overrides(args, strategies)
+    if overrides.workloads and _isolated(args, device):  # before this process imports the user's code
+        preflight_steps.workloads_resolve_in_child(preflight_steps.user_workload_specs(overrides.workloads))
     suite = suite_for_command_line(getattr(args, "suite", None), device, overrides)
     options = _run_options(args, device, suite, fraction)
     try:
@@ -88,6 +90,11 @@ def _suite_overrides(args, strategies: list[str] | None) -> SuiteOverrides:
         data=args.data or None, phases=csv_list(args.phases) if args.phases else None,
         batch_sizes=args.batch_size or None, steps=args.steps, warmup=args.warmup, min_steps=args.min_steps,
         max_time_per_case=args.max_time_per_case, target_ci=args.target_ci, quick=args.quick)
+
+
+def _isolated(args, device: str) -> bool:
+    """Whether the command line asks for isolated cases (the suite file's executor is not read yet)."""
+    return args.isolate if args.isolate is not None else device == "cuda" or args.executor == "ray"
 
 
 def _run_options(args, device: str, suite: Suite, memory_fraction: float | None) -> RunOptions:

@@ -4,7 +4,8 @@ that a workload that calls `os._exit` or crashes ends neither the run nor the ro
 
 `python -m bench.cli.preflight_steps` is the child: it reads {"cases", "check_memory", "memory_limit_s",
 "calibration_limit_s"} as JSON on stdin and prints {"usage_error", "note"} as one `MEMBENCH_PREFLIGHT {json}` line
-on stdout; its warnings go to its stderr, which the parent passes on.
+on stdout; its warnings go to its stderr, which the parent passes on. Given {"resolve": [spec, ...]} instead, it
+only imports and builds those workloads (`workloads_resolve_in_child`: a user's file that exits on import).
 """
 
 from __future__ import annotations
@@ -69,6 +70,34 @@ def user_code_steps_in_child(cases: list, check_memory: bool, memory_limit_s: fl
     return result["note"]
 
 
+def workloads_resolve_in_child(specs: list[str]) -> None:
+    """Imports and instantiates the user's workloads `specs` in a fresh process first, under --isolate: this
+    process imports them next, and a module or `__init__` that calls `os._exit` would end it with no word. A child
+    that ends without a result is a WorkloadCodeError of one line naming the spec; a bad spec the UsageError the
+    child raised."""
+    from bench.core.errors import WorkloadCodeError
+    from bench.run.isolation import worker_env
+
+    for spec in specs:
+        done = subprocess.run([sys.executable, "-m", "bench.cli.preflight_steps"], text=True, capture_output=True,
+                              input=json.dumps({"resolve": [spec]}), env=worker_env(), timeout=CHILD_IMPORT_S * 5)
+        result = next((json.loads(line[len(RESULT_MARKER):]) for line in done.stdout.splitlines()
+                       if line.startswith(RESULT_MARKER)), None)
+        if result is None:
+            raise WorkloadCodeError(f"the workload's code ended the process (exit code {done.returncode}) while "
+                                    f"{spec!r} was imported and built, before any case: a workload must return, "
+                                    "not exit")
+        if result["usage_error"]:
+            raise UsageError(result["usage_error"])
+
+
+def user_workload_specs(specs: list[str]) -> list[str]:
+    """The specs among `specs` that name the user's code (a file or a module), not a registered workload."""
+    from workloads.base import WORKLOADS
+
+    return [spec for spec in specs if str(spec).strip().split(":")[0] not in WORKLOADS]
+
+
 def _bounded(seconds: float | None, estimate):
     """`estimate(*args)` (the pre-flight's meta-device peak, which runs the model's forward in this process) raising
     TimeoutError after `seconds`, so that a model that never returns cannot hang the run before its first case;
@@ -119,11 +148,27 @@ def main() -> int:
     from bench.run.runner import Case
 
     job = json.loads(sys.stdin.read())
+    if "resolve" in job:
+        return _resolve(job["resolve"])
     cases = [Case(**case) for case in job["cases"]]
     result = {"usage_error": None, "note": None}
     try:
         result["note"] = user_code_steps(cases, job["check_memory"], job["memory_limit_s"],
                                          job["calibration_limit_s"])
+    except UsageError as error:
+        result["usage_error"] = str(error)
+    sys.stdout.write(RESULT_MARKER + json.dumps(result) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+def _resolve(specs: list[str]) -> int:
+    from workloads import get_workload
+
+    result = {"usage_error": None, "note": None}
+    try:
+        for spec in specs:
+            get_workload(spec)
     except UsageError as error:
         result["usage_error"] = str(error)
     sys.stdout.write(RESULT_MARKER + json.dumps(result) + "\n")
