@@ -15,6 +15,8 @@ A strategy is applied only to the stage it concerns (the pyperf hook pattern):
 - `end_step()`     what the training loop keeps or frees between steps;
 - `plan()`         once per case, before any pass: choices that need measuring the case itself (a checkpoint plan
                    under a memory budget), through the `PlanMeter` the runner gives it;
+- `rank_signature()` what one rank of a sharded case holds differently from the others (its shard sizes), so that
+                   a prediction traces one rank of each kind;
 - `describe()`, `differs_by_design()`  the settings it ran with (the row's `strategy_settings`), and why its
                    result cannot be the baseline's;
 - `baseline_parameter_name()` the baseline's name of a parameter a transform renamed (peft's LoRA layer keeps the
@@ -46,7 +48,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, fields
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager, Hashable
 
 import torch
 from torch import nn
@@ -304,6 +306,13 @@ class Strategy:
     def describe(self) -> dict[str, Any]:
         """The settings this strategy ran with, as `name.option -> value` for the result row."""
         return {f"{self.name}.{k}": v for k, v in self.settings.items()}
+
+    def rank_signature(self, rank: int, world: int) -> Hashable | None:
+        """After one rank's step of a sharded case: what rank `rank` of `world` holds differently from the other
+        ranks, as a value that is equal for two ranks only when their steps allocate exactly the same (a prediction
+        then traces one rank of each value, `bench.analysis.fake_engine.tracked_step`); None: not known, that rank
+        is traced on its own. A strategy that does nothing differently per rank returns ()."""
+        return ()
 
     def differs_by_design(self) -> str | None:
         """Why, in the bound case, this strategy cannot give the baseline's result (None: it must match it)."""

@@ -118,6 +118,10 @@ class Composite(Strategy):
         for m in self.members:
             m.end_step(kept)
 
+    def rank_signature(self, rank, world):
+        signatures = [m.rank_signature(rank, world) for m in self.members]
+        return None if any(signature is None for signature in signatures) else tuple(signatures)
+
     def differs_by_design(self):
         reasons = [reason for m in self.members if (reason := m.differs_by_design())]
         return "; ".join(reasons) or None

@@ -16,3 +16,8 @@ class DDP(Sharded):
 
     def prepare_model(self, model, units):
         return data_parallel(model)
+
+    def rank_signature(self, rank, world):
+        """Every rank holds the whole model, its gradients and its optimizer state: ranks differ only by their
+        share of the batch."""
+        return ("samples", self.samples_of_rank(rank, world))

@@ -30,9 +30,21 @@ class FSDP(Sharded):
         from torch.distributed.fsdp import fully_shard
 
         _, world = rank_and_world()
+        self.parameter_rows = [p.shape[0] if p.dim() else 1 for p in model.parameters()]
         mesh = DeviceMesh(self.context.device, list(range(world)))
         for unit in units:
             if any(True for _ in unit.parameters()):
                 fully_shard(unit, mesh=mesh)
         fully_shard(model, mesh=mesh)
         return model
+
+    def rank_signature(self, rank, world):
+        """A rank holds dim-0 chunk `rank` of every parameter (torch.chunk's split, as FSDP2 shards: chunks of
+        ceil(rows / world) rows, the last ones shorter or empty) and its share of the batch; ranks whose chunks
+        and share are all the same size allocate the same."""
+        def rows_of_chunk(rows: int) -> int:
+            chunk = -(-rows // world)
+            return max(0, min(chunk, rows - rank * chunk))
+
+        return ("samples", self.samples_of_rank(rank, world),
+                "rows", tuple(rows_of_chunk(rows) for rows in self.parameter_rows))

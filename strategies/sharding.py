@@ -31,6 +31,7 @@ class Sharded(Strategy):
     phases = ("train",)
     refusals = (r"is sharded training: it needs --ranks 2 or more",)  # tests_cuda_fake/test_sharded_cuda.py runs 2
     distributed = True
+    global_samples = 0  # the step's global batch, once `shard_batch` split it
 
     @classmethod
     def plan_settings(cls, space):
@@ -46,9 +47,19 @@ class Sharded(Strategy):
         """This rank's slice of the global batch; an uneven split gives the first ranks one sample more (as
         `torch.tensor_split` does), and then the gradients weigh samples unequally: the row will not match."""
         rank, world = rank_and_world()
+        self.global_samples = len(batch[1])
         if len(batch[1]) < world:
             raise Unsupported(f"batch {len(batch[1])} is smaller than the {world} ranks")
         return tree_map(lambda t: torch.tensor_split(t, world)[rank] if isinstance(t, torch.Tensor) else t, batch)
+
+    def samples_of_rank(self, rank: int, world: int) -> int:
+        """How many samples of the step's global batch rank `rank` trains on (`shard_batch`'s split)."""
+        samples = self.global_samples
+        return samples // world + (1 if rank < samples % world else 0)
+
+    def rank_signature(self, rank, world):
+        """None (each rank traced on its own): a subclass whose ranks differ only by what they hold says what."""
+        return None
 
     def reduce_loss(self, loss):
         """The mean of the ranks' losses; the number travels on the case's device, since NCCL (CUDA's backend)

@@ -48,6 +48,9 @@ class TrackedStep:
     # what the step's backward recomputed (`strategies.composite.recompute_plan_of`); none without a backward
     recompute_plan: str = "none"
     offload_host_peak_bytes: int | None = None  # host memory an offloading strategy's copies held at most
+    # a sharded step: each rank's `rank_signature` (known once one rank ran), and the ranks actually traced
+    rank_signatures: tuple | None = None
+    ranks_traced: tuple[int, ...] = ()
 
 
 class UsesAutocast(Exception):
@@ -80,7 +83,7 @@ def bound_device(engine: str) -> str:
 
 def tracked_step(case, spec: str, engine: str = "fake", block_bytes: int = 1, cuda_autocast: bool = True,
                  ranks: int = 1, record_events: bool = False, warmup_steps: int | None = None,
-                 planned=None, capability: tuple[int, int] | None = None) -> TrackedStep:
+                 planned=None, capability: tuple[int, int] | None = None, every_rank: bool = False) -> TrackedStep:
     """One steady-state step of `case` tracked on `engine` (fake-cuda, fake, meta or cpu: the case's device is
     ignored but by fake-cuda, which needs a fake CUDA device in this process); for a sharded strategy, the rank with
     the largest peak of its `ranks` ranks, each run in turn in this process as that rank of PyTorch's fake process
@@ -88,16 +91,16 @@ def tracked_step(case, spec: str, engine: str = "fake", block_bytes: int = 1, cu
     does not; shards of the batch and of parameters differ by rank). `planned`: the strategy bound to the
     engine's device whose `plan()` has run (a checkpoint budget's plan), used as it is. On fake-cuda each call of
     scaled_dot_product_attention runs the kernel CUDA would choose on a device of `capability` (default: the device
-    torch sees; `bench.measure.sdpa_kernel`), named in the step's `sdpa_kernel`."""
+    torch sees; `bench.measure.sdpa_kernel`), named in the step's `sdpa_kernel`.
+
+    Of a sharded strategy's ranks, one of each `rank_signature` is traced (ranks that hold chunks and batch shares of
+    the same sizes allocate the same: tests/test_rank_signature.py compares with every rank traced, to the byte);
+    `every_rank` traces them all. The step says which ranks ran (`ranks_traced`)."""
     device = bound_device(engine)
     strategy = planned if planned is not None else bind_case(replace(case, strategy=spec, device=device), ranks)[0]
     if strategy.distributed and not in_rank_process():
-        steps = []
-        for rank in range(ranks):  # on fake-cuda the group, as NCCL, serves CUDA tensors only
-            with fake_process_group(ranks, rank, device="cuda" if device == "cuda" else None):
-                steps.append(tracked_step(case, spec, engine, block_bytes, cuda_autocast, ranks, record_events,
-                                          warmup_steps, capability=capability))
-        return max(steps, key=lambda step: step.peak_bytes)
+        return _largest_rank(case, spec, engine, block_bytes, cuda_autocast, ranks, record_events, warmup_steps,
+                             capability, device, every_rank)
     if cuda_autocast and engine != "fake-cuda":
         strategy.forward = _cuda_like_forward(strategy, engine)
     tracker = breakdown.CategorizedTracker("meta" if engine == "meta" else device, block_bytes=block_bytes,
@@ -123,12 +126,37 @@ def tracked_step(case, spec: str, engine: str = "fake", block_bytes: int = 1, cu
                                             cpu_kernels=not cuda_autocast, **options)
             else:
                 measured = memory_pass(replace(case, device=engine), strategy, tracker=tracker, **options)
+    signatures = tuple(strategy.rank_signature(rank, ranks) for rank in range(ranks)) if in_rank_process() else None
     return TrackedStep(int(measured["peak_mem_bytes"]), tracker.events if record_events else None, engine, tracker,
                        dict(tracker.peak_by_category),
                        (attention.summary() or None) if attention is not None else None,
                        cpu_attention.calls if cpu_attention is not None else 0,
                        recompute_plan_of(strategy) if case.phase == "train" else "none",
-                       strategy.columns().get("offload_host_peak_bytes"))
+                       strategy.columns().get("offload_host_peak_bytes"), signatures)
+
+
+def _largest_rank(case, spec: str, engine: str, block_bytes: int, cuda_autocast: bool, ranks: int,
+                  record_events: bool, warmup_steps: int | None, capability, device: str,
+                  every_rank: bool) -> TrackedStep:
+    """The step of the rank with the largest peak, each rank run in turn in this process as that rank of PyTorch's
+    fake process group (on fake-cuda the group, as NCCL, serves CUDA tensors only); a rank whose signature an
+    earlier rank had is not run again (see `tracked_step`)."""
+    traced: dict = {}  # rank signature -> the step of the first rank that had it
+    signatures: tuple | None = None
+    steps, ran = [], []
+    for rank in range(ranks):
+        signature = signatures[rank] if signatures is not None else None
+        if not every_rank and signature is not None and signature in traced:
+            continue
+        with fake_process_group(ranks, rank, device="cuda" if device == "cuda" else None):
+            step = tracked_step(case, spec, engine, block_bytes, cuda_autocast, ranks, record_events,
+                                warmup_steps, capability=capability)
+        signatures = signatures or step.rank_signatures
+        if signatures is not None and signatures[rank] is not None:
+            traced.setdefault(signatures[rank], step)
+        steps.append(step)
+        ran.append(rank)
+    return replace(max(steps, key=lambda step: step.peak_bytes), ranks_traced=tuple(ran))
 
 
 def _file_logits(session, tracker: breakdown.CategorizedTracker) -> None:

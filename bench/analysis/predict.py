@@ -101,6 +101,8 @@ def predict_case(case, engine: str = "auto", ranks: int = 1, capability: tuple[i
                                              capability=capability)
         if case.device == "cuda" and step.cpu_sdpa_calls:
             notes.append(CPU_ATTENTION_NOTE)
+        if strategy.distributed and 0 < len(step.ranks_traced) < ranks:
+            notes.append(ranks_traced_note(step.ranks_traced, ranks))
         row.update(engine=name, message="; ".join(notes), sdpa_kernel=step.sdpa_kernel,
                    recompute_plan=step.recompute_plan, offload_host_peak_bytes=step.offload_host_peak_bytes)
         _fill_figures(row, step, capability, notes)
@@ -184,6 +186,13 @@ def _first_engine_that_runs(case, spec: str, engines: list[str], planned: dict, 
             why = "autocast" if isinstance(error, UsesAutocast) else type(error).__name__
             notes.append(f"{name} engine failed ({why}): ran on the {engines[engines.index(name) + 1]}")
     raise AssertionError("no engine to run")  # `_engines` never returns an empty list
+
+
+def ranks_traced_note(traced: tuple[int, ...], ranks: int) -> str:
+    """What a sharded row says when fewer ranks than `ranks` were traced (`fake_engine.tracked_step`)."""
+    names = ", ".join(map(str, traced))
+    return (f"rank{'s' if len(traced) > 1 else ''} {names} traced: the other {ranks - len(traced)} hold chunks and "
+            "batch shares of the same sizes as one of them")
 
 
 def _fill_figures(row: Row, step: TrackedStep, capability: tuple[int, int] | None, notes: list[str]) -> None:
