@@ -56,3 +56,20 @@ def test_the_predict_row_says_which_ranks_were_traced():
     row = predict_case(replace(_case(EVEN, "fsdp", 8), device="cpu"), engine="cpu", ranks=4)
     assert row["status"] == "ok", row
     assert "rank 0 traced: the other 3 hold chunks and batch shares of the same sizes" in row["message"]
+
+
+def test_predict_never_falls_back_to_a_real_step_of_a_model_the_machine_cannot_hold(monkeypatch):
+    """DDP's reducer cannot run on fake tensors: its prediction is a real CPU step, refused where the weights,
+    gradients and AdamW's state alone exceed the free memory (a full-size model), run where explicitly asked."""
+    from bench.measure import resident
+
+    case = _case(EVEN, "ddp", 4)
+    monkeypatch.setattr(resident, "available_bytes", lambda: 1000)
+    refused = predict_case(case, engine="auto", ranks=2)
+    assert refused["status"] == "unsupported", refused
+    assert "a real CPU step instead would hold at least" in refused["message"]
+    assert "more than the 1000 B this machine has free: not run" in refused["message"]
+    asked = predict_case(case, engine="cpu", ranks=2)
+    assert asked["status"] == "ok" and asked["predicted_bytes"] > 0, asked
+    monkeypatch.setattr(resident, "available_bytes", lambda: 1 << 40)
+    assert predict_case(case, engine="auto", ranks=2)["predicted_bytes"] == asked["predicted_bytes"]

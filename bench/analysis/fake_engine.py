@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from dataclasses import dataclass, field, replace
+from typing import Any, Callable
 
 import torch
 
@@ -51,6 +52,7 @@ class TrackedStep:
     # a sharded step: each rank's `rank_signature` (known once one rank ran), and the ranks actually traced
     rank_signatures: tuple | None = None
     ranks_traced: tuple[int, ...] = ()
+    rank: int | None = None  # a sharded step: the rank it is (the largest peak of those traced)
 
 
 class UsesAutocast(Exception):
@@ -83,7 +85,8 @@ def bound_device(engine: str) -> str:
 
 def tracked_step(case, spec: str, engine: str = "fake", block_bytes: int = 1, cuda_autocast: bool = True,
                  ranks: int = 1, record_events: bool = False, warmup_steps: int | None = None,
-                 planned=None, capability: tuple[int, int] | None = None, every_rank: bool = False) -> TrackedStep:
+                 planned=None, capability: tuple[int, int] | None = None, every_rank: bool = False,
+                 rank_strategy: Callable[[int], Any] | None = None) -> TrackedStep:
     """One steady-state step of `case` tracked on `engine` (fake-cuda, fake, meta or cpu: the case's device is
     ignored but by fake-cuda, which needs a fake CUDA device in this process); for a sharded strategy, the rank with
     the largest peak of its `ranks` ranks, each run in turn in this process as that rank of PyTorch's fake process
@@ -95,12 +98,13 @@ def tracked_step(case, spec: str, engine: str = "fake", block_bytes: int = 1, cu
 
     Of a sharded strategy's ranks, one of each `rank_signature` is traced (ranks that hold chunks and batch shares of
     the same sizes allocate the same: tests/test_rank_signature.py compares with every rank traced, to the byte);
-    `every_rank` traces them all. The step says which ranks ran (`ranks_traced`)."""
+    `every_rank` traces them all. The step says which ranks ran (`ranks_traced`) and which it is (`rank`);
+    `rank_strategy(rank)`, where given, makes the strategy each rank runs (bound and planned, as `planned`)."""
     device = bound_device(engine)
     strategy = planned if planned is not None else bind_case(replace(case, strategy=spec, device=device), ranks)[0]
     if strategy.distributed and not in_rank_process():
         return _largest_rank(case, spec, engine, block_bytes, cuda_autocast, ranks, record_events, warmup_steps,
-                             capability, device, every_rank)
+                             capability, device, every_rank, rank_strategy)
     if cuda_autocast and engine != "fake-cuda":
         strategy.forward = _cuda_like_forward(strategy, engine)
     tracker = breakdown.CategorizedTracker("meta" if engine == "meta" else device, block_bytes=block_bytes,
@@ -137,7 +141,7 @@ def tracked_step(case, spec: str, engine: str = "fake", block_bytes: int = 1, cu
 
 def _largest_rank(case, spec: str, engine: str, block_bytes: int, cuda_autocast: bool, ranks: int,
                   record_events: bool, warmup_steps: int | None, capability, device: str,
-                  every_rank: bool) -> TrackedStep:
+                  every_rank: bool, rank_strategy: Callable[[int], Any] | None) -> TrackedStep:
     """The step of the rank with the largest peak, each rank run in turn in this process as that rank of PyTorch's
     fake process group (on fake-cuda the group, as NCCL, serves CUDA tensors only); a rank whose signature an
     earlier rank had is not run again (see `tracked_step`)."""
@@ -150,7 +154,9 @@ def _largest_rank(case, spec: str, engine: str, block_bytes: int, cuda_autocast:
             continue
         with fake_process_group(ranks, rank, device="cuda" if device == "cuda" else None):
             step = tracked_step(case, spec, engine, block_bytes, cuda_autocast, ranks, record_events,
-                                warmup_steps, capability=capability)
+                                warmup_steps, planned=rank_strategy(rank) if rank_strategy else None,
+                                capability=capability)
+        step.rank = rank
         signatures = signatures or step.rank_signatures
         if signatures is not None and signatures[rank] is not None:
             traced.setdefault(signatures[rank], step)
@@ -168,6 +174,29 @@ def _file_logits(session, tracker: breakdown.CategorizedTracker) -> None:
         kept = session.kept.get("predicted")
         if isinstance(kept, torch.Tensor) and kept.dim() >= 2 and kept.shape[-1] == head.out_features:
             tracker.recategorize([kept], breakdown.LOGITS)
+
+
+# the least a training step holds per byte of weights: the weights, their gradients and AdamW's two moments
+TRAINING_BYTES_PER_WEIGHT_BYTE = 4
+
+
+def real_step_refusal(workload, phase: str) -> str | None:
+    """Why a real CPU step of `workload`'s model must not run where the fake engines cannot run a strategy: its
+    weights (with their gradients and AdamW's two moments in training), counted on a model that holds no memory,
+    exceed the memory this machine can give now (MemAvailable); None where it may run or nothing says otherwise."""
+    from bench.core.units import format_size
+    from bench.measure.resident import available_bytes
+
+    free = available_bytes()
+    if workload is None or free is None:
+        return None
+    weights = sum(p.numel() * p.element_size() for p in workload.model_structure().parameters())
+    needed = weights * (TRAINING_BYTES_PER_WEIGHT_BYTE if phase == "train" else 1)
+    if needed <= free:
+        return None
+    held = "weights, gradients and AdamW's state" if phase == "train" else "weights"
+    return (f"a real CPU step instead would hold at least {format_size(needed)} ({held}), more than the "
+            f"{format_size(free)} this machine has free: not run")
 
 
 def tracked_peak(case, spec: str, engine: str = "fake", block_bytes: int = CUDA_BLOCK_BYTES,

@@ -22,7 +22,8 @@ import torch
 
 from bench.analysis.fake_cuda_worker import run_in_fake_cuda
 from bench.analysis.fake_engine import (
-    PredictionMeter, TrackedStep, UsesAutocast, bound_device, cublas_workspace, device_capability, tracked_step,
+    PredictionMeter, TrackedStep, UsesAutocast, bound_device, cublas_workspace, device_capability, real_step_refusal,
+    tracked_step,
 )
 from bench.core.errors import Unsupported, UsageError
 from bench.core.results import PREDICT, Status
@@ -98,7 +99,7 @@ def predict_case(case, engine: str = "auto", ranks: int = 1, capability: tuple[i
         row["message"] = "; ".join(notes)
         name, step = _first_engine_that_runs(case, row["strategy"], engines, planned, ranks, notes,
                                              record_events=case.device == "cuda" or snapshot_dir is not None,
-                                             capability=capability)
+                                             capability=capability, auto=engine == "auto")
         if case.device == "cuda" and step.cpu_sdpa_calls:
             notes.append(CPU_ATTENTION_NOTE)
         if strategy.distributed and 0 < len(step.ranks_traced) < ranks:
@@ -167,11 +168,16 @@ def _notes_before_the_step(strategy, planned: dict, ranks: int) -> list[str]:
 
 def _first_engine_that_runs(case, spec: str, engines: list[str], planned: dict, ranks: int,
                             notes: list[str], record_events: bool = False,
-                            capability: tuple[int, int] | None = None) -> tuple[str, TrackedStep]:
+                            capability: tuple[int, int] | None = None, auto: bool = True
+                            ) -> tuple[str, TrackedStep]:
     """(engine, its tracked step) of the first of `engines` that runs the case, each failure before it added to
     `notes`; _NoPrediction when the strategy does not fit the model (no engine can run it) or the last one fails."""
     cuda = case.device == "cuda"
     for name in engines:
+        refusal = real_step_refusal(planned["cpu"].context.workload, case.phase) if name == "cpu" and auto else None
+        if refusal is not None:  # no real step of a model this machine cannot hold, unless --engine cpu asks for it
+            raise _NoPrediction(Status.UNSUPPORTED, "; ".join(
+                [note.replace(": ran on the cpu", "") for note in notes] + [refusal]))
         try:
             return name, tracked_step(case, spec, name, 1, cuda_autocast=cuda, ranks=ranks,
                                       record_events=record_events,
