@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch._subclasses import fake_tensor
@@ -62,6 +62,10 @@ class PlanRequest:
     max_candidates: int = DEFAULT_MAX_CANDIDATES
     max_search_s: float = DEFAULT_MAX_SEARCH_S  # no candidate starts after this many seconds of search
     jobs: int = 1  # processes evaluating candidates at once (`bench.analysis.plan_search`)
+    # `plan --max-ranks` at 2 ranks or more: only candidates with a sharded member run, the others' rows (which
+    # --ranks does not change) come from the plan on one GPU, in `known_rows`
+    sharded_only: bool = False
+    known_rows: list = field(default_factory=list)
 
     def case(self, spec: str) -> Case:
         return Case(self.workload, spec, "train", self.batch_size, self.device, data=self.data)

@@ -40,6 +40,7 @@ from bench.analysis.fake_cuda_worker import run_in_fake_cuda
 from bench.core.results import PLAN, Status
 from bench.core.schema import Row
 from bench.measure import fake_cuda
+from strategies import STRATEGIES
 from strategies.base import PlanSpace
 
 # a combination is tried when each of its members, alone, saved memory (1%) or time (0.5%) against the baseline: a
@@ -164,6 +165,9 @@ class _Queue:
         self.rank = _declaration_rank(accepted)
         self.context = context
         self.rows: dict[str, Row | None] = {}  # spec -> row (None while it runs), in the order they started
+        # rows another search found, which this one does not run again (`PlanRequest.known_rows`)
+        self.known = {row["strategy"]: PLAN.row(row) for row in request.known_rows}
+        self.rows.update(self.known)
         self.combined: dict[frozenset, tuple[tuple, str | None]] = {}  # member specs -> (members, spec or None)
 
     def base(self) -> Row | None:
@@ -217,13 +221,14 @@ class _Queue:
             return "baseline", 0
         base, ready = self.base(), []
         for setting in self.accepted:
-            if setting.spec not in self.rows:
+            if setting.spec not in self.rows and self._may_run((setting,)):
                 ready.append(((1 if self.rank[setting.spec] == 0 else 3, self.rank[setting.spec], 0.0),
                               setting.spec, 1))
         if base is not None and base["status"] == Status.OK.value and base["judged_bytes"]:
             fastest = self._fastest_fitting()
             for members, spec in self.combinations():
-                if spec in self.rows or (len(members) > 2 and not self._pairs_ran(members)):
+                if spec in self.rows or (len(members) > 2 and not self._pairs_ran(members)) \
+                        or not self._may_run(members):
                     continue
                 memory = math.prod(_ratio(self.rows[m.spec], base, "judged_bytes") for m in members)
                 speed = math.prod(_ratio(self.rows[m.spec], base, "est_step_time_ms") for m in members)
@@ -238,6 +243,15 @@ class _Queue:
         _, spec, members = min(ready, key=lambda item: item[0])
         return spec, members
 
+    def _may_run(self, members: tuple) -> bool:
+        """Whether a candidate of `members` is this search's to run: any, but for a search of sharded candidates only
+        (`PlanRequest.sharded_only`), where one member must be sharded."""
+        return not self.request.sharded_only or any(STRATEGIES.get(m.strategy).distributed for m in members)
+
+    def tried(self) -> int:
+        """The candidates this search started (not those it knew from another)."""
+        return len(self.rows) - len(self.known)
+
     def _fastest_fitting(self) -> float:
         """The estimated time of the fastest candidate that ran, fits and may be the answer (inf: none yet)."""
         return min((row["est_step_time_ms"] for row in self.rows.values()
@@ -246,8 +260,9 @@ class _Queue:
                     and (self.request.allow_different or not row["differs_by_design"])), default=math.inf)
 
     def untried(self) -> tuple[list[str], list[str]]:
-        settings = [s.spec for s in self.accepted if s.spec not in self.rows]
-        combinations = [spec for _, spec in self.combinations() if spec not in self.rows]
+        settings = [s.spec for s in self.accepted if s.spec not in self.rows and self._may_run((s,))]
+        combinations = [spec for members, spec in self.combinations()
+                        if spec not in self.rows and self._may_run(members)]
         return settings, combinations
 
 
@@ -283,7 +298,7 @@ def search(request: plan.PlanRequest, progress: Callable[[str], None] = lambda t
                 pool = _executor(jobs)
             while len(running) < (1 if isinstance(pool, _Inline) else jobs):
                 late = queue.rows and time.monotonic() - started > request.max_search_s
-                full = len(queue.rows) >= request.max_candidates
+                full = queue.tried() >= request.max_candidates
                 if late or full:
                     stopped = stopped or (TIME if late else COUNT)
                     break
@@ -292,7 +307,7 @@ def search(request: plan.PlanRequest, progress: Callable[[str], None] = lambda t
                     break
                 spec, members = candidate
                 queue.rows[spec] = None
-                progress(f"[{len(queue.rows)}/{request.max_candidates} at most, {time.monotonic() - started:.0f} s] "
+                progress(f"[{queue.tried()}/{request.max_candidates} at most, {time.monotonic() - started:.0f} s] "
                          f"{spec} ...")
                 running[pool.submit(_evaluate, as_json, spec, members)] = spec
             if not running:
@@ -311,9 +326,10 @@ def search(request: plan.PlanRequest, progress: Callable[[str], None] = lambda t
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
     elapsed = time.monotonic() - started
-    rows = [row for row in queue.rows.values() if row is not None]
+    rows = [row for spec, row in queue.rows.items() if row is not None and spec not in queue.known]
     for item in refused:
-        if item.spec not in queue.rows:
+        if item.spec not in queue.rows and (not request.sharded_only
+                                            or STRATEGIES.get(item.spec.split(":")[0]).distributed):
             row = plan.empty_row(request, item.spec, 1)
             row.update(status=Status.UNSUPPORTED.value, message=item.reason)
             rows.append(row)
@@ -321,7 +337,7 @@ def search(request: plan.PlanRequest, progress: Callable[[str], None] = lambda t
     if stopped and not untried_settings and not untried_combinations:
         stopped = None  # it stopped when nothing was left to try
     return Searched(rows, stopped, untried_settings, untried_combinations,
-                    elapsed / max(1, len(queue.rows)), jobs, len(queue.rows))
+                    elapsed / max(1, queue.tried()), jobs, queue.tried())
 
 
 def search_where_cuda_runs(request: plan.PlanRequest, progress: Callable[[str], None]) -> tuple[Searched, str]:

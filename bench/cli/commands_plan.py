@@ -11,6 +11,7 @@ from bench.analysis import plan, plan_cost, plan_search
 from bench.analysis.fake_engine import has_gpu
 from bench.cli import interrupt
 from bench.cli.arguments import analysis_device, one_batch_size, size_option
+from bench.cli.commands_plan_ranks import plan_ranks_command
 from bench.cli.commands_analysis import _batch_size_text, _workload_and_data, uses_threads
 from bench.cli.console import status
 from bench.core import gpus
@@ -28,6 +29,14 @@ def _request(args) -> tuple[plan.PlanRequest, str]:
     gpu = gpus.find_gpu(args.gpu) if args.gpu else None
     device = analysis_device(args.device or ("cuda" if gpu else "cpu"))
     check_ranks(args.ranks, None)
+    if args.max_ranks is not None:
+        check_ranks(args.max_ranks, None)
+        if args.ranks > 1:
+            raise UsageError(f"give --ranks {args.ranks} (a plan for that many) or --max-ranks {args.max_ranks} (the "
+                             "fewest GPUs), not both")
+        if args.confirm or args.confirm_front:
+            raise UsageError("--max-ranks answers from predictions: measure its answer with the compare command it "
+                             "prints (drop --confirm)")
     if gpu and device != "cuda":
         raise UsageError(f"--gpu {args.gpu} plans for CUDA: drop --device {device} (or give --budget for the CPU)")
     if device == "cuda" and gpu is None:
@@ -68,6 +77,8 @@ def cmd_plan(args) -> int:
         print(gpus.format_gpus())
         return 0
     request, how = _request(args)
+    if args.max_ranks is not None:
+        return plan_ranks_command(args, request, how)
     out = check_output_dir(args.out, "--out")
     interrupt.set_note("interrupted: nothing was written (plan writes its table when the search is done)")
     started, cpu_started = time.monotonic(), _cpu_seconds()

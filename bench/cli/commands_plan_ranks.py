@@ -1,0 +1,90 @@
+"""`plan --max-ranks N`: the fewest GPUs on which some plan fits, the plan, and what each GPU count reached."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from bench.analysis import plan, plan_ranks
+from bench.cli import interrupt
+from bench.cli.console import status
+from bench.core.results import PLAN, new_run_id, write_table
+from bench.core.units import MiB, format_size
+from bench.run.preflight import check_output_dir
+
+
+def _mib(value) -> str:
+    return "-" if value is None else f"{value / MiB:,.1f}"
+
+
+def _ms(value) -> str:
+    return "-" if value is None else f"{value:,.0f}"
+
+
+def plan_ranks_command(args, request: plan.PlanRequest, how: str) -> int:
+    """Each rank count's search from one up, the answer (the fewest ranks and its plan), the CSV of every candidate;
+    exit 1 when no rank count up to --max-ranks has a plan that fits."""
+    out = check_output_dir(args.out, "--out")
+    interrupt.set_note("interrupted: nothing was written (plan writes its table when the search is done)")
+    started = time.monotonic()
+    counts = plan_ranks.fewest_ranks(request, args.max_ranks, status)
+    rows = [row for count in counts for row in count.searched.rows]
+    csv_path = out / f"plan-{new_run_id(request.device)}.csv"
+    write_table(PLAN, rows, csv_path)
+    print(_per_rank_count(request, how, counts, time.monotonic() - started, args.max_ranks))
+    answered = counts[-1] if counts and counts[-1].answer is not None else None
+    print(_answer(request, answered, counts))
+    print(f"\nwrote {csv_path} (every candidate of every rank count; column ranks)")
+    return 0 if answered else 1
+
+
+def _per_rank_count(request: plan.PlanRequest, how: str, counts: list, seconds: float, max_ranks: int) -> str:
+    lines = [f"how many GPUs: {request.workload}, global batch {request.batch_size}, training, on {request.target}",
+             f"  limit per GPU {format_size(request.limit_bytes)} ({request.limit_bytes:,} B): {how}",
+             f"  {sum(c.searched.tried for c in counts)} candidates in {seconds:.0f} s; at 2 ranks and more only "
+             "those with a sharded member (ddp, zero1, fsdp), each rank predicted in one process",
+             "",
+             f"  {'ranks':>5} {'tried':>5}  {'smallest per GPU':<48} {'the front (judged MiB / est. ms)'}",
+             "  " + "-" * 110]
+    for count in counts:
+        smallest = count.smallest
+        small = "-" if smallest is None else f"{_mib(smallest['judged_bytes'])} MiB {smallest['strategy']}"
+        front = sorted((r for r in count.searched.rows if r["on_front"]), key=lambda r: r["est_step_time_ms"])
+        shown = ", ".join(f"{r['strategy']} {_mib(r['judged_bytes'])}/{_ms(r['est_step_time_ms'])}"
+                          + (" <- answer" if r["answer"] else "") for r in front[:3])
+        more = f" and {len(front) - 3} more" if len(front) > 3 else ""
+        cut = "; cut short" if count.searched.stopped else ""
+        lines.append(f"  {count.ranks:>5} {count.searched.tried:>5}  {small:<48} {shown or '-'}{more}{cut}")
+        if count.note:
+            lines.append(f"        note: {count.note}")
+    if max_ranks > request.batch_size:
+        lines.append(f"  ranks beyond {request.batch_size} not tried: --batch-size is the global batch, split "
+                     "across the ranks (a larger one tries more)")
+    return "\n".join(lines)
+
+
+def _answer(request: plan.PlanRequest, answered, counts: list) -> str:
+    if answered is None:
+        last = counts[-1] if counts else None
+        cut = any(c.searched.stopped for c in counts)
+        found = ("" if last is None or last.smallest is None else
+                 f"; the smallest on {last.ranks}: {format_size(last.smallest['judged_bytes'])} with "
+                 f"{last.smallest['strategy']}")
+        return (f"\nno plan tried fits {format_size(request.limit_bytes)} per GPU on up to "
+                f"{counts[-1].ranks if counts else 0} GPUs{found}"
+                + ("\n  (some searches were cut short: --max-search-s or --max-candidates tries more)" if cut else ""))
+    row = answered.answer
+    gpus = f"{answered.ranks} GPU{'s' if answered.ranks > 1 else ''}"
+    lines = [f"\nanswer: {gpus}, with {row['strategy']}: {_mib(row['judged_bytes'])} MiB predicted per GPU of "
+             f"{_mib(request.limit_bytes)} MiB, estimated {_ms(row['est_step_time_ms'])} ms per step"
+             + (" (the largest rank's compute; communication not modelled)" if answered.ranks > 1 else "")]
+    if answered.searched.stopped:
+        lines.append("  (its search was cut short: a faster plan on as many GPUs may exist)")
+    fewer = [c.ranks for c in counts[:-1] if c.searched.stopped]
+    if fewer:
+        lines.append(f"  (the searches on {', '.join(map(str, fewer))} rank(s) were cut short before trying every "
+                     "candidate: fewer GPUs may do; --max-search-s or --max-candidates tries more)")
+    from bench.cli.commands_plan import compare_command
+
+    lines.append(f"measure it: {compare_command(replace(request, ranks=answered.ranks), row['strategy'])}")
+    return "\n".join(lines)
