@@ -66,8 +66,19 @@ def test_no_more_ranks_than_the_global_batch_has_samples():
     (["--ranks", "2", "--max-ranks", "4"], "--ranks 2"),
     (["--max-ranks", "4", "--confirm"], "--confirm"),
     (["--max-ranks", "1000000"], "--ranks 1,000,000"),
+    (["--strategies", "checkpoint,nope"], "'nope'"),
+    (["--strategies", "pitfall_loss_sum"], "never tries it"),
 ])
 def test_bad_max_ranks_is_one_line_and_exit_2(argv, named, capsys):
     code = main(["plan", "--workload", WORKLOAD, "--budget", "1MiB", "--device", "cpu", *argv])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and named in err, err
+
+
+def test_strategies_restrict_the_candidates_to_their_settings_and_combinations():
+    request = dataclasses.replace(_request(2**40), ranks=2, strategies=["fsdp", "checkpoint"], max_candidates=6)
+    rows = plan_search.search(request).rows
+    ran = {r["strategy"] for r in rows}
+    assert "fsdp" in ran and any(spec.startswith("checkpoint") for spec in ran)
+    members = {m.split(":")[0] for spec in ran for m in spec.split("+")}
+    assert members <= {"baseline", "fsdp", "checkpoint"}, members

@@ -66,6 +66,7 @@ class PlanRequest:
     # --ranks does not change) come from the plan on one GPU, in `known_rows`
     sharded_only: bool = False
     known_rows: list = field(default_factory=list)
+    strategies: list = field(default_factory=list)  # the strategies whose settings are candidates (empty: every one)
 
     def case(self, spec: str) -> Case:
         return Case(self.workload, spec, "train", self.batch_size, self.device, data=self.data)

@@ -284,6 +284,9 @@ def search(request: plan.PlanRequest, progress: Callable[[str], None] = lambda t
     # a budget plan of checkpointing gets the limit less the context: its plan is judged on predicted peaks
     space = PlanSpace(context, max(1, request.limit_bytes - request.context_bytes))
     accepted, refused = plan_candidates.settings(space)
+    if request.strategies:  # `plan --strategies`: the candidates are these strategies' settings and combinations
+        accepted = [s for s in accepted if s.strategy in request.strategies]
+        refused = [r for r in refused if r.spec.split(":")[0] in request.strategies]
     queue = _Queue(request, accepted, context)
     jobs = max(1, request.jobs)
     started, stopped = time.monotonic(), None

@@ -7,7 +7,7 @@ import math
 import os
 import time
 
-from bench.analysis import plan, plan_cost, plan_search
+from bench.analysis import plan, plan_candidates, plan_cost, plan_search
 from bench.analysis.fake_engine import has_gpu
 from bench.cli import interrupt
 from bench.cli.arguments import analysis_device, one_batch_size, size_option
@@ -22,6 +22,7 @@ from bench.measure import cpu_16bit, env
 from bench.measure.op_cost import measure_cpu_speed
 from bench.report.pareto_charts import chart_plan
 from bench.run.preflight import check_output_dir, check_ranks
+from strategies import STRATEGIES
 
 
 def _request(args) -> tuple[plan.PlanRequest, str]:
@@ -29,6 +30,7 @@ def _request(args) -> tuple[plan.PlanRequest, str]:
     gpu = gpus.find_gpu(args.gpu) if args.gpu else None
     device = analysis_device(args.device or ("cuda" if gpu else "cpu"))
     check_ranks(args.ranks, None)
+    strategies = _candidate_strategies(args)
     if args.max_ranks is not None:
         check_ranks(args.max_ranks, None)
         if args.ranks > 1:
@@ -66,8 +68,22 @@ def _request(args) -> tuple[plan.PlanRequest, str]:
     request = plan.PlanRequest(workload, data, batch, device, gpu.name if gpu else "this CPU", limit, context,
                                plan_cost.to_json(figures), args.ranks, gpu.capability if gpu else None,
                                args.allow_different, args.max_candidates, args.max_search_s,
-                               args.jobs or plan_search.default_jobs())
+                               args.jobs or plan_search.default_jobs(), strategies=strategies)
     return request, how
+
+
+def _candidate_strategies(args) -> list[str]:
+    """`--strategies`: names the planner tries (each a registered strategy it does not exclude), checked."""
+    if not args.strategies:
+        return []
+    names = [name.strip() for name in args.strategies.split(",") if name.strip()]
+    excluded = plan_candidates.excluded_strategies()
+    for name in names:
+        STRATEGIES.get(name)  # an unknown name: one line with the valid choices
+        if name in excluded:
+            raise UsageError(f"--strategies {name}: the planner never tries it ({excluded[name]}); valid choices: "
+                             f"{', '.join(n for n in STRATEGIES.names() if n not in excluded and n != 'baseline')}")
+    return names
 
 
 @uses_threads

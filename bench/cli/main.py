@@ -187,6 +187,9 @@ def _add_plan_parser(sub) -> None:
                    help=f"fraction of the limit kept free (default {gpus.DEFAULT_HEADROOM:g})")
     p.add_argument("--ranks", type=positive_int, default=1,
                    help="plan for N ranks: the sharded strategies become candidates (default 1)")
+    p.add_argument("--strategies", default=None,
+                   help="comma list: only these strategies' settings and their combinations are candidates (default: "
+                        "every strategy the planner tries)")
     p.add_argument("--max-ranks", type=positive_int, default=None,
                    help="how many GPUs: plan on 1, 2, ... up to N ranks and answer the fewest on which some plan "
                         "fits (default: off, plan for --ranks)")
