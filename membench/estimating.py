@@ -17,16 +17,17 @@ from workloads import Workload, get_workload
 # predict's columns -> the breakdown's names
 BREAKDOWN = {"weights": "predicted_weights_bytes", "grads": "predicted_grads_bytes",
              "optimizer_state": "predicted_optimizer_state_bytes", "activations": "predicted_activations_bytes",
-             "logits": "predicted_logits_bytes", "other": "predicted_other_bytes"}
+             "logits": "predicted_logits_bytes", "communication": "predicted_communication_bytes",
+             "other": "predicted_other_bytes"}
 
 
 @dataclass
 class Estimate:
     """One predicted step: `allocated_bytes` (torch.cuda.max_memory_allocated on CUDA, the exact live tensor bytes on
     the CPU), `reserved_bytes` (max_memory_reserved; None on the CPU), `breakdown` (bytes at the peak by category:
-    weights, grads, optimizer_state, activations, logits, other), `attention_kernel` (the kernel CUDA would run for
-    scaled_dot_product_attention, on the fake-CUDA engine), `engine`, `status` and `message`; `row` is the whole
-    row of the predict table (`python -m bench predict`'s CSV).
+    weights, grads, optimizer_state, activations, logits, communication, other), `attention_kernel` (the kernel
+    CUDA would run for scaled_dot_product_attention, on the fake-CUDA engine), `engine`, `status` and `message`;
+    `row` is the whole row of the predict table (`python -m bench predict`'s CSV).
 
     Example:
         >>> e = estimate(lambda: torch.nn.Linear(8, 8), (torch.ones(4, 8), torch.zeros(4, 8)),

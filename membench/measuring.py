@@ -18,15 +18,16 @@ from membench.workload import InputError, check_optimizer
 
 # the breakdown's names -> bench.measure.breakdown's columns (the results table's peak_*_bytes)
 BREAKDOWN = {"params": "peak_params_bytes", "grads": "peak_grads_bytes", "optimizer": "peak_optimizer_bytes",
-             "activations": "peak_activations_bytes", "temp": "peak_temp_bytes", "batch": "peak_batch_bytes"}
+             "activations": "peak_activations_bytes", "temp": "peak_temp_bytes", "batch": "peak_batch_bytes",
+             "communication": "peak_communication_bytes"}
 
 
 @dataclass
 class StepMemory:
     """One measured step: `peak_bytes` (exact live tensor bytes on the CPU; torch.cuda.max_memory_allocated on
     CUDA), `reserved_bytes` (max_memory_reserved on CUDA, else None), the stage the peak was in, `breakdown` (bytes
-    at the peak by category, from the exact tracker: params, grads, optimizer, activations, temp, batch; they sum
-    to the tracker's peak), and the snapshot file written for it, if any."""
+    at the peak by category, from the exact tracker: params, grads, optimizer, activations, temp, batch,
+    communication; they sum to the tracker's peak), and the snapshot file written for it, if any."""
 
     index: int
     peak_bytes: int

@@ -1,7 +1,27 @@
-"""FSDP2: parameters, gradients and optimizer state sharded across ranks (`fully_shard` on each unit and the root)."""
+"""FSDP2: parameters, gradients and optimizer state sharded across ranks (`fully_shard` on each unit and the root).
 
+Options: `replicate=R` (hybrid sharding, HSDP: the ranks as an R x N/R mesh, each parameter sharded over the N/R
+ranks of a replica group and replicated across the R groups, whose gradients an all-reduce averages),
+`offload=cpu` (FSDP2's `CPUOffloadPolicy`: the sharded parameters, their gradients and the optimizer state live
+in host memory and the optimizer steps there; the device holds only the units' unsharded parameters in flight;
+CUDA only, since on the CPU the host is the device), `reshard_after_forward=false` (each unit keeps its
+unsharded parameters from its forward to its backward instead of all-gathering them again: more memory, one
+all-gather fewer per unit).
+
+The buffers of its collectives are filed as communication in the breakdown (`bench.core.memory_categories`), where
+FSDP2 allocates them: the flat all-gather output (its `AllGather.allocate`), the flat reduce-scatter input and
+output (`ReduceScatter.allocate`; the output becomes the sharded gradients). The unsharded parameters (each
+parameter's own all-gather output, which the flat buffer is copied into) are weights.
+"""
+
+import time
 import warnings
+import weakref
 
+import torch
+
+from bench.core.errors import Unsupported, UsageError
+from bench.core.memory_categories import COMMUNICATION, WEIGHTS, allocating, file_as, listening
 from strategies.base import register_strategy
 from strategies.sharding import Sharded, rank_and_world
 
@@ -9,42 +29,214 @@ from strategies.sharding import Sharded, rank_and_world
 # break; the runner never modifies a model's output in place, so the warning would only be noise in every run.
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor", category=UserWarning)
 
+OFFLOAD_CHOICES = ("none", "cpu")
+
+
+def _communication_comms():
+    """FSDP2's default all-gather and reduce-scatter, whose buffers are allocated as communication, and whose real
+    collectives end when gloo has let go of them (`_issued_and_released`). Imported here: torch.distributed.fsdp
+    pulls in DTensor, over a second of every CLI start."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+    class Released(dist.Work):
+        """A collective's work whose `wait()` returns once the process group holds none of its tensors."""
+
+        def __init__(self, issue, tensors, group):
+            super().__init__()
+            self.work, self.settle = _issued_and_released(issue, tensors, group)
+
+        def wait(self, timeout=None):
+            done = self.work.wait() if timeout is None else self.work.wait(timeout)
+            self.settle(self)
+            return done
+
+    class CommunicationAllGather(DefaultAllGather):
+        def allocate(self, size, *, dtype, device):
+            with allocating(COMMUNICATION):
+                return super().allocate(size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            issue = lambda output, input: super(CommunicationAllGather, self).__call__(output, input, group,
+                                                                                        async_op=True)
+            released = Released(issue, (output_tensor, input_tensor), group)
+            if async_op:
+                return released
+            released.wait()
+            return None
+
+    class CommunicationReduceScatter(DefaultReduceScatter):
+        def allocate(self, size, *, dtype, device):
+            with allocating(COMMUNICATION):
+                return super().allocate(size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            issue = lambda output, input: super(CommunicationReduceScatter, self).__call__(output, input, group,
+                                                                                            op, async_op=True)
+            released = Released(issue, (output_tensor, input_tensor), group)
+            if async_op:
+                return released
+            released.wait()
+            return None
+
+    return CommunicationAllGather(), CommunicationReduceScatter()
+
+
+SETTLE_SECONDS = 1.0  # the longest a collective's end waits for gloo's thread to let go of its tensors
+
+
+def _issued_and_released(issue, tensors, group):
+    """`issue(*tensors)`'s work, and `settle(released)`, which makes its buffers freed where FSDP2 drops them rather
+    than where gloo's worker thread does.
+
+    gloo's worker holds the work, and with it the tensors it was given, from the moment it marks the work done
+    (which ends `wait()`) until it takes its next one; FSDP2 drops the flat all-gather output right after its
+    copy-out, so whether that buffer lived on into the next unit's all-gather (two flat buffers alive at once:
+    17,920 B more at gpt_mini's peak, in one run of eight on a busy 2-core AMD EPYC) was up to the threads.
+    The work gets aliases of the tensors (views, the same storage) that nothing else holds; `settle` drops this
+    process's reference to the work and waits, at most SETTLE_SECONDS, until those aliases are gone: the work is
+    destroyed, and each buffer is freed where the program drops it, as under PyTorch's fake process group (whose
+    works hold nothing) in a prediction. Only gloo's works are waited for (NCCL's are held by its watchdog
+    thread, which a GPU's figures, max_memory_allocated, do not wait for either)."""
+    import torch.distributed as dist
+
+    if dist.get_backend(group) != "gloo":
+        return issue(*tensors), lambda released: None
+    aliases = [t.view(t.shape) for t in tensors]
+    held = [weakref.ref(alias) for alias in aliases]
+    work = issue(*aliases)
+    del aliases
+
+    def settle(released) -> None:
+        released.work = None  # this process's last reference to the work: gloo's thread may hold another
+        deadline = time.monotonic() + SETTLE_SECONDS
+        while any(ref() is not None for ref in held) and time.monotonic() < deadline:
+            time.sleep(0)
+
+    return work, settle
+
+
+def _file_unsharded_as_weights(module, args):
+    """A forward pre-hook that runs after FSDP2's own (which all-gathers the unit): the unit's parameters are now
+    its unsharded ones (each a view of its own all-gather output, a storage FSDP2 keeps and resizes to nothing
+    between uses), filed as weights from this first forward on."""
+    if listening():  # the units inside it are still sharded (DTensors, their shards weights already)
+        file_as((p for p in module.parameters() if not hasattr(p, "_local_tensor")), WEIGHTS)
+
 
 @register_strategy
 class FSDP(Sharded):
     """`torch.distributed.fsdp.fully_shard` on each of the workload's checkpoint units (that owns parameters) and
     on the root: each rank keeps 1/N of every parameter, gradient and optimizer state, and all-gathers a unit's
     parameters just before it runs (freeing them after), so the peak holds one unit's full weights at a time.
-    Composes with checkpoint and amp. Exact up to float summation order; BatchNorm models do not match."""
+    Options: `replicate` (HSDP replica groups), `offload=cpu` (CUDA), `reshard_after_forward` (module docstring).
+    Composes with checkpoint, amp and lora. Exact up to float summation order; BatchNorm models do not match."""
 
     name = "fsdp"
     description = "FSDP2 fully_shard per checkpoint unit and root: parameters, gradients, optimizer state sharded"
     priority = 70
+    options = {"replicate": 1, "offload": "none", "reshard_after_forward": True}
+    row_columns = ("offload_host_peak_bytes",)  # filled with offload=cpu only
+    refusals = (*Sharded.refusals, r"fsdp:replicate=\d+ does not divide --ranks",
+                r"fsdp:offload=cpu needs device cuda")
 
-    def prepare_model(self, model, units):
-        """`fully_shard` on each unit with parameters, then on the root, over one mesh of the case's device: without
-        `mesh`, FSDP2 takes torch's default accelerator (CUDA wherever torch sees a GPU) and moves the model there,
-        so a `--device cpu` case would train on the GPU."""
-        # imported here: torch.distributed.fsdp pulls in DTensor, over a second of every CLI start
+    def __init__(self, **options):
+        super().__init__(**options)
+        if self.settings["offload"] not in OFFLOAD_CHOICES:
+            raise UsageError(f"fsdp:offload={self.settings['offload']!r}; valid choices: {', '.join(OFFLOAD_CHOICES)}")
+        if self.settings["replicate"] < 1:
+            raise UsageError(f"fsdp:replicate={self.settings['replicate']} must be at least 1 (1: no replica groups)")
+        self.optimizer = None
+        self.host_peak_bytes = 0
+
+    def check(self, context):
+        super().check(context)
+        replicate = self.settings["replicate"]
+        if context.ranks % replicate:
+            valid = [r for r in range(1, context.ranks + 1) if context.ranks % r == 0]
+            raise Unsupported(f"fsdp:replicate={replicate} does not divide --ranks {context.ranks}; valid choices: "
+                              f"{', '.join(map(str, valid))}")
+        if self.settings["offload"] == "cpu" and context.device != "cuda":
+            raise Unsupported(f"fsdp:offload=cpu needs device cuda, not {context.device}: on the CPU the host is the "
+                              "device, so the offload saves nothing")
+
+    def mesh(self):
+        """The ranks as one mesh of the case's device (1-D), or replicate x shard (2-D, HSDP): without a mesh FSDP2
+        takes torch's default accelerator (CUDA wherever torch sees a GPU) and moves the model there, so a
+        `--device cpu` case would train on the GPU."""
         from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import fully_shard
 
         _, world = rank_and_world()
+        replicate = self.settings["replicate"]
+        if replicate == 1:
+            return DeviceMesh(self.context.device, list(range(world)))
+        shard = world // replicate  # nested lists, not a tensor: on fake tensors the mesh's table must be real
+        return DeviceMesh(self.context.device, [[group * shard + i for i in range(shard)] for group in range(replicate)],
+                          mesh_dim_names=("replicate", "shard"))
+
+    def prepare_model(self, model, units):
+        """`fully_shard` on each unit with parameters, then on the root, over `mesh()`; the collectives' buffers
+        and the unsharded parameters filed for the breakdown (module docstring)."""
+        # imported here: torch.distributed.fsdp pulls in DTensor, over a second of every CLI start
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
         self.parameter_rows = [p.shape[0] if p.dim() else 1 for p in model.parameters()]
-        mesh = DeviceMesh(self.context.device, list(range(world)))
-        for unit in units:
-            if any(True for _ in unit.parameters()):
-                fully_shard(unit, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        mesh = self.mesh()
+        offload = (CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.settings["offload"] == "cpu"
+                   else OffloadPolicy())
+        options = {"mesh": mesh, "offload_policy": offload,
+                   "reshard_after_forward": self.settings["reshard_after_forward"]}
+        sharded = [unit for unit in units if any(True for _ in unit.parameters())]
+        for unit in sharded:
+            fully_shard(unit, **options)
+        fully_shard(model, **options)
+        all_gather, reduce_scatter = _communication_comms()
+        for module in (*sharded, model):
+            module.set_custom_all_gather(all_gather)
+            module.set_custom_reduce_scatter(reduce_scatter)
+            module.register_forward_pre_hook(_file_unsharded_as_weights)
         return model
 
+    def wrap_optimizer(self, optimizer, model):
+        """The optimizer as it is; with offload=cpu, its steps are followed by a count of the host memory (the
+        optimizer's state lives there)."""
+        if self.settings["offload"] == "cpu":
+            self.optimizer = optimizer
+            optimizer.register_step_post_hook(lambda *_: self._count_host_bytes())
+        return optimizer
+
+    def _count_host_bytes(self) -> None:
+        self.host_peak_bytes = max(self.host_peak_bytes, self._host_bytes())
+
+    def _host_bytes(self) -> int:
+        """Bytes of host tensors FSDP2 keeps with `offload=cpu`: the sharded parameters, their gradients and the
+        optimizer's state, counted once per storage, right after the optimizer step (all three alive)."""
+        tensors = []
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                tensors += [p, p.grad, *self.optimizer.state.get(p, {}).values()]
+        storages = {}  # a storage's C++ object -> its bytes (fake tensors have no data pointer)
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                t = getattr(t, "_local_tensor", t)
+                if t.device.type == "cpu":
+                    storages[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+        return sum(storages.values())
+
+    def columns(self):
+        return {"offload_host_peak_bytes": self.host_peak_bytes} if self.settings["offload"] == "cpu" else {}
+
     def rank_signature(self, rank, world):
-        """A rank holds dim-0 chunk `rank` of every parameter (torch.chunk's split, as FSDP2 shards: chunks of
-        ceil(rows / world) rows, the last ones shorter or empty) and its share of the batch; ranks whose chunks
-        and share are all the same size allocate the same."""
+        """A rank holds dim-0 chunk `rank` of every parameter over its shard group (torch.chunk's split, as FSDP2
+        shards: chunks of ceil(rows / shards) rows, the last ones shorter or empty; with `replicate` groups, the
+        rank's place in its group) and its share of the batch; ranks whose chunks and share are all the same size
+        allocate the same."""
+        shards = world // self.settings["replicate"]
+        place = rank % shards
+
         def rows_of_chunk(rows: int) -> int:
-            chunk = -(-rows // world)
-            return max(0, min(chunk, rows - rank * chunk))
+            chunk = -(-rows // shards)
+            return max(0, min(chunk, rows - place * chunk))
 
         return ("samples", self.samples_of_rank(rank, world),
                 "rows", tuple(rows_of_chunk(rows) for rows in self.parameter_rows))

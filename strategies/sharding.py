@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_map
 
 from bench.core.errors import Unsupported
+from bench.core.memory_categories import COMMUNICATION, allocating
 from strategies.base import Strategy
 
 
@@ -73,11 +74,24 @@ class Sharded(Strategy):
         return float(total) / world
 
 
+class _DistributedDataParallel(DistributedDataParallel):
+    """DistributedDataParallel whose forward's own work is filed as communication in the breakdown
+    (`bench.core.memory_categories`): `_pre_forward` is where DDP allocates its gradient buckets anew (the reducer
+    rebuilds them in the second iteration's forward, in the order the first backward made the gradients, and frees
+    the first ones, made at construction before any tracker) and broadcasts the module's buffers. The training
+    itself is DistributedDataParallel's."""
+
+    def _pre_forward(self, *inputs, **kwargs):
+        with allocating(COMMUNICATION):
+            return super()._pre_forward(*inputs, **kwargs)
+
+
 def data_parallel(model):
-    """`DistributedDataParallel(model)`; under PyTorch's fake process group (bench.analysis.predict: collectives move no
-    data) a comm hook that returns the gradient bucket as it is stands in for the all-reduce, which would write
-    into that same bucket (the fake group's own all-reduce returns nothing DDP can use)."""
-    wrapped = DistributedDataParallel(model)
+    """`DistributedDataParallel(model)` (its buckets filed as communication: `_DistributedDataParallel`); under
+    PyTorch's fake process group (bench.analysis.predict: collectives move no data) a comm hook that returns the
+    gradient bucket as it is stands in for the all-reduce, which would write into that same bucket (the fake
+    group's own all-reduce returns nothing DDP can use)."""
+    wrapped = _DistributedDataParallel(model)
     if "fake" in dist.get_backend().replace(",", ":").split(":"):  # "fake", or "cuda:fake" (CUDA tensors only)
         def reduced_in_place(state, bucket):
             future = torch.futures.Future()

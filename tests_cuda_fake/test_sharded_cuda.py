@@ -266,3 +266,65 @@ def test_a_rank_process_joins_nccl_on_its_gpu(monkeypatch):
     with pytest.raises(RuntimeError, match="membench fake CUDA"):
         torch.cuda.set_device(1)
     assert torch.cuda.current_device() == 0
+
+
+# --- FSDP2's options on fake CUDA, predicted per rank in this one process (`predict --ranks N --device cuda`) --------
+
+def _predicted(spec: str, ranks: int, workload: str = "gpt_mini", batch: int = BATCH) -> dict:
+    from bench.analysis.predict import predict_case
+
+    row = predict_case(Case(WORKLOADS[workload], spec, "train", batch, "cuda", data="synthetic"), engine="fake-cuda",
+                       ranks=ranks)
+    assert row["status"] == "ok" and row["engine"] == "fake-cuda", row
+    assert "engine failed" not in row["message"], row["message"]
+    return row
+
+
+def test_fsdp_offload_keeps_the_shards_gradients_and_optimizer_state_in_host_memory(sessions):
+    """`fsdp:offload=cpu` (FSDP2's CPUOffloadPolicy): each rank's shards of the parameters, their gradients and Adam's
+    state are host tensors; the GPU holds the unsharded units in flight and the collectives' buffers only, and the
+    row's `offload_host_peak_bytes` is at least the shards, their gradients and Adam's two moments."""
+    if streams_and_events_missing():
+        pytest.skip(streams_and_events_missing())
+    case = Case(WORKLOADS["gpt_mini"], "fsdp:offload=cpu", "train", BATCH, "cuda", data="synthetic", warmup=0, steps=1)
+    with fake_cuda(), fake_process_group(RANKS, 0, device="cuda"):
+        row = run_case(case, None, RunOptions(threads=1, ranks=RANKS), verify_result=False)
+    assert row["status"] == "ok", row["message"]
+    session = sessions[-1]
+    shards = [local(p) for p in session.parameters()]
+    assert shards and all(not s.is_cuda for s in shards), "a parameter shard on the GPU"
+    state = [local(v) for p in session.parameters() for v in session.optimizer.state[p].values() if v.dim() > 0]
+    assert state and all(not s.is_cuda for s in state), "optimizer state on the GPU"
+    shard_bytes = sum(s.untyped_storage().nbytes() for s in shards)
+    assert row["offload_host_peak_bytes"] >= 4 * shard_bytes  # shards, gradients, Adam's exp_avg and exp_avg_sq
+
+    offloaded, on_gpu = _predicted("fsdp:offload=cpu", RANKS), _predicted("fsdp", RANKS)
+    assert offloaded["predicted_optimizer_state_bytes"] == 0 < on_gpu["predicted_optimizer_state_bytes"]
+    assert offloaded["predicted_weights_bytes"] < on_gpu["predicted_weights_bytes"]
+    assert offloaded["predicted_communication_bytes"] > 0
+    assert offloaded["offload_host_peak_bytes"] >= 4 * shard_bytes
+
+
+def test_hybrid_sharding_on_four_ranks_shards_over_its_replica_group():
+    """`fsdp:replicate=2 --ranks 4` (HSDP: a 2 x 2 mesh, a 2-D DeviceMesh on fake CUDA): each rank keeps what full
+    sharding over 2 ranks keeps, to the byte, and the all-reduce across replica groups adds its buffer."""
+    if streams_and_events_missing():
+        pytest.skip(streams_and_events_missing())
+    hsdp, over_two = _predicted("fsdp:replicate=2", 4, batch=8), _predicted("fsdp", 2, batch=8)
+    assert hsdp["ranks"] == 4
+    assert hsdp["predicted_optimizer_state_bytes"] == over_two["predicted_optimizer_state_bytes"] > 0
+    assert hsdp["predicted_communication_bytes"] > 0
+
+
+@pytest.mark.parametrize("spec", ["fsdp+lora:targets=qkv/fc", "fsdp+lora:targets=qkv/fc+checkpoint"])
+def test_fsdp_shards_lora_s_frozen_weights_and_trainable_adapters(spec):
+    """LoRA's frozen base weights and trainable adapters under fully_shard: Adam's state only for the adapters
+    (far below full training's), checkpointing lowering the activations further."""
+    if streams_and_events_missing():
+        pytest.skip(streams_and_events_missing())
+    pytest.importorskip("peft")
+    lora, full = _predicted(spec, RANKS), _predicted("fsdp", RANKS)
+    assert 0 < lora["predicted_optimizer_state_bytes"] < full["predicted_optimizer_state_bytes"] / 4
+    if "checkpoint" in spec:
+        assert lora["predicted_activations_bytes"] < _predicted("fsdp+lora:targets=qkv/fc", RANKS)[
+            "predicted_activations_bytes"]

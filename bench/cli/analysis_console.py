@@ -78,7 +78,8 @@ def format_predictions(rows: list[dict]) -> str:
     cuda = any(r["device"] == "cuda" for r in rows)
     parts = [("weights", "predicted_weights_bytes"), ("grads", "predicted_grads_bytes"),
              ("optim", "predicted_optimizer_state_bytes"), ("activ", "predicted_activations_bytes"),
-             ("logits", "predicted_logits_bytes"), ("other", "predicted_other_bytes")]
+             ("logits", "predicted_logits_bytes"), ("comm", "predicted_communication_bytes"),
+             ("other", "predicted_other_bytes")]
     header = (f"{'strategy':<28} {'phase':<5} {'batch':>5} {'allocated bytes':>16} {'MiB':>9} "
               + (f"{'reserved MiB':>12} {'cuBLAS MiB':>10} " if cuda else "")
               + "".join(f"{name:>8} " for name, _ in parts) + f"{'engine':<6}  note")

@@ -26,7 +26,10 @@ from bench.core.schema import Row, Table, columns
 #    cpu_fake_live_tensor_bytes (its memory counted on fake tensors)
 # 7: RESIDENT_COLUMNS: the process's peak resident memory over the case, the process at rest before it, and the
 #    harness's share (bench.measure.resident)
-SCHEMA_VERSION = 7
+# 8: peak_communication_bytes, the breakdown's column of the collectives' buffers (FSDP2's all-gather and
+#    reduce-scatter buffers, DDP's gradient buckets); FSDP2's unsharded parameters in flight move from
+#    peak_activations_bytes to peak_params_bytes
+SCHEMA_VERSION = 8
 
 
 class Status(str, Enum):
@@ -77,7 +80,7 @@ _CORE = [
     *columns("text", "cpu_capability"), *columns("bool", "cpu_bf16_native cpu_fp16_native emulated_16bit"),
     # breakdown of the peak (CPU tracker only; they add up to peak_mem_bytes) and the article's rule of thumb
     *columns("int", "peak_params_bytes peak_grads_bytes peak_optimizer_bytes peak_activations_bytes peak_temp_bytes "
-                    "peak_batch_bytes rule_of_thumb_bytes"),
+                    "peak_batch_bytes peak_communication_bytes rule_of_thumb_bytes"),
 ]
 
 # Figures a strategy measures itself (`Strategy.columns()`; each strategy declares the ones it fills in its
@@ -135,7 +138,8 @@ def new_row(values: dict | None = None, **more) -> Row:
 #    attention kernel of scaled_dot_product_attention (`sdpa_kernel`), after `ranks`
 # 3: `recompute_plan`, what the step recomputed in backward (the checkpoint units of each checkpoint, a selective
 #    policy, or `none`), and `offload_host_peak_bytes` (host memory of offloaded activations), after `sdpa_kernel`
-PREDICT_SCHEMA_VERSION = 3
+# 4: `predicted_communication_bytes` (the collectives' buffers of a sharded strategy), after `offload_host_peak_bytes`
+PREDICT_SCHEMA_VERSION = 4
 PREDICT = Table("predict", PREDICT_SCHEMA_VERSION, [
     *columns("int", "schema_version"),
     *columns("text", "workload strategy phase"), *columns("int", "batch_size"), *columns("text", "device"),
@@ -146,6 +150,7 @@ PREDICT = Table("predict", PREDICT_SCHEMA_VERSION, [
     *columns("int", "predicted_weights_bytes predicted_grads_bytes predicted_optimizer_state_bytes "
                     "predicted_activations_bytes predicted_logits_bytes predicted_other_bytes"),
     *columns("text", "sdpa_kernel recompute_plan"), *columns("int", "offload_host_peak_bytes"),
+    *columns("int", "predicted_communication_bytes"),
 ])
 
 # `python -m bench fit`: one row per strategy (bench.analysis.fit.fit_rows, the fields of FitResult)

@@ -34,7 +34,7 @@ from bench.core.errors import UsageError
 
 # The categories of a timeline, in stacking order (the breakdown columns of bench.measure.breakdown, named as a
 # reader says them).
-CATEGORIES = ("weights", "gradients", "optimizer_state", "activations", "temporaries", "batch")
+CATEGORIES = ("weights", "gradients", "optimizer_state", "activations", "temporaries", "batch", "communication")
 SNAPSHOT_SUFFIX = ".pickle"
 SNAPSHOT_FOLDER_SUFFIX = ".snapshots"
 

@@ -16,7 +16,15 @@ Breakdown of the peak (CPU/meta tracker only; the columns add up to `peak_mem_by
 - `peak_temp_bytes`         everything else: storages created in the backward or optimizer stage of this step that
                             are not gradients (input gradients, optimizer scratch), plus the few storages first seen
                             as an op's input (`untracked`) or created between steps (`setup`);
-- `peak_batch_bytes`        the input batch and targets, and the model's buffers (BatchNorm statistics).
+- `peak_batch_bytes`        the input batch and targets, and the model's buffers (BatchNorm statistics);
+- `peak_communication_bytes` the buffers of sharded training's collectives, filed where PyTorch allocates them
+                            (`bench.core.memory_categories.COMMUNICATION`, declared by the strategies): FSDP2's
+                            flat all-gather output (`AllGather.allocate`) and reduce-scatter input and output
+                            (`ReduceScatter.allocate`; the output becomes the sharded gradients, filed as gradients
+                            once each is accumulated), DistributedDataParallel's gradient buckets (made in its
+                            forward's bucket rebuild) and buffer broadcasts. FSDP2's unsharded parameters (each
+                            parameter's own all-gather output, into which the flat buffer is copied) are weights:
+                            `peak_params_bytes` is the sharded parameters plus the units' unsharded ones in flight.
 
 Predict's categories (`PREDICTED_COLUMNS`, the predict table): the same tracker categories at the predicted peak,
 with the logits apart. `CategorizedTracker` logs each storage's category in its event log, so that the CUDA
@@ -29,10 +37,11 @@ from __future__ import annotations
 
 import torch
 
+from bench.core.memory_categories import COMMUNICATION
 from bench.measure import memory
 
 BREAKDOWN_COLUMNS = ("peak_params_bytes", "peak_grads_bytes", "peak_optimizer_bytes", "peak_activations_bytes",
-                     "peak_temp_bytes", "peak_batch_bytes")
+                     "peak_temp_bytes", "peak_batch_bytes", "peak_communication_bytes")
 
 # tracker category -> breakdown column
 CATEGORY_COLUMN = {
@@ -42,12 +51,14 @@ CATEGORY_COLUMN = {
     "forward": "peak_activations_bytes",
     "batch": "peak_batch_bytes",
     "buffers": "peak_batch_bytes",
+    COMMUNICATION: "peak_communication_bytes",
 }
 TEMP_COLUMN = "peak_temp_bytes"  # backward, optimizer (scratch), setup, untracked
 
 
-# predict's columns: tracker category -> column; the rest (batch, buffers, backward and optimizer temporaries,
-# cuBLAS's workspaces, the allocator's unsplit blocks) is `predicted_other_bytes`
+# predict's columns: tracker category -> column (communication: as in the breakdown above); the rest (batch,
+# buffers, backward and optimizer temporaries, cuBLAS's workspaces, the allocator's unsplit blocks) is
+# `predicted_other_bytes`
 LOGITS = "logits"
 PREDICTED_COLUMNS = {
     "params": "predicted_weights_bytes",
@@ -55,6 +66,7 @@ PREDICTED_COLUMNS = {
     "optimizer_state": "predicted_optimizer_state_bytes",
     "forward": "predicted_activations_bytes",
     LOGITS: "predicted_logits_bytes",
+    COMMUNICATION: "predicted_communication_bytes",
 }
 PREDICTED_OTHER_COLUMN = "predicted_other_bytes"
 

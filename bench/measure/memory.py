@@ -15,6 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+from bench.core import memory_categories
+
 STAGES = ("setup", "forward", "backward", "optimizer")
 
 
@@ -88,7 +90,9 @@ class LiveTensorTracker(TorchDispatchMode):
     living on) counts its new bytes: the old block freed, a new one allocated, as CUDA's allocator does.
 
     `stage` is set by the caller (forward/backward/optimizer); each storage is filed under a category: the one
-    given to `track()`, else the stage it was created in.
+    given to `track()`, else the one the code that made it declared (`bench.core.memory_categories.allocating`: the
+    communication buffers of sharded training), else the stage it was created in; `recategorize()` (and
+    `memory_categories.file_as`) files it anew.
 
     With `record_events`, `events` logs every allocation and free in the order they happened (exact bytes, not
     rounded), every operator and the peak resets, from the tracker's start: `bench.measure.cuda_allocator` replays it
@@ -118,18 +122,28 @@ class LiveTensorTracker(TorchDispatchMode):
         # the module running now, recorded with each alloc (set by bench.measure.snapshot.ModuleScope)
         self.module_of: Callable[[], str] | None = None
         self.window_end_categories: dict[int, str] = {}  # storage key -> category, at `close_window()`
+        self._allocating: list[str] = []  # categories declared by `memory_categories.allocating`, innermost last
 
     # in-place storage resizes --------------------------------------------------------------------------
     def __enter__(self):
         if self not in _RESIZE_WATCHERS:
             _RESIZE_WATCHERS.append(self)
         _patch_storage_resize()
+        memory_categories.listen(self)
         return super().__enter__()
 
     def __exit__(self, *exc):
         if self in _RESIZE_WATCHERS:
             _RESIZE_WATCHERS.remove(self)
+        memory_categories.stop_listening(self)
         return super().__exit__(*exc)
+
+    # categories declared by the code that allocates (bench.core.memory_categories) -------------------------
+    def push_allocation_category(self, category: str) -> None:
+        self._allocating.append(category)
+
+    def pop_allocation_category(self) -> None:
+        self._allocating.pop()
 
     def _resized(self, st: torch.UntypedStorage, nbytes: int) -> None:
         """A tracked storage now holds `nbytes`: the new block allocated (with a new key), then the old one freed,
@@ -270,9 +284,10 @@ class LiveTensorTracker(TorchDispatchMode):
             self.events.append(MemoryEvent("op", stage=self.stage, op=func.__name__))
         out = func(*args, **kwargs)
         outputs, _ = tree_flatten(out)
+        category = self._allocating[-1] if self._allocating else self.stage
         for t in outputs:
             if isinstance(t, torch.Tensor):
-                self._register(t, self.stage)
+                self._register(t, category)
         self._update_peak(func.__name__)
         return out
 

@@ -36,6 +36,7 @@ from bench.core.snapshots import SNAPSHOT_SUFFIX, plain
 CATEGORY_OF_COLUMN = {
     "peak_params_bytes": "weights", "peak_grads_bytes": "gradients", "peak_optimizer_bytes": "optimizer_state",
     "peak_activations_bytes": "activations", "peak_temp_bytes": "temporaries", "peak_batch_bytes": "batch",
+    "peak_communication_bytes": "communication",
 }
 ADDRESS_BASE = 1 << 32  # the first made-up address of a tracker snapshot
 ALIGNMENT = 512

@@ -109,7 +109,7 @@ SCRIPT = r"""
 const DATA = JSON.parse(document.getElementById("report-data").textContent);
 const MiB = 1024 * 1024;
 const COLORS = {weights: "#4c72b0", gradients: "#dd8452", optimizer_state: "#55a868", activations: "#c44e52",
-                temporaries: "#8172b3", batch: "#937860"};
+                temporaries: "#8172b3", batch: "#937860", communication: "#da8bc3"};
 function unit(largest) {  // [name, bytes] of the unit that shows `largest` best
   return largest >= 1024 * MiB ? ["GiB", 1024 * MiB] : largest >= MiB ? ["MiB", MiB] : ["KiB", 1024];
 }

@@ -1,0 +1,69 @@
+"""Who made a tensor, told to the live-tensor trackers by the code that makes it.
+
+The exact tracker (bench.measure.memory.LiveTensorTracker) files each storage under the stage it was created in
+(forward, backward, optimizer); some buffers have a kind of their own that their stage does not say. The buffers of
+sharded training's collectives are the case here: FSDP2's all-gather output and reduce-scatter input and output,
+made in the forward or backward, and DistributedDataParallel's gradient buckets, made in its forward's bucket
+rebuild. The code that makes them (a strategy, which may not import bench.measure) says so here, and every tracker
+entered now listens: `allocating(category)` around the allocation files what operators create inside it under
+`category`; `file_as(tensors, category)` files tensors that already exist.
+
+Only the thread that entered a tracker is seen by it (a TorchDispatchMode is thread-local): what a collective's own
+threads allocate (gloo's workers) never becomes a tensor of the step and is not counted anywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterable, Iterator, Protocol
+
+COMMUNICATION = "communication"  # the buffers a collective sends or receives (bench.measure.breakdown's column)
+WEIGHTS = "params"  # the tracker's category of the model's weights
+
+
+class Listener(Protocol):
+    def push_allocation_category(self, category: str) -> None: ...
+
+    def pop_allocation_category(self) -> None: ...
+
+    def recategorize(self, tensors: Iterable, category: str) -> None: ...
+
+
+_LISTENERS: list[Listener] = []  # the trackers entered now
+
+
+def listen(listener: Listener) -> None:
+    if listener not in _LISTENERS:
+        _LISTENERS.append(listener)
+
+
+def stop_listening(listener: Listener) -> None:
+    if listener in _LISTENERS:
+        _LISTENERS.remove(listener)
+
+
+def listening() -> bool:
+    """Whether any tracker listens now (a caller may skip gathering tensors when none does)."""
+    return bool(_LISTENERS)
+
+
+@contextlib.contextmanager
+def allocating(category: str) -> Iterator[None]:
+    """Inside, every listening tracker files the storages that operators create under `category` (not the stage's)."""
+    listeners = list(_LISTENERS)
+    for listener in listeners:
+        listener.push_allocation_category(category)
+    try:
+        yield
+    finally:
+        for listener in listeners:
+            listener.pop_allocation_category()
+
+
+def file_as(tensors: Iterable, category: str) -> None:
+    """Every listening tracker files the storages of `tensors` under `category` from now on."""
+    if not _LISTENERS:
+        return
+    tensors = list(tensors)
+    for listener in list(_LISTENERS):
+        listener.recategorize(tensors, category)
