@@ -29,7 +29,7 @@ def _both(workload: str, strategy: str, batch_size: int, ranks: int):
     ("fsdp", EVEN, 4, 2, (0,)),                     # every chunk and share the same size: one rank
     ("fsdp", UNEVEN, 4, 3, (0, 1, 2)),              # shares 2/1/1 and chunks of 7/7/6 rows: all differ
     ("fsdp+checkpoint", UNEVEN, 6, 3, (0, 2)),      # shares 2/2/2; width 20 splits 7/7/6: the last rank differs
-    ("fsdp:replicate=2", UNEVEN, 4, 4, (0, 1)),     # HSDP: 2 groups of 2 shards; a rank's chunk is its place in its group
+    ("fsdp:replicate=2", UNEVEN, 6, 6, (0, 2)),     # HSDP, 2 groups of 3 shards: 7/7/6 rows by place in a group
     ("ddp", EVEN, 5, 2, (0, 1)),                    # shares 3/2
     ("ddp", EVEN, 4, 2, (0,)),
     ("zero1", EVEN, 4, 2, (0, 1)),                  # whole parameters partitioned by size: no signature
