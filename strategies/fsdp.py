@@ -140,6 +140,13 @@ class FSDP(Sharded):
     refusals = (*Sharded.refusals, r"fsdp:replicate=\d+ does not divide --ranks",
                 r"fsdp:offload=cpu needs device cuda")
 
+    @classmethod
+    def plan_settings(cls, space):
+        """On several ranks, FSDP2 as it is; on CUDA also with parameters, gradients and optimizer state on the host
+        (`offload=cpu`), what lets a model whose sharded states exceed its GPUs train on fewer of them."""
+        settings = super().plan_settings(space)
+        return settings + [{"offload": "cpu"}] if settings and space.context.device == "cuda" else settings
+
     def __init__(self, **options):
         super().__init__(**options)
         if self.settings["offload"] not in OFFLOAD_CHOICES:
