@@ -21,7 +21,8 @@ from membench.measuring import Measurement, StepMemory  # noqa: E402
 class MembenchCallback(TrainerCallback):
     """Measures every optimizer step of a `transformers.Trainer` run (from `on_step_begin` to `on_step_end`: the
     forward, loss, backward, clipping, optimizer step and zero_grad of one step) with `membench.measure`: the exact
-    live tensor bytes on the CPU, CUDA's max_memory_allocated and reserved on a GPU, with the breakdown by category.
+    live tensor bytes on the CPU, CUDA's max_memory_allocated and reserved on a GPU, with the breakdown by category
+    (the tensors the Trainer hands the model, its collated batch, filed as the batch).
     At the end of training (and after each step with `write_each_step`) the steps are written to
     `results_dir/<run id>.csv`, one row per step in membench's results table (`strategy` = `trainer:stepN`,
     `workload` = `workload` or the model's name), so that `python -m bench report --results DIR --html` draws the
@@ -46,6 +47,7 @@ class MembenchCallback(TrainerCallback):
         self.path: Path | None = None
         self.batch_size: int | None = None
         self._started: float | None = None
+        self._hook = None
 
     @property
     def steps(self) -> list[StepMemory]:
@@ -57,8 +59,16 @@ class MembenchCallback(TrainerCallback):
         self.workload = name
         self.batch_size = args.per_device_train_batch_size * max(1, args.gradient_accumulation_steps)
         self.measurement = Measurement(model, optimizer, snapshot_dir=self.snapshot_dir, name=name).start()
+        self._hook = model.register_forward_pre_hook(self._inputs_are_the_batch, with_kwargs=True)
         self.run_id = new_run_id(self.measurement.device)
         self.path = self.results_dir / f"{self.run_id}.csv"
+
+    def _inputs_are_the_batch(self, module, args, kwargs):
+        """The tensors the Trainer hands the model in a step (input_ids, labels, ...: its collated batch, made by
+        its data loader inside the loop) are filed as the batch, as membench's loop files its batch; 0-d tensors
+        (the Trainer's `num_items_in_batch`) are not."""
+        if self.measurement is not None and self.measurement.in_step:
+            self.measurement.track_batch((args, kwargs))
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self.measurement is not None:
@@ -75,6 +85,7 @@ class MembenchCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.measurement is not None:
+            self._hook.remove()
             self.measurement.stop()
             self.write()
 

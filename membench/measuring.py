@@ -212,6 +212,12 @@ class Measurement:
         finally:
             self.step_end()
 
+    def track_batch(self, value: Any) -> None:
+        """Files the tensors in `value` (with at least one dimension) as the batch from now on: a batch the loop
+        makes itself, after `start()` (the Trainer callback files the tensors each step hands the model)."""
+        if self._tracker is not None:
+            self._tracker.recategorize([t for t in _tensors(value) if t.dim()], "batch")
+
     @property
     def in_step(self) -> bool:
         """Whether a step has begun and not ended."""

@@ -218,8 +218,9 @@ print("JSON" + json.dumps(out, default=str))
 # --- the Hugging Face Trainer callback ----------------------------------------------------------------------------
 def _trainer_run(spec: str, batch: int, out: Path):
     """Two steps of a transformers Trainer on the CPU over the workload's own model and token rows (labels = the
-    inputs: transformers shifts them), recorded by MembenchCallback; the Trainer set as membench's loop: AdamW (as
-    the hf workload), no gradient clipping (max_grad_norm=0: membench's loop does not clip)."""
+    inputs: transformers shifts them), recorded by MembenchCallback; the Trainer set as membench's loop where that is
+    a choice: the workload's own optimizer (torch's AdamW, one parameter group, as `compare` builds it; the
+    Trainer's default would be fused AdamW over two groups), no gradient clipping (max_grad_norm=0)."""
     from membench.hf import MembenchCallback
     from transformers import Trainer, TrainingArguments
     from workloads import get_workload
@@ -240,32 +241,64 @@ def _trainer_run(spec: str, batch: int, out: Path):
     args = TrainingArguments(str(out / "trainer"), max_steps=2, per_device_train_batch_size=batch, max_grad_norm=0.0,
                              report_to=[], save_strategy="no", logging_strategy="no", use_cpu=True,
                              disable_tqdm=True, dataloader_num_workers=0)
-    Trainer(model=model, args=args, train_dataset=Rows(), callbacks=[callback]).train()
+    Trainer(model=model, args=args, train_dataset=Rows(), callbacks=[callback],
+            optimizers=(workload.make_optimizer(model), None)).train()
     return callback
 
 
-def _check_trainer_against_compare(spec: str, batch: int, seq_len: int, vocab: int, tmp_path: Path) -> None:
-    """The callback's steady-state step against `compare`'s baseline row of the same configuration. The two loops
-    differ in what they hold, so the peaks differ by exactly these bytes (measured at batch x tokens 2x8, 4x8 and
-    2x16 on a tiny GPT-2, and at 2x16 on hf:gpt2:layers=2):
-    - membench's loop, `pred = model(x); loss = criterion(pred, y)`, keeps the last output (the logits, batch x
-      tokens x vocabulary in float32) and the loss until they are rebound; the Trainer drops its outputs inside
-      compute_loss: membench's peak is higher by batch x tokens x vocab x 4 + 4;
-    - the Trainer's loop and transformers' ForCausalLMLoss hold 16 x batch x tokens + 24 bytes more: 8 x batch x
-      tokens of it the contiguous shifted labels that cross-entropy saves for the backward; the rest (8 per token
-      and 24) not attributed storage by storage (the Trainer's collated labels and num_items_in_batch among them).
-    Parameters and gradients at the peak, and the stage of the peak, are the same to the byte."""
+# What the Trainer's own loop holds beyond membench's, each alive at the peak of the step (transformers 5,
+# accelerate 1): accelerate's DataLoaderShard reads one batch ahead, so the next batch (input_ids and labels,
+# 8 bytes a token each) lives through the step; and 4-byte scalars: the Trainer's running loss `_tr_loss`, the step's
+# `num_items_in_batch` (counted before the step), the gradient norm (clip_grad_norm_ with an infinite bound,
+# computed even without clipping, alive until the next step's norm); in a step after the first, also the previous
+# step's loss (`tr_loss_step`, until training_step returns) and accelerate's `loss / gradient_accumulation_steps`
+# (a new scalar even at 1) that the backward runs from.
+TRAINER_SCALARS = {1: 3, 2: 5}
+
+
+def _compare_row(spec: str, strategies: str, batch: int, out: Path) -> pd.DataFrame:
+    assert main(["compare", "--workload", spec, "--strategies", strategies, "--device", "cpu", "--steps", "1",
+                 "--warmup", "0", "--phases", "train", "--batch-size", str(batch), "--out", str(out)]) == 0
+    return _table(out).set_index("strategy")
+
+
+def _check_trainer_against_compare(spec: str, batch: int, seq_len: int, vocab: int, tmp_path: Path,
+                                   loss: str = "model") -> None:
+    """Each step the callback records against `compare` on the same configuration: the workload with
+    `loss=model` (the model's own loss from `labels=`, as the Trainer computes it). Its steady-state step (the one
+    `compare` measures, after one warm-up step on the CPU) equals the Trainer's second step, and the same engine with
+    no warm-up step (`memory_pass(..., warmup_steps=0)`) its first, to the byte, in every storage the model, the
+    loss, the optimizer and the batch hold, in each column of the breakdown and in the stage of the peak; the only
+    bytes apart are the Trainer loop's own (TRAINER_SCALARS: the next batch and a few scalars), which the
+    assertions name column by column. `compare`'s baseline equals `del_intermediates` there: the loop's kept
+    output is the loss, freed when the next forward returns, before the backward peak. The default loop
+    (`loss=logits`) holds the logits, batch x tokens x vocabulary x 4 bytes, through the backward as well."""
+    from bench.run.case import Case, bind_case
+    from bench.run.passes import memory_pass
+
     callback = _trainer_run(spec, batch, tmp_path / "trainer_results")
-    assert main(["compare", "--workload", spec, "--strategies", "baseline", "--device", "cpu", "--steps", "1",
-                 "--warmup", "0", "--phases", "train", "--batch-size", str(batch), "--out",
-                 str(tmp_path / "compare")]) == 0
-    row = _table(tmp_path / "compare").iloc[0]
+    same = f"{spec}:loss={loss}"
+    rows = _compare_row(same, "baseline,del_intermediates", batch, tmp_path / "compare")
+    default = _compare_row(spec, "baseline", batch, tmp_path / "compare_default").loc["baseline"]
+    case = Case(same, "baseline", "train", batch, "cpu")
+    cold = memory_pass(case, bind_case(case)[0], warmup_steps=0)
     tokens = batch * seq_len
-    steady = callback.steps[1]
-    assert steady.peak_bytes == row["peak_mem_bytes"] - (tokens * vocab * 4 + 4) + (16 * tokens + 24)
-    assert steady.peak_stage == row["peak_stage"]
-    for name in ("params", "grads"):
-        assert steady.breakdown[name] == row[BREAKDOWN[name]], name
+    next_batch = 2 * tokens * 8
+    row = rows.loc["baseline"]
+    assert row["peak_mem_bytes"] == rows.loc["del_intermediates", "peak_mem_bytes"]
+    # the columns the Trainer's own storages fall in: in the steady step the scalars made in a forward (the previous
+    # loss, accelerate's loss / 1) as activations, those made after the last step's backward (its gradient norm, this
+    # step's num_items_in_batch) as state kept between steps, the next batch and `_tr_loss` (made before tracking
+    # began) as temp; in the first step, whose peak is in the optimizer, its three scalars and the next batch as temp
+    extra = {2: {"params": 0, "grads": 0, "optimizer": 8, "activations": 8, "temp": next_batch + 4, "batch": 0},
+             1: {"params": 0, "grads": 0, "optimizer": 0, "activations": 0, "temp": next_batch + 12, "batch": 0}}
+    for step, expected in ((callback.steps[0], cold), (callback.steps[1], row)):
+        n = step.index + 1
+        assert step.peak_stage == expected["peak_stage"], n
+        assert step.peak_bytes == expected["peak_mem_bytes"] + next_batch + 4 * TRAINER_SCALARS[n], n
+        for name, column in BREAKDOWN.items():
+            assert step.breakdown[name] == expected[column] + extra[n][name], (n, name)
+    assert default["peak_mem_bytes"] - row["peak_mem_bytes"] == tokens * vocab * 4  # the default loop's kept logits
     written = _table(callback.results_dir)
     assert list(written["strategy"]) == ["trainer:step1", "trainer:step2"]
     assert list(written["peak_mem_bytes"]) == [s.peak_bytes for s in callback.steps]

@@ -121,6 +121,7 @@ def test_options_reach_the_model():
     ("hf:gpt2:seq_len=0", ["seq_len=0", "between 1 and 1024"]),
     ("hf:gpt2:layers=two", ["layers"]),
     ("hf:gpt2:heads=2", ["heads"]),
+    ("hf:gpt2:loss=labels", ["'labels'", "logits, model"]),
 ])
 def test_a_bad_option_is_one_line_naming_the_value_and_the_choices(spec, words):
     with pytest.raises(UsageError) as error:
@@ -206,11 +207,49 @@ def test_masked_lm_batches_predict_a_share_of_masked_positions():
     assert labels.shape == (4,) and int(labels.max()) < 2
 
 
+# --- loss=model: the model's own loss from labels= ----------------------------------------------------------
+
+@needs_hf
+@pytest.mark.parametrize("spec", ["hf:tiny-gpt2:seq_len=8", "hf:tiny-llama:seq_len=8:packed=2",
+                                  "hf:tiny-bert:seq_len=8", "hf:tiny-bert:seq_len=8:task=seq_cls"])
+def test_loss_model_is_the_models_own_loss_on_labels(spec):
+    """The batch holds `labels` (a causal LM's a copy of its input ids, one storage in the inputs and as the
+    target); the step returns the model's own loss, which is the workload's cross-entropy on the same predictions."""
+    own, ours = resolve_workload(f"{spec}:loss=model"), resolve_workload(spec)
+    assert own.spec() == f"{spec}:loss=model" and ours.settings["loss"] == "logits"
+    inputs, target = own.make_batch(2, "synthetic")
+    plain_inputs, plain_target = ours.make_batch(2, "synthetic")
+    assert inputs["labels"] is target
+    assert torch.equal(inputs["input_ids"], plain_inputs["input_ids"])
+    model = own.build_model()
+    model.eval()  # no dropout: the two losses see the same logits
+    loss = own.loss(own.run_model(model, inputs), target)
+    assert loss.dim() == 0 and loss.requires_grad
+    logits = ours.run_model(model, plain_inputs)
+    if own.task == "causal_lm":  # transformers shifts the labels: the last position predicts nothing
+        assert target.untyped_storage().data_ptr() != inputs["input_ids"].untyped_storage().data_ptr()
+        expected = ours.loss(logits[:, :-1], plain_target[:, :-1])
+        if own.settings["packed"]:  # a document's last token predicts nothing, in both
+            assert (target[:, 1:] == -100).tolist() == (plain_target[:, :-1] == -100).tolist()
+    else:
+        assert torch.equal(target, plain_target)
+        expected = ours.loss(logits, plain_target)
+    torch.testing.assert_close(loss, expected)
+
+
+@needs_hf
+def test_loss_model_has_no_head_to_chunk():
+    assert resolve_workload("hf:tiny-gpt2:seq_len=8").has_output_head()
+    assert not resolve_workload("hf:tiny-gpt2:seq_len=8:loss=model").has_output_head()
+    row = run_case(cpu_case("hf:tiny-gpt2:seq_len=8:loss=model", "chunked_loss"))
+    assert row["status"] == "unsupported" and "output head" in row["message"]
+
+
 # --- training, checkpoint units, verification ----------------------------------------------------------------
 
 @needs_hf
 @pytest.mark.parametrize("spec", ["hf:tiny-gpt2:seq_len=8", "hf:tiny-llama:seq_len=8", "hf:tiny-bert:seq_len=8",
-                                  "hf:tiny-bert:seq_len=8:task=seq_cls"])
+                                  "hf:tiny-bert:seq_len=8:task=seq_cls", "hf:tiny-gpt2:seq_len=8:loss=model"])
 def test_checkpointing_each_layer_leaves_loss_and_gradients_unchanged(spec):
     workload = resolve_workload(spec)
     plain, checkpointed = workload.build_model(), workload.build_model()
@@ -267,7 +306,7 @@ def test_packed_rows_restart_positions_and_attend_within_each_document():
 @needs_hf
 @pytest.mark.parametrize("spec", ["hf:gpt2:layers=2:seq_len=8", "hf:tiny-llama:seq_len=8",
                                   "hf:tiny-llama:seq_len=8:attn=eager", "hf:tiny-bert:seq_len=8",
-                                  "hf:tiny-llama:seq_len=8:packed=2"])
+                                  "hf:tiny-llama:seq_len=8:packed=2", "hf:tiny-llama:seq_len=8:loss=model"])
 def test_the_fake_engine_predicts_the_cpu_count_to_the_byte(spec):
     case = cpu_case(spec)
     measured = memory_pass(case, bind_case(case)[0])["peak_mem_bytes"]

@@ -15,15 +15,21 @@ Options (`hf:llama-3.2-1b:layers=2:seq_len=256:attn=eager`):
   documents of equal length, the last taking the rest), as torchtune's and TRL's packing makes them: the position ids
   restart at each document (`position_ids` passed to the model), the last token of a document predicts nothing, and
   transformers' `sdpa` and `eager` attention see the documents apart through its block-diagonal causal mask (one
-  batch x sequence x sequence mask, which SDPA takes as an attention bias: no flash kernel on CUDA).
+  batch x sequence x sequence mask, which SDPA takes as an attention bias: no flash kernel on CUDA);
+- `loss`: `logits` (the default), the loss computed here from the logits (below); or `model`, the model's own loss
+  from `labels=`, as transformers' Trainer and most training scripts compute it: the batch holds `labels` (for a
+  causal LM a copy of the input ids, which transformers' `ForCausalLMLoss` pads and shifts; for a packed row -100 at
+  each later document's first token; the masked-LM or class targets otherwise), the model returns the loss and the
+  step drops its logits there, as the Trainer's `compute_loss` does. The loss is the same cross-entropy, but for a
+  causal LM over one position fewer per row (the last predicts nothing: its next token is not in the row).
 
 Data: `text`, the standard library's source (`workloads.text_data`) mapped into the vocabulary without a
 tokenizer: each token is two consecutive bytes, `(256 * first + second) % vocab_size`, deterministic; or
-`synthetic`, token ids drawn uniformly from the vocabulary with the workload's seed. The loss is computed here, not
-by transformers, so that `loss(output, target)` gets the logits like any workload: causal LM, cross-entropy
-against the next token (what transformers' `labels=` computes after its shift); masked LM, 15% of each sequence's
-positions replaced by the mask token and predicted (-100 elsewhere, as transformers' data collator marks them);
-classification, one label per sequence.
+`synthetic`, token ids drawn uniformly from the vocabulary with the workload's seed. The loss is computed here
+(unless `loss=model`), not by transformers, so that `loss(output, target)` gets the logits like any workload: causal
+LM, cross-entropy against the next token (what transformers' `labels=` computes after its shift); masked LM, 15% of
+each sequence's positions replaced by the mask token and predicted (-100 elsewhere, as transformers' data collator
+marks them); classification, one label per sequence.
 
 Checkpoint units: the model's decoder/encoder layers (the ModuleList of `num_hidden_layers` blocks). They do not
 chain in membench's sense (the model passes each one the attention mask and rotary embeddings as arguments), so
@@ -59,6 +65,7 @@ from workloads.hf_presets import MASK_TOKEN_IDS, PRESETS
 INSTALL_HINT = "pip install 'membench[hf]' (in a checkout: make install)"
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 TASKS = ("causal_lm", "masked_lm", "seq_cls")
+LOSSES = ("logits", "model")  # the loss computed here from the logits, or the model's own from labels=
 MASKED_FRACTION = 0.15  # BERT's: the share of positions a masked-LM batch predicts
 IGNORE_INDEX = -100  # transformers' label for positions without a loss
 FILE_FORM = "path/to/config.json"
@@ -235,7 +242,8 @@ class HfWorkload(Workload):
     seed = 0
     data_sources = ("text", "synthetic")
     positional_option = "model"
-    options = {"model": "gpt2", "layers": 0, "seq_len": 128, "attn": "sdpa", "task": "auto", "packed": 0}
+    options = {"model": "gpt2", "layers": 0, "seq_len": 128, "attn": "sdpa", "task": "auto", "packed": 0,
+               "loss": "logits"}
     units_chain = False  # each layer gets the attention mask and rotary embeddings as arguments besides its input
     learning_rate = 5e-5  # transformers' Trainer defaults: AdamW, lr 5e-5, no weight decay
     weight_decay = 0.0
@@ -250,6 +258,8 @@ class HfWorkload(Workload):
         transformers = import_transformers()  # here, so that a missing extra or a bad value fails before any run
         if s["attn"] not in ATTENTION_IMPLEMENTATIONS:
             raise UsageError(f"unknown hf attn {s['attn']!r}; valid choices: {', '.join(ATTENTION_IMPLEMENTATIONS)}")
+        if s["loss"] not in LOSSES:
+            raise UsageError(f"unknown hf loss {s['loss']!r}; valid choices: {', '.join(LOSSES)}")
         values = config_values(str(s["model"]))
         source = str(s["model"])
         hf_checks.check_values(values, source, transformers)
@@ -287,10 +297,19 @@ class HfWorkload(Workload):
         torch.manual_seed(self.seed)
         return auto_class.from_config(self.config(), attn_implementation=self.settings["attn"], dtype=torch.float32)
 
+    @property
+    def model_loss(self) -> bool:
+        """Whether the model computes its own loss from `labels=` (`loss=model`)."""
+        return self.settings["loss"] == "model"
+
     def run_model(self, model: nn.Module, inputs) -> torch.Tensor:
-        """The logits: transformers' models return a ModelOutput, the loss is computed here (see `loss`)."""
+        """The logits: transformers' models return a ModelOutput, the loss is computed here (see `loss`). With
+        `loss=model` the model's own loss (the batch holds `labels`): the ModelOutput, and the logits in it, are
+        dropped here, as the Trainer's `compute_loss` drops them."""
         with sequences_not_packed(bool(self.settings["packed"])):
             output = model(**inputs)
+        if self.model_loss:
+            return output.loss
         return output.logits if hasattr(output, "logits") else output
 
     def make_batch(self, batch_size: int, data: str = "text") -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -303,12 +322,24 @@ class HfWorkload(Workload):
         else:
             ids = torch.randint(config.vocab_size, (batch_size, tokens), generator=gen)
         if causal and self.settings["packed"]:
-            return self._packed(ids)
-        if causal:
-            return {"input_ids": ids[:, :-1].contiguous()}, ids[:, 1:].contiguous()
-        if self.task == "seq_cls":
-            return {"input_ids": ids}, torch.randint(config.num_labels, (batch_size,), generator=gen)
-        return self._masked(ids, config.vocab_size, gen)
+            inputs, target = self._packed(ids)
+        elif causal:
+            inputs, target = {"input_ids": ids[:, :-1].contiguous()}, ids[:, 1:].contiguous()
+        elif self.task == "seq_cls":
+            inputs, target = {"input_ids": ids}, torch.randint(config.num_labels, (batch_size,), generator=gen)
+        else:
+            inputs, target = self._masked(ids, config.vocab_size, gen)
+        return self._with_labels(inputs, target) if self.model_loss else (inputs, target)
+
+    def _with_labels(self, inputs: dict[str, torch.Tensor], target: torch.Tensor):
+        """`loss=model`: the batch with `labels`, the target itself (one tensor, in the inputs and as the target).
+        A causal LM's labels are its input ids, copied (a data collator's labels are a tensor of their own), which
+        transformers shifts: -100 where the workload's target is (a packed row's document ends), one place later."""
+        if self.task == "causal_lm":
+            labels = inputs["input_ids"].clone()
+            labels[:, 1:][target[:, :-1] == IGNORE_INDEX] = IGNORE_INDEX
+            target = labels
+        return {**inputs, "labels": target}, target
 
     def _packed(self, ids: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """Rows of `packed` documents: position ids restarting at each, and no target for a document's last token
@@ -343,7 +374,8 @@ class HfWorkload(Workload):
         return {"input_ids": inputs}, ids.masked_fill(~masked, IGNORE_INDEX)
 
     def has_output_head(self) -> bool:
-        return self.task == "causal_lm"
+        """A causal LM's, with the loss computed here: with `loss=model` the model applies its head and loss."""
+        return self.task == "causal_lm" and not self.model_loss
 
     def output_head(self, model: nn.Module) -> nn.Linear | None:
         """A causal LM's `lm_head` (gpt2's tied to the token embedding); None for a masked LM, whose head is a
@@ -359,6 +391,8 @@ class HfWorkload(Workload):
     def loss(self, output: torch.Tensor | DeferredHead, target: torch.Tensor) -> torch.Tensor:
         if isinstance(output, DeferredHead):  # the head and this loss computed by chunks (strategies.chunked_loss)
             return output.loss(target)
+        if self.model_loss:  # the model's own loss, computed by run_model from the batch's labels
+            return output
         if self.task == "seq_cls":
             return F.cross_entropy(output, target)
         # reshape, not view: a strategy may hand back a non-contiguous output
