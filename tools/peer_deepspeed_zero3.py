@@ -11,8 +11,9 @@ The counts are membench's model's, built on the meta device (`workload.build_mod
 float32): `parameters()` (a tied weight once) and the largest number of parameters one module holds itself, as
 DeepSpeed's `model_to_params` computes them. `..._all_live(model)` is not called on that model: `model_to_params`
 deduplicates parameters by `data_ptr()`, which is 0 for every meta tensor, so it would count one parameter tensor;
-`--live` builds the model with real (uninitialised) storage on the CPU in bfloat16 and calls `_all_live` on it as
-well, a check that DeepSpeed's own counting gives the same numbers (it needs 2 bytes a parameter of host memory: use
+`--live` builds the model with real (uninitialised) storage on the CPU in bfloat16 (`to_empty`, then transformers'
+`tie_weights`, since `to_empty` unties a tied head) and calls `_all_live` on it as well, a check that DeepSpeed's own
+counting gives the same numbers (it needs 2 bytes a parameter of host memory: use
 it for the 1B model, not the 8B one).
 
 DeepSpeed is not a membench dependency: install it into a throw-away environment that sees membench's torch and
@@ -104,6 +105,8 @@ def main(argv: list[str] | None = None) -> dict:
         if preset in args.live:
             start = time.perf_counter()
             real = model.to(torch.bfloat16).to_empty(device="cpu")  # storage, no initialisation
+            if hasattr(real, "tie_weights"):  # to_empty gives a tied weight two new tensors: transformers re-ties
+                real.tie_weights()
             live_counts = model_to_params(real)
             text = printed(estimate_zero3_model_states_mem_needs_all_live, real, num_gpus_per_node=args.gpus[0])
             live = {"params": live_counts[0], "largest_layer_params": live_counts[1], "printed": text,
