@@ -31,6 +31,7 @@ import math
 import time
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -97,13 +98,15 @@ def _evaluate(request: dict, spec: str, members: int) -> Row:
     return plan.evaluate(the_request, spec, members, plan_cost.from_json(the_request.figures))
 
 
-def _evaluate_on_ray(request: dict, spec: str, members: int) -> Row:
+def _evaluate_on_ray(request: dict, spec: str, members: int, planner_venv: str) -> Row:
     """A Ray task's candidate (`bench.run.ray_executor.RayPool`: one thread). A CUDA plan on a node whose torch
-    sees no CUDA runs it in that node's fake-CUDA environment (`make cuda-fake-env`) where there is one, as the
-    search does on one machine, else on the CPU's operators, its row's message saying so."""
+    sees no CUDA runs it in a fake-CUDA environment (`make cuda-fake-env`) where the node has one, as the search
+    does on one machine: the planner's (`planner_venv`: there on a local Ray, and on nodes that share its paths),
+    else one beside the code the task got; else on the CPU's operators, its row's message saying so."""
     if request["device"] != "cuda" or torch.cuda.is_available():
         return _evaluate(request, spec, members)
-    python, why = fake_cuda.environment_python(), fake_cuda.unavailable_reason()
+    python = fake_cuda.environment_python(Path(planner_venv)) or fake_cuda.environment_python()
+    why = fake_cuda.unavailable_reason(Path(planner_venv))
     if python is not None:
         answer, why = run_in_fake_cuda(python, "bench.analysis._plan_worker",
                                        {"candidate": [spec, members], "request": request})
@@ -252,6 +255,7 @@ def search(request: plan.PlanRequest, progress: Callable[[str], None] = lambda t
     # a task too, alone, for the same reason: the settings start knowing it
     pool = pools.ray(request.jobs or None, ray_address) if on_ray else pools.Inline()
     jobs, task = (pool.slots, _evaluate_on_ray) if on_ray else (max(1, request.jobs), _evaluate)
+    extra = (str(fake_cuda.VENV),) if on_ray else ()
     as_json = asdict(request)
     try:
         while True:
@@ -270,7 +274,7 @@ def search(request: plan.PlanRequest, progress: Callable[[str], None] = lambda t
                 queue.rows[spec] = None
                 progress(f"[{len(queue.rows)}/{request.max_candidates} at most, {time.monotonic() - started:.0f} s] "
                          f"{spec} ...")
-                running[pool.submit(task, as_json, spec, members)] = spec
+                running[pool.submit(task, as_json, spec, members, *extra)] = spec
             if not running:
                 break
             done, _ = futures.wait(running, return_when=futures.FIRST_COMPLETED)
@@ -307,8 +311,13 @@ def search_where_cuda_runs(request: plan.PlanRequest, progress: Callable[[str], 
     fake-CUDA environment's Python (`python -m bench.analysis._plan_worker`), else here on the CPU's operators
     with a note saying so. On Ray the search runs here and each task finds CUDA's operators on its node
     (`_evaluate_on_ray`)."""
-    if request.device != "cuda" or torch.cuda.is_available() or executor == pools.RAY:
-        return search(request, progress, executor, ray_address), ""
+    if executor == pools.RAY:
+        searched = search(request, progress, executor, ray_address)
+        where = f"the Ray cluster at {ray_address}" if ray_address else "a local Ray"
+        return searched, (f"each candidate a Ray task in a fresh worker process on {where}, {searched.jobs} at "
+                          "once; the CPU time is this process's, not the tasks'")
+    if request.device != "cuda" or torch.cuda.is_available():
+        return search(request, progress), ""
     python = fake_cuda.environment_python()
     if python is None:
         return search(request, progress), f"{fake_cuda.unavailable_reason()}: predicted on the CPU's operators"
