@@ -47,7 +47,7 @@ class Rounds:
 def test_the_batch_search_in_rounds_answers_what_the_serial_search_answers(shape, jobs):
     peak = BATCH_PEAKS[shape]
     for budget in (1, 60_000, 150_000, 200_000, 1_000_000, 3_000_000, 10**12):
-        for max_batch in (32, 100, 4096):
+        for max_batch in (4, 20, 32, 100, 4096):
             serial = largest_under(peak, budget, 16, 32, max_batch)
             rounds = Rounds()
             parallel = largest_under(peak, budget, 16, 32, max_batch, rounds, jobs)
@@ -55,6 +55,16 @@ def test_the_batch_search_in_rounds_answers_what_the_serial_search_answers(shape
             assert all(len(r) <= jobs for r in rounds.rounds)
             if 0 < parallel < max_batch:  # the batch past the answer was probed: the row of the first that does not fit
                 assert parallel + 1 in rounds.probed() | {16, 32}
+
+
+def test_the_serial_batch_search_answers_no_more_than_max_batch():
+    """With --max-batch below the search's second point (32) the bisection between a fitting batch and 32 once
+    answered above the cap: `fit --budget 6144 --workload deep_mlp:layers=4:width=8 --max-batch 4` said 7, "capped
+    by --max-batch 4". Its probes are unchanged; its answer is the cap."""
+    probes = []
+    peak = lambda b: probes.append(b) or 5312 + 128 * b  # noqa: E731 - near that model's fake counts
+    assert largest_under(peak, 6144, 16, 32, 4) == 4  # 6 before
+    assert list(dict.fromkeys(probes)) == [32, 16, 4, 18, 11, 7, 5, 6]  # as before (commit 8849a95)
 
 
 def test_a_linear_peak_is_answered_in_two_rounds_where_the_serial_search_probes_one_at_a_time():

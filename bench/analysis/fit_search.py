@@ -130,7 +130,8 @@ def largest_under(peak_at: Callable[[int], int], budget: int, low: int, high: in
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
+    # `high` (32) above max_batch may bracket a fitting batch above it: then max_batch fits too (the peak grows)
+    return min(lo, max_batch)
 
 
 def stage_line_estimate(lines: dict[str, tuple[float, float]]) -> Callable[[int], int]:
