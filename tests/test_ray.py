@@ -114,10 +114,33 @@ def test_a_plan_on_ray_finds_the_rows_and_answer_of_the_serial_search(local_ray,
     assert answers[0] == answers[1]
 
 
+MLP = '''
+import torch
+from torch import nn
+from workloads import Workload
+
+
+class Mlp(Workload):
+    """Two linear layers: a user's workload file, which the Ray workers get as its source."""
+
+    def build_model(self):
+        return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+
+    def make_batch(self, batch_size, data="synthetic"):
+        return torch.ones(batch_size, 16), torch.zeros(batch_size, 4)
+
+    def loss(self, output, target):
+        return nn.functional.mse_loss(output, target)
+'''
+
+
 @pytest.mark.slow  # tens of seconds on 2 loaded cores: each probe a fresh Ray worker importing torch
-def test_a_fit_with_its_probes_on_ray_gives_the_serial_fits_row(local_ray):
-    """Fake-tensor probes as Ray tasks, the tracked run here: the serial fit's batch, peak and next batch's row."""
-    workload = "deep_mlp:layers=4:width=16"
+def test_a_fit_with_its_probes_on_ray_gives_the_serial_fits_row(local_ray, tmp_path, monkeypatch):
+    """Fake-tensor probes as Ray tasks, the tracked run here: the serial fit's batch, peak and next batch's row, for
+    a workload given as file.py:NAME (its source travels to the workers, which run elsewhere)."""
+    (tmp_path / "mlp.py").write_text(MLP)
+    monkeypatch.chdir(tmp_path)
+    workload = "mlp.py:Mlp"
     budget = fitting._probe_peak(fitting.Case(workload, "baseline", "train", 40, "cpu", data="synthetic", warmup=0,
                                               steps=1), "baseline")
     [serial] = fitting.fit([], budget, "train", "cpu", workload, "synthetic", 4096, time_steps=0)

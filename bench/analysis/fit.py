@@ -333,11 +333,13 @@ def time_per_sample(spec: str, phase: str, device: str, workload: str, data: str
     return timing_pass(case, bind_case(case)[0])["step_time_ms_median"] / batch
 
 
-def probe_pool(jobs: int, executor: str = pools.LOCAL, ray_address: str | None = None, preload: str = __name__):
+def probe_pool(jobs: int, executor: str = pools.LOCAL, ray_address: str | None = None, preload: str = __name__,
+               workload: str | None = None):
     """Where a fit's probes are made several at once: None for one job here (the serial search), worker processes
-    forked from this one for `jobs` > 1, Ray tasks with `executor="ray"` (`jobs` at once; 0: the cluster's CPUs)."""
+    forked from this one for `jobs` > 1, Ray tasks with `executor="ray"` (`jobs` at once; 0: the cluster's CPUs;
+    the `workload`'s file travels to them)."""
     if executor == pools.RAY:
-        return pools.ray(jobs or None, ray_address)
+        return pools.ray(jobs or None, ray_address, workload)
     return pools.local(jobs, preload) if jobs > 1 else None
 
 
@@ -365,7 +367,7 @@ def fit(specs: list[str], budget: int, phase: str = "train", device: str = "cpu"
     (`probe_pool`); on CUDA the attempts are made one after another whatever `jobs` says.
 
     `progress` is told each run as it starts and ends (the CLI prints it on stderr)."""
-    with opened(probe_pool(jobs, executor, ray_address) if device == "cpu" else None) as pool:
+    with opened(probe_pool(jobs, executor, ray_address, workload=workload) if device == "cpu" else None) as pool:
         return _fit(specs, budget, phase, device, workload, data, max_batch, time_steps, progress, capability, pool)
 
 

@@ -208,7 +208,7 @@ def fit_over_seq_len(specs: list[str], budget: int, phase: str, device: str, wor
     seq_len_spec(workload, step)  # a workload without seq_len: a UsageError before any prediction
     specs = ["baseline"] + [s for s in specs if s != "baseline"]
     results = []
-    with opened(probe_pool(jobs, executor, ray_address, __name__)) as pool:
+    with opened(probe_pool(jobs, executor, ray_address, __name__, workload)) as pool:
         for spec in specs:
             canonical = bind_case(Case(workload, spec, phase, batch, "cpu", data=data))[0].spec()
             progress(f"fit {canonical}: searching for the longest sequence under {format_size(budget)} ...")

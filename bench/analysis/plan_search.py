@@ -253,7 +253,7 @@ def search(request: plan.PlanRequest, progress: Callable[[str], None] = lambda t
     # locally the baseline here, then the workers: forked after it, they inherit what its step warmed (the batch,
     # the fake tensors' dispatch caches), and the first settings start knowing the baseline. On Ray the baseline is
     # a task too, alone, for the same reason: the settings start knowing it
-    pool = pools.ray(request.jobs or None, ray_address) if on_ray else pools.Inline()
+    pool = pools.ray(request.jobs or None, ray_address, request.workload) if on_ray else pools.Inline()
     jobs, task = (pool.slots, _evaluate_on_ray) if on_ray else (max(1, request.jobs), _evaluate)
     extra = (str(fake_cuda.VENV),) if on_ray else ()
     as_json = asdict(request)

@@ -74,12 +74,12 @@ def local(jobs: int, preload: str):
     return _Local(jobs, context)
 
 
-def ray(jobs: int | None, address: str | None):
+def ray(jobs: int | None, address: str | None, workload: str | None = None):
     """Ray tasks on the cluster at `address` (None: a local Ray started for this pool and stopped with it), `jobs`
-    at once (None: the cluster's CPUs)."""
+    at once (None: the cluster's CPUs); a `workload` given as `file.py:NAME` travels to them as its source."""
     from bench.run.ray_executor import RayPool
 
-    return RayPool(address, jobs)
+    return RayPool(address, jobs, (workload,) if workload else ())
 
 
 def end(pool) -> None:

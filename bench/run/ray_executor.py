@@ -1,4 +1,5 @@
-"""Sweeps on a Ray cluster: every case, and every repeat of a case, as a Ray task in a fresh worker process.
+"""Sweeps on a Ray cluster: every case, and every repeat of a case, as a Ray task in a fresh worker process; and
+`RayPool`, the same for each candidate of `plan` and each probe of `fit` (`bench.analysis.pools`).
 
 `python -m bench compare ... --executor ray [--ray-address ADDRESS]`. Without an address a local Ray is started
 for the sweep, bound to 127.0.0.1, and stopped after it; with one (`auto`, `ray://head:10001`, `head:6379`) the
@@ -141,14 +142,18 @@ def checked_address(address: str | None) -> str | None:
     return address
 
 
-def _call_in_worker(function, *args):
-    """A RayPool task: `function(*args)` with the plugins imported and one thread (fake tensors do no arithmetic;
-    a probe or candidate uses one CPU of the cluster, as it asked)."""
+def _call_in_worker(files: dict[str, str], function, *args):
+    """A RayPool task: `function(*args)` with the plugins imported, the user's workload files shipped (`files`: a
+    path as the spec names it -> its source) and one thread (fake tensors do no arithmetic; a probe or candidate
+    uses one CPU of the cluster, as it asked)."""
     import torch
 
     from bench.run._worker import import_plugins
+    from workloads.loader import ship_file
 
     import_plugins()
+    for path, source in files.items():
+        ship_file(path, source)
     torch.set_num_threads(1)
     return function(*args)
 
@@ -157,10 +162,13 @@ class RayPool:
     """Calls as Ray tasks, with the interface of `concurrent.futures`' executors that `bench.analysis.pools`
     describes: each call a task in a fresh worker process (`max_calls=1`, as compare's cases), one CPU each, never
     retried (`max_retries=0`: a worker that dies is an error the search turns into a row). The workers get
-    membench's code by the runtime environment compare's tasks get (`runtime_env`). `slots`: `jobs`, else the
+    membench's code by the runtime environment compare's tasks get (`runtime_env`), and the source of each workload
+    of `workloads` given as `file.py:NAME`, as compare's cases do. `slots`: `jobs`, else the
     cluster's CPUs; Ray queues what it cannot start at once, so the search submits no more than that."""
 
-    def __init__(self, address: str | None = None, jobs: int | None = None):
+    def __init__(self, address: str | None = None, jobs: int | None = None, workloads: tuple[str, ...] = ()):
+        self.files = {path: Path(path).read_text(encoding="utf-8")
+                      for path in dict.fromkeys(filter(None, map(file_reference, workloads)))}
         self.ray = import_ray()
         self.started = connect(self.ray, address)
         cpus = int(self.ray.cluster_resources().get("CPU", 0))
@@ -175,7 +183,7 @@ class RayPool:
     def submit(self, function, *args):
         if self._task is None:
             self._task = self.ray.remote(num_cpus=1, max_calls=1, max_retries=0)(_call_in_worker)
-        ref = self._task.remote(function, *args)
+        ref = self._task.remote(self.files, function, *args)
         self._refs.append(ref)
         return ref.future()
 
