@@ -106,7 +106,8 @@ def longest_under(judged_at: Callable[[int], int | None], budget: int, step: int
     the bracket (a safeguard for a strongly curved peak).
 
     With `jobs` > 1 and a `prefetch` that predicts several lengths at once: `fit_search.largest_in_rounds`, from
-    `start` and its doublings (`jobs` of them): the same answer for a peak that does not fall, in fewer rounds."""
+    `start` and its doublings (`jobs` of them; below `start` those the longest sequence leaves no room for): the
+    same answer for a peak that does not fall, in fewer rounds."""
     max_k = max(1, max_seq // step)
     values: dict[int, float] = {}
 
@@ -119,6 +120,8 @@ def longest_under(judged_at: Callable[[int], int | None], budget: int, step: int
     k = max(1, min(max_k, start // step))
     if prefetch is not None and jobs > 1:
         first = list(dict.fromkeys(min(max_k, k * 2**i) for i in range(jobs)))
+        # `start` at or near the longest sequence: the slots left go below it (no doubling is left to make)
+        first += [k * i // (jobs - len(first) + 1) for i in range(jobs - len(first), 0, -1)]
         return step * largest_in_rounds(peak, lambda ks: prefetch([x * step for x in ks]), jobs, budget, max_k,
                                         first)
     if peak(k) > budget:
