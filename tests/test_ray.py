@@ -1,9 +1,14 @@
-"""Sweeps on Ray: a local Ray on the CPU gives the same rows as the in-process runner, and a dead worker is a row."""
+"""Sweeps on Ray: a local Ray on the CPU gives the same rows as the in-process runner, and a dead worker is a row; a
+plan's candidates and a fit's probes as Ray tasks give what the serial search gives (issue 32 §3)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+from bench.analysis import fit as fitting
+from bench.analysis import plan, plan_search
 from bench.cli.main import main
 from bench.run.isolation import RunOptions
 from bench.run.runner import Case, local_executor, run_cases
@@ -11,7 +16,6 @@ from bench.run.runner import Case, local_executor, run_cases
 ray = pytest.importorskip("ray")
 
 from bench.run.ray_executor import RayExecutor, runtime_env  # noqa: E402 - only with ray installed
-
 
 
 @pytest.fixture(scope="module")
@@ -89,3 +93,58 @@ def test_bad_executor_options_are_one_line_errors(args, words, capsys):
     assert main(["compare", "--strategies", "baseline", "--device", "cpu", *args]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and all(w in err for w in words), err
+
+
+@pytest.mark.slow  # about a minute on 2 loaded cores: 4 candidates, each a fresh Ray worker importing torch
+def test_a_plan_on_ray_finds_the_rows_and_answer_of_the_serial_search(local_ray, monkeypatch):
+    """Each candidate a task in a fresh Ray worker: the same candidates, figures and answer as in this process."""
+    from test_plan import TINY, _few_settings, _request
+
+    _few_settings(monkeypatch, ("checkpoint", "amp"))
+    request = _request(workload=TINY, batch_size=256)
+    serial = plan_search.search(request)
+    on_ray = plan_search.search(dataclasses.replace(request, jobs=0), executor="ray")
+    assert on_ray.stopped is None and on_ray.jobs == 2  # the local cluster's CPUs
+    figures = {r["strategy"]: (r["status"], r["judged_bytes"], r["est_step_time_ms"]) for r in serial.rows}
+    assert figures == {r["strategy"]: (r["status"], r["judged_bytes"], r["est_step_time_ms"]) for r in on_ray.rows}
+    assert "checkpoint+amp" in figures and on_ray.rows[0]["strategy"] == "baseline"
+    limit = sorted(r["judged_bytes"] for r in serial.rows if r["judged_bytes"])[1]  # the second smallest fits
+    answers = [plan.decide([{**r, "fits": r["judged_bytes"] is not None and r["judged_bytes"] <= limit}
+                            for r in rows], False)["strategy"] for rows in (serial.rows, on_ray.rows)]
+    assert answers[0] == answers[1]
+
+
+MLP = '''
+import torch
+from torch import nn
+from workloads import Workload
+
+
+class Mlp(Workload):
+    """Two linear layers: a user's workload file, which the Ray workers get as its source."""
+
+    def build_model(self):
+        return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+
+    def make_batch(self, batch_size, data="synthetic"):
+        return torch.ones(batch_size, 16), torch.zeros(batch_size, 4)
+
+    def loss(self, output, target):
+        return nn.functional.mse_loss(output, target)
+'''
+
+
+@pytest.mark.slow  # tens of seconds on 2 loaded cores: each probe a fresh Ray worker importing torch
+def test_a_fit_with_its_probes_on_ray_gives_the_serial_fits_row(local_ray, tmp_path, monkeypatch):
+    """Fake-tensor probes as Ray tasks, the tracked run here: the serial fit's batch, peak and next batch's row, for
+    a workload given as file.py:NAME (its source travels to the workers, which run elsewhere)."""
+    (tmp_path / "mlp.py").write_text(MLP)
+    monkeypatch.chdir(tmp_path)
+    workload = "mlp.py:Mlp"
+    budget = fitting._probe_peak(fitting.Case(workload, "baseline", "train", 40, "cpu", data="synthetic", warmup=0,
+                                              steps=1), "baseline")
+    [serial] = fitting.fit([], budget, "train", "cpu", workload, "synthetic", 4096, time_steps=0)
+    [on_ray] = fitting.fit([], budget, "train", "cpu", workload, "synthetic", 4096, time_steps=0, jobs=0,
+                           executor="ray")
+    assert serial.batch_size == on_ray.batch_size == 40
+    assert dataclasses.asdict(on_ray) == dataclasses.asdict(serial)

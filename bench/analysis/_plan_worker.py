@@ -1,7 +1,7 @@
 """`python -m bench.analysis._plan_worker REQUEST ROWS`: a CUDA plan's search on CUDA's own operators, run by
 `bench.analysis.plan_search.search_where_cuda_runs` in the fake-CUDA environment's Python (bench.measure.fake_cuda).
 
-REQUEST is a JSON file of a `PlanRequest`; ROWS is written as `plan_search.Searched.to_json()` ({"rows": [...],
+REQUEST is a JSON file of a `PlanRequest` (or of one candidate of it, for a Ray task); ROWS is written as `plan_search.Searched.to_json()` ({"rows": [...],
 what was not tried}), or {"error": "..."} when the process
 cannot plan at all (bench.analysis.fake_cuda_worker). Progress goes to stderr.
 """
@@ -14,8 +14,12 @@ from bench.analysis.fake_cuda_worker import serve
 
 
 def search(values: dict) -> dict:
+    """The whole search; or, for {"candidate": [spec, members], "request": ...}, that one candidate's row (a Ray
+    task's, `plan_search._evaluate_on_ray`)."""
     from bench.analysis import plan, plan_search
 
+    if "candidate" in values:
+        return {"rows": [dict(plan_search._evaluate(values["request"], *values["candidate"]))]}
     if values.get("capability"):
         values["capability"] = tuple(values["capability"])
     return plan_search.search(plan.PlanRequest(**values),

@@ -7,13 +7,14 @@ answer with tracked runs; on CUDA it tries real batches. `fit_rows` gives the ro
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from bench.analysis import fake_engine, predict
+from bench.analysis import fake_engine, pools, predict
 from bench.analysis.fit_search import (
-    confirmed_batch, largest_on_stage_lines, largest_under, next_batch_peak, stage_line_estimate,
+    Probes, confirmed_batch, largest_on_stage_lines, largest_under, next_batch_peak, stage_line_estimate,
 )
 from bench.core.errors import Unsupported
 from bench.core.results import FIT
@@ -181,21 +182,20 @@ class _TrackedRuns:
         return times[len(times) // 2] / b
 
 
-def _fake_probe_estimate(spec: str, case_at: Callable[[int], Case], low: int,
-                         progress: Callable[[str], None]) -> Callable[[int], int] | None:
-    """The peak at any batch from fake-tensor probes (each remembered), or None when fake tensors cannot run it."""
-    first_probe = _probe_peak(case_at(low), spec)
-    if first_probe is None:
-        return None
-    probes: dict[int, int] = {low: first_probe}
+def _fake_probe_estimate(spec: str, case_at: Callable[[int], Case], low: int, high: int,
+                         progress: Callable[[str], None], pool=None) -> Probes | None:
+    """The peak at any batch from fake-tensor probes (each remembered, `Probes`: with a `pool`, made several at
+    once), or None when fake tensors cannot run it. One job: the probe at `low` here, then each as the search asks
+    (the serial search's probes); a pool: those at `low` and `high` at once."""
+    def told(b: int, peak) -> None:
+        if b != low:
+            progress(f"fit {spec}: fake-tensor probe at batch {b}: " + (
+                "fake tensors cannot run it" if peak is None else f"{format_mib(peak)} MiB"))
 
-    def estimate(b: int) -> int:
-        if b not in probes:
-            probes[b] = _probe_peak(case_at(b), spec)
-            progress(f"fit {spec}: fake-tensor probe at batch {b}: {format_mib(probes[b])} MiB")
-        return probes[b]
-
-    return estimate
+    # a probe whose worker died: over any budget, as an out-of-memory run is
+    probes = Probes(_probe_peak, lambda b: (case_at(b), spec), pool, told, lambda b, error: math.inf)
+    probes.prefetch([low] if pool is None else [low, high])
+    return None if probes.values[low] is None else probes
 
 
 def _stage_lines(case_at: Callable[[int], Case], low: int, high: int,
@@ -212,7 +212,8 @@ def _stage_lines(case_at: Callable[[int], Case], low: int, high: int,
 
 
 def fit_cpu(spec: str, budget: int, phase: str, workload: str, data: str, max_batch: int,
-            low: int = 16, high: int = 32, progress: Callable[[str], None] = _quiet, time_steps: int = 1) -> FitResult:
+            low: int = 16, high: int = 32, progress: Callable[[str], None] = _quiet, time_steps: int = 1,
+            pool=None) -> FitResult:
     """Largest batch with peak <= budget on the CPU, confirmed by actual tracked runs; with `time_steps`, the time
     per sample of that many steps at the answer (after its tracked first step, on the same session).
 
@@ -224,23 +225,29 @@ def fit_cpu(spec: str, budget: int, phase: str, workload: str, data: str, max_ba
     line per stage and the step's peak is the largest of them at any batch -- which a single slope from small
     batches is not (there the peak is Adam's step; at large ones it is the backward); then full tracked runs at
     the answer (a warm-up step and the measured one), stepping down while over the budget.
+
+    With a `pool` of several jobs (`bench.analysis.pools`) the fake probes are made in rounds, several at once
+    (`fit_search.largest_in_rounds`): the same answer where the peak grows with the batch; the tracked runs are made
+    here, one after another, as without it.
     """
     def case_at(b: int, device: str = "cpu"):
         return Case(workload, spec, phase, b, device, data=data, warmup=0, steps=1)
 
     emulated = emulated_dtype(bind_case(case_at(1))[0], "cpu") is not None
     tracked = _TrackedRuns(spec, budget, case_at, progress, emulated=emulated)
-    estimate = _fake_probe_estimate(spec, case_at, low, progress)
+    estimate = _fake_probe_estimate(spec, case_at, low, high, progress, pool)
+    prefetch, jobs = None, 1
     if estimate is not None:
         tracked.steady = estimate
-        batch, method = largest_under(estimate, budget, low, high, max_batch), "fake probe"
+        prefetch, jobs = estimate.prefetch, estimate.jobs
+        batch, method = largest_under(estimate, budget, low, high, max_batch, prefetch, jobs), "fake probe"
         slope = max((estimate(high) - estimate(low)) / (high - low), 1.0)
     else:
         lines = _stage_lines(case_at, low, high, tracked)
         estimate = stage_line_estimate(lines)
         slope = max(max(slope_s for _, slope_s in lines.values()), 1.0)
         batch, method = largest_on_stage_lines(lines, budget, max_batch), "per-stage linear model"
-    batch = confirmed_batch(batch, tracked, estimate, method, slope, low, high)
+    batch = confirmed_batch(batch, tracked, estimate, method, slope, low, high, prefetch, jobs)
     if batch < 1 and method == "fake probe" and 1 not in tracked.peaks:
         # batch 1's fake count is over the budget and nothing was run: no real step of a model that may not fit
         # this machine (a full-size preset) to learn what the fake count says to the byte
@@ -326,14 +333,47 @@ def time_per_sample(spec: str, phase: str, device: str, workload: str, data: str
     return timing_pass(case, bind_case(case)[0])["step_time_ms_median"] / batch
 
 
+def probe_pool(jobs: int, executor: str = pools.LOCAL, ray_address: str | None = None, preload: str = __name__,
+               workload: str | None = None):
+    """Where a fit's probes are made several at once: None for one job here (the serial search), worker processes
+    forked from this one for `jobs` > 1, Ray tasks with `executor="ray"` (`jobs` at once; 0: the cluster's CPUs;
+    the `workload`'s file travels to them)."""
+    if executor == pools.RAY:
+        return pools.ray(jobs or None, ray_address, workload)
+    return pools.local(jobs, preload) if jobs > 1 else None
+
+
+@contextlib.contextmanager
+def opened(pool):
+    """`pool` for a with-block: shut down after it, its workers ended at once after an error or Ctrl-C."""
+    try:
+        yield pool
+    except BaseException:
+        if pool is not None:
+            pools.end(pool)
+        raise
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
 def fit(specs: list[str], budget: int, phase: str = "train", device: str = "cpu",
         workload: str = "captcha_resnet18", data: str = "synthetic", max_batch: int = 4096,
         time_steps: int = 1, progress: Callable[[str], None] = _quiet,
-        capability: tuple[int, int] | None = None) -> list[FitResult]:
+        capability: tuple[int, int] | None = None, jobs: int = 1, executor: str = pools.LOCAL,
+        ray_address: str | None = None) -> list[FitResult]:
     """`fit` for each strategy (baseline first, always included); `time_steps=0` skips the timing run; on CUDA
-    without a GPU, `capability` is the predicted device's.
+    without a GPU, `capability` is the predicted device's. On the CPU the fake-tensor probes are made `jobs` at once
+    (`probe_pool`); on CUDA the attempts are made one after another whatever `jobs` says.
 
     `progress` is told each run as it starts and ends (the CLI prints it on stderr)."""
+    with opened(probe_pool(jobs, executor, ray_address, workload=workload) if device == "cpu" else None) as pool:
+        return _fit(specs, budget, phase, device, workload, data, max_batch, time_steps, progress, capability, pool)
+
+
+def _fit(specs: list[str], budget: int, phase: str, device: str, workload: str, data: str, max_batch: int,
+         time_steps: int, progress: Callable[[str], None], capability: tuple[int, int] | None,
+         pool) -> list[FitResult]:
     specs = ["baseline"] + [s for s in specs if s != "baseline"]
     results = []
     for spec in specs:
@@ -351,7 +391,7 @@ def fit(specs: list[str], budget: int, phase: str = "train", device: str = "cpu"
                                   capability=capability)
             else:  # times its answer itself, on the session of its tracked run
                 results.append(fit_cpu(strategy.spec(), budget, phase, workload, data, max_batch, progress=progress,
-                                       time_steps=time_steps))
+                                       time_steps=time_steps, pool=pool))
                 continue
         except Unsupported as error:  # e.g. checkpoint:budget, whose plan is chosen per case, not per batch search
             results.append(FitResult(strategy.spec(), phase, device, budget, 0, None, False, None, "", None,

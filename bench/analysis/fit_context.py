@@ -13,8 +13,9 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from bench.analysis import predict
-from bench.analysis.fit import FitResult
+from bench.analysis import pools, predict
+from bench.analysis.fit import FitResult, opened, probe_pool
+from bench.analysis.fit_search import Probes, largest_in_rounds
 from bench.core.errors import UsageError
 from bench.core.gpus import CUDA_CONTEXT_BYTES
 from bench.core.results import Status
@@ -94,7 +95,7 @@ def monotonic_check(probes: dict[int, Probe]) -> str:
 
 
 def longest_under(judged_at: Callable[[int], int | None], budget: int, step: int, max_seq: int,
-                  start: int = 2048) -> int:
+                  start: int = 2048, prefetch: Callable[[list[int]], None] | None = None, jobs: int = 1) -> int:
     """The longest multiple of `step` up to `max_seq` whose judged peak is <= budget (0 if none), for a peak that
     does not fall as the sequence grows; a length with no prediction counts as over the budget.
 
@@ -102,7 +103,11 @@ def longest_under(judged_at: Callable[[int], int | None], budget: int, step: int
     does not fit one step costs two probes). Then, between the longest length seen to fit and the shortest seen not
     to, the point where the straight line between them crosses the budget (at least one step past the fitting end,
     so that the step beyond the answer is always probed), with a bisection after any such step that did not halve
-    the bracket (a safeguard for a strongly curved peak)."""
+    the bracket (a safeguard for a strongly curved peak).
+
+    With `jobs` > 1 and a `prefetch` that predicts several lengths at once: `fit_search.largest_in_rounds`, from
+    `start` and its doublings (`jobs` of them; below `start` those the longest sequence leaves no room for): the
+    same answer for a peak that does not fall, in fewer rounds."""
     max_k = max(1, max_seq // step)
     values: dict[int, float] = {}
 
@@ -113,6 +118,12 @@ def longest_under(judged_at: Callable[[int], int | None], budget: int, step: int
         return values[k]
 
     k = max(1, min(max_k, start // step))
+    if prefetch is not None and jobs > 1:
+        first = list(dict.fromkeys(min(max_k, k * 2**i) for i in range(jobs)))
+        # `start` at or near the longest sequence: the slots left go below it (no doubling is left to make)
+        first += [k * i // (jobs - len(first) + 1) for i in range(jobs - len(first), 0, -1)]
+        return step * largest_in_rounds(peak, lambda ks: prefetch([x * step for x in ks]), jobs, budget, max_k,
+                                        first)
     if peak(k) > budget:
         if k > 1 and peak(1) > budget:
             return 0
@@ -137,29 +148,34 @@ def longest_under(judged_at: Callable[[int], int | None], budget: int, step: int
     return lo * step
 
 
+def _lost_probe(seq_len: int, error: BaseException) -> Probe:
+    first = next((line for line in str(error).splitlines() if line.strip()), "").strip()
+    return Probe(seq_len, None, None, "", f"error: its worker died ({type(error).__name__}: {first})"[:300])
+
+
 def fit_seq_len(spec: str, budget: int, phase: str, device: str, workload: str, data: str, batch: int,
                 step: int = DEFAULT_SEQ_STEP, max_seq: int | None = None, capability: tuple[int, int] | None = None,
                 start: int = 2048, progress: Callable[[str], None] = lambda text: None,
-                judged_at: Callable[[int], Probe] | None = None) -> FitResult:
+                judged_at: Callable[[int], Probe] | None = None, pool=None) -> FitResult:
     """The longest sequence (a multiple of `step`) whose predicted peak fits `budget` for strategy `spec` at batch
-    `batch`: a row of the fit table with `over` = seq_len. `judged_at` replaces the prediction (a test's peaks)."""
+    `batch`: a row of the fit table with `over` = seq_len. `judged_at` replaces the prediction (a test's peaks).
+    With a `pool` of several jobs (`bench.analysis.pools`) the lengths are predicted several at once."""
     limit = max_seq or max_seq_len(workload) or 131072
-    probes: dict[int, Probe] = {}
 
-    def probe(seq_len: int) -> int | None:
-        if seq_len not in probes:
-            if judged_at is not None:
-                probes[seq_len] = judged_at(seq_len)
-            else:
-                case = Case(seq_len_spec(workload, seq_len), spec, phase, batch, device, data=data)
-                probes[seq_len] = predicted_probe(case, capability)
-            p = probes[seq_len]
-            progress(f"fit {spec}: seq_len {seq_len}: " + (
-                p.message if p.judged_bytes is None else
-                f"judged {format_size(p.judged_bytes)} vs budget {format_size(budget)}"))
-        return probes[seq_len].judged_bytes
+    def told(seq_len: int, p: Probe) -> None:
+        progress(f"fit {spec}: seq_len {seq_len}: " + (
+            p.message if p.judged_bytes is None else
+            f"judged {format_size(p.judged_bytes)} vs budget {format_size(budget)}"))
 
-    longest = longest_under(probe, budget, step, limit, start)
+    def args_at(seq_len: int) -> tuple:
+        if judged_at is not None:
+            return (seq_len,)
+        return Case(seq_len_spec(workload, seq_len), spec, phase, batch, device, data=data), capability
+
+    probes = Probes(judged_at or predicted_probe, args_at, pool, told, _lost_probe)
+    longest = longest_under(lambda seq_len: probes(seq_len).judged_bytes, budget, step, limit, start,
+                            probes.prefetch, probes.jobs)
+    probes = probes.values
     check = monotonic_check(probes)
     nxt = probes.get(longest + step)
     notes = ["predicted, not confirmed by a run"]
@@ -188,14 +204,17 @@ def fit_seq_len(spec: str, budget: int, phase: str, device: str, workload: str, 
 def fit_over_seq_len(specs: list[str], budget: int, phase: str, device: str, workload: str, data: str, batch: int,
                      step: int = DEFAULT_SEQ_STEP, max_seq: int | None = None,
                      capability: tuple[int, int] | None = None,
-                     progress: Callable[[str], None] = lambda text: None) -> list[FitResult]:
-    """`fit_seq_len` for each strategy, baseline first (always included)."""
+                     progress: Callable[[str], None] = lambda text: None, jobs: int = 1,
+                     executor: str = pools.LOCAL, ray_address: str | None = None) -> list[FitResult]:
+    """`fit_seq_len` for each strategy, baseline first (always included); its predictions `jobs` at once in local
+    worker processes, or as Ray tasks with `executor="ray"` (`bench.analysis.fit.probe_pool`)."""
     seq_len_spec(workload, step)  # a workload without seq_len: a UsageError before any prediction
     specs = ["baseline"] + [s for s in specs if s != "baseline"]
     results = []
-    for spec in specs:
-        canonical = bind_case(Case(workload, spec, phase, batch, "cpu", data=data))[0].spec()
-        progress(f"fit {canonical}: searching for the longest sequence under {format_size(budget)} ...")
-        results.append(fit_seq_len(canonical, budget, phase, device, workload, data, batch, step, max_seq,
-                                   capability, progress=progress))
+    with opened(probe_pool(jobs, executor, ray_address, __name__, workload)) as pool:
+        for spec in specs:
+            canonical = bind_case(Case(workload, spec, phase, batch, "cpu", data=data))[0].spec()
+            progress(f"fit {canonical}: searching for the longest sequence under {format_size(budget)} ...")
+            results.append(fit_seq_len(canonical, budget, phase, device, workload, data, batch, step, max_seq,
+                                       capability, progress=progress, pool=pool))
     return results

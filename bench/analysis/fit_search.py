@@ -1,20 +1,111 @@
 """The batch searches of fit, on peaks given as functions of the batch size: the largest batch under a budget
-(secant steps, then bisection), the answer of per-stage lines, and the steps down from an estimate that a tracked
-run contradicts. No case runs here: `bench.analysis.fit` passes the peaks it measures or estimates (its tracked runs
-as `tracked`: `budget`, `peak(batch)`, the `peaks` measured so far)."""
+(secant steps, then bisection; or, with several jobs, rounds of probes made at once), the answer of per-stage
+lines, and the steps down from an estimate that a tracked run contradicts. No case runs here: `bench.analysis.fit`
+passes the peaks it measures or estimates (its tracked runs as `tracked`: `budget`, `peak(batch)`, the `peaks`
+measured so far), and its probes as `Probes`, which makes several at once in a pool (`bench.analysis.pools`)."""
 
 from __future__ import annotations
 
+import concurrent.futures as futures
 import math
-from typing import Callable
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any, Callable
 
 
-def largest_under(peak_at: Callable[[int], int], budget: int, low: int, high: int, max_batch: int) -> int:
+class Probes:
+    """The probes of one search, each made once: `probes(x)` is the value at x, made here when not made yet (one
+    job: exactly the serial search's probes, in its order); `prefetch(xs)` makes those of `xs` not made yet at once
+    in `pool` (`make(*args_at(x))` for each, a module-level function and picklable arguments). A worker that dies
+    makes `lost(x, error)` the value, and the search goes on; `told(x, value)` hears of each value made."""
+
+    def __init__(self, make: Callable, args_at: Callable[[int], tuple], pool=None,
+                 told: Callable[[int, Any], None] = lambda x, value: None,
+                 lost: Callable[[int, BaseException], Any] = lambda x, error: None):
+        self.make, self.args_at, self.pool, self.told, self.lost = make, args_at, pool, told, lost
+        self.values: dict[int, Any] = {}
+
+    @property
+    def jobs(self) -> int:
+        return self.pool.slots if self.pool is not None else 1
+
+    def __call__(self, x: int):
+        if x not in self.values:
+            self.values[x] = self.make(*self.args_at(x))
+            self.told(x, self.values[x])
+        return self.values[x]
+
+    def prefetch(self, xs: list[int]) -> None:
+        missing = [x for x in dict.fromkeys(xs) if x not in self.values]
+        if self.pool is None:
+            for x in missing:
+                self(x)
+            return
+        running = {self.pool.submit(self.make, *self.args_at(x)): x for x in missing}
+        for future in futures.as_completed(running):
+            x = running[future]
+            try:
+                self.values[x] = future.result()
+            except self.pool.lost as error:  # a worker died (the OOM killer, a lost node): the probe says so
+                self.values[x] = self.lost(x, error)
+                if isinstance(error, BrokenProcessPool):
+                    self.pool = self.pool.restarted()
+            self.told(x, self.values[x])
+
+
+def largest_in_rounds(peak_at: Callable[[int], float], prefetch: Callable[[list[int]], None], jobs: int,
+                      budget: float, top: int, first: list[int]) -> int:
+    """The largest x in 1..top with peak_at(x) <= budget (0 if none), for a peak that grows with x, probing up to
+    `jobs` points at once each round: `first` (which may lie beyond `top`), then, between the largest x seen to fit
+    and the smallest above it seen not to, the point where the line between them (or, with no such x yet, between the
+    two largest that fit) crosses the budget and the one after it, and points spread evenly across the bracket
+    (doubling upward while none was seen over the budget). After a round that did not halve the bracket, the even
+    points alone (a safeguard for a strongly curved peak). Where the peak grows with x the answer is the serial
+    search's: there is one largest x that fits, and both end on it and on the x after it, probed."""
+    seen: set[int] = set()
+
+    def probe(points: list[int]) -> None:
+        points = [p for p in dict.fromkeys(points) if p >= 1 and p not in seen]
+        prefetch(points)
+        seen.update(points)
+
+    probe(first)
+    width = math.inf
+    while True:
+        fitting = sorted(x for x in seen if x <= top and peak_at(x) <= budget)
+        lo = fitting[-1] if fitting else 0
+        over = [x for x in seen if x > lo and peak_at(x) > budget]
+        hi = min(over, default=top + 1)
+        end = min(hi, top + 1)  # the bracket: lo fits, every x in (lo, end) is unknown
+        if end - lo <= 1:
+            return lo
+        halved, width = end - lo <= width / 2, end - lo
+        line = ([lo] if lo else []) + [hi] if over else fitting[-2:]
+        points = []
+        if halved and len(line) == 2 and math.isfinite(peak_at(line[1])) and peak_at(line[1]) > peak_at(line[0]):
+            a, b = line
+            g = a + math.floor((budget - peak_at(a)) * (b - a) / (peak_at(b) - peak_at(a)))
+            g = min(end - 1, max(lo + 1, g))
+            points += [g, g + 1]
+        if over:
+            points += [lo + (end - lo) * i // (jobs + 1) for i in range(1, jobs + 1)]
+        else:
+            d = max(lo, 1)
+            for _ in range(jobs):
+                d = min(top, 2 * d)
+                points.append(d)
+        probe([p for p in dict.fromkeys(points) if lo < p < end][:jobs])
+
+
+def largest_under(peak_at: Callable[[int], int], budget: int, low: int, high: int, max_batch: int,
+                  prefetch: Callable[[list[int]], None] | None = None, jobs: int = 1) -> int:
     """The largest batch b <= max_batch with peak_at(b) <= budget (0 if none), for a peak that grows with the batch.
 
     Secant steps from `low` and `high` (the peak is linear in the batch within a regime, so they land on the answer
     or next to it in two or three probes), then bisection between the largest batch seen to fit and the smallest
-    seen not to, probing upward by doubling when none was seen over the budget."""
+    seen not to, probing upward by doubling when none was seen over the budget. With `jobs` > 1 and a `prefetch`
+    that makes several probes at once: `largest_in_rounds` from `low` and `high` (the same answer)."""
+    if prefetch is not None and jobs > 1:
+        return largest_in_rounds(peak_at, prefetch, jobs, budget, max_batch, [low, high])
     fits = lambda b: b == 0 or peak_at(b) <= budget  # noqa: E731
     a, b = low, high
     for _ in range(6):
@@ -39,7 +130,8 @@ def largest_under(peak_at: Callable[[int], int], budget: int, low: int, high: in
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
+    # `high` (32) above max_batch may bracket a fitting batch above it: then max_batch fits too (the peak grows)
+    return min(lo, max_batch)
 
 
 def stage_line_estimate(lines: dict[str, tuple[float, float]]) -> Callable[[int], int]:
@@ -59,7 +151,8 @@ def largest_on_stage_lines(lines: dict[str, tuple[float, float]], budget: int, m
 
 
 def confirmed_batch(batch: int, tracked, estimate: Callable[[int], int], method: str,
-                    slope: float, low: int, high: int) -> int:
+                    slope: float, low: int, high: int, prefetch: Callable[[list[int]], None] | None = None,
+                    jobs: int = 1) -> int:
     """Steps down from `batch` while its actual tracked run is over the budget: by the fake probes shifted by the
     offset the run measured, else by the model's slope (halving after an out-of-memory run); 0 if none fits."""
     budget = tracked.budget
@@ -67,7 +160,8 @@ def confirmed_batch(batch: int, tracked, estimate: Callable[[int], int], method:
         over = tracked.peak(batch) - budget
         if over != math.inf and method == "fake probe":
             offset = tracked.peak(batch) - estimate(batch)  # what the CPU holds that fake tensors do not
-            batch = min(batch - 1, largest_under(lambda b: estimate(b) + offset, budget, low, high, batch))
+            batch = min(batch - 1, largest_under(lambda b: estimate(b) + offset, budget, low, high, batch,
+                                                 prefetch, jobs))
         else:
             batch -= max(1, batch // 2) if over == math.inf else max(1, math.ceil(over / slope))
     return batch

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from bench.analysis import plan, plan_search
+from bench.analysis import plan, plan_search, pools
 from bench.core.results import Status
 from bench.core.schema import Row
 
@@ -35,15 +35,17 @@ def rank_counts(max_ranks: int, batch_size: int) -> list[int]:
     return list(range(1, min(max_ranks, batch_size) + 1))
 
 
-def fewest_ranks(request: plan.PlanRequest, max_ranks: int,
-                 progress: Callable[[str], None] = lambda text: None) -> list[RankCount]:
-    """Each rank count's search, from one rank up to the first with an answer (or `max_ranks`)."""
+def fewest_ranks(request: plan.PlanRequest, max_ranks: int, progress: Callable[[str], None] = lambda text: None,
+                 executor: str = pools.LOCAL, ray_address: str | None = None) -> list[RankCount]:
+    """Each rank count's search, from one rank up to the first with an answer (or `max_ranks`), its candidates
+    evaluated by `executor` (`plan_search.search`)."""
     counts: list[RankCount] = []
     known: list[Row] = []
     for ranks in rank_counts(max_ranks, request.batch_size):
         progress(f"plan on {ranks} rank{'s' if ranks > 1 else ''} ...")
         searched, note = plan_search.search_where_cuda_runs(
-            replace(request, ranks=ranks, sharded_only=ranks > 1, known_rows=[dict(row) for row in known]), progress)
+            replace(request, ranks=ranks, sharded_only=ranks > 1, known_rows=[dict(row) for row in known]), progress,
+            executor, ray_address)
         answer = plan.decide(searched.rows, request.allow_different)
         counts.append(RankCount(ranks, searched, answer, plan.smallest(searched.rows), note))
         if answer is not None:

@@ -15,7 +15,9 @@ untried.
 The same candidates run in the same order with `jobs` processes as with one, but for which of the ones that may
 start at a moment finishes first; with no limit reached the rows are the same (a test). Candidates run in worker
 processes forked from this one (its imports and caches inherited: the workload's batch, its checkpoint units, its
-BatchNorm lookup), each with one thread: fake tensors do no arithmetic.
+BatchNorm lookup), each with one thread: fake tensors do no arithmetic. With `executor="ray"` each candidate is a
+Ray task instead, in a fresh worker process (`bench.run.ray_executor.RayPool`), as many at once as the cluster has
+CPUs; the order and the stopping rules are the same, and so are the rows (a test in tests/test_ray.py).
 
 A search cut short by `max_search_s` or `max_candidates` says which candidates it knew of and did not try
 (`Searched.untried`), and the settings not tried alone, whose combinations it cannot know.
@@ -26,16 +28,15 @@ from __future__ import annotations
 import concurrent.futures as futures
 import itertools
 import math
-import multiprocessing
-import signal
 import time
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
 
-from bench.analysis import plan, plan_candidates, plan_cost
+from bench.analysis import plan, plan_candidates, plan_cost, pools
 from bench.analysis.fake_cuda_worker import run_in_fake_cuda
 from bench.core.results import PLAN, Status
 from bench.core.schema import Row
@@ -90,15 +91,7 @@ def _declaration_rank(settings: list) -> dict[str, int]:
     return ranks
 
 
-# --- running a candidate here or in a worker process ------------------------------------------------------------
-
-def _worker_start() -> None:
-    from bench.run._worker import import_plugins
-
-    import_plugins()  # a forkserver's worker: the plugins the planner's process imported (the fake-CUDA mode)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the planner's: it ends its workers
-    torch.set_num_threads(1)  # fake tensors do no arithmetic; one thread each, and no OpenMP pool across the fork
-
+# --- running a candidate here, in a worker process or as a Ray task ----------------------------------------------
 
 def _evaluate(request: dict, spec: str, members: int) -> Row:
     values = {**request, "capability": tuple(request["capability"]) if request.get("capability") else None}
@@ -106,52 +99,37 @@ def _evaluate(request: dict, spec: str, members: int) -> Row:
     return plan.evaluate(the_request, spec, members, plan_cost.from_json(the_request.figures))
 
 
-class _Inline:
-    """An executor that runs each candidate at once in this process (one job)."""
-
-    def submit(self, function, *args):
-        future: futures.Future = futures.Future()
-        try:
-            future.set_result(function(*args))
-        except BaseException as error:  # noqa: BLE001 - delivered where the result is read, as a pool does
-            future.set_exception(error)
-        return future
-
-    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
-        pass
+def _evaluate_on_ray(request: dict, spec: str, members: int, planner_venv: str) -> Row:
+    """A Ray task's candidate (`bench.run.ray_executor.RayPool`: one thread). A CUDA plan on a node whose torch
+    sees no CUDA runs it in a fake-CUDA environment (`make cuda-fake-env`) where the node has one, as the search
+    does on one machine: the planner's (`planner_venv`: there on a local Ray, and on nodes that share its paths),
+    else one beside the code the task got; else on the CPU's operators, its row's message saying so."""
+    if request["device"] != "cuda" or torch.cuda.is_available():
+        return _evaluate(request, spec, members)
+    python = fake_cuda.environment_python(Path(planner_venv)) or fake_cuda.environment_python()
+    why = fake_cuda.unavailable_reason(Path(planner_venv))
+    if python is not None:
+        answer, why = run_in_fake_cuda(python, "bench.analysis._plan_worker",
+                                       {"candidate": [spec, members], "request": request})
+        if answer is not None:
+            return PLAN.row(answer[0])
+        why = f"the fake-CUDA environment failed ({why[:200]})"
+    row = _evaluate(request, spec, members)
+    row["message"] = "; ".join(x for x in (row["message"], f"{why}: predicted on the CPU's operators") if x)[:500]
+    return row
 
 
 def _executor(jobs: int):
-    """One job: this process. More: forked workers; where this torch sees CUDA (the fake-CUDA environment's, or a
-    GPU), which a forked child cannot use again, workers forked from a fresh server process that imported this
-    module once."""
-    if jobs <= 1:
-        return _Inline()
-    if torch.cuda.is_available():
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload([__name__])
-    else:
-        context = multiprocessing.get_context("fork")
-    return futures.ProcessPoolExecutor(jobs, mp_context=context, initializer=_worker_start)
+    """The forked workers of a local search (`bench.analysis.pools.local`)."""
+    return pools.local(jobs, __name__)
 
 
 def _lost(request: plan.PlanRequest, spec: str, error: BaseException) -> Row:
     row = plan.empty_row(request, spec, spec.count("+") + 1 if spec != "baseline" else 0)
-    row.update(status=Status.ERROR.value, message=f"its worker process died ({type(error).__name__}: {error})"[:300])
+    where = "its worker process died" if isinstance(error, BrokenProcessPool) else "its Ray task failed"
+    first = next((line for line in str(error).splitlines() if line.strip()), "").strip()
+    row.update(status=Status.ERROR.value, message=f"{where} ({type(error).__name__}: {first})"[:300])
     return row
-
-
-def _restarted(pool, jobs: int):
-    pool.shutdown(wait=False, cancel_futures=True)
-    return _executor(jobs)
-
-
-def _end_workers(pool) -> None:
-    """Ends the worker processes this search started (Ctrl-C, an error), without waiting for their candidates."""
-    processes = dict(getattr(pool, "_processes", None) or {})
-    pool.shutdown(wait=False, cancel_futures=True)
-    for process in processes.values():
-        process.terminate()
 
 
 # --- the search ---------------------------------------------------------------------------------------------------
@@ -270,16 +248,15 @@ def _combinations_of(pool: list, size: int) -> list[tuple]:
     return list(itertools.combinations(pool, size))
 
 
-def default_jobs() -> int:
-    """Worker processes for a search: the cores this process may use, at most 4."""
-    from bench.run.preflight import available_cores
-
-    return max(1, min(4, available_cores()))
+default_jobs = pools.default_jobs
 
 
-def search(request: plan.PlanRequest, progress: Callable[[str], None] = lambda text: None) -> Searched:
+def search(request: plan.PlanRequest, progress: Callable[[str], None] = lambda text: None,
+           executor: str = pools.LOCAL, ray_address: str | None = None) -> Searched:
     """Every candidate's row, in the order above, until `max_candidates` have started or `max_search_s` has passed
-    (no candidate starts after it; the baseline always runs), in `request.jobs` processes."""
+    (no candidate starts after it; the baseline always runs), in `request.jobs` processes; with `executor="ray"`,
+    each candidate a Ray task on the cluster at `ray_address` (None: a local Ray for this search), `request.jobs`
+    at once (0: the cluster's CPUs)."""
     context = plan.bind_for_plan(request.case("baseline"), request.ranks)[1]
     # a budget plan of checkpointing gets the limit less the context: its plan is judged on predicted peaks
     space = PlanSpace(context, max(1, request.limit_bytes - request.context_bytes))
@@ -288,18 +265,21 @@ def search(request: plan.PlanRequest, progress: Callable[[str], None] = lambda t
         accepted = [s for s in accepted if s.strategy in request.strategies]
         refused = [r for r in refused if r.spec.split(":")[0] in request.strategies]
     queue = _Queue(request, accepted, context)
-    jobs = max(1, request.jobs)
+    on_ray = executor == pools.RAY
     started, stopped = time.monotonic(), None
     running: dict[futures.Future, str] = {}
-    # the baseline here, then the workers: forked after it, they inherit what its step warmed (the batch, the fake
-    # tensors' dispatch caches), and the first settings start knowing the baseline
-    pool = _Inline()
+    # locally the baseline here, then the workers: forked after it, they inherit what its step warmed (the batch,
+    # the fake tensors' dispatch caches), and the first settings start knowing the baseline. On Ray the baseline is
+    # a task too, alone, for the same reason: the settings start knowing it
+    pool = pools.ray(request.jobs or None, ray_address, request.workload) if on_ray else pools.Inline()
+    jobs, task = (pool.slots, _evaluate_on_ray) if on_ray else (max(1, request.jobs), _evaluate)
+    extra = (str(fake_cuda.VENV),) if on_ray else ()
     as_json = asdict(request)
     try:
         while True:
-            if isinstance(pool, _Inline) and jobs > 1 and queue.base() is not None:
+            if isinstance(pool, pools.Inline) and jobs > 1 and queue.base() is not None:
                 pool = _executor(jobs)
-            while len(running) < (1 if isinstance(pool, _Inline) else jobs):
+            while len(running) < (pool.slots if queue.base() is not None else 1):
                 late = queue.rows and time.monotonic() - started > request.max_search_s
                 full = queue.tried() >= request.max_candidates
                 if late or full:
@@ -312,7 +292,7 @@ def search(request: plan.PlanRequest, progress: Callable[[str], None] = lambda t
                 queue.rows[spec] = None
                 progress(f"[{queue.tried()}/{request.max_candidates} at most, {time.monotonic() - started:.0f} s] "
                          f"{spec} ...")
-                running[pool.submit(_evaluate, as_json, spec, members)] = spec
+                running[pool.submit(task, as_json, spec, members, *extra)] = spec
             if not running:
                 break
             done, _ = futures.wait(running, return_when=futures.FIRST_COMPLETED)
@@ -320,11 +300,12 @@ def search(request: plan.PlanRequest, progress: Callable[[str], None] = lambda t
                 spec = running.pop(future)
                 try:
                     queue.rows[spec] = future.result()
-                except BrokenProcessPool as error:  # a worker died (the OOM killer): its candidates are errors
+                except pool.lost as error:  # a worker died (the OOM killer, a lost node): its candidate is an error
                     queue.rows[spec] = _lost(request, spec, error)
-                    pool = _restarted(pool, jobs)
+                    if isinstance(error, BrokenProcessPool):
+                        pool = pool.restarted()
     except BaseException:
-        _end_workers(pool)
+        pools.end(pool)
         raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
@@ -343,10 +324,17 @@ def search(request: plan.PlanRequest, progress: Callable[[str], None] = lambda t
                     elapsed / max(1, queue.tried()), jobs, queue.tried())
 
 
-def search_where_cuda_runs(request: plan.PlanRequest, progress: Callable[[str], None]) -> tuple[Searched, str]:
+def search_where_cuda_runs(request: plan.PlanRequest, progress: Callable[[str], None],
+                           executor: str = pools.LOCAL, ray_address: str | None = None) -> tuple[Searched, str]:
     """`search`, for a CUDA plan on CUDA's own operators: here when this torch sees a CUDA device, else in the
     fake-CUDA environment's Python (`python -m bench.analysis._plan_worker`), else here on the CPU's operators
-    with a note saying so."""
+    with a note saying so. On Ray the search runs here and each task finds CUDA's operators on its node
+    (`_evaluate_on_ray`)."""
+    if executor == pools.RAY:
+        searched = search(request, progress, executor, ray_address)
+        where = f"the Ray cluster at {ray_address}" if ray_address else "a local Ray"
+        return searched, (f"each candidate a Ray task in a fresh worker process on {where}, {searched.jobs} at "
+                          "once; the CPU time is this process's, not the tasks'")
     if request.device != "cuda" or torch.cuda.is_available():
         return search(request, progress), ""
     python = fake_cuda.environment_python()

@@ -155,6 +155,20 @@ def _add_sweep_options(p: argparse.ArgumentParser) -> None:
                         "(default: a new CSV in --out)")
 
 
+def add_executor_options(p: argparse.ArgumentParser, what: str, jobs: bool = False) -> None:
+    """--executor and --ray-address of plan and fit (`what`: what runs in parallel); with `jobs`, --jobs too."""
+    if jobs:
+        p.add_argument("--jobs", type=positive_int, default=None,
+                       help=f"{what} evaluated at once (default: the cores this process may use, at most 4; with "
+                            "--executor ray the cluster's CPUs); 1 evaluates them one after another in this process")
+    p.add_argument("--executor", default=None,
+                   help=f"where the {what} run: local (default: --jobs worker processes on this machine) or ray "
+                        "(each a task in a fresh Ray worker process; see --ray-address)")
+    p.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                   help="the Ray cluster for --executor ray (auto, ray://head:10001, head:6379); default: start a "
+                        "local Ray bound to 127.0.0.1 for the search")
+
+
 def add_table_options(p: argparse.ArgumentParser) -> None:
     """Options of the commands that write a table of their own (predict, fit)."""
     p.add_argument("--data", default=None, help="a data source of the workload (default synthetic where it has one)")

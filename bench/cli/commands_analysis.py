@@ -16,8 +16,8 @@ from bench.analysis import predict, predict_assumptions
 from bench.cli import interrupt
 from bench.cli.analysis_console import (format_explain, format_fit, format_fit_seq_len, format_plan_units,
                                         format_predictions, nothing_fits)
-from bench.cli.arguments import (DEFAULT_WORKLOAD, analysis_device, capability, csv_list, one_batch_size,
-                                 size_option)
+from bench.cli.arguments import (DEFAULT_WORKLOAD, EXECUTORS, analysis_device, capability, csv_list,
+                                 one_batch_size, size_option)
 from bench.cli.commands_run import apply_memory_limit
 from bench.cli.console import status
 from bench.core import gpus
@@ -177,6 +177,26 @@ def _gpu_and_device(args, default_device: str) -> tuple[object, str]:
     return gpu, device
 
 
+def executor_options(args) -> tuple[str, str | None]:
+    """(--executor, --ray-address) of plan and fit, checked before anything runs as compare checks them: one line
+    for a bad executor, an address without ray, a malformed address or one where nothing answers."""
+    executor = check_choice("executor", args.executor or "local", EXECUTORS)
+    if executor != "ray":
+        if args.ray_address:
+            raise UsageError("--ray-address needs --executor ray")
+        return executor, None
+    from bench.run.ray_executor import checked_address
+
+    return executor, checked_address(args.ray_address)
+
+
+def _fit_jobs(args, executor: str) -> int:
+    """--jobs of fit: given, else the cores this process may use (at most 4) locally, the cluster's CPUs on Ray."""
+    from bench.analysis import pools
+
+    return args.jobs or (0 if executor == "ray" else pools.default_jobs())
+
+
 def _fit_budget(args, gpu) -> int:
     """--budget, else the --gpu's memory; a UsageError when neither is given."""
     if args.budget is not None:
@@ -192,10 +212,14 @@ def cmd_fit(args) -> int:
     with --over seq_len the longest sequence at a batch, on predictions."""
     over = check_choice("over", args.over, ("batch", "seq_len"))
     gpu, device = _gpu_and_device(args, "cpu")
+    if over == "batch" and device == "cuda" and args.executor == "ray":
+        raise UsageError("--executor ray: fit --device cuda makes its batch attempts one after another (on one GPU "
+                         "they would disturb each other's peaks); valid: --device cpu, or --over seq_len")
+    executor, address = executor_options(args)
     budget = _fit_budget(args, gpu)
     workload, data = _workload_and_data(args)
     if over == "seq_len":
-        return _fit_over_seq_len(args, gpu, device, budget, workload, data)
+        return _fit_over_seq_len(args, gpu, device, budget, workload, data, executor, address)
     if args.batch_size is not None:
         raise UsageError("--batch-size is the batch of --over seq_len; --over batch searches the batch (see "
                          "--max-batch)")
@@ -217,7 +241,8 @@ def cmd_fit(args) -> int:
     apply_memory_limit(args.memory_limit, device)
     interrupt.set_note("interrupted: nothing was written (fit writes its table when every strategy is done)")
     results = fitting.fit(specs, budget, phase, device, workload, data, max_batch, args.time_steps,
-                          progress=status, capability=gpu.capability if gpu else None)
+                          progress=status, capability=gpu.capability if gpu else None,
+                          jobs=_fit_jobs(args, executor), executor=executor, ray_address=address)
     failure = nothing_fits(results)
     if failure is not None:
         print(failure)
@@ -231,7 +256,8 @@ def cmd_fit(args) -> int:
     return 0
 
 
-def _fit_over_seq_len(args, gpu, device: str, budget: int, workload: str, data: str) -> int:
+def _fit_over_seq_len(args, gpu, device: str, budget: int, workload: str, data: str, executor: str,
+                      address: str | None) -> int:
     """`fit --over seq_len`: the longest sequence per strategy at --batch-size, on predictions (no run)."""
     from bench.analysis import fit_context
 
@@ -243,7 +269,8 @@ def _fit_over_seq_len(args, gpu, device: str, budget: int, workload: str, data: 
     out = check_output_dir(args.out, "--out")
     interrupt.set_note("interrupted: nothing was written (fit writes its table when every strategy is done)")
     results = fit_context.fit_over_seq_len(specs, budget, phase, device, workload, data, batch, args.seq_step,
-                                           args.max_seq_len, gpu.capability if gpu else None, progress=status)
+                                           args.max_seq_len, gpu.capability if gpu else None, progress=status,
+                                           jobs=_fit_jobs(args, executor), executor=executor, ray_address=address)
     where = f"{gpu.name} ({format_size(budget)})" if gpu else f"{device}, budget {format_size(budget)}"
     print(f"longest sequence (a multiple of {args.seq_step} tokens) at batch {batch} on {where}, phase {phase}; "
           "predicted, not run")

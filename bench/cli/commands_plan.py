@@ -3,6 +3,7 @@ predictions, with the Pareto front, the CSV of every candidate, the chart, and -
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -11,8 +12,8 @@ from bench.analysis import plan, plan_candidates, plan_cost, plan_search
 from bench.analysis.fake_engine import has_gpu
 from bench.cli import interrupt
 from bench.cli.arguments import analysis_device, one_batch_size, size_option
+from bench.cli.commands_analysis import _batch_size_text, _workload_and_data, executor_options, uses_threads
 from bench.cli.commands_plan_ranks import plan_ranks_command
-from bench.cli.commands_analysis import _batch_size_text, _workload_and_data, uses_threads
 from bench.cli.console import status
 from bench.core import gpus
 from bench.core.errors import UsageError
@@ -92,13 +93,16 @@ def cmd_plan(args) -> int:
     if args.list_gpus:
         print(gpus.format_gpus())
         return 0
+    executor, address = executor_options(args)
     request, how = _request(args)
+    if executor == "ray":
+        request = dataclasses.replace(request, jobs=args.jobs or 0)  # 0: the cluster's CPUs
     if args.max_ranks is not None:
-        return plan_ranks_command(args, request, how)
+        return plan_ranks_command(args, request, how, executor, address)
     out = check_output_dir(args.out, "--out")
     interrupt.set_note("interrupted: nothing was written (plan writes its table when the search is done)")
     started, cpu_started = time.monotonic(), _cpu_seconds()
-    searched, note = plan_search.search_where_cuda_runs(request, status)
+    searched, note = plan_search.search_where_cuda_runs(request, status, executor, address)
     rows = searched.rows
     searched_s, cpu_s = time.monotonic() - started, _cpu_seconds() - cpu_started
     answer = plan.decide(rows, request.allow_different)

@@ -21,13 +21,14 @@ def _ms(value) -> str:
     return "-" if value is None else f"{value:,.0f}"
 
 
-def plan_ranks_command(args, request: plan.PlanRequest, how: str) -> int:
+def plan_ranks_command(args, request: plan.PlanRequest, how: str, executor: str = "local",
+                       address: str | None = None) -> int:
     """Each rank count's search from one up, the answer (the fewest ranks and its plan), the CSV of every candidate;
     exit 1 when no rank count up to --max-ranks has a plan that fits."""
     out = check_output_dir(args.out, "--out")
     interrupt.set_note("interrupted: nothing was written (plan writes its table when the search is done)")
     started = time.monotonic()
-    counts = plan_ranks.fewest_ranks(request, args.max_ranks, status)
+    counts = plan_ranks.fewest_ranks(request, args.max_ranks, status, executor, address)
     rows = [row for count in counts for row in count.searched.rows]
     csv_path = out / f"plan-{new_run_id(request.device)}.csv"
     write_table(PLAN, rows, csv_path)

@@ -14,8 +14,8 @@ import sys
 from typing import Callable, Sequence
 
 from bench.cli import interrupt
-from bench.cli.arguments import (DEFAULT_OUT, WORKLOAD_HELP, add_case_options, add_memory_limit_option,
-                                 add_snapshot_option, add_table_options, add_threads_option, fraction,
+from bench.cli.arguments import (DEFAULT_OUT, WORKLOAD_HELP, add_case_options, add_executor_options,
+                                 add_memory_limit_option, add_snapshot_option, add_table_options, add_threads_option, fraction,
                                  non_negative_int, positive_float, positive_int)
 from bench.core import gpus
 from bench.core.errors import UsageError, shortened
@@ -169,6 +169,7 @@ def _add_analysis_parsers(sub) -> None:
     add_table_options(p)
     add_memory_limit_option(p)
     add_threads_option(p)
+    add_executor_options(p, "probes (fake-tensor counts of a batch, predictions of a sequence length)", jobs=True)
 
 
 def _add_plan_parser(sub) -> None:
@@ -203,7 +204,7 @@ def _add_plan_parser(sub) -> None:
                         f"{gpus.DEFAULT_MAX_SEARCH_S:g})")
     p.add_argument("--jobs", type=positive_int, default=None,
                    help="processes predicting candidates at once (default: the cores this process may use, at most "
-                        "4)")
+                        "4; with --executor ray the cluster's CPUs)")
     p.add_argument("--confirm", action="store_true",
                    help="measure the answer with the harness (the planned device must be this machine's: the CPU, or "
                         "a GPU here; default off)")
@@ -211,6 +212,7 @@ def _add_plan_parser(sub) -> None:
                                                                 "Pareto front (default off)")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"folder for the CSV and the chart (default {DEFAULT_OUT}/)")
     add_threads_option(p)
+    add_executor_options(p, "candidates")
 
 
 def build_parser() -> argparse.ArgumentParser:

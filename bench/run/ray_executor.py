@@ -1,4 +1,5 @@
-"""Sweeps on a Ray cluster: every case, and every repeat of a case, as a Ray task in a fresh worker process.
+"""Sweeps on a Ray cluster: every case, and every repeat of a case, as a Ray task in a fresh worker process; and
+`RayPool`, the same for each candidate of `plan` and each probe of `fit` (`bench.analysis.pools`).
 
 `python -m bench compare ... --executor ray [--ray-address ADDRESS]`. Without an address a local Ray is started
 for the sweep, bound to 127.0.0.1, and stopped after it; with one (`auto`, `ray://head:10001`, `head:6379`) the
@@ -109,6 +110,96 @@ def runtime_env(remote: bool) -> dict:
     return env
 
 
+def connect(ray, address: str | None, threads: int = 1) -> bool:
+    """Connects to the cluster at `address`, or starts a local one bound to 127.0.0.1 with this machine's cores (at
+    least `threads`); True when this call started or joined it (and must shut it down), False when this process
+    was already connected (a test's Ray, left running)."""
+    if ray.is_initialized():
+        return False
+    common = dict(runtime_env=runtime_env(remote=address is not None), include_dashboard=False,
+                  log_to_driver=False, logging_level=logging.WARNING)  # the progress lines are ours
+    if address:
+        try:
+            ray.init(address=address, **common)
+        except (ConnectionError, RuntimeError) as error:  # a probe passed, yet Ray could not connect
+            first = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
+            raise UsageError(f"cannot connect to the Ray cluster at {address}: {first.strip()}") from None
+    else:
+        ray.init(num_cpus=max(os.cpu_count() or 1, threads), _node_ip_address="127.0.0.1", **common)
+    return True
+
+
+def checked_address(address: str | None) -> str | None:
+    """`--ray-address` (or, without it, `$RAY_ADDRESS`, which ray.init() reads) checked before anything starts: its
+    form, the ray package, then that something answers there; a one-line UsageError for each. The address given."""
+    checked = address or os.environ.get("RAY_ADDRESS", "").strip()
+    option = "--ray-address" if address else "$RAY_ADDRESS"
+    if checked:
+        check_address(checked, option)  # its form first: a typo is named before Ray is even imported
+    import_ray()  # a missing package is an error before anything runs
+    if checked:
+        probe_address(checked, option)  # seconds, not Ray's retries, to learn that nothing answers there
+    return address
+
+
+def _call_in_worker(files: dict[str, str], function, *args):
+    """A RayPool task: `function(*args)` with the plugins imported, the user's workload files shipped (`files`: a
+    path as the spec names it -> its source) and one thread (fake tensors do no arithmetic; a probe or candidate
+    uses one CPU of the cluster, as it asked)."""
+    import torch
+
+    from bench.run._worker import import_plugins
+    from workloads.loader import ship_file
+
+    import_plugins()
+    for path, source in files.items():
+        ship_file(path, source)
+    torch.set_num_threads(1)
+    return function(*args)
+
+
+class RayPool:
+    """Calls as Ray tasks, with the interface of `concurrent.futures`' executors that `bench.analysis.pools`
+    describes: each call a task in a fresh worker process (`max_calls=1`, as compare's cases), one CPU each, never
+    retried (`max_retries=0`: a worker that dies is an error the search turns into a row). The workers get
+    membench's code by the runtime environment compare's tasks get (`runtime_env`), and the source of each workload
+    of `workloads` given as `file.py:NAME`, as compare's cases do. `slots`: `jobs`, else the
+    cluster's CPUs; Ray queues what it cannot start at once, so the search submits no more than that."""
+
+    def __init__(self, address: str | None = None, jobs: int | None = None, workloads: tuple[str, ...] = ()):
+        self.files = {path: Path(path).read_text(encoding="utf-8")
+                      for path in dict.fromkeys(filter(None, map(file_reference, workloads)))}
+        self.ray = import_ray()
+        self.started = connect(self.ray, address)
+        cpus = int(self.ray.cluster_resources().get("CPU", 0))
+        if cpus < 1:
+            self.shutdown()
+            raise UsageError(f"--executor ray: the Ray cluster{f' at {address}' if address else ''} has no CPU")
+        self.slots = jobs or cpus
+        self.lost = (self.ray.exceptions.RayError,)
+        self._task = None
+        self._refs: list = []
+
+    def submit(self, function, *args):
+        if self._task is None:
+            self._task = self.ray.remote(num_cpus=1, max_calls=1, max_retries=0)(_call_in_worker)
+        ref = self._task.remote(self.files, function, *args)
+        self._refs.append(ref)
+        return ref.future()
+
+    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
+        if cancel_futures:
+            for ref in self._refs:
+                try:
+                    self.ray.cancel(ref, force=True)
+                except Exception:  # noqa: BLE001 - a task already finished, or its worker already gone
+                    pass
+        self._refs = []
+        if self.started and self.ray.is_initialized():
+            self.ray.shutdown()
+        self.started = False
+
+
 def _failure(case: Case, options: RunOptions, error: BaseException) -> CaseResult:
     message = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
     failed = CaseResult.failed(f"Ray task failed ({type(error).__name__}): {message.strip()}"[:500])
@@ -123,20 +214,7 @@ class RayExecutor:
 
     def _start(self, ray, options: RunOptions) -> bool:
         """Connects to the cluster, or starts a local one; True when this call started it (and must stop it)."""
-        if ray.is_initialized():
-            return False
-        common = dict(runtime_env=runtime_env(remote=self.address is not None), include_dashboard=False,
-                      log_to_driver=False, logging_level=logging.WARNING)  # the progress lines are ours
-        if self.address:
-            try:
-                ray.init(address=self.address, **common)
-            except (ConnectionError, RuntimeError) as error:  # a probe passed, yet Ray could not connect
-                first = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
-                raise UsageError(f"cannot connect to the Ray cluster at {self.address}: {first.strip()}") from None
-        else:
-            ray.init(num_cpus=max(os.cpu_count() or 1, options.threads or 1), _node_ip_address="127.0.0.1",
-                     **common)
-        return True
+        return connect(ray, self.address, options.threads or 1)
 
     def _check_resources(self, ray, cases: list[Case], options: RunOptions) -> None:
         resources = ray.cluster_resources()

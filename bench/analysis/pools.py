@@ -1,0 +1,98 @@
+"""Where an analysis evaluates its candidates (`plan`) or probes (`fit`) several at once: in this process (one job),
+in worker processes forked from this one (`jobs` > 1), or as Ray tasks (`executor="ray"`, each a fresh worker
+process: `bench.run.ray_executor.RayPool`).
+
+Every pool has the interface of `concurrent.futures`' executors that the searches use, `submit(function, *args)`
+giving a Future and `shutdown(wait, cancel_futures)`, and two attributes: `slots`, how many calls may run at once,
+and `lost`, the errors that mean a worker died (its candidate or probe becomes a row saying so; the search goes on).
+Functions and arguments travel by pickling: module-level functions and plain values only.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as futures
+import multiprocessing
+import signal
+from concurrent.futures.process import BrokenProcessPool
+
+import torch
+
+LOCAL, RAY = "local", "ray"
+
+
+class Inline:
+    """A pool that runs each call at once in this process (one job)."""
+
+    slots = 1
+    lost: tuple = ()
+
+    def submit(self, function, *args):
+        future: futures.Future = futures.Future()
+        try:
+            future.set_result(function(*args))
+        except BaseException as error:  # noqa: BLE001 - delivered where the result is read, as a pool does
+            future.set_exception(error)
+        return future
+
+    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
+        pass
+
+
+def worker_start() -> None:
+    """A local worker's start: the plugins, Ctrl-C left to the parent, one thread (fake tensors do no arithmetic)."""
+    from bench.run._worker import import_plugins
+
+    import_plugins()  # a forkserver's worker: the plugins the parent's process imported (the fake-CUDA mode)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it ends its workers
+    torch.set_num_threads(1)  # one thread each, and no OpenMP pool across the fork
+
+
+class _Local(futures.ProcessPoolExecutor):
+    lost = (BrokenProcessPool,)
+
+    def __init__(self, jobs: int, context):
+        super().__init__(jobs, mp_context=context, initializer=worker_start)
+        self.slots, self.context = jobs, context
+
+    def restarted(self) -> "_Local":
+        """A new pool of as many workers, this one (broken: a worker died) shut down."""
+        self.shutdown(wait=False, cancel_futures=True)
+        return _Local(self.slots, self.context)
+
+
+def local(jobs: int, preload: str):
+    """One job: this process. More: forked workers; where this torch sees CUDA (the fake-CUDA environment's, or a
+    GPU), which a forked child cannot use again, workers forked from a fresh server process that imported the
+    module `preload` once."""
+    if jobs <= 1:
+        return Inline()
+    if torch.cuda.is_available():
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload([preload])
+    else:
+        context = multiprocessing.get_context("fork")
+    return _Local(jobs, context)
+
+
+def ray(jobs: int | None, address: str | None, workload: str | None = None):
+    """Ray tasks on the cluster at `address` (None: a local Ray started for this pool and stopped with it), `jobs`
+    at once (None: the cluster's CPUs); a `workload` given as `file.py:NAME` travels to them as its source."""
+    from bench.run.ray_executor import RayPool
+
+    return RayPool(address, jobs, (workload,) if workload else ())
+
+
+def end(pool) -> None:
+    """Ends the work of `pool` now (Ctrl-C, an error): its local worker processes are terminated, its Ray tasks
+    cancelled, without waiting for what they run."""
+    processes = dict(getattr(pool, "_processes", None) or {})
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes.values():
+        process.terminate()
+
+
+def default_jobs() -> int:
+    """Worker processes for a search: the cores this process may use, at most 4."""
+    from bench.run.preflight import available_cores
+
+    return max(1, min(4, available_cores()))
