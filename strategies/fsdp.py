@@ -178,8 +178,8 @@ class FSDP(Sharded):
         if replicate == 1:
             return DeviceMesh(self.context.device, list(range(world)))
         shard = world // replicate  # nested lists, not a tensor: on fake tensors the mesh's table must be real
-        return DeviceMesh(self.context.device, [[group * shard + i for i in range(shard)] for group in range(replicate)],
-                          mesh_dim_names=("replicate", "shard"))
+        table = [[group * shard + i for i in range(shard)] for group in range(replicate)]
+        return DeviceMesh(self.context.device, table, mesh_dim_names=("replicate", "shard"))
 
     def prepare_model(self, model, units):
         """`fully_shard` on each unit with parameters, then on the root, over `mesh()`; the collectives' buffers

@@ -38,8 +38,8 @@ def test_replica_groups_must_divide_the_ranks_and_offload_needs_a_gpu():
 
 def test_hybrid_sharding_keeps_what_full_sharding_over_its_replica_group_keeps():
     """HSDP on 4 ranks as 2 replica groups of 2 shards each: every rank holds half of each parameter and of Adam's
-    state, exactly what full sharding over 2 ranks holds, more than full sharding over 4 holds (about twice: torch.chunk's
-    pieces of an uneven first dimension are not halves)."""
+    state, exactly what full sharding over 2 ranks holds, more than full sharding over 4 holds (about twice:
+    torch.chunk's pieces of an uneven first dimension are not halves)."""
     hsdp = _predicted("fsdp:replicate=2", 4)
     over_two, over_four = _predicted("fsdp", 2), _predicted("fsdp", 4)
     for row in (hsdp, over_two, over_four):

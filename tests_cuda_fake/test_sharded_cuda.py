@@ -270,6 +270,7 @@ def test_a_rank_process_joins_nccl_on_its_gpu(monkeypatch):
 
 # --- FSDP2's options on fake CUDA, predicted per rank in this one process (`predict --ranks N --device cuda`) --------
 
+@lru_cache(maxsize=None)  # fsdp's own prediction is the reference of several tests
 def _predicted(spec: str, ranks: int, workload: str = "gpt_mini", batch: int = BATCH) -> dict:
     from bench.analysis.predict import predict_case
 

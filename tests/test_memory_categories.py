@@ -1,0 +1,41 @@
+"""What code that allocates tells the tracker (bench.core.memory_categories): storages made inside `allocating(c)` are
+filed under `c`, tensors handed to `file_as` are re-filed, and only trackers entered now listen."""
+
+from __future__ import annotations
+
+import torch
+
+from bench.core import memory_categories
+from bench.core.memory_categories import COMMUNICATION, allocating, file_as
+from bench.measure import breakdown
+from bench.measure.memory import LiveTensorTracker
+
+
+def test_storages_made_inside_allocating_are_filed_under_its_category_and_add_up():
+    tracker = LiveTensorTracker("cpu")
+    with tracker:
+        tracker.stage = "backward"
+        with allocating(COMMUNICATION):
+            flat = torch.empty(1000)  # 4,000 B: a collective's buffer
+            view = flat[:10]  # a view makes no storage
+        grad = torch.ones(250)  # 1,000 B: the stage's
+        assert tracker.live_by_category[COMMUNICATION] == flat.untyped_storage().nbytes() == 4000
+        assert tracker.live_by_category["backward"] == grad.untyped_storage().nbytes()
+        file_as([view], "grads")  # the whole storage, once: re-filed, not counted twice
+        assert tracker.live_by_category[COMMUNICATION] == 0 and tracker.live_by_category["grads"] == 4000
+        columns = breakdown.breakdown_columns(tracker)
+    # the peak (5,000 B) came while the buffer was still communication: re-filing later does not rewrite it
+    assert columns["peak_communication_bytes"] == 4000 and columns["peak_temp_bytes"] == 1000
+    assert sum(columns.values()) == tracker.peak_bytes == 5000
+    assert not memory_categories.listening()  # the tracker stopped listening when it exited
+
+
+def test_allocating_outside_any_tracker_changes_nothing():
+    with allocating(COMMUNICATION):
+        t = torch.zeros(4)
+    file_as([t], "grads")
+    tracker = LiveTensorTracker("cpu")
+    with tracker:
+        tracker.stage = "forward"
+        torch.zeros(4)
+        assert COMMUNICATION not in tracker.live_by_category
