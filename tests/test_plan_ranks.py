@@ -82,3 +82,14 @@ def test_strategies_restrict_the_candidates_to_their_settings_and_combinations()
     assert "fsdp" in ran and any(spec.startswith("checkpoint") for spec in ran)
     members = {m.split(":")[0] for spec in ran for m in spec.split("+")}
     assert members <= {"baseline", "fsdp", "checkpoint"}, members
+
+
+def test_the_cli_writes_the_csv_after_each_rank_count(tmp_path, capsys):
+    code = main(["plan", "--workload", WORKLOAD, "--batch-size", "4", "--budget", "1GiB", "--device", "cpu",
+                 "--max-ranks", "2", "--max-candidates", "3", "--out", str(tmp_path)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "plan on 1 rank: 3 candidates, answer" in captured.err
+    assert "answer: 1 GPU, with" in captured.out
+    (csv,) = tmp_path.glob("plan-*.csv")
+    assert str(csv) in captured.err

@@ -36,20 +36,22 @@ def rank_counts(max_ranks: int, batch_size: int) -> list[int]:
 
 
 def fewest_ranks(request: plan.PlanRequest, max_ranks: int, progress: Callable[[str], None] = lambda text: None,
-                 executor: str = pools.LOCAL, ray_address: str | None = None) -> list[RankCount]:
+                 executor: str = pools.LOCAL, ray_address: str | None = None,
+                 on_count: Callable[[list], None] = lambda counts: None) -> list[RankCount]:
     """Each rank count's search, from one rank up to the first with an answer (or `max_ranks`), its candidates
-    evaluated by `executor` (`plan_search.search`)."""
+    evaluated by `executor` (`plan_search.search`); `on_count(counts)` is called after each (the counts so far)."""
     counts: list[RankCount] = []
     known: list[Row] = []
     for ranks in rank_counts(max_ranks, request.batch_size):
         progress(f"plan on {ranks} rank{'s' if ranks > 1 else ''} ...")
-        searched, note = plan_search.search_where_cuda_runs(
+        found, note = plan_search.search_where_cuda_runs(
             replace(request, ranks=ranks, sharded_only=ranks > 1, known_rows=[dict(row) for row in known]), progress,
             executor, ray_address)
-        answer = plan.decide(searched.rows, request.allow_different)
-        counts.append(RankCount(ranks, searched, answer, plan.smallest(searched.rows), note))
+        answer = plan.decide(found.rows, request.allow_different)
+        counts.append(RankCount(ranks, found, answer, plan.smallest(found.rows), note))
+        on_count(counts)
         if answer is not None:
             break
         if ranks == 1:  # what the rank counts after it reuse: candidates that shard nothing, and the baseline
-            known = [row for row in searched.rows if row["status"] == Status.OK.value]
+            known = [row for row in found.rows if row["status"] == Status.OK.value]
     return counts

@@ -26,12 +26,20 @@ def plan_ranks_command(args, request: plan.PlanRequest, how: str, executor: str 
     """Each rank count's search from one up, the answer (the fewest ranks and its plan), the CSV of every candidate;
     exit 1 when no rank count up to --max-ranks has a plan that fits."""
     out = check_output_dir(args.out, "--out")
-    interrupt.set_note("interrupted: nothing was written (plan writes its table when the search is done)")
     started = time.monotonic()
-    counts = plan_ranks.fewest_ranks(request, args.max_ranks, status, executor, address)
-    rows = [row for count in counts for row in count.searched.rows]
     csv_path = out / f"plan-{new_run_id(request.device)}.csv"
-    write_table(PLAN, rows, csv_path)
+
+    def write_so_far(counts: list) -> None:
+        """The CSV rewritten (atomically) after each rank count: an interrupted search keeps the counts it finished."""
+        write_table(PLAN, [row for count in counts for row in count.searched.rows], csv_path)
+        last = counts[-1]
+        status(f"plan on {last.ranks} rank{'s' if last.ranks > 1 else ''}: {last.searched.tried} candidates, "
+               + (f"answer {last.answer['strategy']}" if last.answer else "none fits")
+               + (f", the smallest {_mib(last.smallest['judged_bytes'])} MiB with {last.smallest['strategy']}"
+                  if last.smallest else "") + f" (written to {csv_path})")
+
+    interrupt.set_note(f"interrupted: {csv_path} holds the rank counts that finished, if any")
+    counts = plan_ranks.fewest_ranks(request, args.max_ranks, status, executor, address, write_so_far)
     print(_per_rank_count(request, how, counts, time.monotonic() - started, args.max_ranks))
     answered = counts[-1] if counts and counts[-1].answer is not None else None
     print(_answer(request, answered, counts))
