@@ -290,8 +290,10 @@ def _check_trainer_against_compare(spec: str, batch: int, seq_len: int, vocab: i
     # loss, accelerate's loss / 1) as activations, those made after the last step's backward (its gradient norm, this
     # step's num_items_in_batch) as state kept between steps, the next batch and `_tr_loss` (made before tracking
     # began) as temp; in the first step, whose peak is in the optimizer, its three scalars and the next batch as temp
-    extra = {2: {"params": 0, "grads": 0, "optimizer": 8, "activations": 8, "temp": next_batch + 4, "batch": 0},
-             1: {"params": 0, "grads": 0, "optimizer": 0, "activations": 0, "temp": next_batch + 12, "batch": 0}}
+    extra = {2: {"params": 0, "grads": 0, "optimizer": 8, "activations": 8, "temp": next_batch + 4, "batch": 0,
+                 "communication": 0},
+             1: {"params": 0, "grads": 0, "optimizer": 0, "activations": 0, "temp": next_batch + 12, "batch": 0,
+                 "communication": 0}}
     for step, expected in ((callback.steps[0], cold), (callback.steps[1], row)):
         n = step.index + 1
         assert step.peak_stage == expected["peak_stage"], n
