@@ -46,11 +46,20 @@ def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", default=False, help="also run tests marked slow")
 
 
+# `make test` runs the tests in processes of pytest-xdist with --dist loadgroup: each file's tests go to one process
+# together (its module-scoped fixtures and cached runs are built once), except the files named here, whose hundreds
+# of cases share nothing and are spread across the processes one test at a time (test_workloads.py's grid is 40% of
+# the suite's time: as one unit, collected last, it would run alone in one process at the end).
+SPREAD_FILES = {"test_workloads.py"}
+
+
 def pytest_collection_modifyitems(config, items):
     skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU; torch.cuda.is_available() is False")
     skip_slow = pytest.mark.skip(reason="slow: run with --runslow or MEMBENCH_SLOW=1")
     run_slow = config.getoption("--runslow") or os.environ.get("MEMBENCH_SLOW") == "1"
     for item in items:
+        if item.path.name not in SPREAD_FILES:
+            item.add_marker(pytest.mark.xdist_group(item.path.name))
         if "cuda" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_cuda)
         if "slow" in item.keywords and not run_slow:
