@@ -67,6 +67,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_slow)
 
 
+def pytest_configure(config):
+    """In a process of pytest-xdist, torch gets its share of the cores: each of 2 processes on 2 cores running torch's
+    default of 2 threads oversubscribed them (test_analysis.py: 83 s in one process, 682 s in two)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
 def pytest_collection_finish(session):
     """What the collected modules imported (torch, transformers, the registries: some 200,000 objects, alive until the
     session ends) is frozen out of the cyclic garbage collector: the harness collects garbage around each case
