@@ -49,8 +49,11 @@ bench: $(STAMP)
 	$(PY) -m bench run --suite $(SUITE) --device $(DEVICE) --out $(OUT)
 	$(PY) -m bench report --results $(OUT) --budget $(BUDGET)
 
+# the tests' processes (pytest-xdist): a file's tests go to one process together (tests/conftest.py names the
+# xdist groups; the workload grid is spread test by test). `make test TEST_JOBS=0` runs them in this one process.
+TEST_JOBS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadgroup
 
 # every published GPU measurement of bench/anchors/ predicted on fake CUDA, the error of each (docs/accuracy.md);
 # one anchor at a time, a full-size model each: tens of minutes on 2 cores. ANCHORS=torchao for one source.

@@ -1,5 +1,6 @@
 """Shared test set-up: `cuda` tests skipped without a GPU; `slow` ones only on request (the private data cache: ../conftest.py)."""
 
+import gc
 import os
 
 import pytest
@@ -46,12 +47,39 @@ def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", default=False, help="also run tests marked slow")
 
 
+# `make test` runs the tests in processes of pytest-xdist with --dist loadgroup: each file's tests go to one process
+# together (its module-scoped fixtures and cached runs are built once), except the files named here, whose hundreds
+# of cases share nothing and are spread across the processes one test at a time (test_workloads.py's grid is 40% of
+# the suite's time: as one unit, collected last, it would run alone in one process at the end).
+SPREAD_FILES = {"test_workloads.py"}
+
+
 def pytest_collection_modifyitems(config, items):
     skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU; torch.cuda.is_available() is False")
     skip_slow = pytest.mark.skip(reason="slow: run with --runslow or MEMBENCH_SLOW=1")
     run_slow = config.getoption("--runslow") or os.environ.get("MEMBENCH_SLOW") == "1"
     for item in items:
+        if item.path.name not in SPREAD_FILES:
+            item.add_marker(pytest.mark.xdist_group(item.path.name))
         if "cuda" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_cuda)
         if "slow" in item.keywords and not run_slow:
             item.add_marker(skip_slow)
+
+
+def pytest_configure(config):
+    """In a process of pytest-xdist, torch gets its share of the cores: each of 2 processes on 2 cores running torch's
+    default of 2 threads oversubscribed them (test_analysis.py: 83 s in one process, 682 s in two)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+def pytest_collection_finish(session):
+    """What the collected modules imported (torch, transformers, the registries: some 200,000 objects, alive until the
+    session ends) is frozen out of the cyclic garbage collector: the harness collects garbage around each case
+    (`bench.measure.resident.release_host_memory`, three times a case), and each full collection walked all of it
+    again, 0.09 s of CPU and 0.8-1.4 s of wall time at a load average of 7. Everything a test makes after this is
+    collected as before."""
+    gc.collect()
+    gc.freeze()

@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -55,10 +56,12 @@ def chromium() -> str:
 
 
 def _browse(chromium: str, page: Path, *extra: str) -> tuple[str, list[str], float]:
-    """(stdout, the console's messages, seconds) of one headless Chromium run on `page`."""
+    """(stdout, the console's messages, seconds) of one headless Chromium run on `page`, in a profile of its own: a
+    browser started on a profile in use hands the page to that one (another test session's, a person's)."""
     started = time.perf_counter()
-    done = subprocess.run([chromium, *BROWSER_FLAGS, *extra, page.resolve().as_uri()], capture_output=True,
-                          text=True, timeout=120)
+    with tempfile.TemporaryDirectory(prefix="membench-chromium-") as profile:
+        done = subprocess.run([chromium, *BROWSER_FLAGS, f"--user-data-dir={profile}", *extra,
+                               page.resolve().as_uri()], capture_output=True, text=True, timeout=120)
     console = [line for line in done.stderr.splitlines() if ":CONSOLE" in line]
     return done.stdout, console, time.perf_counter() - started
 

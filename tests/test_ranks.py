@@ -118,3 +118,21 @@ def test_merged_row_takes_the_largest_rank_and_its_breakdown():
     assert merged["rank_peak_min_bytes"] == 100 and merged["step_time_ms_median"] == 5.0  # rank 0's time
     failed = merge_rank_rows([CaseResult(new_row(rows[0])), CaseResult.failed("boom")]).row
     assert failed["status"] == "error" and failed["message"] == "boom"
+
+
+def test_a_port_taken_before_rank_0_listens_is_retried_on_another(monkeypatch):
+    """The port found free is taken by another process before rank 0's store listens on it (a second run, a test
+    session's other worker): the ranks start again on a fresh port and the case is measured."""
+    import socket
+
+    from bench.run import ranks
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        offered = [taken.getsockname()[1]]
+        fresh = ranks._free_port
+        monkeypatch.setattr(ranks, "_free_port", lambda: offered.pop() if offered else fresh())
+        row = run_case(_case("ddp", "deep_mlp:layers=2:width=4", batch=2), env={}, options=RANKS)
+    assert not offered  # the taken port was tried first
+    assert row["status"] == "ok" and row["ranks"] == 2 and row["matches_baseline"] is True, row

@@ -20,8 +20,9 @@ from bench.run.ray_executor import RayExecutor, runtime_env  # noqa: E402 - only
 
 @pytest.fixture(scope="module")
 def local_ray():
-    """One local Ray for this module's tests (the executor leaves a Ray it did not start running)."""
-    ray.init(num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False,
+    """One local Ray for this module's tests (the executor leaves a Ray it did not start running): a new one
+    (address "local"), never a cluster that $RAY_ADDRESS or another session's `ray start` names."""
+    ray.init(address="local", num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False,
              runtime_env=runtime_env(remote=False))
     yield
     ray.shutdown()

@@ -69,12 +69,32 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+# a port found free is closed again before rank 0's store listens on it: another process (a second run, a test
+# session's other worker) may take it in between, and rank 0 then fails to listen. Such a start is retried on a
+# fresh port, a few times; any other failure of a rank is the case's.
+PORT_ATTEMPTS = 3
+
+
+def _port_taken(message: str) -> bool:
+    return "EADDRINUSE" in message or "address already in use" in message.lower()
+
+
 def run_on_ranks(case, env: dict | None, options: RunOptions, verify: bool = True,
                  timeout: float | None = None) -> CaseResult:
     """The case as `options.ranks` processes; the merged result (see the module docstring)."""
+    result, port_taken = _launch_ranks(case, env, options, verify, timeout, str(_free_port()))
+    for _ in range(PORT_ATTEMPTS - 1):
+        if not port_taken:
+            break
+        result, port_taken = _launch_ranks(case, env, options, verify, timeout, str(_free_port()))
+    return result
+
+
+def _launch_ranks(case, env: dict | None, options: RunOptions, verify: bool, timeout: float | None,
+                  port: str) -> tuple[CaseResult, bool]:
+    """(the merged result, whether a rank failed because `port` was taken) of one start of the ranks on `port`."""
     ranks = options.ranks
     job = json.dumps({"case": case.to_json(), "env": env, "options": asdict(options), "verify": verify})
-    port = str(_free_port())
     with tempfile.TemporaryDirectory(prefix="membench-ranks-") as folder:
         processes = []
         for rank in range(ranks):
@@ -93,7 +113,7 @@ def run_on_ranks(case, env: dict | None, options: RunOptions, verify: bool = Tru
             except subprocess.TimeoutExpired:
                 for other, _, _ in processes:
                     other.kill()
-                return CaseResult.failed(f"rank {rank} timed out after {timeout:.0f} s")
+                return CaseResult.failed(f"rank {rank} timed out after {timeout:.0f} s"), False
             out.close()
             err.close()
             text = (Path(folder) / f"{rank}.out").read_text()
@@ -102,10 +122,11 @@ def run_on_ranks(case, env: dict | None, options: RunOptions, verify: bool = Tru
             if code != 0 or result is None:
                 for other, _, _ in processes:
                     other.kill()
-                message = crash_message(code, (Path(folder) / f"{rank}.err").read_text())
-                return CaseResult.failed(f"rank {rank}: {message}"[:500], ranks=ranks)
+                stderr = (Path(folder) / f"{rank}.err").read_text()
+                message = crash_message(code, stderr)
+                return CaseResult.failed(f"rank {rank}: {message}"[:500], ranks=ranks), _port_taken(stderr)
             results.append(result)
-    return merge_rank_rows(results)
+    return merge_rank_rows(results), False
 
 
 def merge_rank_rows(results: list[CaseResult]) -> CaseResult:
