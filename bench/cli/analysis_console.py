@@ -164,3 +164,20 @@ def format_fit_seq_len(results: list[FitResult]) -> str:
         note = "; ".join(x for x in (r.peak_by, r.monotonic_check, r.note) if x)
         lines.append(f"{r.strategy:<34} {r.seq_len or 0:>15} {judged:>10} {nxt:>9} {budget:>10}  {note}")
     return "\n".join(lines)
+
+
+def mib_or_dash(value) -> str:
+    """Bytes as MiB with one decimal, or "-" for none."""
+    return "-" if value is None else f"{value / MiB:,.1f}"
+
+
+def ms_or_dash(value) -> str:
+    """Milliseconds as a whole number, or "-" for none."""
+    return "-" if value is None else f"{value:,.0f}"
+
+
+def compare_command(request, spec: str) -> str:
+    """The `compare` command that measures `spec` against the baseline."""
+    ranks = f" --ranks {request.ranks}" if request.ranks > 1 else ""
+    return (f"python -m bench compare --workload {request.workload} --batch-size {request.batch_size} "
+            f"--device {request.device} --phases train --strategies {spec}{ranks}")

@@ -12,13 +12,14 @@ from bench.analysis import plan, plan_candidates, plan_cost, plan_search
 from bench.analysis.fake_engine import has_gpu
 from bench.cli import interrupt
 from bench.cli.arguments import analysis_device, one_batch_size, size_option
+from bench.cli.analysis_console import compare_command, mib_or_dash, ms_or_dash
 from bench.cli.commands_analysis import _batch_size_text, _workload_and_data, executor_options, uses_threads
 from bench.cli.commands_plan_ranks import plan_ranks_command
 from bench.cli.console import status
 from bench.core import gpus
 from bench.core.errors import UsageError
 from bench.core.results import PLAN, new_run_id, table_frame, write_table
-from bench.core.units import MiB, format_size
+from bench.core.units import format_size
 from bench.measure import cpu_16bit, env
 from bench.measure.op_cost import measure_cpu_speed
 from bench.report.pareto_charts import chart_plan
@@ -131,13 +132,6 @@ def _cpu_seconds() -> float:
     return time.process_time() + times.children_user + times.children_system
 
 
-def _mib(value) -> str:
-    return "-" if value is None else f"{value / MiB:,.1f}"
-
-
-def _ms(value) -> str:
-    return "-" if value is None else f"{value:,.0f}"
-
 
 def _summary(request: plan.PlanRequest, how: str, searched: plan_search.Searched, searched_s: float, cpu_s: float,
              note: str) -> str:
@@ -169,7 +163,8 @@ def _front_table(rows: list) -> str:
              "  " + "-" * (len(header) - 2)]
     for r in front:
         mark = "  <- answer" if r["answer"] else ""
-        lines.append(f"  {r['strategy']:<44} {_mib(r['judged_bytes']):>10} {_ms(r['est_step_time_ms']):>12}  "
+        lines.append(f"  {r['strategy']:<44} {mib_or_dash(r['judged_bytes']):>10} "
+                     f"{ms_or_dash(r['est_step_time_ms']):>12}  "
                      f"{'yes' if r['fits'] else 'no'}{mark}")
     different = [r for r in rows if r["status"] == "ok" and r["differs_by_design"] and not r["eligible"]]
     if different:
@@ -185,9 +180,10 @@ def _answer_lines(request: plan.PlanRequest, searched: plan_search.Searched, ans
     relative = ""
     if base is not None and base["est_step_time_ms"]:
         relative = (f" ({answer['est_step_time_ms'] / base['est_step_time_ms']:.2f}x the baseline's estimate; "
-                    f"baseline {_mib(base['judged_bytes'])} MiB)")
-    lines = [f"\nanswer: {answer['strategy']}: {_mib(answer['judged_bytes'])} MiB predicted of "
-             f"{_mib(request.limit_bytes)} MiB, estimated {_ms(answer['est_step_time_ms'])} ms per step{relative}"]
+                    f"baseline {mib_or_dash(base['judged_bytes'])} MiB)")
+    lines = [f"\nanswer: {answer['strategy']}: {mib_or_dash(answer['judged_bytes'])} MiB predicted of "
+             f"{mib_or_dash(request.limit_bytes)} MiB, estimated {ms_or_dash(answer['est_step_time_ms'])} ms per "
+             f"step{relative}"]
     if searched.stopped:
         lines.append(f"  (the fastest of the {searched.tried} candidates tried: {searched.untried()} not tried may be "
                      f"faster; {_option_for_more(request, searched)} tries them)")
@@ -204,11 +200,6 @@ def _answer_lines(request: plan.PlanRequest, searched: plan_search.Searched, ans
     return "\n".join(lines)
 
 
-def compare_command(request: plan.PlanRequest, spec: str) -> str:
-    """The `compare` command that measures `spec` against the baseline."""
-    ranks = f" --ranks {request.ranks}" if request.ranks > 1 else ""
-    return (f"python -m bench compare --workload {request.workload} --batch-size {request.batch_size} "
-            f"--device {request.device} --phases train --strategies {spec}{ranks}")
 
 
 def _nothing_fits(request: plan.PlanRequest, searched: plan_search.Searched, csv_path) -> str:
@@ -267,12 +258,13 @@ def _confirm(request: plan.PlanRequest, rows: list, answer, front: bool, threads
         status(f"plan: confirming {row['strategy']} ...")
         judged = plan.measured_judged_bytes(request, row, plan.confirm(request, row, environment, threads))
         if judged is not None and judged <= request.limit_bytes:
-            lines.append(f"  answer {row['strategy']}: measured {_mib(judged)} MiB <= limit "
-                         f"{_mib(request.limit_bytes)} MiB")
+            lines.append(f"  answer {row['strategy']}: measured {mib_or_dash(judged)} MiB <= limit "
+                         f"{mib_or_dash(request.limit_bytes)} MiB")
             if row is not answer:
                 answer["answer"], row["answer"] = False, True
             break
-        lines.append(f"  {row['strategy']}: measured {_mib(judged)} MiB, over the limit (or did not run): the next "
+        lines.append(f"  {row['strategy']}: measured {mib_or_dash(judged)} MiB, over the limit (or did not run): "
+                     "the next "
                      f"fastest candidate that fits is confirmed")
     for row in targets:
         if row["measured_peak_bytes"] is None:
@@ -284,9 +276,9 @@ def _confirm(request: plan.PlanRequest, rows: list, answer, front: bool, threads
     lines += [header, "  " + "-" * (len(header) - 2)]
     for r in measured:
         error = "-" if r["peak_error_pct"] is None else f"{r['peak_error_pct']:.2f}"
-        lines.append(f"  {r['strategy']:<44} {_mib(r['predicted_peak_bytes']):>13} "
-                     f"{_mib(r['measured_peak_bytes']):>12} {error:>8} {_ms(r['est_step_time_ms']):>9} "
-                     f"{_ms(r['measured_step_time_ms']):>11}  {r['matches_baseline']}")
+        lines.append(f"  {r['strategy']:<44} {mib_or_dash(r['predicted_peak_bytes']):>13} "
+                     f"{mib_or_dash(r['measured_peak_bytes']):>12} {error:>8} {ms_or_dash(r['est_step_time_ms']):>9} "
+                     f"{ms_or_dash(r['measured_step_time_ms']):>11}  {r['matches_baseline']}")
     timed = [r for r in measured if r["measured_step_time_ms"] is not None]
     rho = plan.spearman([r["est_step_time_ms"] for r in timed], [r["measured_step_time_ms"] for r in timed])
     worst = max((abs(r["peak_error_pct"]) for r in measured if r["peak_error_pct"] is not None), default=None)

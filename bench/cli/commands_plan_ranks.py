@@ -7,18 +7,12 @@ from dataclasses import replace
 
 from bench.analysis import plan, plan_ranks
 from bench.cli import interrupt
+from bench.cli.analysis_console import compare_command, mib_or_dash, ms_or_dash
 from bench.cli.console import status
 from bench.core.results import PLAN, new_run_id, write_table
-from bench.core.units import MiB, format_size
+from bench.core.units import format_size
 from bench.run.preflight import check_output_dir
 
-
-def _mib(value) -> str:
-    return "-" if value is None else f"{value / MiB:,.1f}"
-
-
-def _ms(value) -> str:
-    return "-" if value is None else f"{value:,.0f}"
 
 
 def plan_ranks_command(args, request: plan.PlanRequest, how: str, executor: str = "local",
@@ -35,7 +29,7 @@ def plan_ranks_command(args, request: plan.PlanRequest, how: str, executor: str 
         last = counts[-1]
         status(f"plan on {last.ranks} rank{'s' if last.ranks > 1 else ''}: {last.searched.tried} candidates, "
                + (f"answer {last.answer['strategy']}" if last.answer else "none fits")
-               + (f", the smallest {_mib(last.smallest['judged_bytes'])} MiB with {last.smallest['strategy']}"
+               + (f", the smallest {mib_or_dash(last.smallest['judged_bytes'])} MiB with {last.smallest['strategy']}"
                   if last.smallest else "") + f" (written to {csv_path})")
 
     interrupt.set_note(f"interrupted: {csv_path} holds the rank counts that finished, if any")
@@ -57,9 +51,9 @@ def _per_rank_count(request: plan.PlanRequest, how: str, counts: list, seconds: 
              "  " + "-" * 110]
     for count in counts:
         smallest = count.smallest
-        small = "-" if smallest is None else f"{_mib(smallest['judged_bytes'])} MiB {smallest['strategy']}"
+        small = "-" if smallest is None else f"{mib_or_dash(smallest['judged_bytes'])} MiB {smallest['strategy']}"
         front = sorted((r for r in count.searched.rows if r["on_front"]), key=lambda r: r["est_step_time_ms"])
-        shown = ", ".join(f"{r['strategy']} {_mib(r['judged_bytes'])}/{_ms(r['est_step_time_ms'])}"
+        shown = ", ".join(f"{r['strategy']} {mib_or_dash(r['judged_bytes'])}/{ms_or_dash(r['est_step_time_ms'])}"
                           + (" <- answer" if r["answer"] else "") for r in front[:3])
         more = f" and {len(front) - 3} more" if len(front) > 3 else ""
         cut = "; cut short" if count.searched.stopped else ""
@@ -84,8 +78,8 @@ def _answer(request: plan.PlanRequest, answered, counts: list) -> str:
                 + ("\n  (some searches were cut short: --max-search-s or --max-candidates tries more)" if cut else ""))
     row = answered.answer
     gpus = f"{answered.ranks} GPU{'s' if answered.ranks > 1 else ''}"
-    lines = [f"\nanswer: {gpus}, with {row['strategy']}: {_mib(row['judged_bytes'])} MiB predicted per GPU of "
-             f"{_mib(request.limit_bytes)} MiB, estimated {_ms(row['est_step_time_ms'])} ms per step"
+    lines = [f"\nanswer: {gpus}, with {row['strategy']}: {mib_or_dash(row['judged_bytes'])} MiB predicted per GPU of "
+             f"{mib_or_dash(request.limit_bytes)} MiB, estimated {ms_or_dash(row['est_step_time_ms'])} ms per step"
              + (" (the largest rank's compute; communication not modelled)" if answered.ranks > 1 else "")]
     if answered.searched.stopped:
         lines.append("  (its search was cut short: a faster plan on as many GPUs may exist)")
@@ -93,7 +87,5 @@ def _answer(request: plan.PlanRequest, answered, counts: list) -> str:
     if fewer:
         lines.append(f"  (the searches on {', '.join(map(str, fewer))} rank(s) were cut short before trying every "
                      "candidate: fewer GPUs may do; --max-search-s or --max-candidates tries more)")
-    from bench.cli.commands_plan import compare_command
-
     lines.append(f"measure it: {compare_command(replace(request, ranks=answered.ranks), row['strategy'])}")
     return "\n".join(lines)
