@@ -7,7 +7,6 @@ answer with tracked runs; on CUDA it tries real batches. `fit_rows` gives the ro
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Callable
@@ -333,30 +332,6 @@ def time_per_sample(spec: str, phase: str, device: str, workload: str, data: str
     return timing_pass(case, bind_case(case)[0])["step_time_ms_median"] / batch
 
 
-def probe_pool(jobs: int, executor: str = pools.LOCAL, ray_address: str | None = None, preload: str = __name__,
-               workload: str | None = None):
-    """Where a fit's probes are made several at once: None for one job here (the serial search), worker processes
-    forked from this one for `jobs` > 1, Ray tasks with `executor="ray"` (`jobs` at once; 0: the cluster's CPUs;
-    the `workload`'s file travels to them)."""
-    if executor == pools.RAY:
-        return pools.ray(jobs or None, ray_address, workload)
-    return pools.local(jobs, preload) if jobs > 1 else None
-
-
-@contextlib.contextmanager
-def opened(pool):
-    """`pool` for a with-block: shut down after it, its workers ended at once after an error or Ctrl-C."""
-    try:
-        yield pool
-    except BaseException:
-        if pool is not None:
-            pools.end(pool)
-        raise
-    finally:
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
-
-
 def fit(specs: list[str], budget: int, phase: str = "train", device: str = "cpu",
         workload: str = "captcha_resnet18", data: str = "synthetic", max_batch: int = 4096,
         time_steps: int = 1, progress: Callable[[str], None] = _quiet,
@@ -364,10 +339,11 @@ def fit(specs: list[str], budget: int, phase: str = "train", device: str = "cpu"
         ray_address: str | None = None) -> list[FitResult]:
     """`fit` for each strategy (baseline first, always included); `time_steps=0` skips the timing run; on CUDA
     without a GPU, `capability` is the predicted device's. On the CPU the fake-tensor probes are made `jobs` at once
-    (`probe_pool`); on CUDA the attempts are made one after another whatever `jobs` says.
+    (`pools.probe_pool`); on CUDA the attempts are made one after another whatever `jobs` says.
 
     `progress` is told each run as it starts and ends (the CLI prints it on stderr)."""
-    with opened(probe_pool(jobs, executor, ray_address, workload=workload) if device == "cpu" else None) as pool:
+    with pools.opened(pools.probe_pool(jobs, executor, ray_address, __name__, workload)
+                      if device == "cpu" else None) as pool:
         return _fit(specs, budget, phase, device, workload, data, max_batch, time_steps, progress, capability, pool)
 
 

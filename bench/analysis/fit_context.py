@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from bench.analysis import pools, predict
-from bench.analysis.fit import FitResult, opened, probe_pool
+from bench.analysis.fit import FitResult
 from bench.analysis.fit_search import Probes, largest_in_rounds
 from bench.core.errors import UsageError
 from bench.core.gpus import CUDA_CONTEXT_BYTES
@@ -207,11 +207,11 @@ def fit_over_seq_len(specs: list[str], budget: int, phase: str, device: str, wor
                      progress: Callable[[str], None] = lambda text: None, jobs: int = 1,
                      executor: str = pools.LOCAL, ray_address: str | None = None) -> list[FitResult]:
     """`fit_seq_len` for each strategy, baseline first (always included); its predictions `jobs` at once in local
-    worker processes, or as Ray tasks with `executor="ray"` (`bench.analysis.fit.probe_pool`)."""
+    worker processes, or as Ray tasks with `executor="ray"` (`bench.analysis.pools.probe_pool`)."""
     seq_len_spec(workload, step)  # a workload without seq_len: a UsageError before any prediction
     specs = ["baseline"] + [s for s in specs if s != "baseline"]
     results = []
-    with opened(probe_pool(jobs, executor, ray_address, __name__, workload)) as pool:
+    with pools.opened(pools.probe_pool(jobs, executor, ray_address, __name__, workload)) as pool:
         for spec in specs:
             canonical = bind_case(Case(workload, spec, phase, batch, "cpu", data=data))[0].spec()
             progress(f"fit {canonical}: searching for the longest sequence under {format_size(budget)} ...")

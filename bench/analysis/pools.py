@@ -11,6 +11,7 @@ Functions and arguments travel by pickling: module-level functions and plain val
 from __future__ import annotations
 
 import concurrent.futures as futures
+import contextlib
 import multiprocessing
 import signal
 from concurrent.futures.process import BrokenProcessPool
@@ -96,3 +97,26 @@ def default_jobs() -> int:
     from bench.run.preflight import available_cores
 
     return max(1, min(4, available_cores()))
+
+
+def probe_pool(jobs: int, executor: str, ray_address: str | None, preload: str, workload: str | None = None):
+    """Where a fit's probes are made several at once: None for one job here (the serial search), worker processes
+    forked from this one for `jobs` > 1 (`preload`: the module they import first), Ray tasks with `executor="ray"`
+    (`jobs` at once; 0: the cluster's CPUs; the `workload`'s file travels to them)."""
+    if executor == RAY:
+        return ray(jobs or None, ray_address, workload)
+    return local(jobs, preload) if jobs > 1 else None
+
+
+@contextlib.contextmanager
+def opened(pool):
+    """`pool` for a with-block: shut down after it, its workers ended at once after an error or Ctrl-C."""
+    try:
+        yield pool
+    except BaseException:
+        if pool is not None:
+            end(pool)
+        raise
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
