@@ -156,10 +156,12 @@ def _lost_probe(seq_len: int, error: BaseException) -> Probe:
 def fit_seq_len(spec: str, budget: int, phase: str, device: str, workload: str, data: str, batch: int,
                 step: int = DEFAULT_SEQ_STEP, max_seq: int | None = None, capability: tuple[int, int] | None = None,
                 start: int = 2048, progress: Callable[[str], None] = lambda text: None,
-                judged_at: Callable[[int], Probe] | None = None, pool=None) -> FitResult:
+                judged_at: Callable[[int], Probe] | None = None, pool=None,
+                known: dict[int, Probe] | None = None) -> FitResult:
     """The longest sequence (a multiple of `step`) whose predicted peak fits `budget` for strategy `spec` at batch
     `batch`: a row of the fit table with `over` = seq_len. `judged_at` replaces the prediction (a test's peaks).
-    With a `pool` of several jobs (`bench.analysis.pools`) the lengths are predicted several at once."""
+    With a `pool` of several jobs (`bench.analysis.pools`) the lengths are predicted several at once. `known`:
+    probes already made (by length), not made again."""
     limit = max_seq or max_seq_len(workload) or 131072
 
     def told(seq_len: int, p: Probe) -> None:
@@ -173,6 +175,7 @@ def fit_seq_len(spec: str, budget: int, phase: str, device: str, workload: str, 
         return Case(seq_len_spec(workload, seq_len), spec, phase, batch, device, data=data), capability
 
     probes = Probes(judged_at or predicted_probe, args_at, pool, told, _lost_probe)
+    probes.values.update(known or {})
     longest = longest_under(lambda seq_len: probes(seq_len).judged_bytes, budget, step, limit, start,
                             probes.prefetch, probes.jobs)
     probes = probes.values

@@ -162,7 +162,8 @@ def format_fit_seq_len(results: list[FitResult]) -> str:
         nxt = mib_beside_budget(r.next_judged_bytes, r.budget_bytes) if r.next_judged_bytes is not None else "-"
         budget = mib_beside_budget(r.budget_bytes, r.budget_bytes)
         note = "; ".join(x for x in (r.peak_by, r.monotonic_check, r.note) if x)
-        lines.append(f"{r.strategy:<34} {r.seq_len or 0:>15} {judged:>10} {nxt:>9} {budget:>10}  {note}")
+        longest = "-" if r.seq_len is None else r.seq_len  # None: not searched (plan --over seq_len)
+        lines.append(f"{r.strategy:<34} {longest:>15} {judged:>10} {nxt:>9} {budget:>10}  {note}")
     return "\n".join(lines)
 
 

@@ -14,6 +14,7 @@ from bench.cli import interrupt
 from bench.cli.arguments import analysis_device, one_batch_size, size_option
 from bench.cli.analysis_console import compare_command, mib_or_dash, ms_or_dash
 from bench.cli.commands_analysis import _batch_size_text, _workload_and_data, executor_options, uses_threads
+from bench.cli.commands_plan_context import check_over_seq_len, plan_context_command
 from bench.cli.commands_plan_ranks import plan_ranks_command
 from bench.cli.console import status
 from bench.core import gpus
@@ -23,7 +24,7 @@ from bench.core.units import format_size
 from bench.measure import cpu_16bit, env
 from bench.measure.op_cost import measure_cpu_speed
 from bench.report.pareto_charts import chart_plan
-from bench.run.preflight import check_output_dir, check_ranks
+from bench.run.preflight import check_choice, check_output_dir, check_ranks
 from strategies import STRATEGIES
 
 
@@ -95,9 +96,14 @@ def cmd_plan(args) -> int:
         print(gpus.format_gpus())
         return 0
     executor, address = executor_options(args)
+    if check_choice("over", args.over, ("batch", "seq_len")) == "seq_len":
+        check_over_seq_len(args)
+        args.batch_size = args.batch_size or "1"
     request, how = _request(args)
     if executor == "ray":
         request = dataclasses.replace(request, jobs=args.jobs or 0)  # 0: the cluster's CPUs
+    if args.over == "seq_len":
+        return plan_context_command(args, request, how, executor, address)
     if args.max_ranks is not None:
         return plan_ranks_command(args, request, how, executor, address)
     out = check_output_dir(args.out, "--out")

@@ -194,6 +194,13 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--max-ranks", type=positive_int, default=None,
                    help="how many GPUs: plan on 1, 2, ... up to N ranks and answer the fewest on which some plan "
                         "fits (default: off, plan for --ranks)")
+    p.add_argument("--over", default="batch",
+                   help="batch (the fastest plan at --batch-size) or seq_len (the plan that trains the longest "
+                        "sequence at --batch-size, default 1; a workload with a seq_len option) (default batch)")
+    p.add_argument("--seq-step", type=positive_int, default=256,
+                   help="--over seq_len: the answer is a multiple of this many tokens (default 256)")
+    p.add_argument("--max-seq-len", type=positive_int, default=None,
+                   help="--over seq_len: the longest sequence tried (default: the model's max_position_embeddings)")
     p.add_argument("--allow-different", action="store_true",
                    help="let candidates that change what is trained (another optimizer, BatchNorm over micro-"
                         "batches) be the answer (default off: marked and kept out)")
