@@ -38,6 +38,8 @@ CATEGORY_OF_COLUMN = {
     "peak_activations_bytes": "activations", "peak_temp_bytes": "temporaries", "peak_batch_bytes": "batch",
     "peak_communication_bytes": "communication",
 }
+# the category PyTorch's viewer gives an allocation without one (`_TraceWriter.close` says why a trace names it)
+VIEWER_UNKNOWN_CATEGORY = "unknown"
 ADDRESS_BASE = 1 << 32  # the first made-up address of a tracker snapshot
 ALIGNMENT = 512
 
@@ -174,6 +176,16 @@ class _TraceWriter:
         self.trace.append({"action": action, "addr": address, "size": size, "stream": 0, "time_us": len(self.trace),
                            "frames": []})
 
+    def close(self) -> list[dict[str, Any]]:
+        """The trace, ended by a "snapshot" event (the action CUDA's own history records where a snapshot is taken)
+        of category "unknown". PyTorch's viewer (MemoryViz.js) means to add that category itself to a trace whose
+        events have categories, but misspells it (`snapshot.categores.push('unknown')` in `annotate_snapshot`) and
+        throws before drawing anything; with it already there, the viewer skips that line. Readers of the trace
+        (`bench.core.snapshots`, `torch.cuda._memory_viz`) count allocs and frees only."""
+        self.trace.append({"action": "snapshot", "addr": 0, "size": 0, "stream": 0, "time_us": len(self.trace),
+                           "frames": [], "category": VIEWER_UNKNOWN_CATEGORY})
+        return self.trace
+
 
 def tracker_snapshot(tracker: memory.LiveTensorTracker, about: dict[str, Any]) -> dict[str, Any]:
     """The snapshot of the tracker's measured step (its log from the last peak reset to `close_window()`), each
@@ -209,7 +221,7 @@ def tracker_snapshot(tracker: memory.LiveTensorTracker, about: dict[str, Any]) -
             writer.free(live.pop(event.key))
     blocks = sorted((entry["addr"], entry["size"], entry["frames"]) for entry in live.values())
     segments = [_segment(blocks[0][0], blocks[-1][0] + blocks[-1][1] - blocks[0][0], blocks, False)] if blocks else []
-    return {"segments": segments, "device_traces": [writer.trace],
+    return {"segments": segments, "device_traces": [writer.close()],
             "membench": {**about, "source": f"{tracker.device}_live_tensor_bytes", "allocated_at_start_bytes": 0,
                          "prelude_events": prelude}}
 
@@ -299,7 +311,7 @@ def allocator_snapshot(tracker: memory.LiveTensorTracker, about: dict[str, Any],
         inside = [b for b in active if address <= b[0] < address + size]
         snapshot_segments.append(_segment(address, size, inside, small,
                                           [f for f in free if address <= f[0] < address + size]))
-    return {"segments": snapshot_segments, "device_traces": [writer.trace],
+    return {"segments": snapshot_segments, "device_traces": [writer.close()],
             "membench": {**about, "source": "cuda_caching_allocator_model", "allocated_at_start_bytes": 0,
                          "prelude_events": prelude,
                          "peak_allocated_bytes": model.stats.peak_allocated_bytes,
