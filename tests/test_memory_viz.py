@@ -142,6 +142,14 @@ for (const file of files) {
       // the Allocator State History: one <pre> per event of the trace, segments and blocks as rectangles
       result.events = div.querySelectorAll(":scope > div > div > pre").length;  // not the stack text's <pre>
       result.rects = div.querySelectorAll("svg rect").length;
+      if (view === VIEWS[1]) {
+        // a click on each event of the list draws the memory as it was then (the viewer replays the trace back)
+        const before = membenchErrors.length;
+        const events = [...div.querySelectorAll(":scope > div > div > pre")];
+        events.forEach(pre => attempt(() => pre.dispatchEvent(new MouseEvent("mousedown", {bubbles: true}))));
+        result.clicked = events.length;
+        result.click_errors = [...new Set(membenchErrors.slice(before))];
+      }
     }
     results.push(result);
   }
@@ -223,6 +231,7 @@ def test_the_viewer_draws_every_kind_of_membench_snapshot_in_every_view(viewer, 
     kinds = {(snapshot["membench"]["source"], snapshot["membench"].get("kind")) for _, snapshot, _ in cases}
     assert len(kinds) == 3, kinds  # measured on the CPU, predicted on the CPU, CUDA's allocator model
     drawn, console = _draw(chromium, viewer, [path for path, _, _ in cases], tmp_path)
+    assert [(r["file"], r["click_errors"]) for r in drawn["results"] if r.get("click_errors")] == []
     assert drawn["errors"] == [], drawn["errors"]
     assert not [line for line in console if "Uncaught" in line or "Failed to load" in line], console
     by_view = {(r["file"], r["view"]): r for r in drawn["results"]}
@@ -243,6 +252,7 @@ def test_the_viewer_draws_every_kind_of_membench_snapshot_in_every_view(viewer, 
         assert history["shown"] == 1 and history["errors"] == [], history
         assert history["events"] == _expected_events(trace), (history["events"], len(trace))
         assert history["rects"] >= len(snapshot["segments"]), history
+        assert history["clicked"] == history["events"] and history["click_errors"] == [], history
         segments = by_view[(_name(path), VIEWS[2])]
         assert segments["shown"] == 1 and segments["errors"] == [], segments
         if reserved is not None:  # the allocator model's segments: the cached segment timeline peaks at reserved

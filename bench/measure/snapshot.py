@@ -220,7 +220,9 @@ def tracker_snapshot(tracker: memory.LiveTensorTracker, about: dict[str, Any]) -
         elif event.kind == "free" and event.key in live:
             writer.free(live.pop(event.key))
     blocks = sorted((entry["addr"], entry["size"], entry["frames"]) for entry in live.values())
-    segments = [_segment(blocks[0][0], blocks[-1][0] + blocks[-1][1] - blocks[0][0], blocks, False)] if blocks else []
+    # one made-up segment holding every address handed out, so that each block of the trace lies in it (PyTorch's
+    # viewer, replaying the trace back to an earlier event, looks up the segment of every block freed since)
+    segments = [_segment(ADDRESS_BASE, address - ADDRESS_BASE, blocks, False)] if address > ADDRESS_BASE else []
     return {"segments": segments, "device_traces": [writer.close()],
             "membench": {**about, "source": f"{tracker.device}_live_tensor_bytes", "allocated_at_start_bytes": 0,
                          "prelude_events": prelude}}
