@@ -19,6 +19,7 @@ Nothing here is committed: the viewer and d3 are other projects' code. Usage (fr
 
     .venv/bin/python tools/memory_viz.py [--torch-version 2.13.0] [--cache .cache/memory_viz]
     MEMORY_VIZ_JS=/path/to/MemoryViz.js make memory-viz     # where GitHub cannot be reached
+    MEMORY_VIZ_DIR=/shared/memory_viz make memory-viz       # one copy for several checkouts (the test reads it too)
 
 Then `python -m http.server -d .cache/memory_viz` and open http://localhost:8000/ to drop a snapshot on the viewer
 (module scripts are not run from file:// pages).
@@ -38,7 +39,8 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CACHE = ROOT / ".cache" / "memory_viz"
+# where the copy goes (and where tests/test_memory_viz.py looks): $MEMORY_VIZ_DIR, else .cache/memory_viz/ here
+CACHE = Path(os.environ.get("MEMORY_VIZ_DIR") or ROOT / ".cache" / "memory_viz")
 URL = "https://raw.githubusercontent.com/pytorch/pytorch/v{version}/torch/utils/viz/MemoryViz.js"
 # `import ... from "https://cdn.skypack.dev/<package>@<range>"`
 CDN_IMPORT = re.compile(r"""from\s+["'](https://cdn\.skypack\.dev/((?:@[\w.-]+/)?[\w.-]+)@([^"'/?]+))["']""")

@@ -40,6 +40,8 @@ CATEGORY_OF_COLUMN = {
 }
 # the category PyTorch's viewer gives an allocation without one (`_TraceWriter.close` says why a trace names it)
 VIEWER_UNKNOWN_CATEGORY = "unknown"
+# PyTorch's viewer reads pickle protocols 2 to 4 only ("Unhandled version 5"); Python 3.14's default is 5
+PICKLE_PROTOCOL = 4
 ADDRESS_BASE = 1 << 32  # the first made-up address of a tracker snapshot
 ALIGNMENT = 512
 
@@ -358,5 +360,5 @@ def write_snapshot(snapshot: dict[str, Any], folder: Path) -> Path:
     path = folder / file_name(snapshot["membench"])
     with atomic_path(path) as temporary:
         with open(temporary, "wb") as handle:
-            pickle.dump(plain(snapshot), handle)
+            pickle.dump(plain(snapshot), handle, protocol=PICKLE_PROTOCOL)
     return path
