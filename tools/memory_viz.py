@@ -20,6 +20,7 @@ Nothing here is committed: the viewer and d3 are other projects' code. Usage (fr
     .venv/bin/python tools/memory_viz.py [--torch-version 2.13.0] [--cache .cache/memory_viz]
     MEMORY_VIZ_JS=/path/to/MemoryViz.js make memory-viz     # where GitHub cannot be reached
     MEMORY_VIZ_DIR=/shared/memory_viz make memory-viz       # one copy for several checkouts (the test reads it too)
+    MEMORY_VIZ_REF=main make memory-viz     # the viewer torch's own trace_plot pages import (PyTorch's main branch)
 
 Then `python -m http.server -d .cache/memory_viz` and open http://localhost:8000/ to drop a snapshot on the viewer
 (module scripts are not run from file:// pages).
@@ -41,7 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # where the copy goes (and where tests/test_memory_viz.py looks): $MEMORY_VIZ_DIR, else .cache/memory_viz/ here
 CACHE = Path(os.environ.get("MEMORY_VIZ_DIR") or ROOT / ".cache" / "memory_viz")
-URL = "https://raw.githubusercontent.com/pytorch/pytorch/v{version}/torch/utils/viz/MemoryViz.js"
+URL = "https://raw.githubusercontent.com/pytorch/pytorch/{ref}/torch/utils/viz/MemoryViz.js"
 # `import ... from "https://cdn.skypack.dev/<package>@<range>"`
 CDN_IMPORT = re.compile(r"""from\s+["'](https://cdn\.skypack\.dev/((?:@[\w.-]+/)?[\w.-]+)@([^"'/?]+))["']""")
 ESBUILD = "esbuild@0.25"
@@ -63,8 +64,9 @@ def cdn_imports(source: str) -> dict[str, str]:
     return {url: f"{package}@{version}" for url, package, version in CDN_IMPORT.findall(source)}
 
 
-def copy_viewer(cache: Path, version: str) -> Path:
-    """MemoryViz.js into `cache`, from $MEMORY_VIZ_JS or the torch tag on GitHub; its origin in SOURCE.txt."""
+def copy_viewer(cache: Path, version: str, ref: str | None = None) -> Path:
+    """MemoryViz.js into `cache`, from $MEMORY_VIZ_JS, else from GitHub at `ref` (default: the tag of torch
+    `version`); its origin in SOURCE.txt."""
     given = os.environ.get("MEMORY_VIZ_JS")
     if given:
         path = Path(given).expanduser()
@@ -72,14 +74,14 @@ def copy_viewer(cache: Path, version: str) -> Path:
             raise MemoryVizError(f"MEMORY_VIZ_JS={given}: no such file")
         data, origin = path.read_bytes(), f"copied from {path.resolve()} (MEMORY_VIZ_JS)"
     else:
-        url = URL.format(version=version)
+        url = URL.format(ref=ref or f"v{version}")
         try:
             with urllib.request.urlopen(url, timeout=60) as response:
                 data = response.read()
         except OSError as error:
             raise MemoryVizError(
                 f"could not download {url} ({error}); set MEMORY_VIZ_JS to a copy of torch/utils/viz/MemoryViz.js "
-                f"from PyTorch v{version} (github.com/pytorch/pytorch) and run again") from None
+                f"at {ref or 'v' + version} of github.com/pytorch/pytorch and run again") from None
         origin = f"downloaded from {url}"
     if not cdn_imports(data.decode("utf-8", "replace")):
         raise MemoryVizError(f"{origin.split(' (')[0]}: not PyTorch's MemoryViz.js (it imports nothing from "
@@ -148,11 +150,11 @@ def write_page(cache: Path, import_map: dict[str, str]) -> None:
 """)
 
 
-def build(cache: Path = CACHE, version: str | None = None) -> Path:
+def build(cache: Path = CACHE, version: str | None = None, ref: str | None = None) -> Path:
     """The whole cache (MemoryViz.js, modules/, importmap.json, index.html); returns `cache`."""
     cache.mkdir(parents=True, exist_ok=True)
     version = version or torch_version()
-    viewer = copy_viewer(cache, version)
+    viewer = copy_viewer(cache, version, ref)
     imports = cdn_imports(viewer.read_text())
     write_page(cache, bundle_imports(cache, imports))
     with open(cache / "SOURCE.txt", "a") as handle:
@@ -164,10 +166,14 @@ def build(cache: Path = CACHE, version: str | None = None) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--torch-version", help="the torch tag to download from (default: the installed torch's)")
+    parser.add_argument("--ref", default=os.environ.get("MEMORY_VIZ_REF"),
+                        help="the git ref to download from instead of the torch tag: `main` is the viewer that "
+                             "torch.cuda._memory_viz.trace_plot pages import (default: $MEMORY_VIZ_REF, else "
+                             "v<torch version>)")
     parser.add_argument("--cache", type=Path, default=CACHE, help=f"where to put it (default: {CACHE})")
     args = parser.parse_args(argv)
     try:
-        cache = build(args.cache.resolve(), args.torch_version)
+        cache = build(args.cache.resolve(), args.torch_version, args.ref)
     except MemoryVizError as error:
         print(f"memory_viz: {error}", file=sys.stderr)
         return 1
