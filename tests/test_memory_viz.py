@@ -304,3 +304,16 @@ def test_the_viewer_draws_a_snapshot_that_cuda_recorded(viewer, chromium, tmp_pa
         # alloc): the viewer's peak is about the replayed one (not run yet: no machine of this project has a GPU)
         drawn, replayed = by_view[(_name(path), VIEWS[0])]["drawn_max"], replay_peaks(snapshot)[0]
         assert abs(drawn - replayed) <= 0.05 * replayed, (_name(path), drawn, replayed)
+
+
+def test_the_offline_viewer_page_opens_without_errors(viewer, chromium):
+    """`make memory-viz`'s index.html (served as docs/measuring.md says) is the viewer's drop page, as at
+    pytorch.org/memory_viz: its three menus and the line asking for a file, with nothing failing to load."""
+    server = _serve(viewer)
+    try:
+        dom, console = _browse(chromium, f"http://127.0.0.1:{server.server_address[1]}/index.html")
+    finally:
+        server.shutdown()
+    assert dom.count("<select>") == 3 and "Drag and drop a file to load a local snapshot" in dom, dom[-2000:]
+    assert "<option>Active Memory Timeline</option>" in dom
+    assert not [line for line in console if "Uncaught" in line or "Failed to load" in line or "404" in line], console
