@@ -7,14 +7,17 @@ frames name, innermost first, the operator (`operator:0:aten::convolution`), the
 (`module:0:layer1.0.conv1`; `ModuleScope` follows it) and the stage of the step (`stage:0:forward`). A trace written
 here covers the measured step only: it opens with an "alloc" for every storage live when the step began (and, from
 the allocator model, a "segment_alloc" for every segment reserved then; their count is "membench"["prelude_events"]),
-so its running sum is the live memory and its maximum the row's peak (`bench.core.snapshots.replay_peaks`).
+so its running sum is the live memory and its maximum the row's peak (`bench.core.snapshots.replay_peaks`); it
+ends with a "snapshot" event of category "unknown", which PyTorch's viewer needs (`_TraceWriter.close`), and the
+pickle is protocol 4, the newest the viewer reads (tests/test_memory_viz.py draws these files in it).
 Each alloc also says its breakdown `category` (weights, gradients, optimizer_state, activations, temporaries, batch:
 `bench.measure.breakdown`'s columns), `module`, `stage` and `op`, which the HTML report draws.
 
 Limitations: the tracker's addresses are made up (one after the other, never reused: storages have no address on
-fake tensors), so only the model's snapshots say anything about fragmentation; a predicted trace's sizes are the
-allocator's blocks (what `memory_allocated` counts), where CUDA's own trace records the requested bytes; a storage's
-category is the one it had when freed or when the step ended (a gradient is one from its creation).
+fake tensors; one made-up segment spans them all), so only the model's snapshots say anything about fragmentation;
+a predicted trace's sizes are the allocator's blocks (what `memory_allocated` counts), where CUDA's own trace
+records the requested bytes; a storage's category is the one it had when freed or when the step ended (a gradient
+is one from its creation).
 """
 
 from __future__ import annotations
