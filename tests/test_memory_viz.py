@@ -156,13 +156,13 @@ for (const file of files) {
         result.zoomed = plot.querySelector("g").getAttribute("transform");
         result.hover_errors = [...new Set(membenchErrors.slice(before))];
       }
-      // the Allocator State History: one <pre> per event of the trace, segments and blocks as rectangles
-      result.events = div.querySelectorAll(":scope > div > div > pre").length;  // not the stack text's <pre>
       result.rects = div.querySelectorAll("svg rect").length;
       if (view === VIEWS[1]) {
-        // a click on each event of the list draws the memory as it was then (the viewer replays the trace back)
+        // the Allocator State History: one <pre> per event of the trace (not the stack text's <pre>), segments and
+        // blocks as rectangles; a click on each event draws the memory as it was then (the viewer replays back)
         const before = membenchErrors.length;
         const events = [...div.querySelectorAll(":scope > div > div > pre")];
+        result.events = events.length;
         events.forEach(pre => attempt(() => pre.dispatchEvent(new MouseEvent("mousedown", {bubbles: true}))));
         result.clicked = events.length;
         result.click_errors = [...new Set(membenchErrors.slice(before))];
@@ -219,8 +219,9 @@ def _draw(chromium: str, viewer: Path, files: list[Path], tmp_path: Path) -> tup
         (site / name).symlink_to(viewer / name)
     import_map = json.loads((viewer / "importmap.json").read_text())
     payload = [{"name": _name(path), "base64": base64.b64encode(path.read_bytes()).decode()} for path in files]
+    # the files last: their base64 may hold the other placeholders' names
     (site / "index.html").write_text(PAGE.replace("IMPORT_MAP", json.dumps(import_map))
-                                     .replace("FILES", json.dumps(payload)).replace("VIEWS", json.dumps(VIEWS)))
+                                     .replace("VIEWS", json.dumps(VIEWS)).replace("FILES", json.dumps(payload)))
     server = _serve(site)
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}/index.html"
