@@ -20,7 +20,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install bench test perf clean cuda-fake-env test-cuda-fake anchors
+.PHONY: install bench test perf clean cuda-fake-env test-cuda-fake anchors memory-viz
 
 install: $(STAMP)
 
@@ -54,6 +54,14 @@ bench: $(STAMP)
 TEST_JOBS ?= 2
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadgroup
+
+# PyTorch's memory viewer, MemoryViz.js (the page behind pytorch.org/memory_viz; not in torch's wheel), and the d3
+# modules it imports from a CDN, in .cache/memory_viz/ (git-ignored: other projects' code; MEMORY_VIZ_DIR=path puts it
+# elsewhere), for tests/test_memory_viz.py, which opens membench's snapshots in it in headless Chromium (and skips
+# without it). The viewer comes from the pinned torch's tag on GitHub, or from MEMORY_VIZ_JS=path where GitHub cannot
+# be reached; d3 from the npm registry (npm needed). docs/measuring.md says what the test checks.
+memory-viz:
+	$(PYTHON) tools/memory_viz.py --torch-version $(TORCH_VERSION)
 
 # every published GPU measurement of bench/anchors/ predicted on fake CUDA, the error of each (docs/accuracy.md);
 # one anchor at a time, a full-size model each: tens of minutes on 2 cores. ANCHORS=torchao for one source.

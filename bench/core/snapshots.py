@@ -202,7 +202,12 @@ def category_timeline(snapshot: dict[str, Any], max_points: int | None = None) -
         if now > peak:
             peak, position = now, len(total) - 1
             where = (event.get("module", ""), event.get("stage", ""), event.get("op", ""))
-    events = len(device_trace(snapshot))
+    trace = device_trace(snapshot)
+    # a trace membench writes ends with a "snapshot" marker (bench.measure.snapshot: PyTorch's viewer needs it),
+    # which is no step of the run: the step ends at its last event before it
+    events = len(trace)
+    while events and trace[events - 1]["action"] == "snapshot":
+        events -= 1
     if not total:
         return Timeline(events, first, [], [], series, [], 0, 0, "", "", "")
     keep = list(_thinned(total, max_points, position) if max_points else range(len(total)))

@@ -7,14 +7,17 @@ frames name, innermost first, the operator (`operator:0:aten::convolution`), the
 (`module:0:layer1.0.conv1`; `ModuleScope` follows it) and the stage of the step (`stage:0:forward`). A trace written
 here covers the measured step only: it opens with an "alloc" for every storage live when the step began (and, from
 the allocator model, a "segment_alloc" for every segment reserved then; their count is "membench"["prelude_events"]),
-so its running sum is the live memory and its maximum the row's peak (`bench.core.snapshots.replay_peaks`).
+so its running sum is the live memory and its maximum the row's peak (`bench.core.snapshots.replay_peaks`); it
+ends with a "snapshot" event of category "unknown", which PyTorch's viewer needs (`_TraceWriter.close`), and the
+pickle is protocol 4, the newest the viewer reads (tests/test_memory_viz.py draws these files in it).
 Each alloc also says its breakdown `category` (weights, gradients, optimizer_state, activations, temporaries, batch:
 `bench.measure.breakdown`'s columns), `module`, `stage` and `op`, which the HTML report draws.
 
 Limitations: the tracker's addresses are made up (one after the other, never reused: storages have no address on
-fake tensors), so only the model's snapshots say anything about fragmentation; a predicted trace's sizes are the
-allocator's blocks (what `memory_allocated` counts), where CUDA's own trace records the requested bytes; a storage's
-category is the one it had when freed or when the step ended (a gradient is one from its creation).
+fake tensors; one made-up segment spans them all), so only the model's snapshots say anything about fragmentation;
+a predicted trace's sizes are the allocator's blocks (what `memory_allocated` counts), where CUDA's own trace
+records the requested bytes; a storage's category is the one it had when freed or when the step ended (a gradient
+is one from its creation).
 """
 
 from __future__ import annotations
@@ -38,6 +41,10 @@ CATEGORY_OF_COLUMN = {
     "peak_activations_bytes": "activations", "peak_temp_bytes": "temporaries", "peak_batch_bytes": "batch",
     "peak_communication_bytes": "communication",
 }
+# the category PyTorch's viewer gives an allocation without one (`_TraceWriter.close` says why a trace names it)
+VIEWER_UNKNOWN_CATEGORY = "unknown"
+# PyTorch's viewer reads pickle protocols 2 to 4 only ("Unhandled version 5"); Python 3.14's default is 5
+PICKLE_PROTOCOL = 4
 ADDRESS_BASE = 1 << 32  # the first made-up address of a tracker snapshot
 ALIGNMENT = 512
 
@@ -174,6 +181,16 @@ class _TraceWriter:
         self.trace.append({"action": action, "addr": address, "size": size, "stream": 0, "time_us": len(self.trace),
                            "frames": []})
 
+    def close(self) -> list[dict[str, Any]]:
+        """The trace, ended by a "snapshot" event (the action CUDA's own history records where a snapshot is taken)
+        of category "unknown". PyTorch's viewer (MemoryViz.js) means to add that category itself to a trace whose
+        events have categories, but misspells it (`snapshot.categores.push('unknown')` in `annotate_snapshot`) and
+        throws before drawing anything; with it already there, the viewer skips that line. Readers of the trace
+        (`bench.core.snapshots`, `torch.cuda._memory_viz`) count allocs and frees only."""
+        self.trace.append({"action": "snapshot", "addr": 0, "size": 0, "stream": 0, "time_us": len(self.trace),
+                           "frames": [], "category": VIEWER_UNKNOWN_CATEGORY})
+        return self.trace
+
 
 def tracker_snapshot(tracker: memory.LiveTensorTracker, about: dict[str, Any]) -> dict[str, Any]:
     """The snapshot of the tracker's measured step (its log from the last peak reset to `close_window()`), each
@@ -208,8 +225,10 @@ def tracker_snapshot(tracker: memory.LiveTensorTracker, about: dict[str, Any]) -
         elif event.kind == "free" and event.key in live:
             writer.free(live.pop(event.key))
     blocks = sorted((entry["addr"], entry["size"], entry["frames"]) for entry in live.values())
-    segments = [_segment(blocks[0][0], blocks[-1][0] + blocks[-1][1] - blocks[0][0], blocks, False)] if blocks else []
-    return {"segments": segments, "device_traces": [writer.trace],
+    # one made-up segment holding every address handed out, so that each block of the trace lies in it (PyTorch's
+    # viewer, replaying the trace back to an earlier event, looks up the segment of every block freed since)
+    segments = [_segment(ADDRESS_BASE, address - ADDRESS_BASE, blocks, False)] if address > ADDRESS_BASE else []
+    return {"segments": segments, "device_traces": [writer.close()],
             "membench": {**about, "source": f"{tracker.device}_live_tensor_bytes", "allocated_at_start_bytes": 0,
                          "prelude_events": prelude}}
 
@@ -299,7 +318,7 @@ def allocator_snapshot(tracker: memory.LiveTensorTracker, about: dict[str, Any],
         inside = [b for b in active if address <= b[0] < address + size]
         snapshot_segments.append(_segment(address, size, inside, small,
                                           [f for f in free if address <= f[0] < address + size]))
-    return {"segments": snapshot_segments, "device_traces": [writer.trace],
+    return {"segments": snapshot_segments, "device_traces": [writer.close()],
             "membench": {**about, "source": "cuda_caching_allocator_model", "allocated_at_start_bytes": 0,
                          "prelude_events": prelude,
                          "peak_allocated_bytes": model.stats.peak_allocated_bytes,
@@ -344,5 +363,5 @@ def write_snapshot(snapshot: dict[str, Any], folder: Path) -> Path:
     path = folder / file_name(snapshot["membench"])
     with atomic_path(path) as temporary:
         with open(temporary, "wb") as handle:
-            pickle.dump(plain(snapshot), handle)
+            pickle.dump(plain(snapshot), handle, protocol=PICKLE_PROTOCOL)
     return path
