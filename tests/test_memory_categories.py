@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from bench.core import memory_categories
-from bench.core.memory_categories import COMMUNICATION, allocating, file_as
+from bench.core.memory_categories import COMMUNICATION, UNIFIED_MEMORY, allocating, file_as
 from bench.measure import breakdown
 from bench.measure.memory import LiveTensorTracker
 
@@ -39,3 +39,19 @@ def test_allocating_outside_any_tracker_changes_nothing():
         tracker.stage = "forward"
         torch.zeros(4)
         assert COMMUNICATION not in tracker.live_by_category
+
+
+def test_allocating_for_some_dtypes_files_only_their_storages():
+    """bitsandbytes pages a state's uint8 codes, not its float32 block scales: `allocating(c, dtypes)` files only the
+    storages of tensors of those dtypes under `c`, the others as outside it (the stage's, or an enclosing category)."""
+    tracker = LiveTensorTracker("cpu")
+    with tracker:
+        tracker.stage = "optimizer"
+        with allocating(UNIFIED_MEMORY, dtypes=(torch.uint8,)):
+            codes = torch.zeros(1000, dtype=torch.uint8)  # 1,000 B
+            scales = torch.zeros(4)  # 16 B
+        with allocating(COMMUNICATION), allocating(UNIFIED_MEMORY, dtypes=(torch.uint8,)):
+            buffer = torch.zeros(8)  # 32 B: float32, so the enclosing category's
+        assert tracker.live_by_category[UNIFIED_MEMORY] == codes.untyped_storage().nbytes() == 1000
+        assert tracker.live_by_category["optimizer"] == scales.untyped_storage().nbytes() == 16
+        assert tracker.live_by_category[COMMUNICATION] == buffer.untyped_storage().nbytes() == 32

@@ -122,7 +122,8 @@ class LiveTensorTracker(TorchDispatchMode):
         # the module running now, recorded with each alloc (set by bench.measure.snapshot.ModuleScope)
         self.module_of: Callable[[], str] | None = None
         self.window_end_categories: dict[int, str] = {}  # storage key -> category, at `close_window()`
-        self._allocating: list[str] = []  # categories declared by `memory_categories.allocating`, innermost last
+        # (category, the dtypes it is for or None: all) declared by `memory_categories.allocating`, innermost last
+        self._allocating: list[tuple[str, frozenset | None]] = []
 
     # in-place storage resizes --------------------------------------------------------------------------
     def __enter__(self):
@@ -139,11 +140,19 @@ class LiveTensorTracker(TorchDispatchMode):
         return super().__exit__(*exc)
 
     # categories declared by the code that allocates (bench.core.memory_categories) -------------------------
-    def push_allocation_category(self, category: str) -> None:
-        self._allocating.append(category)
+    def push_allocation_category(self, category: str, dtypes: frozenset | None = None) -> None:
+        self._allocating.append((category, dtypes))
 
     def pop_allocation_category(self) -> None:
         self._allocating.pop()
+
+    def _category_of_output(self, t: torch.Tensor) -> str:
+        """The category of a storage an operator makes now: the innermost declared one that is for its dtype, else
+        the stage."""
+        for category, dtypes in reversed(self._allocating):
+            if dtypes is None or t.dtype in dtypes:
+                return category
+        return self.stage
 
     def _resized(self, st: torch.UntypedStorage, nbytes: int) -> None:
         """A tracked storage now holds `nbytes`: the new block allocated (with a new key), then the old one freed,
@@ -284,10 +293,9 @@ class LiveTensorTracker(TorchDispatchMode):
             self.events.append(MemoryEvent("op", stage=self.stage, op=func.__name__))
         out = func(*args, **kwargs)
         outputs, _ = tree_flatten(out)
-        category = self._allocating[-1] if self._allocating else self.stage
         for t in outputs:
             if isinstance(t, torch.Tensor):
-                self._register(t, category)
+                self._register(t, self._category_of_output(t) if self._allocating else self.stage)
         self._update_peak(func.__name__)
         return out
 
