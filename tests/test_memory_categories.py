@@ -55,3 +55,18 @@ def test_allocating_for_some_dtypes_files_only_their_storages():
         assert tracker.live_by_category[UNIFIED_MEMORY] == codes.untyped_storage().nbytes() == 1000
         assert tracker.live_by_category["optimizer"] == scales.untyped_storage().nbytes() == 16
         assert tracker.live_by_category[COMMUNICATION] == buffer.untyped_storage().nbytes() == 32
+
+
+def test_inside_one_fused_kernel_only_the_storages_updated_in_place_are_memory():
+    """bitsandbytes' 8-bit update is one kernel, emulated with PyTorch's operators: its intermediates (here a float32
+    copy and a product) are no storage to the trackers; what it updates in place stays counted once."""
+    tracker = LiveTensorTracker("cpu")
+    with tracker:
+        tracker.stage = "optimizer"
+        weight = torch.zeros(1000)  # 4,000 B
+        with memory_categories.one_fused_kernel():
+            update = weight.double() * 2  # 8,000 + 8,000 B of intermediates
+            weight.add_(update.float())  # and 4,000 more
+        assert tracker.live_bytes == tracker.peak_bytes == 4000
+        later = weight * 2  # outside again: counted
+        assert tracker.live_bytes == 8000 and later.untyped_storage().nbytes() == 4000

@@ -22,6 +22,7 @@ WEIGHTS = "params"  # the tracker's category of the model's weights
 UNIFIED_MEMORY = "unified_memory"  # CUDA unified memory (cudaMallocManaged): bitsandbytes' paged optimizer state
 # categories whose storages CUDA's caching allocator never serves: its statistics (and its model) leave them out
 OUTSIDE_ALLOCATOR = frozenset({UNIFIED_MEMORY})
+FUSED_KERNEL = "fused_kernel"  # not a category of storage: inside, operators are one kernel's arithmetic (see above)
 
 
 class Listener(Protocol):
@@ -63,6 +64,14 @@ def allocating(category: str, dtypes: Iterable[Any] | None = None) -> Iterator[N
     finally:
         for listener in listeners:
             listener.pop_allocation_category()
+
+
+@contextlib.contextmanager
+def one_fused_kernel() -> Iterator[None]:
+    """Inside, the operators emulate one fused kernel that updates existing tensors in place: every listening tracker
+    registers nothing they make or read and counts no peak (the kernel's intermediates live in its registers)."""
+    with allocating(FUSED_KERNEL):
+        yield
 
 
 def file_as(tensors: Iterable, category: str) -> None:

@@ -92,7 +92,8 @@ class LiveTensorTracker(TorchDispatchMode):
     `stage` is set by the caller (forward/backward/optimizer); each storage is filed under a category: the one
     given to `track()`, else the one the code that made it declared (`bench.core.memory_categories.allocating`: the
     communication buffers of sharded training), else the stage it was created in; `recategorize()` (and
-    `memory_categories.file_as`) files it anew.
+    `memory_categories.file_as`) files it anew. Inside `memory_categories.one_fused_kernel()` nothing new is
+    registered or counted: the operators there emulate a fused kernel that updates existing storages in place.
 
     With `record_events`, `events` logs every allocation and free in the order they happened (exact bytes, not
     rounded), every operator and the peak resets, from the tracker's start: `bench.measure.cuda_allocator` replays it
@@ -285,6 +286,8 @@ class LiveTensorTracker(TorchDispatchMode):
             # a fake tensor answers `.device` through the dispatcher: asking it is no use of the tensor, and
             # registering it here would file a tensor that `track()` is about to register under "untracked"
             return func(*args, **kwargs)
+        if self._allocating and self._allocating[-1][0] == memory_categories.FUSED_KERNEL:
+            return func(*args, **kwargs)  # one kernel's arithmetic: its intermediates are no memory (see there)
         inputs, _ = tree_flatten((args, kwargs))
         for t in inputs:
             if isinstance(t, torch.Tensor):
