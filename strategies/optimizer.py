@@ -11,6 +11,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
 
 from bench.core.errors import Unsupported, UsageError
+from bench.core.memory_categories import UNIFIED_MEMORY, allocating, one_fused_kernel
 from bench.core.quiet_import import import_torchao
 from strategies.base import Strategy, register_strategy
 
@@ -24,6 +25,9 @@ LOW_BIT_INSTALL_HINT = "pip install 'membench[hf]' (in a checkout: make install)
 IMPLEMENTATIONS: dict[str, tuple[bool | None, bool | None]] = {
     "default": (None, None), "foreach": (True, None), "for_loop": (False, None), "fused": (None, True),
 }
+# bitsandbytes' paged optimizers (Optimizer8bit.get_state_buffer) page the state of a parameter of at least this many
+# values; a smaller one's state is an ordinary device tensor
+PAGED_MIN_VALUES = 100_000
 
 
 def implementation(optimizer: torch.optim.Optimizer) -> str:
@@ -60,13 +64,22 @@ class Optimizer(Strategy):
     refuses to run under one), so the optimizer stage's peak counts the state, updated in place, and not the
     compiled kernel's own buffers; on fake tensors (predict) it runs eagerly, which allocates float32 temporaries a
     compiled kernel does not. The state counts by its real storage (uint8 codes and scales), not its float32 face.
+
+    `paged=true` (with a low-bit `name`) predicts bitsandbytes' paged optimizers (`PagedAdamW8bit`): their
+    `get_state_buffer` makes the uint8 state of every parameter of at least 100,000 values with `cudaMallocManaged`
+    (CUDA unified memory), outside PyTorch's caching allocator, so `torch.cuda.memory_stats` (allocated, active,
+    reserved) never counts it; the block scales and smaller parameters' state stay device tensors. Its update is one
+    kernel (`optimizer_update_8bit_blockwise`) that updates weight, codes and scales in place, so torchao's
+    arithmetic that stands for it counts no temporaries (`memory_categories.one_fused_kernel`). Predicted only (fake
+    CUDA): the codes are filed as unified memory, which the allocator model leaves out; a real step would keep
+    torchao's codes in the caching allocator, so it is refused there, and on the CPU.
     """
 
     name = "optimizer"
     description = ("the workload's optimizer with another implementation (impl=), or another algorithm (name=, "
                    "including torchao's 8-bit and 4-bit AdamW)")
     phases = ("train",)
-    options = {"name": "workload", "impl": "default"}
+    options = {"name": "workload", "impl": "default", "paged": False}
     priority = 30  # before optimizer_in_backward, which splits whatever optimizer this makes
 
     # The workload's optimizer in each implementation, and plain SGD, with less state (another update:
@@ -84,6 +97,9 @@ class Optimizer(Strategy):
                              f"{', '.join([*OPTIMIZERS, *LOW_BIT_OPTIMIZERS])}")
         if self.settings["impl"] not in IMPLEMENTATIONS:
             raise UsageError(f"optimizer:impl={self.settings['impl']!r}; valid choices: {', '.join(IMPLEMENTATIONS)}")
+        if self.settings["paged"] and self.settings["name"] not in LOW_BIT_OPTIMIZERS:
+            raise UsageError(f"optimizer:paged=true pages a low-bit optimizer's state (name="
+                             f"{'/'.join(LOW_BIT_OPTIMIZERS)}), not name={self.settings['name']}")
         self.replaced: str | None = None  # the workload's optimizer's class name, when name= replaced it
         self.resolved = {"name": self.settings["name"], "impl": self.settings["impl"]}
 
@@ -95,6 +111,9 @@ class Optimizer(Strategy):
             if self.settings["impl"] != "default":
                 raise Unsupported(f"optimizer:name={name} has one implementation (torchao's), not "
                                   f"impl={self.settings['impl']}")
+            if self.settings["paged"] and context.device != "cuda":
+                raise Unsupported(f"optimizer:paged=true keeps the state in CUDA unified memory: it needs device "
+                                  f"cuda, not {context.device}")
 
     def wrap_optimizer(self, optimizer, model):
         name = self.settings["name"]
@@ -120,9 +139,11 @@ class Optimizer(Strategy):
         accepted = set(inspect.signature(cls).parameters) - {"params"}
         groups = [{key: value for key, value in group.items() if key == "params" or key in accepted}
                   for group in optimizer.param_groups]
-        replacement = _tracked_step_class(cls)(groups)
+        replacement = _tracked_step_class(cls, paged=self.settings["paged"])(groups)
         self.replaced = type(optimizer).__name__
         self.resolved = {"name": f"torchao.optim.{cls.__name__}", "impl": "torch.compile"}
+        if self.settings["paged"]:
+            self.resolved["state"] = "paged (CUDA unified memory)"
         return replacement
 
     def describe(self):
@@ -168,16 +189,54 @@ def _compilable_step(params: list[torch.Tensor]):
             yield
 
 
-def _tracked_step_class(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
-    """`cls` whose step runs where it can be compiled (`_compilable_step`)."""
+@contextlib.contextmanager
+def _update_as_one_kernel(paged: bool):
+    """With `paged` (bitsandbytes' paged optimizer): each parameter's update, torchao's arithmetic run eagerly on fake
+    tensors, counts as bitsandbytes' `optimizer_update_8bit_blockwise` kernel, which reads the gradient and updates
+    the weight, the codes and the block scales in place, its intermediates in registers
+    (`memory_categories.one_fused_kernel`): no float32 copy of the weight, gradient or moments. The state is made
+    before the update (torchao's initialisation, tracked as usual)."""
+    if not paged:
+        yield
+        return
+    adam = import_torchao("torchao.optim.adam")
+    update = getattr(adam, "single_param_adam", None)
+    if update is None:
+        raise Unsupported("optimizer:paged=true: this torchao has no torchao.optim.adam.single_param_adam to run as "
+                          "bitsandbytes' kernel")
+
+    def as_one_kernel(*args, **kwargs):
+        with one_fused_kernel():
+            return update(*args, **kwargs)
+
+    adam.single_param_adam = as_one_kernel
+    try:
+        yield
+    finally:
+        adam.single_param_adam = update
+
+
+def _tracked_step_class(cls: type[torch.optim.Optimizer], paged: bool = False) -> type[torch.optim.Optimizer]:
+    """`cls` whose step runs where it can be compiled (`_compilable_step`); `paged`: whose uint8 state of each
+    parameter of at least PAGED_MIN_VALUES values is made in CUDA unified memory (bitsandbytes' paged state)."""
 
     class LowBitOptimizer(cls):
         def step(self, closure=None):
             params = [p for group in self.param_groups for p in group["params"]]
-            with _compilable_step(params), warnings.catch_warnings():
+            with _compilable_step(params), warnings.catch_warnings(), _update_as_one_kernel(paged):
                 # torchao's state subclasses lack a hash for AOTAutograd's cache: a warning per shape, nothing wrong
                 warnings.filterwarnings("ignore", message=".*_stable_hash_for_caching.*")
                 return super().step(closure)
+
+        def _new_buffer(self, p, signed):
+            if not paged or p.numel() < PAGED_MIN_VALUES:
+                return super()._new_buffer(p, signed)
+            if not is_fake(p):
+                raise Unsupported("optimizer:paged=true is predicted on fake CUDA only: torchao's state of a real step "
+                                  "lives in the caching allocator (bitsandbytes' PagedAdamW8bit is what pages it)")
+            # the codes (uint8) are what bitsandbytes pages; the float32 block scales stay device tensors
+            with allocating(UNIFIED_MEMORY, dtypes=(torch.uint8,)):
+                return super()._new_buffer(p, signed)
 
     LowBitOptimizer.__name__ = LowBitOptimizer.__qualname__ = cls.__name__
     return LowBitOptimizer

@@ -165,6 +165,14 @@ def test_low_bit_optimizer_has_no_other_implementation():
     assert row["status"] == "unsupported" and "impl=foreach" in row["message"], row
 
 
+def test_paged_state_is_for_a_low_bit_optimizer_on_cuda_only():
+    with pytest.raises(UsageError, match="paged=true pages a low-bit optimizer's state"):
+        parse_strategy("optimizer:name=adamw:paged=true")
+    # on the CPU there is no unified memory to page to (tests_cuda_fake: what it leaves out on CUDA)
+    row = run_case(_case(MLP, "optimizer:name=adamw8bit:paged=true"), env={})
+    assert row["status"] == "unsupported" and "needs device cuda, not cpu" in row["message"], row
+
+
 # --- bf16_weights ---------------------------------------------------------------------------------------------
 
 @needs_peft

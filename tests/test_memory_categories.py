@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from bench.core import memory_categories
-from bench.core.memory_categories import COMMUNICATION, allocating, file_as
+from bench.core.memory_categories import COMMUNICATION, UNIFIED_MEMORY, allocating, file_as
 from bench.measure import breakdown
 from bench.measure.memory import LiveTensorTracker
 
@@ -39,3 +39,34 @@ def test_allocating_outside_any_tracker_changes_nothing():
         tracker.stage = "forward"
         torch.zeros(4)
         assert COMMUNICATION not in tracker.live_by_category
+
+
+def test_allocating_for_some_dtypes_files_only_their_storages():
+    """bitsandbytes pages a state's uint8 codes, not its float32 block scales: `allocating(c, dtypes)` files only the
+    storages of tensors of those dtypes under `c`, the others as outside it (the stage's, or an enclosing category)."""
+    tracker = LiveTensorTracker("cpu")
+    with tracker:
+        tracker.stage = "optimizer"
+        with allocating(UNIFIED_MEMORY, dtypes=(torch.uint8,)):
+            codes = torch.zeros(1000, dtype=torch.uint8)  # 1,000 B
+            scales = torch.zeros(4)  # 16 B
+        with allocating(COMMUNICATION), allocating(UNIFIED_MEMORY, dtypes=(torch.uint8,)):
+            buffer = torch.zeros(8)  # 32 B: float32, so the enclosing category's
+        assert tracker.live_by_category[UNIFIED_MEMORY] == codes.untyped_storage().nbytes() == 1000
+        assert tracker.live_by_category["optimizer"] == scales.untyped_storage().nbytes() == 16
+        assert tracker.live_by_category[COMMUNICATION] == buffer.untyped_storage().nbytes() == 32
+
+
+def test_inside_one_fused_kernel_only_the_storages_updated_in_place_are_memory():
+    """bitsandbytes' 8-bit update is one kernel, emulated with PyTorch's operators: its intermediates (here a float32
+    copy and a product) are no storage to the trackers; what it updates in place stays counted once."""
+    tracker = LiveTensorTracker("cpu")
+    with tracker:
+        tracker.stage = "optimizer"
+        weight = torch.zeros(1000)  # 4,000 B
+        with memory_categories.one_fused_kernel():
+            update = weight.double() * 2  # 8,000 + 8,000 B of intermediates
+            weight.add_(update.float())  # and 4,000 more
+        assert tracker.live_bytes == tracker.peak_bytes == 4000
+        later = weight * 2  # outside again: counted
+        assert tracker.live_bytes == 8000 and later.untyped_storage().nbytes() == 4000

@@ -228,6 +228,21 @@ def test_replay_says_what_the_allocated_peak_is_made_of_by_category():
     assert sum(workspace.peak_by_category.values()) == workspace.max_allocated_bytes
 
 
+def test_replay_leaves_unified_memory_out_of_the_caching_allocator():
+    # bitsandbytes' paged state (cudaMallocManaged) is no block of the allocator: 3 MiB of weights, 2 x 16 MiB of
+    # paged codes (filed by a "category" event, or by the alloc's own category in a log without them), 1 MiB scratch
+    events = [MemoryEvent("category", 1, op="params"), MemoryEvent("alloc", 1, 3 * MIB),
+              MemoryEvent("category", 2, op="unified_memory"), MemoryEvent("alloc", 2, 16 * MIB),
+              MemoryEvent("alloc", 3, 16 * MIB, category="unified_memory"),
+              MemoryEvent("reset"), MemoryEvent("category", 2, op="optimizer_state"),
+              MemoryEvent("alloc", 4, MIB + 1, category="optimizer"), MemoryEvent("free", 4), MemoryEvent("free", 2)]
+    result = replay(events, 0)
+    assert result.max_allocated_bytes == 4 * MIB + 512  # the weights and the scratch only
+    assert result.max_reserved_bytes == 20 * MIB  # one 20 MiB segment holds both (the codes would need 32 MiB more)
+    assert result.peak_by_category == {"params": 3 * MIB, "uncategorized": MIB + 512}
+    assert result.stats.allocated_bytes == 3 * MIB  # the paged codes' frees touch no block
+
+
 @pytest.mark.parametrize("capability, config, expected", [
     (None, None, 8_519_680), ((8, 6), None, 8_519_680), ((9, 0), None, 32 * MIB), ((10, 0), None, 8_519_680),
     (None, ":4096:8", 32 * MIB), ((9, 0), ":16:8", 131_072), (None, ":4096:2:16:8", 8_519_680),

@@ -79,3 +79,44 @@ def test_torchaos_8bit_adamw_steps_in_backward_on_fake_cuda():
     # the state, made in the warm-up steps, is whole at both peaks; gradients are freed as they are applied
     assert in_backward.peak_by_category["optimizer_state"] == after.peak_by_category["optimizer_state"] > 0
     assert in_backward.peak_by_category["grads"] < after.peak_by_category["grads"]
+
+
+def test_paged_8bit_state_is_unified_memory_outside_the_caching_allocator():
+    """bitsandbytes' PagedAdamW8bit (torchtune's 8-bit row): the uint8 moments of a parameter of at least 100,000
+    values are made with cudaMallocManaged, which `torch.cuda.memory_stats` never counts; a smaller parameter's state
+    and the block scales stay in the caching allocator; the update is bitsandbytes' in-place kernel, which makes no
+    temporaries. By hand: a 1024 x 1024 weight pages two 1 MiB code tensors; a 256 x 256 one (65,536 values) pages
+    nothing."""
+    from bench.core.memory_categories import UNIFIED_MEMORY
+    from bench.measure import breakdown, cuda_allocator
+    from strategies.optimizer import Optimizer
+
+    def step(paged):
+        allocator = FakeAllocator(limit_bytes=2**40)  # what torch.cuda.memory_allocated answers in a fake run
+        with fake_cuda(allocator=allocator):
+            tracker = breakdown.CategorizedTracker("cuda", record_events=True)
+            with tracker:
+                big = torch.zeros(1024, 1024, device="cuda", requires_grad=True)
+                small = torch.zeros(256, 256, device="cuda", requires_grad=True)
+                optimizer = Optimizer(name="adamw8bit", paged=paged).wrap_optimizer(
+                    torch.optim.AdamW([big, small]), None)
+                big.grad, small.grad = torch.ones_like(big), torch.ones_like(small)
+                tracker.stage = "optimizer"
+                optimizer.step()
+                optimizer.step()  # the codes read again, outside the state's making
+                live, counts = dict(tracker.live_by_category), (tracker.peak_bytes, tracker.live_bytes)
+                live[UNIFIED_MEMORY + " (allocator)"] = allocator.live_bytes
+            return live, cuda_allocator.replay(tracker.events, 0), counts
+
+    (device_live, device, eager), (paged_live, paged, fused) = step(False), step(True)
+    assert paged_live[UNIFIED_MEMORY] == 2 * 1024 * 1024 and UNIFIED_MEMORY not in device_live
+    # the tracker still counts them as live tensors; the allocator's figures do not (its model, the fake allocator)
+    allocator_paged, allocator_device = paged_live.pop(UNIFIED_MEMORY + " (allocator)"), device_live.pop(
+        UNIFIED_MEMORY + " (allocator)")
+    assert sum(paged_live.values()) == sum(device_live.values())
+    assert allocator_device - allocator_paged == 2 * 1024 * 1024
+    assert device.stats.allocated_bytes - paged.stats.allocated_bytes == 2 * 1024 * 1024
+    # bitsandbytes' update is one kernel, in place: the step's peak is what it leaves (weights, gradients, state),
+    # where torchao's arithmetic run eagerly makes float32 copies of the weight, gradient and moments
+    assert fused[0] == fused[1] and paged.max_allocated_bytes == paged.stats.allocated_bytes
+    assert eager[0] > eager[1] + 4 * 1024 * 1024

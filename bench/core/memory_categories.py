@@ -15,14 +15,18 @@ threads allocate (gloo's workers) never becomes a tensor of the step and is not 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable, Iterator, Protocol
+from typing import Any, Iterable, Iterator, Protocol
 
 COMMUNICATION = "communication"  # the buffers a collective sends or receives (bench.measure.breakdown's column)
 WEIGHTS = "params"  # the tracker's category of the model's weights
+UNIFIED_MEMORY = "unified_memory"  # CUDA unified memory (cudaMallocManaged): bitsandbytes' paged optimizer state
+# categories whose storages CUDA's caching allocator never serves: its statistics (and its model) leave them out
+OUTSIDE_ALLOCATOR = frozenset({UNIFIED_MEMORY})
+FUSED_KERNEL = "fused_kernel"  # not a category of storage: inside, operators are one kernel's arithmetic (see above)
 
 
 class Listener(Protocol):
-    def push_allocation_category(self, category: str) -> None: ...
+    def push_allocation_category(self, category: str, dtypes: frozenset | None = None) -> None: ...
 
     def pop_allocation_category(self) -> None: ...
 
@@ -48,16 +52,26 @@ def listening() -> bool:
 
 
 @contextlib.contextmanager
-def allocating(category: str) -> Iterator[None]:
-    """Inside, every listening tracker files the storages that operators create under `category` (not the stage's)."""
+def allocating(category: str, dtypes: Iterable[Any] | None = None) -> Iterator[None]:
+    """Inside, every listening tracker files the storages that operators create under `category` (not the stage's);
+    with `dtypes` (torch dtypes), only those of tensors of these dtypes (the others as they would be filed outside)."""
     listeners = list(_LISTENERS)
+    only = frozenset(dtypes) if dtypes is not None else None
     for listener in listeners:
-        listener.push_allocation_category(category)
+        listener.push_allocation_category(category, only)
     try:
         yield
     finally:
         for listener in listeners:
             listener.pop_allocation_category()
+
+
+@contextlib.contextmanager
+def one_fused_kernel() -> Iterator[None]:
+    """Inside, the operators emulate one fused kernel that updates existing tensors in place: every listening tracker
+    registers nothing they make or read and counts no peak (the kernel's intermediates live in its registers)."""
+    with allocating(FUSED_KERNEL):
+        yield
 
 
 def file_as(tensors: Iterable, category: str) -> None:

@@ -23,7 +23,9 @@ stream, and kept: PyTorch issue 95668) for the main thread and for autograd's de
 on CUDA. Where the log says each storage's category ("category" events of
 `bench.measure.breakdown.CategorizedTracker`), the replay also says what the allocated peak is made of: the blocks
 handed out at that moment by their storage's category (`CUBLAS_WORKSPACE` for the workspaces, `UNCATEGORIZED` for a
-storage the log gave none), which sum to it.
+storage the log gave none), which sum to it. A storage made in a category the caching allocator never serves
+(`bench.core.memory_categories.OUTSIDE_ALLOCATOR`: CUDA unified memory, bitsandbytes' paged optimizer state) is left
+out of the model: `torch.cuda.memory_stats` does not count it.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from bench.core.memory_categories import OUTSIDE_ALLOCATOR
 from bench.core.units import KiB, MiB
 
 K_MIN_BLOCK_SIZE = 512
@@ -200,6 +203,12 @@ class ReplayResult:
     peak_by_category: dict[str, int] = field(default_factory=dict)
 
 
+def outside_allocator(event, category: str | None = None) -> bool:
+    """Whether an "alloc" event is of a storage the caching allocator never serves: its category (`category`, from
+    the log's "category" events, else the alloc's own) is in `OUTSIDE_ALLOCATOR`."""
+    return (category or event.category) in OUTSIDE_ALLOCATOR
+
+
 def thread_of(stage: str) -> str:
     """The thread that runs a stage on CUDA: autograd's device thread for the backward, the caller's otherwise."""
     return "autograd" if stage == "backward" else "main"
@@ -229,6 +238,9 @@ def replay(events: Iterable, workspace_bytes: int = CUBLAS_DEFAULT_WORKSPACE_BYT
 
     for event in events:
         if event.kind == "alloc":
+            if outside_allocator(event, category_of.get(event.key)):
+                blocks[event.key] = None  # unified memory: no block of the allocator's
+                continue
             blocks[event.key] = block = model.malloc(event.nbytes)
             allocated(block, category_of.setdefault(event.key, UNCATEGORIZED))
         elif event.kind == "category":

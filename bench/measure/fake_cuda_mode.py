@@ -39,8 +39,10 @@ from typing import Callable, ContextManager, Iterable, Iterator
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils.weak import WeakIdKeyDictionary
 
+from bench.core.memory_categories import OUTSIDE_ALLOCATOR
 from bench.measure.fake_cuda import WORKER_FLAG
 from bench.measure.memory import LiveTensorTracker
 
@@ -106,11 +108,31 @@ def counted_grad_scaler() -> Iterator[ScalerCalls]:
 
 class FakeAllocator(LiveTensorTracker):
     """Live bytes of fake CUDA tensors (512-byte blocks, as CUDA's allocator rounds), with an out-of-memory error past
-    `limit_bytes`, or past the memory fraction of the device's memory when no limit is given."""
+    `limit_bytes`, or past the memory fraction of the device's memory when no limit is given. It stands for CUDA's
+    caching allocator, so a storage made in a category that allocator never serves (`OUTSIDE_ALLOCATOR`: unified
+    memory, bitsandbytes' paged optimizer state) is not counted."""
 
     def __init__(self, limit_bytes: int | None = None):
         super().__init__("cuda", block_bytes=512)
         self.limit_bytes = limit_bytes
+        self._outside: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storages the caching allocator never serves
+
+    def _register(self, t: torch.Tensor, category: str) -> None:
+        if category not in OUTSIDE_ALLOCATOR and not self._outside:  # the usual case, at the usual cost
+            super()._register(t, category)
+            return
+        t = getattr(t, "_local_tensor", t)
+        if is_traceable_wrapper_subclass(t):
+            super()._register(t, category)  # which registers the tensors inside it, through this method
+            return
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return
+        if category in OUTSIDE_ALLOCATOR:
+            self._outside[storage] = True  # and not when an operator reads it later either
+        elif storage not in self._outside:
+            super()._register(t, category)
 
     def capacity(self) -> int:
         """The bytes past which an allocation fails: the limit given, else the memory fraction of the device."""

@@ -92,7 +92,8 @@ class LiveTensorTracker(TorchDispatchMode):
     `stage` is set by the caller (forward/backward/optimizer); each storage is filed under a category: the one
     given to `track()`, else the one the code that made it declared (`bench.core.memory_categories.allocating`: the
     communication buffers of sharded training), else the stage it was created in; `recategorize()` (and
-    `memory_categories.file_as`) files it anew.
+    `memory_categories.file_as`) files it anew. Inside `memory_categories.one_fused_kernel()` nothing new is
+    registered or counted: the operators there emulate a fused kernel that updates existing storages in place.
 
     With `record_events`, `events` logs every allocation and free in the order they happened (exact bytes, not
     rounded), every operator and the peak resets, from the tracker's start: `bench.measure.cuda_allocator` replays it
@@ -122,7 +123,8 @@ class LiveTensorTracker(TorchDispatchMode):
         # the module running now, recorded with each alloc (set by bench.measure.snapshot.ModuleScope)
         self.module_of: Callable[[], str] | None = None
         self.window_end_categories: dict[int, str] = {}  # storage key -> category, at `close_window()`
-        self._allocating: list[str] = []  # categories declared by `memory_categories.allocating`, innermost last
+        # (category, the dtypes it is for or None: all) declared by `memory_categories.allocating`, innermost last
+        self._allocating: list[tuple[str, frozenset | None]] = []
 
     # in-place storage resizes --------------------------------------------------------------------------
     def __enter__(self):
@@ -139,11 +141,19 @@ class LiveTensorTracker(TorchDispatchMode):
         return super().__exit__(*exc)
 
     # categories declared by the code that allocates (bench.core.memory_categories) -------------------------
-    def push_allocation_category(self, category: str) -> None:
-        self._allocating.append(category)
+    def push_allocation_category(self, category: str, dtypes: frozenset | None = None) -> None:
+        self._allocating.append((category, dtypes))
 
     def pop_allocation_category(self) -> None:
         self._allocating.pop()
+
+    def _category_of_output(self, t: torch.Tensor) -> str:
+        """The category of a storage an operator makes now: the innermost declared one that is for its dtype, else
+        the stage."""
+        for category, dtypes in reversed(self._allocating):
+            if dtypes is None or t.dtype in dtypes:
+                return category
+        return self.stage
 
     def _resized(self, st: torch.UntypedStorage, nbytes: int) -> None:
         """A tracked storage now holds `nbytes`: the new block allocated (with a new key), then the old one freed,
@@ -276,6 +286,8 @@ class LiveTensorTracker(TorchDispatchMode):
             # a fake tensor answers `.device` through the dispatcher: asking it is no use of the tensor, and
             # registering it here would file a tensor that `track()` is about to register under "untracked"
             return func(*args, **kwargs)
+        if self._allocating and self._allocating[-1][0] == memory_categories.FUSED_KERNEL:
+            return func(*args, **kwargs)  # one kernel's arithmetic: its intermediates are no memory (see there)
         inputs, _ = tree_flatten((args, kwargs))
         for t in inputs:
             if isinstance(t, torch.Tensor):
@@ -284,10 +296,9 @@ class LiveTensorTracker(TorchDispatchMode):
             self.events.append(MemoryEvent("op", stage=self.stage, op=func.__name__))
         out = func(*args, **kwargs)
         outputs, _ = tree_flatten(out)
-        category = self._allocating[-1] if self._allocating else self.stage
         for t in outputs:
             if isinstance(t, torch.Tensor):
-                self._register(t, category)
+                self._register(t, self._category_of_output(t) if self._allocating else self.stage)
         self._update_peak(func.__name__)
         return out
 

@@ -302,7 +302,7 @@ def allocator_snapshot(tracker: memory.LiveTensorTracker, about: dict[str, Any],
                 workspace = memory.MemoryEvent("alloc", nbytes=workspace_bytes, stage=event.stage,
                                                module=f"cuBLAS workspace ({thread} thread)", category="workspace")
                 malloc(("workspace", thread), workspace, op, in_window)
-        elif event.kind == "alloc":
+        elif event.kind == "alloc" and not cuda_allocator.outside_allocator(event):
             malloc(event.key, event, op, in_window)
         elif event.kind == "free" and event.key in held:
             block, _, _ = held.pop(event.key)
