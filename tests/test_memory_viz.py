@@ -31,7 +31,7 @@ import pytest
 
 from bench.cli.main import main
 from bench.core.snapshots import device_trace, read_snapshot, replay_peaks
-from test_html_report import BROWSER_FLAGS, _install_chromium
+from test_html_report import BROWSER_FLAGS, chromium  # noqa: F401  (the fixture: Chromium, installed or skipped)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -49,14 +49,6 @@ def viewer() -> Path:
                     "`make memory-viz` puts one there (it downloads the viewer from the pinned torch's tag on "
                     "GitHub, or copies MEMORY_VIZ_JS=path, and d3 from the npm registry)")
     return CACHE
-
-
-@pytest.fixture(scope="module")
-def chromium() -> str:
-    path, why = _install_chromium()
-    if path is None:
-        pytest.skip(why)
-    return path
 
 
 @pytest.fixture(scope="module")
