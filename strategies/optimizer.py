@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import _disable_current_modes, _get_current_di
 from bench.core.errors import Unsupported, UsageError
 from bench.core.memory_categories import UNIFIED_MEMORY, allocating, one_fused_kernel
 from bench.core.quiet_import import import_torchao
+from strategies import bitsandbytes_adamw
 from strategies.base import Strategy, register_strategy
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
@@ -25,9 +26,11 @@ LOW_BIT_INSTALL_HINT = "pip install 'membench[hf]' (in a checkout: make install)
 IMPLEMENTATIONS: dict[str, tuple[bool | None, bool | None]] = {
     "default": (None, None), "foreach": (True, None), "for_loop": (False, None), "fused": (None, True),
 }
+# the implementations of a low-bit name beside torchao's (impl=default): name -> the names that have it
+LOW_BIT_IMPLEMENTATIONS: dict[str, tuple[str, ...]] = {"bitsandbytes": ("adamw8bit",)}
 # bitsandbytes' paged optimizers (Optimizer8bit.get_state_buffer) page the state of a parameter of at least this many
 # values; a smaller one's state is an ordinary device tensor
-PAGED_MIN_VALUES = 100_000
+PAGED_MIN_VALUES = bitsandbytes_adamw.PAGED_MIN_VALUES
 
 
 def implementation(optimizer: torch.optim.Optimizer) -> str:
@@ -65,6 +68,15 @@ class Optimizer(Strategy):
     compiled kernel's own buffers; on fake tensors (predict) it runs eagerly, which allocates float32 temporaries a
     compiled kernel does not. The state counts by its real storage (uint8 codes and scales), not its float32 face.
 
+    `impl=bitsandbytes` (with `name=adamw8bit`): bitsandbytes' `AdamW8bit` in place of torchao's, as
+    `strategies.bitsandbytes_adamw` emulates it from bitsandbytes' source: its state as bitsandbytes lays it out
+    (uint8 codes made with `torch.zeros_like` in the caching allocator, one float32 block maximum per 2048 values,
+    the last block ragged; float32 moments for a parameter under 4096 values; the instance's two 256-value maps) and
+    its update as its one in-place kernel (`optimizer_update_8bit_blockwise`: no temporaries counted,
+    `memory_categories.one_fused_kernel`). Runs anywhere (PyTorch arithmetic; torchao's dynamic map); with
+    `paged=true` it is `PagedAdamW8bit`, the moments of a parameter of at least 100,000 values made in unified
+    memory (fake CUDA only).
+
     `paged=true` (with a low-bit `name`) predicts bitsandbytes' paged optimizers (`PagedAdamW8bit`): their
     `get_state_buffer` makes the uint8 state of every parameter of at least 100,000 values with `cudaMallocManaged`
     (CUDA unified memory), outside PyTorch's caching allocator, so `torch.cuda.memory_stats` (allocated, active,
@@ -95,8 +107,13 @@ class Optimizer(Strategy):
         if self.settings["name"] not in ("workload", *OPTIMIZERS, *LOW_BIT_OPTIMIZERS):
             raise UsageError(f"optimizer:name={self.settings['name']!r}; valid choices: workload, "
                              f"{', '.join([*OPTIMIZERS, *LOW_BIT_OPTIMIZERS])}")
-        if self.settings["impl"] not in IMPLEMENTATIONS:
-            raise UsageError(f"optimizer:impl={self.settings['impl']!r}; valid choices: {', '.join(IMPLEMENTATIONS)}")
+        impl = self.settings["impl"]
+        if impl not in IMPLEMENTATIONS and impl not in LOW_BIT_IMPLEMENTATIONS:
+            raise UsageError(f"optimizer:impl={impl!r}; valid choices: "
+                             f"{', '.join([*IMPLEMENTATIONS, *LOW_BIT_IMPLEMENTATIONS])}")
+        if impl in LOW_BIT_IMPLEMENTATIONS and self.settings["name"] not in LOW_BIT_IMPLEMENTATIONS[impl]:
+            raise UsageError(f"optimizer:impl={impl} implements name={'/'.join(LOW_BIT_IMPLEMENTATIONS[impl])}, "
+                             f"not name={self.settings['name']}")
         if self.settings["paged"] and self.settings["name"] not in LOW_BIT_OPTIMIZERS:
             raise UsageError(f"optimizer:paged=true pages a low-bit optimizer's state (name="
                              f"{'/'.join(LOW_BIT_OPTIMIZERS)}), not name={self.settings['name']}")
@@ -108,7 +125,7 @@ class Optimizer(Strategy):
         name = self.settings["name"]
         if name in LOW_BIT_OPTIMIZERS:
             low_bit_class(name)  # Unsupported, naming the extra, when torchao is missing
-            if self.settings["impl"] != "default":
+            if self.settings["impl"] not in ("default", *LOW_BIT_IMPLEMENTATIONS):
                 raise Unsupported(f"optimizer:name={name} has one implementation (torchao's), not "
                                   f"impl={self.settings['impl']}")
             if self.settings["paged"] and context.device != "cuda":
@@ -133,15 +150,21 @@ class Optimizer(Strategy):
         return replacement
 
     def _low_bit(self, optimizer: torch.optim.Optimizer, name: str) -> torch.optim.Optimizer:
-        """torchao's low-bit AdamW over the workload's parameter groups, with the workload's hyperparameters that
-        it takes (lr, betas, eps, weight_decay): only the storage of the moments changes."""
-        cls = low_bit_class(name)
+        """torchao's low-bit AdamW (impl=bitsandbytes: bitsandbytes' AdamW8bit, emulated) over the workload's parameter
+        groups, with the workload's hyperparameters that it takes (lr, betas, eps, weight_decay): only the storage of
+        the moments changes."""
+        if self.settings["impl"] == "bitsandbytes":
+            cls = bitsandbytes_adamw.adamw8bit_class(paged=self.settings["paged"])
+            resolved = {"name": f"bitsandbytes.optim.{cls.__name__}", "impl": "bitsandbytes (one in-place kernel)"}
+        else:
+            cls = _tracked_step_class(low_bit_class(name), paged=self.settings["paged"])
+            resolved = {"name": f"torchao.optim.{cls.__name__}", "impl": "torch.compile"}
         accepted = set(inspect.signature(cls).parameters) - {"params"}
         groups = [{key: value for key, value in group.items() if key == "params" or key in accepted}
                   for group in optimizer.param_groups]
-        replacement = _tracked_step_class(cls, paged=self.settings["paged"])(groups)
+        replacement = cls(groups)
         self.replaced = type(optimizer).__name__
-        self.resolved = {"name": f"torchao.optim.{cls.__name__}", "impl": "torch.compile"}
+        self.resolved = resolved
         if self.settings["paged"]:
             self.resolved["state"] = "paged (CUDA unified memory)"
         return replacement

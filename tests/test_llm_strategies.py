@@ -165,6 +165,49 @@ def test_low_bit_optimizer_has_no_other_implementation():
     assert row["status"] == "unsupported" and "impl=foreach" in row["message"], row
 
 
+@needs_torchao
+def test_bitsandbytes_adamw8bit_state_is_its_layout_to_the_byte_and_its_update_makes_no_temporaries():
+    """bitsandbytes' AdamW8bit (impl=bitsandbytes), by hand: a 64 x 80 weight (5,120 values) keeps two uint8 code
+    tensors and two float32 block maxima of 3 values (blocks of 2048, the last ragged: torchao's layout would not
+    quantise it at all); an 80-value bias (< 4096) two float32 moments; the instance two 256-value float32 maps. Its
+    update is one in-place kernel: the step's peak is the state it leaves."""
+    from bench.measure import memory
+    from strategies.bitsandbytes_adamw import state_bytes
+    from strategies.optimizer import Optimizer
+
+    weight, bias = torch.randn(64, 80, requires_grad=True), torch.randn(80, requires_grad=True)
+    tracker = memory.LiveTensorTracker("cpu")
+    with tracker:
+        optimizer = Optimizer(name="adamw8bit", impl="bitsandbytes").wrap_optimizer(
+            torch.optim.AdamW([weight, bias]), None)
+        weight.grad, bias.grad = torch.randn_like(weight), torch.randn_like(bias)
+        before = tracker.live_bytes
+        tracker.peak_bytes = 0
+        optimizer.step()
+        optimizer.step()
+        state, peak = tracker.live_bytes - before, tracker.peak_bytes - before
+    by_hand = 2 * 5120 + 2 * 3 * 4 + 2 * 80 * 4 + 2 * 256 * 4
+    assert state == peak == by_hand == state_bytes(5120) + state_bytes(80) + 2 * 256 * 4, (state, peak)
+    assert type(optimizer).__name__ == "AdamW8bit"
+    assert optimizer.state[weight]["absmax1"].shape == (3,) and optimizer.state[weight]["state1"].dtype == torch.uint8
+    assert optimizer.state[bias]["state1"].dtype == torch.float32
+
+
+@needs_torchao
+def test_bitsandbytes_adamw8bit_first_step_matches_and_the_row_says_later_ones_differ():
+    result = _verify(MLP, "optimizer:name=adamw8bit:impl=bitsandbytes", batch=4)
+    # the update reads the unrounded moments: the first step is Adam's to float rounding
+    assert result["matches_baseline"] is True and result["max_param_rel_diff"] <= 1e-4, result
+    assert "differs by design: bitsandbytes.optim.AdamW8bit replaces the workload's Adam" in result["message"], result
+
+
+def test_bitsandbytes_implementation_is_of_adamw8bit_only():
+    with pytest.raises(UsageError, match="impl=bitsandbytes implements name=adamw8bit, not name=adamw4bit"):
+        parse_strategy("optimizer:name=adamw4bit:impl=bitsandbytes")
+    with pytest.raises(UsageError, match="impl=bitsandbytes implements name=adamw8bit, not name=adamw"):
+        parse_strategy("optimizer:name=adamw:impl=bitsandbytes")
+
+
 def test_paged_state_is_for_a_low_bit_optimizer_on_cuda_only():
     with pytest.raises(UsageError, match="paged=true pages a low-bit optimizer's state"):
         parse_strategy("optimizer:name=adamw:paged=true")
