@@ -6,6 +6,7 @@ from __future__ import annotations
 from bench.analysis import fit, plan, plan_context
 from bench.cli import interrupt
 from bench.cli.analysis_console import format_fit_seq_len
+from bench.cli.commands_analysis import _workload_and_data
 from bench.cli.console import status
 from bench.core.errors import UsageError
 from bench.core.results import FIT, new_run_id, write_table
@@ -21,6 +22,7 @@ def check_over_seq_len(args) -> None:
     if args.confirm or args.confirm_front:
         raise UsageError("--over seq_len answers from predictions: measure its answer with the compare command it "
                          "prints (drop --confirm)")
+    plan_context.fit_context.seq_len_spec(_workload_and_data(args)[0], args.seq_step)  # a workload without seq_len
 
 
 def plan_context_command(args, request: plan.PlanRequest, how: str, executor: str = "local",
