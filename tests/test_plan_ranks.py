@@ -4,6 +4,7 @@ a sharded member (the others reused from the one-rank search); on a tiny model o
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
@@ -93,3 +94,52 @@ def test_the_cli_writes_the_csv_after_each_rank_count(tmp_path, capsys):
     assert "answer: 1 GPU, with" in captured.out
     (csv,) = tmp_path.glob("plan-*.csv")
     assert str(csv) in captured.err
+
+
+def _searched_with(request: plan.PlanRequest, judged: dict[str, int]) -> plan_search.Searched:
+    rows = []
+    for spec, value in judged.items():
+        row = plan.empty_row(request, spec, spec.count("+") + 1)
+        row.update(judged_bytes=value, est_step_time_ms=10.0, fits=value <= request.limit_bytes,
+                   differs_by_design=None)
+        rows.append(row)
+    return plan_search.Searched(rows)
+
+
+@pytest.mark.parametrize("answer_at, top", [(1, 8), (2, 8), (3, 8), (5, 8), (8, 8), (7, 7), (None, 8), (6, 64)])
+def test_rank_counts_are_searched_by_doubling_then_halving_and_find_the_fewest(answer_at, top, monkeypatch):
+    """Synthetic per-GPU peaks that fall with the ranks: the search lands on the fewest ranks that fit, as the
+    walk 1, 2, 3, ... would, in about log2 of the counts; every count below the answer it tried had none."""
+    limit = 1000
+    searched_ranks = []
+
+    def search(request, progress, executor=None, address=None):
+        searched_ranks.append(request.ranks)
+        fits = answer_at is not None and request.ranks >= answer_at
+        return _searched_with(request, {"fsdp": limit - 1 if fits else limit + 100 // request.ranks}), ""
+
+    monkeypatch.setattr(plan_search, "search_where_cuda_runs", search)
+    request = dataclasses.replace(_request(limit), batch_size=top)
+    counts = plan_ranks.fewest_ranks(request, max_ranks=top)
+    best = plan_ranks.fewest(counts)
+    assert (best.ranks if best else None) == answer_at
+    assert [c.ranks for c in counts] == sorted(searched_ranks) and len(set(searched_ranks)) == len(searched_ranks)
+    assert all(c.answer is None for c in counts if answer_at is None or c.ranks < answer_at)
+    assert len(searched_ranks) <= 2 * math.ceil(math.log2(top)) + 1
+    if answer_at is None:
+        assert searched_ranks[-1] == top
+    assert plan_ranks.monotonic_check(counts).startswith("held")
+    walked = plan_ranks.skipped(counts, top, top)
+    assert set(walked) | set(searched_ranks) >= set(range(1, (answer_at or top) + 1))
+
+
+def test_a_peak_that_grows_with_the_ranks_is_named(monkeypatch):
+    values = {1: 900, 2: 1200, 4: 1100}  # 2 -> 4 ranks falls, 1 -> 2 grows: the check names the growth
+
+    def search(request, progress, executor=None, address=None):
+        return _searched_with(request, {"fsdp": values.get(request.ranks, 2000)}), ""
+
+    monkeypatch.setattr(plan_search, "search_where_cuda_runs", search)
+    counts = plan_ranks.fewest_ranks(dataclasses.replace(_request(800), batch_size=4), max_ranks=4)
+    check = plan_ranks.monotonic_check(counts)
+    assert check.startswith("VIOLATED: ") and "fsdp 1 -> 2 ranks grew by 300 B" in check

@@ -1,12 +1,19 @@
 """How many GPUs: the fewest ranks on which some plan fits, with that plan and each rank count's best (`plan
 --max-ranks N`).
 
-The rank counts are tried from one up: one rank is the ordinary plan (`plan_search.search`); at two ranks and more
-only candidates with a sharded member run (ddp, zero1, fsdp, with the other techniques), each rank's step predicted in
-one process (PyTorch's fake process group), since a candidate that shards nothing needs on N GPUs what it needs on
-one: those rows come from the one-rank search, which the later searches also combine from. The first rank count with
-an answer ends the search: the answer is the fewest GPUs. `--batch-size` is the global batch, split across the ranks,
-so no more ranks than samples are tried.
+One rank is the ordinary plan (`plan_search.search`); at two ranks and more only candidates with a sharded member
+run (ddp, zero1, fsdp, with the other techniques), each rank's step predicted in one process (PyTorch's fake process
+group), since a candidate that shards nothing needs on N GPUs what it needs on one: those rows come from the one-rank
+search, which the later searches also combine from. `--batch-size` is the global batch, split across the ranks, so
+no more ranks than samples are tried.
+
+The rank counts are searched, not walked: 1, 2, 4, 8, ... (and the largest allowed) until one has an answer, then by
+halves between the largest count without one and that count. This rests on a plan's per-GPU memory not growing with
+the rank count (the largest rank's batch share, ceil(batch / N), and its chunk of every parameter, ceil(rows / N),
+never grow with N); the counts the search skipped are named, and the assumption is checked over the counts it
+tried (`monotonic_check`): a candidate whose smallest per-GPU memory grew with the ranks is named there. With an
+answer on N GPUs, every count below N that was tried had none; a count skipped below N is one the assumption rules
+out.
 """
 
 from __future__ import annotations
@@ -37,21 +44,66 @@ def rank_counts(max_ranks: int, batch_size: int) -> list[int]:
 
 def fewest_ranks(request: plan.PlanRequest, max_ranks: int, progress: Callable[[str], None] = lambda text: None,
                  executor: str = pools.LOCAL, ray_address: str | None = None,
-                 on_count: Callable[[list], None] = lambda counts: None) -> list[RankCount]:
-    """Each rank count's search, from one rank up to the first with an answer (or `max_ranks`), its candidates
-    evaluated by `executor` (`plan_search.search`); `on_count(counts)` is called after each (the counts so far)."""
-    counts: list[RankCount] = []
+                 on_count: Callable[[list, RankCount], None] = lambda counts, latest: None) -> list[RankCount]:
+    """Each rank count's search, in the order above (doubling from one rank to the first count with an answer, then
+    halving the gap below it), its candidates evaluated by `executor` (`plan_search.search`); the counts tried, by
+    rank count. `on_count(counts, latest)` is called after each (the counts so far, by rank count, and the one just
+    searched)."""
+    tried: dict[int, RankCount] = {}
     known: list[Row] = []
-    for ranks in rank_counts(max_ranks, request.batch_size):
+
+    def answered(ranks: int) -> bool:
+        nonlocal known
         progress(f"plan on {ranks} rank{'s' if ranks > 1 else ''} ...")
         found, note = plan_search.search_where_cuda_runs(
             replace(request, ranks=ranks, sharded_only=ranks > 1, known_rows=[dict(row) for row in known]), progress,
             executor, ray_address)
         answer = plan.decide(found.rows, request.allow_different)
-        counts.append(RankCount(ranks, found, answer, plan.smallest(found.rows), note))
-        on_count(counts)
-        if answer is not None:
-            break
+        tried[ranks] = RankCount(ranks, found, answer, plan.smallest(found.rows), note)
+        on_count(sorted(tried.values(), key=lambda c: c.ranks), tried[ranks])
         if ranks == 1:  # what the rank counts after it reuse: candidates that shard nothing, and the baseline
             known = [row for row in found.rows if row["status"] == Status.OK.value]
-    return counts
+        return answer is not None
+
+    top = rank_counts(max_ranks, request.batch_size)[-1]
+    below, above, ranks = 0, None, 1
+    while above is None:
+        if answered(ranks):
+            above = ranks
+        elif ranks == top:
+            break
+        else:
+            below, ranks = ranks, min(top, ranks * 2)
+    while above is not None and above - below > 1:
+        middle = (below + above) // 2
+        below, above = (below, middle) if answered(middle) else (middle, above)
+    return sorted(tried.values(), key=lambda c: c.ranks)
+
+
+def fewest(counts: list[RankCount]) -> RankCount | None:
+    """The count with the fewest ranks that has an answer (None: none has)."""
+    return next((c for c in counts if c.answer is not None), None)
+
+
+def skipped(counts: list[RankCount], max_ranks: int, batch_size: int) -> list[int]:
+    """The rank counts up to the answer (or to the largest allowed) that the search did not try."""
+    answer = fewest(counts)
+    last = answer.ranks if answer else rank_counts(max_ranks, batch_size)[-1]
+    done = {c.ranks for c in counts}
+    return [n for n in range(1, last + 1) if n not in done]
+
+
+def monotonic_check(counts: list[RankCount]) -> str:
+    """Whether each candidate's judged per-GPU memory never grew with the rank count over the counts tried:
+    'held over N candidates tried at several counts', or 'VIOLATED: ...' naming each growth."""
+    by_spec: dict[str, list[tuple[int, int]]] = {}
+    for count in counts:
+        for row in count.searched.rows:
+            if row["status"] == Status.OK.value and row["judged_bytes"] is not None:
+                by_spec.setdefault(row["strategy"], []).append((count.ranks, row["judged_bytes"]))
+    growths = [f"{spec} {a} -> {b} ranks grew by {jb - ja:,} B" for spec, seen in sorted(by_spec.items())
+               for (a, ja), (b, jb) in zip(sorted(seen), sorted(seen)[1:]) if jb > ja]
+    if growths:
+        return "VIOLATED: " + "; ".join(growths)
+    several = sum(1 for seen in by_spec.values() if len(seen) > 1)
+    return f"held over the {several} candidates tried at several rank counts"

@@ -23,10 +23,9 @@ def plan_ranks_command(args, request: plan.PlanRequest, how: str, executor: str 
     started = time.monotonic()
     csv_path = out / f"plan-{new_run_id(request.device)}.csv"
 
-    def write_so_far(counts: list) -> None:
+    def write_so_far(counts: list, last: plan_ranks.RankCount) -> None:
         """The CSV rewritten (atomically) after each rank count: an interrupted search keeps the counts it finished."""
         write_table(PLAN, [row for count in counts for row in count.searched.rows], csv_path)
-        last = counts[-1]
         status(f"plan on {last.ranks} rank{'s' if last.ranks > 1 else ''}: {last.searched.tried} candidates, "
                + (f"answer {last.answer['strategy']}" if last.answer else "none fits")
                + (f", the smallest {mib_or_dash(last.smallest['judged_bytes'])} MiB with {last.smallest['strategy']}"
@@ -35,7 +34,7 @@ def plan_ranks_command(args, request: plan.PlanRequest, how: str, executor: str 
     interrupt.set_note(f"interrupted: {csv_path} holds the rank counts that finished, if any")
     counts = plan_ranks.fewest_ranks(request, args.max_ranks, status, executor, address, write_so_far)
     print(_per_rank_count(request, how, counts, time.monotonic() - started, args.max_ranks))
-    answered = counts[-1] if counts and counts[-1].answer is not None else None
+    answered = plan_ranks.fewest(counts)
     print(_answer(request, answered, counts))
     print(f"\nwrote {csv_path} (every candidate of every rank count; column ranks)")
     return 0 if answered else 1
@@ -60,6 +59,11 @@ def _per_rank_count(request: plan.PlanRequest, how: str, counts: list, seconds: 
         lines.append(f"  {count.ranks:>5} {count.searched.tried:>5}  {small:<48} {shown or '-'}{more}{cut}")
         if count.note:
             lines.append(f"        note: {count.note}")
+    passed = plan_ranks.skipped(counts, max_ranks, request.batch_size)
+    if passed:
+        lines.append(f"  not tried: {', '.join(map(str, passed))} rank(s): the counts are searched (doubling, then "
+                     "halving the gap below the first with an answer), assuming a plan's per-GPU memory never grows "
+                     f"with the ranks; {plan_ranks.monotonic_check(counts)}")
     if max_ranks > request.batch_size:
         lines.append(f"  ranks beyond {request.batch_size} not tried: --batch-size is the global batch, split "
                      "across the ranks (a larger one tries more)")
@@ -68,7 +72,7 @@ def _per_rank_count(request: plan.PlanRequest, how: str, counts: list, seconds: 
 
 def _answer(request: plan.PlanRequest, answered, counts: list) -> str:
     if answered is None:
-        last = counts[-1] if counts else None
+        last = counts[-1] if counts else None  # the most ranks tried
         cut = any(c.searched.stopped for c in counts)
         found = ("" if last is None or last.smallest is None else
                  f"; the smallest on {last.ranks}: {format_size(last.smallest['judged_bytes'])} with "
@@ -83,7 +87,7 @@ def _answer(request: plan.PlanRequest, answered, counts: list) -> str:
              + (" (the largest rank's compute; communication not modelled)" if answered.ranks > 1 else "")]
     if answered.searched.stopped:
         lines.append("  (its search was cut short: a faster plan on as many GPUs may exist)")
-    fewer = [c.ranks for c in counts[:-1] if c.searched.stopped]
+    fewer = [c.ranks for c in counts if c.ranks < answered.ranks and c.searched.stopped]
     if fewer:
         lines.append(f"  (the searches on {', '.join(map(str, fewer))} rank(s) were cut short before trying every "
                      "candidate: fewer GPUs may do; --max-search-s or --max-candidates tries more)")
