@@ -60,12 +60,12 @@ def test_a_case_records_its_resident_peak_and_the_harness_keeps_within_the_goal(
         assert row["harness_rss_bytes"] == peak - counted - rest
         # the step's tensors were resident at its peak: the peak is above the process at rest by about the count
         assert peak - rest >= 0.9 * counted
-        # issue 31's goal is a share of at most 0.3x the count (resident.within_goal); the heap's fragmentation moves
-        # this small case's share between 0.20x and 0.41x from run to run on a loaded machine, so the test holds the
-        # bound the old verification copies broke (0.6x to 1.4x: two float32 copies of the model kept resident) and
-        # benchmarks/resident_memory.py reports the goal itself
-        assert peak - counted - rest <= 0.5 * counted, (
-            f"resident {peak >> 20} MiB > 1.5 x {counted >> 20} MiB + {rest >> 20} MiB at rest")
+        # issue 31's goal is a share of at most 0.3x the count (resident.within_goal); with glibc's mmap threshold
+        # pinned this case's share is 0.10x (baseline) and 0.03x (checkpoint), where the heap's holes made it
+        # 0.19x-0.41x from run to run; benchmarks/resident_memory.py reports the goal on every workload
+        assert resident.within_goal(peak, counted, rest)
+        assert peak - counted - rest <= 0.2 * counted, (
+            f"resident {peak >> 20} MiB > 1.2 x {counted >> 20} MiB + {rest >> 20} MiB at rest")
     # the baseline's snapshot (gradients and stepped weights: 2x the 36 MiB of weights) is not kept resident between
     # cases: the process at rest before the second case holds no more than a share of the weights beyond the first
     assert second["process_rest_rss_bytes"] - first["process_rest_rss_bytes"] < 18 * 2**20
