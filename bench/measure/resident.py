@@ -32,6 +32,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from bench.core.errors import UsageError
+
 RESIDENT_COLUMNS = ("process_peak_rss_bytes", "process_rest_rss_bytes", "harness_rss_bytes", "process_rss_method")
 # The goal the harness is held to (issue 31): resident <= GOAL_FACTOR x the counted peak + the process at rest.
 GOAL_FACTOR = 1.3
@@ -120,7 +122,7 @@ def mmap_threshold_setting() -> int | None:
     try:
         return max(int(value), 0) or None
     except ValueError:
-        raise ValueError(f"{THRESHOLD_VARIABLE}={value!r}: a number of bytes, or off") from None
+        raise UsageError(f"{THRESHOLD_VARIABLE}={value!r}: a number of bytes, or off") from None
 
 
 def pin_mmap_threshold() -> bool:
@@ -133,7 +135,11 @@ def pin_mmap_threshold() -> bool:
     size from layer to layer (a CNN's feature maps, a transformer's logits beside its hidden states) grows the heap
     to well above its live bytes. `mallopt(M_MMAP_THRESHOLD)` sets the threshold and turns that adjustment off.
     The cost: a mmapped tensor's pages are faulted in anew each time (the kernel zeroes them), where a heap hole's
-    are reused; docs/measuring.md gives the figures. False where nothing was set (not glibc, or `off`)."""
+    are reused; docs/measuring.md gives the figures. False where nothing was set (not glibc, or `off`).
+
+    The earlier the better: a request above the threshold is still carved from a free region of the heap where one
+    is large enough, so a heap that grew before the pin (the CLI's pre-run checks, a first model built) keeps
+    fragmenting; the CLI pins it as it starts, each case again (the Python API, a worker)."""
     threshold = mmap_threshold_setting()
     libc = _glibc()
     if threshold is None or not libc:
