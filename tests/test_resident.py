@@ -188,3 +188,65 @@ def test_a_stored_comparison_reads_pieces_and_agrees_with_the_whole_tensors(tmp_
     assert clean["max_grad_rel_diff"] == pytest.approx(expected, rel=1e-5)
     assert clean["max_abs_grad_diff"] == pytest.approx(float((got["w"] - ref["w"]).abs().max()), rel=1e-5)
     assert compare(stored({"w": got["w"]}, missing=["b"]), stored(ref), Strict())["params_without_grad"] == 1
+
+
+def test_stored_outputs_are_compared_in_pieces_as_they_were_whole(tmp_path, monkeypatch):
+    from bench.run import tensor_store
+    from bench.run.tensor_store import StoredList
+    from bench.run.verify import _output_rel_diff
+
+    monkeypatch.setattr(tensor_store, "CHUNK_ELEMENTS", 7)
+    ref = [torch.randn(4, 9), torch.randn(5)]
+    cases = {"equal": [ref[0].clone(), ref[1].clone()], "near": [ref[0] + 1e-3, ref[1].clone()],
+             "nan": [ref[0].clone(), torch.cat([ref[1][:4], torch.tensor([float("nan")])])]}
+
+    def stored(tensors: list) -> StoredList:
+        store = FileStore(str(tmp_path))
+        for index, tensor in enumerate(tensors):
+            store.put(("outputs", index), tensor)
+        store.get = lambda key: pytest.fail(f"{key} read whole")  # a language model's logits: never whole
+        return StoredList(store, "outputs", len(tensors))
+
+    for name, got in cases.items():
+        whole = _output_rel_diff(got, ref, 1e-5)
+        pieces = _output_rel_diff(stored(got), stored(ref), 1e-5)
+        if whole != whole:
+            assert pieces != pieces, name
+        else:
+            assert pieces == pytest.approx(whole, rel=1e-5, abs=1e-12), name
+    assert _output_rel_diff(stored(cases["near"]), stored(ref), 1e-5) > 0
+
+
+def test_the_verification_frees_its_sessions_before_the_comparison(monkeypatch):
+    # a snapshot's session is freed as its snapshot returns (no cycle through its hooks: bench.run.session), not
+    # left to the cyclic collector: alive, it would hold its model, its graph and its outputs beside the baseline's
+    # step and the comparison
+    import weakref
+
+    from bench.run import session as session_module, verify as verify_module
+
+    sessions: list[weakref.ref] = []
+    original_init = session_module.Session.__init__
+
+    def init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        sessions.append(weakref.ref(self))
+
+    alive_at_compare: list[int] = []
+    original_compare = verify_module.compare
+
+    def compare(*args, **kwargs):
+        alive_at_compare.append(sum(ref() is not None for ref in sessions))
+        return original_compare(*args, **kwargs)
+
+    monkeypatch.setattr(session_module.Session, "__init__", init)
+    monkeypatch.setattr(verify_module, "compare", compare)
+    verify_module._baseline_snapshot.cache_clear()
+    try:
+        case = Case("deep_mlp:layers=3:width=8", "checkpoint", "train", 4, "cpu")
+        strategy = verify_module.bind_case(case)[0]
+        strategy.check(verify_module.bind_case(case)[1])
+        verify_module.verify(case, strategy)
+    finally:
+        verify_module._baseline_snapshot.cache_clear()
+    assert len(sessions) == 2 and alive_at_compare == [0]
