@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", help="comma list of workload specs to run (default: every built-in one)")
     parser.add_argument("--llama", action="store_true", help="also the llama-3.2-1b case, last, if memory allows")
     parser.add_argument("--isolate", action="store_true", help="each case in its own worker process")
+    parser.add_argument("--phases", default=None, help="train, eval or train,eval (default: both)")
     parser.add_argument("--mmap-threshold", default=None,
                         help=f"{THRESHOLD_VARIABLE} for the compare runs: bytes, or off for glibc's dynamic one "
                              "(default: the harness's pinned threshold)")
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         threshold_label = "off" if setting is None else str(setting)
     else:
         threshold_label = threshold
-    extra = ["--isolate"] if args.isolate else []
+    extra = (["--isolate"] if args.isolate else []) + (["--phases", args.phases] if args.phases else [])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
