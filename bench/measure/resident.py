@@ -18,7 +18,7 @@ A user with a 16 GB machine needs to know the whole, so every row records it:
 Before a case the process pins glibc's mmap threshold (`pin_mmap_threshold`): glibc otherwise raises it to the size
 of each mmapped block freed (up to 32 MiB), after which a step's tensors of up to that size are carved from the heap,
 where a freed one is reused only by what fits in its hole; the captcha model's training step at batch 100 held
-1.4x its 737 MiB of live tensors that way, where pinned it holds 1.03x.
+1.42x its 737 MiB of live tensors above the process at rest that way, pinned 1.02x (docs/measuring.md).
 """
 
 from __future__ import annotations
