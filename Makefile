@@ -20,7 +20,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install bench test perf clean cuda-fake-env test-cuda-fake anchors memory-viz
+.PHONY: install bench test perf clean cuda-fake-env test-cuda-fake anchors memory-viz harness-memory
 
 install: $(STAMP)
 
@@ -136,6 +136,14 @@ perf: $(STAMP)
 	mkdir -p $(OUT)/perf
 	$(PY) -m benchmarks.overhead --out $(OUT)/perf
 	$(PY) -m pytest benchmarks -q --benchmark-enable --benchmark-autosave --benchmark-json=$(OUT)/perf/benchmark.json
+
+# the harness's own memory (issue 31): every built-in workload (small) and gpt2 at 2 layers, train and eval, in
+# `compare` processes; per case the counted peak, the resident peak and the process at rest against the goal
+# (resident <= 1.3x counted + at rest), into $(OUT)/harness_memory/harness-memory-<time>-<threshold>.csv
+# (docs/measuring.md). HARNESS_MEMORY_ARGS=--llama adds llama-3.2-1b at 2 layers (an 8 GiB step; only with 14 GB free).
+HARNESS_MEMORY_ARGS ?=
+harness-memory: $(STAMP)
+	$(PY) -m benchmarks.resident_memory --out $(OUT)/harness_memory $(HARNESS_MEMORY_ARGS)
 
 # removes what README.md's "Two commands" says: the virtual environment, Python's and pytest's caches, the
 # pytest-benchmark history and JSON, and the generated data sets; keeps your runs and the reference results.

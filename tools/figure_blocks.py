@@ -275,3 +275,41 @@ def peers_readme(source: Path, page: Path, preset: str = "llama-3.1-8b") -> str:
             f"{peers_table.gib(e['deepspeed_zero2_bytes'])} GiB on one GPU: neither counts activations or logits "
             f"([`{source.relative_to(ROOT).as_posix()}/`]({link(source, page)}/README.md), "
             f"[docs/peers.md]({link(ROOT / 'docs' / 'peers.md', page)}), every preset).")
+
+
+def _harness_rows(folder: Path, threshold: str) -> dict[tuple, dict]:
+    """benchmarks/resident_memory.py's rows run with mmap threshold `threshold` (`off`: glibc's dynamic one), from
+    every CSV of `folder` that names it, a later file's row replacing an earlier one's of the same case."""
+    rows: dict[tuple, dict] = {}
+    workloads: list[str] = []  # in the order the runs met them (a workload re-run alone keeps its place)
+    for path in sorted(folder.glob(f"harness-memory-*-{threshold}.csv")):
+        for r in read_rows(path):
+            workloads += [r["workload"]] if r["workload"] not in workloads else []
+            if r["strategy"]:  # a compare that failed as a whole has no case: its re-run has
+                rows[(r["workload"], r["batch_size"], r["strategy"], r["phase"])] = r
+    order = list(rows)
+    return dict(sorted(rows.items(), key=lambda item: (workloads.index(item[0][0]), int(item[0][1]),
+                                                       order.index(item[0]))))
+
+
+@generator("harness-memory")
+def harness_memory(source: Path, page: Path) -> str:
+    """Per case: the counted peak, the resident peak and the process at rest with the harness's mmap threshold
+    pinned (the newest run that is not `off`), the ratio (resident - rest) / counted against the goal, and the ratio
+    of the run with glibc's own threshold beside it."""
+    labels = sorted({p.name.rsplit("-", 1)[1][:-4] for p in source.glob("harness-memory-*.csv")} - {"off"})
+    if not labels:
+        raise FileNotFoundError(f"no pinned run in {source}")
+    pinned, before = _harness_rows(source, labels[-1]), _harness_rows(source, "off")
+    lines = [f"| workload | batch | strategy | phase | counted peak | resident peak | at rest | ratio | <= 1.3 | "
+             f"ratio, glibc's threshold |", "|---|---:|---|---|---:|---:|---:|---:|---|---:|"]
+    for key, r in pinned.items():
+        if r["status"] != "ok" or not r["ratio"]:
+            continue  # `lora` in eval: unsupported, no figures
+        old = before.get(key)
+        old_ratio = f"{float(old['ratio']):.2f}" if old and old["ratio"] else ""
+        lines.append(f"| `{key[0]}` | {key[1]} | `{key[2]}` | {key[3]} | {float(r['peak_mem_bytes']) / MiB:,.1f} MiB | "
+                     f"{float(r['process_peak_rss_bytes']) / MiB:,.1f} MiB | "
+                     f"{float(r['process_rest_rss_bytes']) / MiB:,.1f} MiB | {float(r['ratio']):.2f} | "
+                     f"{'yes' if r['meets_goal'] == 'True' else '**no**'} | {old_ratio} |")
+    return "\n".join(lines)

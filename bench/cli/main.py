@@ -20,6 +20,7 @@ from bench.cli.arguments import (DEFAULT_OUT, WORKLOAD_HELP, add_case_options, a
 from bench.core import gpus
 from bench.core.errors import UsageError, shortened
 from bench.core.job_environment import check_job_environment
+from bench.measure.resident import pin_mmap_threshold
 
 DESCRIPTION = ("Measures what each PyTorch memory-saving technique saves and costs (peak memory, step time, whether "
                "the result still matches the baseline) on a model you choose, on this machine. Results go to "
@@ -241,6 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Runs one command; exit code 2 for a usage error (one line on stderr), 130 for an interrupt."""
     interrupt.start(sys.argv[1:] if argv is None else argv)
     try:
+        pin_mmap_threshold()  # before anything grows the heap (bench.measure.resident)
         args = build_parser().parse_args(argv)  # --help ends here with argparse's SystemExit(0), as it should
         check_job_environment(args.command)
         try:

@@ -109,7 +109,9 @@ class LiveTensorTracker(TorchDispatchMode):
         self.record_timeline = record_timeline
         self.stage = "setup"
         self._storages: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self._refs: list[weakref.ref] = []
+        # the weak reference that tells of each live storage's release (a callback runs only while its reference
+        # lives), by id; each one drops itself when it has told, so a pass's bookkeeping is its live storages'
+        self._refs: dict[int, weakref.ref] = {}
         self.live_bytes = 0
         self.live_by_category: dict[str, int] = {}
         self.peak_bytes = 0
@@ -214,7 +216,8 @@ class LiveTensorTracker(TorchDispatchMode):
         self._storages[st] = info
         self.live_bytes += info.nbytes
         self.live_by_category[category] = self.live_by_category.get(category, 0) + info.nbytes
-        self._refs.append(weakref.ref(st, lambda _ref, info=info: self._freed(info)))
+        ref = weakref.ref(st, lambda ref, info=info: self._released(ref, info))
+        self._refs[id(ref)] = ref
 
     def storage_bytes(self, nbytes: int) -> int:
         """The bytes one storage counts for: exact, or rounded up to `block_bytes`."""
@@ -228,6 +231,10 @@ class LiveTensorTracker(TorchDispatchMode):
                 self.live_by_category[info.category] -= info.nbytes
                 self.live_by_category[category] = self.live_by_category.get(category, 0) + info.nbytes
                 info.category = category
+
+    def _released(self, ref: weakref.ref, info: _StorageInfo) -> None:
+        self._refs.pop(id(ref), None)
+        self._freed(info)
 
     def _freed(self, info: _StorageInfo) -> None:
         if self.record_events and info.key:  # key 0: resized to nothing, its block already freed

@@ -14,6 +14,11 @@ A user with a 16 GB machine needs to know the whole, so every row records it:
   the interpreter and the libraries at rest (and, in an in-process sweep, what earlier cases left behind: a leak
   shows as this figure growing from row to row).
 - `harness_rss_bytes`: peak minus counted peak minus rest: what the harness itself held at the peak.
+
+Before a case the process pins glibc's mmap threshold (`pin_mmap_threshold`): glibc otherwise raises it to the size
+of each mmapped block freed (up to 32 MiB), after which a step's tensors of up to that size are carved from the heap,
+where a freed one is reused only by what fits in its hole; the captcha model's training step at batch 100 held
+1.42x its 737 MiB of live tensors above the process at rest that way, pinned 1.02x (docs/measuring.md).
 """
 
 from __future__ import annotations
@@ -27,9 +32,16 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from bench.core.errors import UsageError
+
 RESIDENT_COLUMNS = ("process_peak_rss_bytes", "process_rest_rss_bytes", "harness_rss_bytes", "process_rss_method")
 # The goal the harness is held to (issue 31): resident <= GOAL_FACTOR x the counted peak + the process at rest.
 GOAL_FACTOR = 1.3
+
+# Tensors of at least this many bytes are mmapped by glibc and unmapped when freed (see pin_mmap_threshold).
+MMAP_THRESHOLD_BYTES = 1 << 20
+THRESHOLD_VARIABLE = "MEMBENCH_MMAP_THRESHOLD"
+_M_MMAP_THRESHOLD = -3  # mallopt's parameter number, from glibc's malloc.h
 
 _STATUS = "/proc/self/status"
 _CLEAR_REFS = "/proc/self/clear_refs"
@@ -76,19 +88,63 @@ def peak_rss_bytes() -> int:
 _libc: Any = None
 
 
-def trim_heap() -> bool:
-    """Returns the C heap's free pages to the system (glibc's `malloc_trim(0)`): freed tensors of a finished case
-    otherwise stay resident in malloc's arenas. False where the C library has no such call."""
+def _glibc() -> Any:
+    """glibc through ctypes, or False where the C library is another (musl and macOS have no malloc_trim)."""
     global _libc
     if _libc is None:
         try:
             _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
             _libc.malloc_trim  # noqa: B018 - musl and macOS have none
+            _libc.mallopt  # noqa: B018
         except (OSError, AttributeError):
             _libc = False
-    if not _libc:
+    return _libc
+
+
+def trim_heap() -> bool:
+    """Returns the C heap's free pages to the system (glibc's `malloc_trim(0)`): freed tensors of a finished case
+    otherwise stay resident in malloc's arenas. False where the C library has no such call."""
+    libc = _glibc()
+    return bool(libc) and bool(libc.malloc_trim(0))
+
+
+def mmap_threshold_setting() -> int | None:
+    """The mmap threshold this process pins, in bytes: MMAP_THRESHOLD_BYTES, or `MEMBENCH_MMAP_THRESHOLD` (bytes;
+    `off` leaves glibc's own, dynamic one); None also where the user set glibc's `MALLOC_MMAP_THRESHOLD_`, which
+    glibc has read already and which pins it as well."""
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_"):
+        return None
+    value = os.environ.get(THRESHOLD_VARIABLE, "").strip().lower()
+    if value in ("off", "0", "none", "default"):
+        return None
+    if not value:
+        return MMAP_THRESHOLD_BYTES
+    try:
+        return max(int(value), 0) or None
+    except ValueError:
+        raise UsageError(f"{THRESHOLD_VARIABLE}={value!r}: a number of bytes, or off") from None
+
+
+def pin_mmap_threshold() -> bool:
+    """Makes glibc mmap every block of at least `mmap_threshold_setting()` bytes, and keep doing so: the harness's
+    share of resident memory is then the harness's, not the heap's holes.
+
+    glibc starts at 128 KiB, and each time a mmapped block is freed raises the threshold to that block's size (up to
+    32 MiB) to save the next such allocation its system call; a step's tensors of up to that size then come from
+    the heap, and a freed one leaves a hole that only a block that fits reuses, so that a step whose tensors change
+    size from layer to layer (a CNN's feature maps, a transformer's logits beside its hidden states) grows the heap
+    to well above its live bytes. `mallopt(M_MMAP_THRESHOLD)` sets the threshold and turns that adjustment off.
+    The cost: a mmapped tensor's pages are faulted in anew each time (the kernel zeroes them), where a heap hole's
+    are reused; docs/measuring.md gives the figures. False where nothing was set (not glibc, or `off`).
+
+    The earlier the better: a request above the threshold is still carved from a free region of the heap where one
+    is large enough, so a heap that grew before the pin (the CLI's pre-run checks, a first model built) keeps
+    fragmenting; the CLI pins it as it starts, each case again (the Python API, a worker)."""
+    threshold = mmap_threshold_setting()
+    libc = _glibc()
+    if threshold is None or not libc:
         return False
-    return bool(_libc.malloc_trim(0))
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(min(threshold, 2**31 - 1))))
 
 
 def release_host_memory() -> None:
@@ -123,6 +179,7 @@ class ResidentMeter:
     method: str = "ru_maxrss"
 
     def start(self) -> "ResidentMeter":
+        pin_mmap_threshold()
         warm_libraries("cpu")
         release_host_memory()
         self.rest_bytes = current_rss_bytes()
