@@ -19,7 +19,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils.flop_counter import FlopCounterMode
 
 from bench.core import progress
-from bench.measure import breakdown, memory, snapshot, timing
+from bench.measure import allocator_events, breakdown, memory, snapshot, timing
 from bench.measure.stats import summarize_timing
 from bench.run.case import Case, bind_case
 from bench.run.session import Session
@@ -206,14 +206,14 @@ def _tracked_memory_pass(session: Session, tracker: memory.LiveTensorTracker,
 
 
 def allocator_memory_pass(case: Case, strategy: Strategy) -> MemoryResult:
-    """The peak of one steady-state CPU step counted at the allocator (`memory.AllocatorEventCounter`), for a
+    """The peak of one steady-state CPU step counted at the allocator (`allocator_events.AllocatorEventCounter`), for a
     strategy whose step the exact tracker would change (`cpu_memory_count`); no breakdown by category."""
     session = Session(case, strategy)
     with strategy.session():
         for _ in range(MEMORY_WARMUP_STEPS.get(case.device, 1)):
             session.step()
         progress.report("memory", 0, 1)
-        peak = memory.AllocatorEventCounter().peak(session.step, lambda: live_tensor_bytes(session))
+        peak = allocator_events.AllocatorEventCounter().peak(session.step, lambda: live_tensor_bytes(session))
         ends = [live_tensor_bytes(session)]
         for _ in range(MEMORY_GROWTH_STEPS + 1):
             session.step()
