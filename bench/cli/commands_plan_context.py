@@ -3,7 +3,7 @@ predictions, with every candidate's longest (or the probe that ruled it out) and
 
 from __future__ import annotations
 
-from bench.analysis import fit, plan, plan_context
+from bench.analysis import fit, fit_context, plan, plan_context
 from bench.cli import interrupt
 from bench.cli.analysis_console import format_fit_seq_len
 from bench.cli.commands_analysis import _workload_and_data
@@ -22,7 +22,7 @@ def check_over_seq_len(args) -> None:
     if args.confirm or args.confirm_front:
         raise UsageError("--over seq_len answers from predictions: measure its answer with the compare command it "
                          "prints (drop --confirm)")
-    plan_context.fit_context.seq_len_spec(_workload_and_data(args)[0], args.seq_step)  # a workload without seq_len
+    fit_context.seq_len_spec(_workload_and_data(args)[0], args.seq_step)  # a workload without seq_len
 
 
 def plan_context_command(args, request: plan.PlanRequest, how: str, executor: str = "local",
@@ -63,7 +63,7 @@ def _answer(request: plan.PlanRequest, found: plan_context.ContextSearch, args) 
                 f"{format_size(request.limit_bytes)}" + ("; the search was cut short" if found.stopped else ""))
     cut = "; the search was cut short: a candidate not tried may reach further" if found.stopped else ""
     gpu = f" --gpu \"{request.target}\"" if request.device == "cuda" else ""
-    workload = plan_context.fit_context.seq_len_spec(request.workload, answer.seq_len)
+    workload = fit_context.seq_len_spec(request.workload, answer.seq_len)
     target = f"--gpu \"{args.gpu}\"" if args.gpu else f"--budget {args.budget} --device {request.device}"
     tied = (f"\n  {len(found.tied)} other candidates reach {answer.seq_len:,} tokens too ({', '.join(found.tied[:4])}"
             f"{' ...' if len(found.tied) > 4 else ''}): chosen by fewer techniques, then the smaller peak; the fastest "

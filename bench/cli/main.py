@@ -159,10 +159,7 @@ def _add_analysis_parsers(sub) -> None:
                                                    "longest sequence at --batch-size, on predictions; a workload "
                                                    "with a seq_len option, e.g. hf:llama-3.1-8b) (default batch)")
     p.add_argument("--batch-size", default=None, help="--over seq_len: the batch (default 1)")
-    p.add_argument("--seq-step", type=positive_int, default=256,
-                   help="--over seq_len: the answer is a multiple of this many tokens (default 256)")
-    p.add_argument("--max-seq-len", type=positive_int, default=None,
-                   help="--over seq_len: the longest sequence tried (default: the model's max_position_embeddings)")
+    _add_seq_len_options(p)
     p.add_argument("--phase", default="train", help="train or eval (default train)")
     p.add_argument("--max-batch", default="4096", help="largest batch size tried (default 4096)")
     p.add_argument("--time-steps", type=non_negative_int, default=1,
@@ -171,6 +168,14 @@ def _add_analysis_parsers(sub) -> None:
     add_memory_limit_option(p)
     add_threads_option(p)
     add_executor_options(p, "probes (fake-tensor counts of a batch, predictions of a sequence length)", jobs=True)
+
+
+def _add_seq_len_options(p) -> None:
+    """The lengths `--over seq_len` tries (fit and plan)."""
+    p.add_argument("--seq-step", type=positive_int, default=256,
+                   help="--over seq_len: the answer is a multiple of this many tokens (default 256)")
+    p.add_argument("--max-seq-len", type=positive_int, default=None,
+                   help="--over seq_len: the longest sequence tried (default: the model's max_position_embeddings)")
 
 
 def _add_plan_parser(sub) -> None:
@@ -193,15 +198,12 @@ def _add_plan_parser(sub) -> None:
                    help="comma list: only these strategies' settings and their combinations are candidates (default: "
                         "every strategy the planner tries)")
     p.add_argument("--max-ranks", type=positive_int, default=None,
-                   help="how many GPUs: plan on 1, 2, ... up to N ranks and answer the fewest on which some plan "
-                        "fits (default: off, plan for --ranks)")
+                   help="how many GPUs: plan on 1, 2, 4, ... up to N ranks, then halve the gap below the first "
+                        "count with a plan that fits, and answer the fewest (default: off, plan for --ranks)")
     p.add_argument("--over", default="batch",
                    help="batch (the fastest plan at --batch-size) or seq_len (the plan that trains the longest "
                         "sequence at --batch-size, default 1; a workload with a seq_len option) (default batch)")
-    p.add_argument("--seq-step", type=positive_int, default=256,
-                   help="--over seq_len: the answer is a multiple of this many tokens (default 256)")
-    p.add_argument("--max-seq-len", type=positive_int, default=None,
-                   help="--over seq_len: the longest sequence tried (default: the model's max_position_embeddings)")
+    _add_seq_len_options(p)
     p.add_argument("--allow-different", action="store_true",
                    help="let candidates that change what is trained (another optimizer, BatchNorm over micro-"
                         "batches) be the answer (default off: marked and kept out)")
