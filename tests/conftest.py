@@ -54,13 +54,27 @@ def pytest_addoption(parser):
 SPREAD_FILES = {"test_workloads.py"}
 
 
+def pytest_xdist_make_scheduler(config, log):
+    """The grouping above, by file, as pytest-xdist's scheduler (under --dist loadgroup). Not by `xdist_group` marks:
+    xdist 3.8 files a test under its mark by rewriting `item._nodeid`, which pytest 9 no longer reads (it keeps the
+    node id in `_id`), so every test was its own group and each module-scoped fixture was built in both processes."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]
+            return nodeid if file.rsplit("/", 1)[-1] in SPREAD_FILES else file
+
+    return ByFile(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU; torch.cuda.is_available() is False")
     skip_slow = pytest.mark.skip(reason="slow: run with --runslow or MEMBENCH_SLOW=1")
     run_slow = config.getoption("--runslow") or os.environ.get("MEMBENCH_SLOW") == "1"
     for item in items:
-        if item.path.name not in SPREAD_FILES:
-            item.add_marker(pytest.mark.xdist_group(item.path.name))
         if "cuda" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_cuda)
         if "slow" in item.keywords and not run_slow:

@@ -36,7 +36,7 @@ def _cases(*specs: str) -> list[Case]:
 
 
 def test_a_ray_sweep_finds_the_same_rows_as_the_in_process_runner(local_ray, tmp_path):
-    cases = _cases("deep_mlp:layers=24:width=8", "unet:depth=2:base_channels=4:image_size=32x16")
+    cases = _cases("deep_mlp:layers=24:width=8")  # each case on Ray is a worker's start: two show the equality
     options = RunOptions(threads=1)
     here = run_cases(cases, tmp_path / "here.csv", options=options, executor=local_executor)
     on_ray = run_cases(cases, tmp_path / "ray.csv", options=RunOptions(threads=1, isolate=True, executor="ray"),
