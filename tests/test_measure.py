@@ -24,6 +24,19 @@ def test_tracker_counts_storages_exactly():
     del view, e
 
 
+def test_tracker_finds_tensors_in_lists_of_arguments_and_of_results():
+    """A multi-tensor operator (the foreach optimizers' kind) takes and returns lists: tensors made before the tracker
+    that reach it only in a list are counted once (as untracked), and each tensor of a returned list is counted."""
+    before = [torch.zeros(100), torch.zeros(200)]  # 1,200 bytes the tracker never saw made
+    with LiveTensorTracker() as tracker:
+        sums = torch._foreach_add(before, 1.0)  # +1,200 in a list
+        stacked = torch.cat(before)  # +1,200; its inputs already known: no more
+        assert tracker.live_by_category == {"untracked": 1_200, "setup": 2_400}
+        del sums
+        assert tracker.live_bytes == 2_400
+    del stacked
+
+
 def test_tracker_counts_tensors_saved_for_backward():
     w = torch.ones(1000, requires_grad=True)  # 4,000
     with LiveTensorTracker() as tracker:

@@ -119,13 +119,12 @@ def _fake_modes(device: str, mode: str) -> contextlib.ExitStack:
     PyTorch's plain FakeTensorMode (torchtitan's)."""
     stack = contextlib.ExitStack()
     if device == "cuda" and mode == "membench":
-        from bench.measure.fake_cuda_mode import FakeCudaMode, PlaceholderScalars, foreach_on_fake_tensors
+        from bench.measure.fake_cuda_mode import FakeCudaMode, foreach_on_fake_tensors
 
         import torch
         torch.cuda.init()  # as membench's fake_cuda(): checkpoint refuses a device first initialised in its forward
         stack.enter_context(foreach_on_fake_tensors())
         stack.enter_context(FakeCudaMode())
-        stack.enter_context(PlaceholderScalars())
     else:
         from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -16,11 +16,11 @@ step creates (CUDA's autocast lists, cuDNN's batch norm, the fused optimizers). 
   `nn.Module.to()` must swap a fake parameter for its moved copy, which `torch.utils.swap_tensors` refuses for a
   tensor with a weak reference. (FakeTensorMode's dispatch cache stays on: it keeps output metadata, not the
   tensors, and every case of the fake-CUDA run passes with it, in two thirds of the time.)
-- values: a number read from a fake tensor is a placeholder (`PlaceholderScalars`), and GradScaler takes every
+- values: a number read from a fake tensor is a placeholder (`FakeCudaMode`), and GradScaler takes every
   step (`counted_grad_scaler`, which also counts its calls).
 - `FakeAllocator` counts the live bytes of fake CUDA tensors, answers torch.cuda's allocator statistics from that
   count, and raises CUDA's out-of-memory error past the process's memory fraction (which `--memory-limit` sets).
-- page-locked host memory (`FakePinnedMemory`) and the optimizers' `foreach` implementations
+- page-locked host memory (`FakeCudaMode`) and the optimizers' `foreach` implementations
   (`foreach_on_fake_tensors`) for fake tensors.
 - CUDA is initialised on entry (`torch.cuda.init()`), so that a checkpointed forward is never where it starts;
 - a `DeviceMesh` (FSDP2's) is built outside the fake mode (`device_meshes_outside_fake_mode`): its table of ranks
@@ -39,7 +39,7 @@ from typing import Callable, ContextManager, Iterable, Iterator
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils.weak import WeakIdKeyDictionary
 
 from bench.core.memory_categories import OUTSIDE_ALLOCATOR
@@ -47,14 +47,30 @@ from bench.measure.fake_cuda import WORKER_FLAG
 from bench.measure.memory import LiveTensorTracker
 
 
+_PLACEHOLDER_OPS = frozenset({torch.ops.aten._local_scalar_dense.default, torch.ops.aten.equal.default,
+                              torch.ops.aten.allclose.default})
+_PINNED_OPS = frozenset({torch.ops.aten._pin_memory.default, torch.ops.aten.is_pinned.default})
+
+
 class FakeCudaMode(FakeTensorMode):
-    """FakeTensorMode for CUDA tensors on a machine whose CUDA libraries are stubs (see the module docstring)."""
+    """FakeTensorMode for CUDA tensors on a machine whose CUDA libraries are stubs (see the module docstring), which
+    also answers what a fake tensor cannot:
+    - values: a number read from a tensor (`.item()`, `float(t)`) is 1, a truth value (`bool(t)`) False, and
+      `torch.equal`/`allclose` say True, so that the code that reads values (the verification against the baseline,
+      a DataLoader's seed, Adam's step count, which divides by `1 - beta ** step`) runs its usual path; what it
+      computes from them means nothing. GradScaler's "an infinite gradient was found" would read 1 here:
+      `counted_grad_scaler` takes the step regardless.
+    - page-locked host memory, which FakeTensorMode does not implement (`aten._pin_memory`): a pinned copy is a fake
+      host tensor like the original, and a tensor it returned is pinned.
+    Here, not as dispatch modes of their own: each mode on the stack is a Python call in every operator of a step
+    (two of them were ~5% of a full-size prediction)."""
 
     avoid_device_init = True  # a property of FakeTensorMode: False wherever torch.cuda.is_available()
 
     def __init__(self):
         """A FakeTensorMode whose fake tensors carry no weak reference."""
         super().__init__(allow_non_fake_inputs=True)
+        self.pinned: set[int] = set()
 
         def from_meta_and_device(fake_mode, meta, device, pytype=None, dispatch_keys=None):
             """FakeTensorConverter.from_meta_and_device without the weak memo (the meta tensor is fresh anyway)."""
@@ -64,9 +80,20 @@ class FakeCudaMode(FakeTensorMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         """FakeTensorMode's dispatch, after setting `only_lift_cpu_tensors` on this thread (see the module's
-        docstring: autograd's thread never entered the mode)."""
+        docstring: autograd's thread never entered the mode); placeholder values and pinned memory answered here."""
         if not torch._C._only_lift_cpu_tensors():
             torch._C._set_only_lift_cpu_tensors(True)
+        if func in _PLACEHOLDER_OPS:
+            if func is torch.ops.aten._local_scalar_dense.default:
+                tensor = args[0]
+                return False if tensor.dtype == torch.bool else 1.0 if tensor.is_floating_point() else 1
+            return True
+        if func in _PINNED_OPS:
+            if func is torch.ops.aten.is_pinned.default:
+                return id(args[0]) in self.pinned
+            copy = super().__torch_dispatch__(torch.ops.aten.clone.default, types, (args[0],), {})
+            self.pinned.add(id(copy))
+            return copy
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
@@ -170,40 +197,6 @@ class FakeAllocator(LiveTensorTracker):
                 setattr(cuda, name, saved[name])
 
 
-class PlaceholderScalars(TorchDispatchMode):
-    """Answers what a fake tensor cannot: a number read from a tensor (`.item()`, `float(t)`) is 1, a truth value
-    (`bool(t)`) False, and `torch.equal`/`allclose` say True, so that the code that reads values (the verification
-    against the baseline, a DataLoader's seed, Adam's step count, which divides by `1 - beta ** step`) runs its
-    usual path; what it computes from them means nothing. GradScaler's "an infinite gradient was found" would read
-    1 here: `counted_grad_scaler` takes the step regardless."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            tensor = args[0]
-            return False if tensor.dtype == torch.bool else 1.0 if tensor.is_floating_point() else 1
-        if func in (torch.ops.aten.equal.default, torch.ops.aten.allclose.default):
-            return True
-        return func(*args, **(kwargs or {}))
-
-
-class FakePinnedMemory(TorchDispatchMode):
-    """Page-locked host memory for fake tensors, which FakeTensorMode does not implement (`aten._pin_memory`): a
-    pinned copy is a fake host tensor like the original, and a tensor it returned is pinned."""
-
-    def __init__(self):
-        super().__init__()
-        self.pinned: set[int] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._pin_memory.default:
-            copy = args[0].clone()
-            self.pinned.add(id(copy))
-            return copy
-        if func is torch.ops.aten.is_pinned.default:
-            return id(args[0]) in self.pinned
-        return func(*args, **(kwargs or {}))
-
-
 @contextlib.contextmanager
 def foreach_on_fake_tensors() -> Iterator[None]:
     """Optimizers and gradient utilities take their `foreach` implementation only for tensors whose type is exactly
@@ -278,8 +271,6 @@ def fake_cuda(allocator: FakeAllocator | None = None, inner: Iterable[ContextMan
             stack.enter_context(foreach_on_fake_tensors())
             stack.enter_context(device_meshes_outside_fake_mode())
             stack.enter_context(FakeCudaMode())
-            stack.enter_context(FakePinnedMemory())
-            stack.enter_context(PlaceholderScalars())
             stack.enter_context(allocator)
             stack.enter_context(allocator.answering_memory_queries())
             for context in inner:

@@ -12,7 +12,6 @@ from typing import Callable, Iterable
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from bench.core import memory_categories
@@ -295,19 +294,28 @@ class LiveTensorTracker(TorchDispatchMode):
             return func(*args, **kwargs)
         if self._allocating and self._allocating[-1][0] == memory_categories.FUSED_KERNEL:
             return func(*args, **kwargs)  # one kernel's arithmetic: its intermediates are no memory (see there)
-        inputs, _ = tree_flatten((args, kwargs))
-        for t in inputs:
-            if isinstance(t, torch.Tensor):
-                self._register(t, "untracked")
+        for t in _tensors_in(args):
+            self._register(t, "untracked")
+        for t in _tensors_in(kwargs.values()):
+            self._register(t, "untracked")
         if self.record_events:
             self.events.append(MemoryEvent("op", stage=self.stage, op=func.__name__))
         out = func(*args, **kwargs)
-        outputs, _ = tree_flatten(out)
-        for t in outputs:
-            if isinstance(t, torch.Tensor):
-                self._register(t, self._category_of_output(t) if self._allocating else self.stage)
+        for t in _tensors_in((out,)):
+            self._register(t, self._category_of_output(t) if self._allocating else self.stage)
         self._update_peak(func.__name__)
         return out
+
+
+def _tensors_in(values: Iterable) -> Iterable[torch.Tensor]:
+    """The tensors among an operator's arguments or results, in lists and tuples at any depth (what an aten operator
+    takes and returns; torch's pytree flattening, which looks for every registered container, cost a full-size
+    step seconds)."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from _tensors_in(value)
 
 
 _RESIZE_WATCHERS: list[LiveTensorTracker] = []  # the trackers entered now, told of each storage resize
