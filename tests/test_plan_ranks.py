@@ -125,12 +125,36 @@ def test_rank_counts_are_searched_by_doubling_then_halving_and_find_the_fewest(a
     assert (best.ranks if best else None) == answer_at
     assert [c.ranks for c in counts] == sorted(searched_ranks) and len(set(searched_ranks)) == len(searched_ranks)
     assert all(c.answer is None for c in counts if answer_at is None or c.ranks < answer_at)
-    assert len(searched_ranks) <= 2 * math.ceil(math.log2(top)) + 1
+    assert len(searched_ranks) <= 2 * math.ceil(math.log2(top)) + plan_ranks.SCANNED_GAP
     if answer_at is None:
         assert searched_ranks[-1] == top
     assert plan_ranks.monotonic_check(counts).startswith("held")
     walked = plan_ranks.skipped(counts, top, top)
     assert set(walked) | set(searched_ranks) >= set(range(1, (answer_at or top) + 1))
+
+
+def test_the_last_gap_is_scanned_since_reserved_memory_can_grow_with_the_ranks(monkeypatch):
+    """The shape llama-3.1-70b gave (global batch 8, checkpoint:segments=all+fsdp:offload=cpu, judged per H100 as
+    reserved + the CUDA context): 5 ranks 79.5 GiB, 6 ranks 87.3, 7 ranks 87.1, 8 ranks 62.8; under an 80 GiB limit
+    the fewest is 5, which halving from 8 through 6 and 7 would never try."""
+    gib = 2**30
+    judged = {1: 5000 * gib, 2: 3000 * gib, 4: 110 * gib, 5: int(79.5 * gib), 6: int(87.3 * gib),
+              7: int(87.1 * gib), 8: int(62.8 * gib)}
+    searched_ranks = []
+
+    def search(request, progress, executor=None, address=None):
+        searched_ranks.append(request.ranks)
+        return _searched_with(request, {"checkpoint+fsdp": judged.get(request.ranks, 200 * gib)}), ""
+
+    monkeypatch.setattr(plan_search, "search_where_cuda_runs", search)
+    counts = plan_ranks.fewest_ranks(dataclasses.replace(_request(80 * gib), batch_size=8), max_ranks=8)
+    assert plan_ranks.fewest(counts).ranks == 5
+    assert searched_ranks == [1, 2, 4, 8, 5]
+    assert plan_ranks.skipped(counts, 8, 8) == [3]
+    assert plan_ranks.monotonic_check(counts).startswith("held")  # 1, 2, 4, 5, 8: falling over the counts tried
+    counts = plan_ranks.fewest_ranks(dataclasses.replace(_request(76 * gib), batch_size=8), max_ranks=8)
+    assert plan_ranks.fewest(counts).ranks == 8 and searched_ranks[-3:] == [5, 6, 7]
+    assert "checkpoint+fsdp 5 -> 6 ranks grew by" in plan_ranks.monotonic_check(counts)
 
 
 def test_a_peak_that_grows_with_the_ranks_is_named(monkeypatch):

@@ -8,12 +8,16 @@ search, which the later searches also combine from. `--batch-size` is the global
 no more ranks than samples are tried.
 
 The rank counts are searched, not walked: 1, 2, 4, 8, ... (and the largest allowed) until one has an answer, then by
-halves between the largest count without one and that count. This rests on a plan's per-GPU memory not growing with
-the rank count (the largest rank's batch share, ceil(batch / N), and its chunk of every parameter, ceil(rows / N),
-never grow with N); the counts the search skipped are named, and the assumption is checked over the counts it
-tried (`monotonic_check`): a candidate whose smallest per-GPU memory grew with the ranks is named there. With an
-answer on N GPUs, every count below N that was tried had none; a count skipped below N is one the assumption rules
-out.
+halves between the largest count without one and that count until at most SCANNED_GAP counts lie between them,
+which are all tried, fewest first. The halving rests on a plan's per-GPU memory not growing with the rank count
+(the largest rank's batch share, ceil(batch / N), and its chunk of every parameter, ceil(rows / N), never grow with
+N); that holds for allocated memory but not always for reserved, which the caching allocator's fragmentation moves
+either way: llama-3.1-70b, global batch 8, checkpoint:segments=all+fsdp:offload=cpu reserves 80,948 MiB a rank on 5
+ranks and 88,868 on 6 (allocated within 1 MB of each other), so halving from 8 (fits) through 6 and 7 (do not)
+would never try 5. Hence the last gap is scanned: on up to 8 ranks every count between the doubling's last two
+is tried. The counts the search skipped are named, and the assumption is checked over the counts it tried
+(`monotonic_check`): a candidate whose per-GPU memory grew with the ranks is named there. With an answer on N GPUs,
+every count below N that was tried had none; a count skipped below N is one the assumption rules out.
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ from typing import Callable
 from bench.analysis import plan, plan_search, pools
 from bench.core.results import Status
 from bench.core.schema import Row
+
+
+SCANNED_GAP = 3  # counts between a count without an answer and one with: at most this many are all tried
 
 
 @dataclass
@@ -46,7 +53,7 @@ def fewest_ranks(request: plan.PlanRequest, max_ranks: int, progress: Callable[[
                  executor: str = pools.LOCAL, ray_address: str | None = None,
                  on_count: Callable[[list, RankCount], None] = lambda counts, latest: None) -> list[RankCount]:
     """Each rank count's search, in the order above (doubling from one rank to the first count with an answer, then
-    halving the gap below it), its candidates evaluated by `executor` (`plan_search.search`); the counts tried, by
+    halving the gap below it down to SCANNED_GAP counts, which are tried fewest first), its candidates evaluated by `executor` (`plan_search.search`); the counts tried, by
     rank count. `on_count(counts, latest)` is called after each (the counts so far, by rank count, and the one just
     searched)."""
     tried: dict[int, RankCount] = {}
@@ -74,9 +81,12 @@ def fewest_ranks(request: plan.PlanRequest, max_ranks: int, progress: Callable[[
             break
         else:
             below, ranks = ranks, min(top, ranks * 2)
-    while above is not None and above - below > 1:
+    while above is not None and above - below - 1 > SCANNED_GAP:
         middle = (below + above) // 2
         below, above = (below, middle) if answered(middle) else (middle, above)
+    for ranks in range(below + 1, above or below):  # the last gap, fewest first: no assumption needed there
+        if answered(ranks):
+            break
     return sorted(tried.values(), key=lambda c: c.ranks)
 
 

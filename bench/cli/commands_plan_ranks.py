@@ -62,8 +62,9 @@ def _per_rank_count(request: plan.PlanRequest, how: str, counts: list, seconds: 
     passed = plan_ranks.skipped(counts, max_ranks, request.batch_size)
     if passed:
         lines.append(f"  not tried: {', '.join(map(str, passed))} rank(s): the counts are searched (doubling, then "
-                     "halving the gap below the first with an answer), assuming a plan's per-GPU memory never grows "
-                     f"with the ranks; {plan_ranks.monotonic_check(counts)}")
+                     f"halving the gap below the first with an answer down to {plan_ranks.SCANNED_GAP} counts, all "
+                     "tried), assuming a plan's per-GPU memory never grows with the ranks; "
+                     f"{plan_ranks.monotonic_check(counts)}")
     if max_ranks > request.batch_size:
         lines.append(f"  ranks beyond {request.batch_size} not tried: --batch-size is the global batch, split "
                      "across the ranks (a larger one tries more)")

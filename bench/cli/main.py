@@ -199,7 +199,8 @@ def _add_plan_parser(sub) -> None:
                         "every strategy the planner tries)")
     p.add_argument("--max-ranks", type=positive_int, default=None,
                    help="how many GPUs: plan on 1, 2, 4, ... up to N ranks, then halve the gap below the first "
-                        "count with a plan that fits, and answer the fewest (default: off, plan for --ranks)")
+                        "count with a plan that fits down to 3 counts, try those, and answer the fewest (default: "
+                        "off, plan for --ranks)")
     p.add_argument("--over", default="batch",
                    help="batch (the fastest plan at --batch-size) or seq_len (the plan that trains the longest "
                         "sequence at --batch-size, default 1; a workload with a seq_len option) (default batch)")
