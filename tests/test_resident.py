@@ -250,3 +250,18 @@ def test_the_verification_frees_its_sessions_before_the_comparison(monkeypatch):
     finally:
         verify_module._baseline_snapshot.cache_clear()
     assert len(sessions) == 2 and alive_at_compare == [0]
+
+
+@linux_only
+@pytest.mark.parametrize("setting, recorded", [("262144", "262144"), ("off", "None")])
+def test_every_row_records_the_mmap_threshold_the_process_pinned(setting, recorded):
+    """The threshold moves CPU step times (docs/measuring.md), so the environment every results row records has it:
+    what this process pinned, or nothing where glibc's own dynamic threshold was left."""
+    env = {**os.environ, resident.THRESHOLD_VARIABLE: setting, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env.pop("MALLOC_MMAP_THRESHOLD_", None)
+    done = subprocess.run([sys.executable, "-m", "bench", "env", "--device", "cpu"], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    values = dict(line.split(None, 1) for line in done.stdout.splitlines() if line.startswith("host_mmap"))
+    assert values == {"host_mmap_threshold_bytes": recorded}
+    assert "host_mmap_threshold_bytes" in RESULTS.names

@@ -29,7 +29,9 @@ from bench.core.schema import Row, Table, columns
 # 8: peak_communication_bytes, the breakdown's column of the collectives' buffers (FSDP2's all-gather and
 #    reduce-scatter buffers, DDP's gradient buckets); FSDP2's unsharded parameters in flight move from
 #    peak_activations_bytes to peak_params_bytes
-SCHEMA_VERSION = 8
+# 9: host_mmap_threshold_bytes, the C heap's mmap threshold the process pinned (bench.measure.resident), which moves
+#    CPU step times; empty where glibc's own dynamic threshold was left
+SCHEMA_VERSION = 9
 
 
 class Status(str, Enum):
@@ -74,7 +76,7 @@ _CORE = [
     *columns("text", "status message"),
     # environment
     *columns("text", "torch_version cuda_version cudnn_version"), *columns("int", "cpu_threads"),
-    *columns("text", "git_commit python_version platform"),
+    *columns("text", "git_commit python_version platform"), *columns("int", "host_mmap_threshold_bytes"),
     # what the host CPU computes natively in 16 bits (bench.measure.cpu_16bit.cpu_16bit_support), and whether this
     # case ran 16-bit autocast emulated on a CPU without it
     *columns("text", "cpu_capability"), *columns("bool", "cpu_bf16_native cpu_fp16_native emulated_16bit"),

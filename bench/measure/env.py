@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from bench.core.errors import UsageError
-from bench.measure import cpu_16bit
+from bench.measure import cpu_16bit, resident
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 
@@ -68,7 +68,7 @@ def device_name(device: str) -> str:
 
 def environment(device: str) -> dict:
     """torch, CUDA and cuDNN versions, device and host name, CPU threads and native 16-bit arithmetic, git commit,
-    Python and OS."""
+    Python and OS, and the C heap's mmap threshold the process pinned (bench.measure.resident)."""
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     support = cpu_16bit.cpu_16bit_support()
     return {
@@ -84,4 +84,5 @@ def environment(device: str) -> dict:
         "git_commit": git_commit(),
         "python_version": platform.python_version(),
         "platform": platform.platform(),
+        "host_mmap_threshold_bytes": resident.pinned_mmap_threshold(),
     }

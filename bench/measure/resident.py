@@ -140,11 +140,26 @@ def pin_mmap_threshold() -> bool:
     The earlier the better: a request above the threshold is still carved from a free region of the heap where one
     is large enough, so a heap that grew before the pin (the CLI's pre-run checks, a first model built) keeps
     fragmenting; the CLI pins it as it starts, each case again (the Python API, a worker)."""
+    global _pinned_threshold
     threshold = mmap_threshold_setting()
     libc = _glibc()
     if threshold is None or not libc:
         return False
-    return bool(libc.mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(min(threshold, 2**31 - 1))))
+    threshold = min(threshold, 2**31 - 1)
+    if not libc.mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(threshold)):
+        return False
+    _pinned_threshold = threshold
+    return True
+
+
+_pinned_threshold: int | None = None
+
+
+def pinned_mmap_threshold() -> int | None:
+    """The mmap threshold `pin_mmap_threshold` set in this process, in bytes; None where it set none (glibc's own,
+    dynamic threshold: `MEMBENCH_MMAP_THRESHOLD=off`, a user's `MALLOC_MMAP_THRESHOLD_`, not glibc, or not pinned).
+    Recorded in every results row (`host_mmap_threshold_bytes`): it moves CPU step times (docs/measuring.md)."""
+    return _pinned_threshold
 
 
 def release_host_memory() -> None:
