@@ -533,3 +533,20 @@ def test_fit_on_cuda_without_a_gpu_searches_on_predictions_and_says_they_are_unc
     assert baseline.runs == 0 and baseline.time_per_sample_ms is None and "not confirmed" in baseline.note
     assert baseline.next_batch_peak_bytes == 1030 * MIB and "predicted on fake CUDA" in baseline.next_batch_method
     assert len(asked) <= 12
+
+
+def test_predict_gpu_says_when_a_case_fits_only_in_the_headroom_plan_keeps():
+    """The 70B job on 5 H100s judged 79.5 GiB: within the card's 80 GiB, not within plan's 76 GiB (5% headroom);
+    predict --gpu says both, so that it and plan do not seem to disagree."""
+    from bench.cli.commands_analysis import _fits_on
+    from bench.core import gpus
+
+    h100 = gpus.find_gpu("H100 80GB")
+    gib, context = 2**30, gpus.CUDA_CONTEXT_BYTES
+    rows = [{"strategy": name, "phase": "train", "batch_size": 8,
+             "predicted_reserved_bytes": None if judged is None else int(judged * gib) - context}
+            for name, judged in (("a", 62.8), ("b", 79.5), ("c", 87.3), ("d", None))]
+    lines = _fits_on(h100, rows).splitlines()[2:]
+    assert lines[0].endswith("62.8 GiB fits")
+    assert "79.5 GiB fits, but in the last 5% of the card, which plan keeps free by default" in lines[1]
+    assert lines[2].endswith("87.3 GiB does not fit") and len(lines) == 3

@@ -53,9 +53,9 @@ def fewest_ranks(request: plan.PlanRequest, max_ranks: int, progress: Callable[[
                  executor: str = pools.LOCAL, ray_address: str | None = None,
                  on_count: Callable[[list, RankCount], None] = lambda counts, latest: None) -> list[RankCount]:
     """Each rank count's search, in the order above (doubling from one rank to the first count with an answer, then
-    halving the gap below it down to SCANNED_GAP counts, which are tried fewest first), its candidates evaluated by `executor` (`plan_search.search`); the counts tried, by
-    rank count. `on_count(counts, latest)` is called after each (the counts so far, by rank count, and the one just
-    searched)."""
+    halving the gap below it down to SCANNED_GAP counts, which are tried fewest first), its candidates evaluated by
+    `executor` (`plan_search.search`); the counts tried, by rank count. `on_count(counts, latest)` is called after
+    each (the counts so far, by rank count, and the one just searched)."""
     tried: dict[int, RankCount] = {}
     known: list[Row] = []
 

@@ -287,13 +287,16 @@ def _fit_over_seq_len(args, gpu, device: str, budget: int, workload: str, data: 
 
 def _fits_on(gpu, rows) -> str:
     """predict --gpu: whether each predicted case fits the GPU's memory, judged as `plan` judges (reserved + the
-    CUDA context)."""
+    CUDA context); a case that fits only within the headroom `plan` keeps free by default is said to."""
+    headroom_limit = int(gpu.memory_bytes * (1 - gpus.DEFAULT_HEADROOM))
     lines = [f"\non the {gpu.name} ({format_size(gpu.memory_bytes)}; judged: reserved + "
              f"{format_size(gpus.CUDA_CONTEXT_BYTES)} CUDA context):"]
     for row in rows:
         if row["predicted_reserved_bytes"] is None:
             continue
         judged = row["predicted_reserved_bytes"] + gpus.CUDA_CONTEXT_BYTES
-        verdict = "fits" if judged <= gpu.memory_bytes else "does not fit"
+        verdict = ("does not fit" if judged > gpu.memory_bytes else "fits" if judged <= headroom_limit else
+                   f"fits, but in the last {gpus.DEFAULT_HEADROOM:.0%} of the card, which plan keeps free by default "
+                   f"(--headroom: fragmentation the allocator model misses, other libraries' buffers)")
         lines.append(f"  {row['strategy']} {row['phase']} bs={row['batch_size']}: {format_size(judged)} {verdict}")
     return "\n".join(lines)
