@@ -63,7 +63,8 @@ class FakeCudaMode(FakeTensorMode):
     - page-locked host memory, which FakeTensorMode does not implement (`aten._pin_memory`): a pinned copy is a fake
       host tensor like the original, and a tensor it returned is pinned.
     Here, not as dispatch modes of their own: each mode on the stack is a Python call in every operator of a step
-    (two of them were ~5% of a full-size prediction)."""
+    (with the tracker's pytree walk, those two modes were a quarter of a full-size prediction's time:
+    docs/prediction.md)."""
 
     avoid_device_init = True  # a property of FakeTensorMode: False wherever torch.cuda.is_available()
 
