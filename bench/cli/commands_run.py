@@ -261,9 +261,10 @@ def _list_strategies(names: list[str]) -> None:
 def cmd_env(args) -> int:
     """The environment as every results row records it."""
     device = env.resolve_device(args.device)
-    print(f"{'device':<16} {device}")
-    for key, value in env.environment(device).items():
-        print(f"{key:<16} {value}")
+    environment = {"device": device, **env.environment(device)}
+    width = max(map(len, environment))
+    for key, value in environment.items():
+        print(f"{key:<{width}} {value}")
     for line in cpu_16bit_lines():
         print(line)
     return 0
