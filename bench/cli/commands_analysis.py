@@ -288,7 +288,7 @@ def _fit_over_seq_len(args, gpu, device: str, budget: int, workload: str, data: 
 def _fits_on(gpu, rows) -> str:
     """predict --gpu: whether each predicted case fits the GPU's memory, judged as `plan` judges (reserved + the
     CUDA context); a case that fits only within the headroom `plan` keeps free by default is said to."""
-    headroom_limit = int(gpu.memory_bytes * (1 - gpus.DEFAULT_HEADROOM))
+    headroom_limit = gpus.limit_with_headroom(gpu.memory_bytes)
     lines = [f"\non the {gpu.name} ({format_size(gpu.memory_bytes)}; judged: reserved + "
              f"{format_size(gpus.CUDA_CONTEXT_BYTES)} CUDA context):"]
     for row in rows:

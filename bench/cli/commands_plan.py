@@ -55,7 +55,7 @@ def _request(args) -> tuple[plan.PlanRequest, str]:
                          "--budget SIZE confirms on the CPU)")
     workload, data = _workload_and_data(args)
     batch = one_batch_size(_batch_size_text(args))
-    limit = math.floor(budget * (1 - args.headroom))
+    limit = gpus.limit_with_headroom(budget, args.headroom)
     context = gpus.CUDA_CONTEXT_BYTES if device == "cuda" else 0
     source = f"--budget {args.budget}" if args.budget is not None else f"the {gpu.name}'s {format_size(budget)}"
     how = f"{source} less {args.headroom:.0%} headroom"

@@ -294,9 +294,7 @@ class LiveTensorTracker(TorchDispatchMode):
             return func(*args, **kwargs)
         if self._allocating and self._allocating[-1][0] == memory_categories.FUSED_KERNEL:
             return func(*args, **kwargs)  # one kernel's arithmetic: its intermediates are no memory (see there)
-        for t in _tensors_in(args):
-            self._register(t, "untracked")
-        for t in _tensors_in(kwargs.values()):
+        for t in _tensors_in((args, tuple(kwargs.values()))):
             self._register(t, "untracked")
         if self.record_events:
             self.events.append(MemoryEvent("op", stage=self.stage, op=func.__name__))
