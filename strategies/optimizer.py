@@ -73,9 +73,10 @@ class Optimizer(Strategy):
     (uint8 codes made with `torch.zeros_like` in the caching allocator, one float32 block maximum per 2048 values,
     the last block ragged; float32 moments for a parameter under 4096 values; the instance's two 256-value maps) and
     its update as its one in-place kernel (`optimizer_update_8bit_blockwise`: no temporaries counted,
-    `memory_categories.one_fused_kernel`). Runs anywhere (PyTorch arithmetic; torchao's dynamic map); with
-    `paged=true` it is `PagedAdamW8bit`, the moments of a parameter of at least 100,000 values made in unified
-    memory (fake CUDA only).
+    `memory_categories.one_fused_kernel`). Exact on the CPU and predicted on fake CUDA (PyTorch arithmetic;
+    torchao's dynamic map); refused on a real GPU, where that arithmetic would allocate temporaries the kernel does
+    not. With `paged=true` it is `PagedAdamW8bit`, the moments of a parameter of at least 100,000 values made in
+    unified memory (fake CUDA only).
 
     `paged=true` (with a low-bit `name`) predicts bitsandbytes' paged optimizers (`PagedAdamW8bit`): their
     `get_state_buffer` makes the uint8 state of every parameter of at least 100,000 values with `cudaMallocManaged`

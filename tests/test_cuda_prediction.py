@@ -65,6 +65,8 @@ def test_predicted_allocated_within_10_percent_of_measured(strategy, phase, batc
     # the default engine's row (CUDA's operators here), so that the table shows what each engine misses
     cpu_operators = predict.predict_case(case, engine="fake", capability=torch.cuda.get_device_capability(0))
     comparison_rows.append(prediction_check.comparison_row(cpu_operators, measured, _cuda_environment()))
+    if prediction["status"] == "unsupported":  # predict says why it cannot (compile); the measured row is kept
+        pytest.skip(f"predict cannot predict {strategy}: {prediction['message']}")
     assert prediction["engine"] == "fake-cuda", prediction["message"]
     assert prediction["status"] == "ok", prediction["message"]
     assert row["within_tolerance"], (f"{strategy} {phase} bs={batch_size}: predicted {prediction['predicted_bytes']:,}"

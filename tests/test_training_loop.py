@@ -16,7 +16,7 @@ from bench.core.errors import UsageError
 from bench.core.results import to_frame
 from bench.measure import memory
 from bench.report.markdown import pitfall_table
-from bench.run.runner import Case, Session, bind_case, memory_pass, run_case, verify
+from bench.run.runner import Case, Session, bind_case, memory_pass, release_cuda_memory, run_case, verify
 from strategies import STRATEGIES, Strategy, StrategySpec, parse_strategy
 from workloads import get_workload
 
@@ -261,7 +261,19 @@ def test_cuda_loop_habits_match(spec):
 
 @pytest.mark.cuda
 def test_empty_cache_lowers_reserved_memory_between_steps():
-    case = Case("captcha_resnet18", "empty_cache", "train", 8, "cuda", data="synthetic", warmup=0, steps=1)
-    session = Session(case, bind_case(case)[0])
-    session.step()
-    assert torch.cuda.memory_reserved() - torch.cuda.memory_allocated() < 2 * 2**20
+    """After a step with empty_cache every cached segment holds a live block: the allocator gave back every segment
+    it could. Free space inside a segment with a live block stays reserved (an H200 kept 57 MiB of it after one step
+    of captcha at batch 8), so reserved is not allocated; it is below the same step's without empty_cache."""
+    reserved = {}
+    for spec in ("baseline", "empty_cache"):
+        release_cuda_memory()
+        case = Case("captcha_resnet18", spec, "train", 8, "cuda", data="synthetic", warmup=0, steps=1)
+        session = Session(case, bind_case(case)[0])
+        session.step()
+        reserved[spec] = torch.cuda.memory_reserved()
+        if spec == "empty_cache":
+            segments = torch.cuda.memory_snapshot()
+            assert all(any(block["state"] == "active_allocated" for block in segment["blocks"])
+                       for segment in segments), [s["total_size"] for s in segments]
+        del session
+    assert reserved["empty_cache"] < reserved["baseline"]

@@ -1,0 +1,215 @@
+"""On a machine with an NVIDIA GPU: every single-GPU anchor's configuration measured there and predicted for that GPU.
+
+    python tools/gpu_check.py --out DIR [--layers 2] [--jobs 4] [--deadline-s 300] [--only NAME,...]
+
+Each anchor of bench/anchors/ that runs on one GPU becomes a case (its workload at `--layers` decoder layers, 0: full
+size; its strategy, batch and sequence). A fresh process per case (so that each starts from an empty caching allocator
+and an out-of-memory ends one case only) runs `bench.run.passes.memory_pass` on the GPU (max_memory_allocated and
+max_memory_reserved of one steady-state step, as `compare --device cuda` measures) and then
+`bench.analysis.predict.predict_case` on fake CUDA with this GPU's compute capability, in the same torch. The rows
+(`bench.core.results.PREDICTION_CHECK`, plus the anchor's name) go to DIR/gpu-check-<run>.csv and .md as each case
+ends. Cases past `--deadline-s` are written as `skipped` rows, never dropped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def anchor_cases(layers: int, only: list[str] | None, device: str = "cuda") -> list[dict]:
+    """One case per anchor that runs on one GPU and whose strategy membench builds."""
+    from bench.analysis import anchors
+
+    cases = []
+    for anchor in anchors.load_anchors(only=only):
+        spec, _ = anchors.plan_row(anchor)
+        if spec is None or anchor.ranks != 1:
+            continue
+        workload = anchor.workload() + (f":layers={layers}" if layers else "")
+        cases.append({"anchor": anchor.name, "workload": workload, "strategy": spec, "phase": "train",
+                      "batch_size": anchor.global_batch, "device": device, "data": "synthetic"})
+    return cases
+
+
+def run_one(request: dict) -> dict:
+    """In the case's own process: measured on the GPU, then predicted for it; a comparison row (or why not)."""
+    import torch
+
+    from bench.analysis import predict, prediction_check
+    from bench.core.errors import Unsupported
+    from bench.measure.env import environment
+    from bench.run.case import Case, bind_case
+    from bench.run.passes import memory_pass, release_cuda_memory
+
+    case = Case(**{key: value for key, value in request.items() if key not in ("anchor", "snapshot")})
+    started = time.perf_counter()
+    bound, context = bind_case(case)
+    try:
+        bound.check(context)
+    except Unsupported as reason:
+        return {"status": "unsupported", "message": str(reason)}
+    result = memory_pass(case, bound, record_snapshot=bool(request.get("snapshot")))
+    measured = dict(result)
+    if case.device == "cuda":
+        measured["nvidia_smi_bytes"] = nvidia_smi_used_bytes()
+    if result.cuda_snapshot is not None:
+        Path(request["snapshot"]).write_text(json.dumps(peak_summary(result.cuda_snapshot), indent=1))
+    del result
+    measure_s = time.perf_counter() - started
+    del bound
+    if case.device == "cuda":
+        release_cuda_memory()
+    capability = torch.cuda.get_device_capability(0) if case.device == "cuda" else None
+    prediction = predict.predict_case(case, capability=capability)
+    row = dict(prediction_check.comparison_row(prediction, measured, environment(case.device)))
+    row.update(status="ok" if prediction.get("status") == "ok" else prediction.get("status"),
+               measure_s=round(measure_s, 1), predict_s=round(time.perf_counter() - started - measure_s, 1),
+               sdpa_kernel=prediction.get("sdpa_kernel"), measured_nvidia_smi_bytes=measured.get("nvidia_smi_bytes"))
+    return row
+
+
+def peak_summary(snapshot: dict, top: int = 60) -> dict:
+    """The measured step's allocations alive at its peak (CUDA's trace, requested bytes), largest first, each with the
+    Python frames that made it (torch's own frames left out, torchao's kept); the blocks allocated before the step
+    began are one total."""
+    trace = snapshot["device_traces"][0] if snapshot.get("device_traces") else []
+    start = snapshot.get("membench", {}).get("allocated_at_start_bytes", 0)
+    live: dict[int, dict] = {}
+    total = peak = 0
+    at_peak: list[dict] = []
+    for event in trace:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+            total += event["size"]
+            if total > peak:
+                peak, at_peak = total, list(live.values())
+        elif event["action"] in ("free_requested", "free_completed") and event["addr"] in live:
+            total -= live.pop(event["addr"])["size"]
+
+    def frames(event: dict) -> list[str]:
+        kept = [f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in event.get("frames", [])
+                if "/torch/" not in f["filename"] or "torchao" in f["filename"]]
+        return kept[:6]
+
+    at_peak.sort(key=lambda event: -event["size"])
+    return {"allocated_at_start_bytes": start, "step_peak_bytes_over_start": peak, "events": len(trace),
+            "at_peak": [{"size": event["size"], "frames": frames(event)} for event in at_peak[:top]]}
+
+
+def nvidia_smi_used_bytes() -> int | None:
+    """What nvidia-smi says this process holds on the GPU (the CUDA context, the caching allocator's segments and any
+    other allocation), in bytes; None where nvidia-smi does not answer."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in out.splitlines():
+        pid, _, used = line.partition(",")
+        if pid.strip() == str(os.getpid()):
+            return int(used.strip()) * 2**20
+    return None
+
+
+def run_in_subprocess(request: dict, timeout_s: float) -> dict:
+    """`run_one` in a fresh Python; a row that says why when it fails or runs past `timeout_s`."""
+    if timeout_s <= 0:
+        return {**request, "status": "skipped", "message": "not run: the check's deadline had passed"}
+    started = time.perf_counter()
+    try:
+        done = subprocess.run([sys.executable, __file__, "--one", json.dumps(request)], capture_output=True, text=True,
+                              timeout=timeout_s, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return {**request, "status": "timeout", "message": f"still running after {timeout_s:.0f} s"}
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
+        status = "oom" if "OutOfMemory" in done.stderr else "error"
+        return {**request, "status": status, "message": tail[:300], "wall_s": round(time.perf_counter() - started, 1)}
+    return {**request, **json.loads(lines[-1]), "wall_s": round(time.perf_counter() - started, 1)}
+
+
+def write(rows: list[dict], out: Path, run_id: str) -> None:
+    import pandas as pd
+
+    frame = pd.DataFrame(rows)
+    frame.to_csv(out / f"gpu-check-{run_id}.tmp", index=False)
+    os.replace(out / f"gpu-check-{run_id}.tmp", out / f"gpu-check-{run_id}.csv")
+    columns = [c for c in ("anchor", "strategy", "batch_size", "measured_bytes", "predicted_bytes", "error_pct",
+                           "measured_reserved_bytes", "predicted_reserved_bytes", "reserved_error_pct",
+                           "measured_nvidia_smi_bytes",
+                           "sdpa_kernel", "status", "wall_s", "message") if c in frame]
+    (out / f"gpu-check-{run_id}.md").write_text(frame[columns].to_markdown(index=False) if hasattr(frame, "to_markdown")
+                                                and _has_tabulate() else frame[columns].to_string(index=False))
+
+
+def _has_tabulate() -> bool:
+    try:
+        import tabulate  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("results/gpu_check"))
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--jobs", type=int, default=4)
+    parser.add_argument("--deadline-s", type=float, default=300.0)
+    parser.add_argument("--case-timeout-s", type=float, default=240.0)
+    parser.add_argument("--only", default="", help="anchors (names or sources, comma-separated); default: all")
+    parser.add_argument("--case", action="append", default=[], help="WORKLOAD,STRATEGY,PHASE,BATCH: one more case")
+    parser.add_argument("--no-anchors", action="store_true", help="only the --case cases")
+    parser.add_argument("--snapshot", default="", help="anchors (or cases) whose measured step's allocator history "
+                        "is written beside the table, comma-separated")
+    parser.add_argument("--device", default="cuda", help="cpu: the same plumbing without a GPU (a dry run)")
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.one:
+        print(json.dumps(run_one(json.loads(args.one)), default=str))
+        return 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-layers{args.layers}"
+    cases = [] if args.no_anchors else anchor_cases(args.layers, [name for name in args.only.split(",") if name] or None,
+                                                    args.device)
+    deadline = time.monotonic() + args.deadline_s
+    for spec in args.case:
+        workload, strategy, phase, batch = spec.split(",")
+        cases.append({"anchor": f"{workload} {strategy} {phase} {batch}", "workload": workload, "strategy": strategy,
+                      "phase": phase, "batch_size": int(batch), "device": args.device, "data": "synthetic"})
+    for case in cases:
+        if args.snapshot and case["anchor"] in args.snapshot.split(","):
+            case["snapshot"] = str((args.out / (case["anchor"].replace(" ", "_") + ".peak.json")).resolve())
+    rows: list[dict] = []
+    lock = threading.Lock()
+
+    def one(request: dict) -> dict:
+        row = run_in_subprocess(request, min(args.case_timeout_s, deadline - time.monotonic()))
+        with lock:
+            rows.append(row)
+            write(rows, args.out, run_id)
+        print(f"{row.get('anchor')}: {row.get('status')} measured={row.get('measured_bytes')} "
+              f"predicted={row.get('predicted_bytes')} error={row.get('error_pct')}% "
+              f"({row.get('wall_s')} s) {row.get('message', '')[:160]}", flush=True)
+        return row
+
+    with ThreadPoolExecutor(args.jobs) as pool:
+        list(pool.map(one, cases))
+    print(f"{len(rows)} cases; wrote {args.out}/gpu-check-{run_id}.csv")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
