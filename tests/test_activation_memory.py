@@ -241,7 +241,9 @@ def test_compile_without_a_cpu_compiler_is_unsupported_with_the_reason(monkeypat
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_cuda_offload_and_compile():
-    rows = {spec: run_case(Case("gpt_mini:layers=2:width=64:heads=2:seq_len=64", spec, "train", 8, "cuda",
+    """Without dropout: on CUDA compiled dropout draws its masks from another random stream than eager dropout, so
+    with it compile differs from the baseline by design (an H200 said so in the row: gradient rel diff 0.83)."""
+    rows = {spec: run_case(Case("gpt_mini:layers=2:width=64:heads=2:seq_len=64:dropout=0", spec, "train", 8, "cuda",
                                 data="synthetic", warmup=1, steps=2))
             for spec in ("baseline", "offload", "compile:budget=1.0", "compile:budget=0.1")}
     for spec, row in rows.items():

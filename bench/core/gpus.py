@@ -93,6 +93,10 @@ GPUS: dict[str, GPU] = {gpu.name: gpu for gpu in (
     # NVIDIA H100 datasheet (SXM5): FP32 67; TF32 989 and FP16/BF16 1,979 with sparsity (halved here); 3.35 TB/s
     GPU("H100 80GB", 80 * GiB, 67 * TFLOPS, 494.5 * TFLOPS, 989.5 * TFLOPS, 989.5 * TFLOPS, 3350 * GB_PER_S,
         PCIE5_X16, (9, 0), "NVIDIA H100 Tensor Core GPU datasheet (SXM5)"),
+    # NVIDIA H200 datasheet (SXM): the H100's arithmetic; 141 GB HBM3e at 4.8 TB/s. Memory as the card reports it
+    # (nvidia-smi: 143,771 MiB on the H200 of results/reference/gpu/h200-20261127)
+    GPU("H200", 143771 * 2**20, 67 * TFLOPS, 494.5 * TFLOPS, 989.5 * TFLOPS, 989.5 * TFLOPS, 4800 * GB_PER_S,
+        PCIE5_X16, (9, 0), "NVIDIA H200 Tensor Core GPU datasheet (SXM); nvidia-smi for its memory"),
 )}
 
 
