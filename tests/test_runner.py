@@ -7,7 +7,6 @@ import torch
 
 from bench.core import results
 from bench.core.errors import Unsupported
-from bench.measure import resident
 from bench.run.runner import Case, bind_case, memory_pass, run_case, run_cases
 from bench.run.verify import _baseline_snapshot
 from strategies import STRATEGIES, Strategy, parse_strategy
@@ -23,8 +22,6 @@ def test_run_case_fills_every_column():
     own |= {"rank_peak_max_bytes", "rank_peak_min_bytes"}  # sharded cases only
     # a fixed count of 2 steps: adaptive timing's options do not apply, and no 95% interval exists below 6 steps
     own |= {"timing_min_steps", "timing_max_time_s", "timing_target_ci_rel", "timing_ci_rel"}
-    if resident.pinned_mmap_threshold() is None:  # pinned by the CLI (or a test that ran one before in this process)
-        own.add("host_mmap_threshold_bytes")
     core = [c for c in results.COLUMNS if c not in ("peak_reserved_bytes", "message", "strategy_settings") and c not in own]
     missing = [c for c in core if frame[c].isna().any()]
     assert missing == []

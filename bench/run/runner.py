@@ -54,9 +54,9 @@ def measure_case(case: Case, env: dict | None = None, options: RunOptions | None
     an isolated case).
     """
     options = options or RunOptions()
-    result = CaseResult(base_row(case, env, options))
+    resident = ResidentMeter().start()  # the process at rest (its mmap threshold pinned first), peak RSS from here
+    result = CaseResult(base_row(case, env, options))  # whose environment records the threshold just pinned
     row = result.row
-    resident = ResidentMeter().start()  # the process at rest, and its peak resident set from here
     with process_state(options.threads, options.deterministic):
         row["cpu_threads"] = torch.get_num_threads()
         try:
