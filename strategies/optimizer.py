@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import _disable_current_modes, _get_current_di
 from bench.core.errors import Unsupported, UsageError
 from bench.core.memory_categories import UNIFIED_MEMORY, allocating, one_fused_kernel
 from bench.core.quiet_import import import_torchao
-from strategies import bitsandbytes_adamw
+from strategies import bitsandbytes_adamw, compiled_update
 from strategies.base import Strategy, register_strategy
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
@@ -247,7 +247,10 @@ def _tracked_step_class(cls: type[torch.optim.Optimizer], paged: bool = False) -
     class LowBitOptimizer(cls):
         def step(self, closure=None):
             params = [p for group in self.param_groups for p in group["params"]]
-            with _compilable_step(params), warnings.catch_warnings(), _update_as_one_kernel(paged):
+            # on fake tensors (predict) the update runs eagerly: counted as torch.compile's would be
+            predicting = not paged and any(is_fake(p) for p in params)
+            compiled = compiled_update.update_as_compiled(cls) if predicting else contextlib.nullcontext()
+            with _compilable_step(params), warnings.catch_warnings(), _update_as_one_kernel(paged), compiled:
                 # torchao's state subclasses lack a hash for AOTAutograd's cache: a warning per shape, nothing wrong
                 warnings.filterwarnings("ignore", message=".*_stable_hash_for_caching.*")
                 return super().step(closure)

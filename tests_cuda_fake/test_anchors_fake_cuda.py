@@ -85,10 +85,9 @@ def test_8bit_adamw_steps_in_backward_on_fake_cuda(optimizer):
     # of its own in backward, each with its two 256-value float32 maps, where one optimizer after backward has one pair
     maps = 2 * 256 * 4 if "bitsandbytes" in optimizer else 0
     assert in_backward.peak_by_category["optimizer_state"] == after.peak_by_category["optimizer_state"] + maps > maps
-    if maps:  # bitsandbytes' update makes no temporaries: at this size both peaks are the next forward's (logits)
-        assert in_backward.peak_bytes == after.peak_bytes + maps and "grads" not in after.peak_by_category
-    else:  # torchao's eager update: the peak is in a step, with the gradients not yet applied
-        assert in_backward.peak_by_category["grads"] < after.peak_by_category["grads"]
+    # bitsandbytes' update makes no temporaries, torchao's compiled one only its wrapper's buffers (strategies.
+    # compiled_update), smaller at this size than the next forward's logits: both peaks are that forward's
+    assert in_backward.peak_bytes == after.peak_bytes + maps and "grads" not in after.peak_by_category
 
 
 def test_paged_8bit_state_is_unified_memory_outside_the_caching_allocator():
