@@ -1,5 +1,5 @@
 #!/bin/bash
-# The second lease of 2026-11-27 (after tools/gpu_session.sh): the `cuda` tests again after their fixes, the rows the
+# The second lease of 2026-11-27 (after tools/gpu_session.sh; run from the repository root): the `cuda` tests again after their fixes, the rows the
 # first lease missed, fresh-process captcha cases (the cuBLAS workspace of an earlier case), the allocations alive at
 # the peak of torchao's compiled low-bit steps, and full-size bert-large (nvidia-smi) and Llama-2-7B. $OUT/gpu.tgz.
 set -u
