@@ -20,7 +20,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install bench test perf clean cuda-fake-env test-cuda-fake anchors memory-viz harness-memory
+.PHONY: install bench test perf clean cuda-fake-env test-cuda-fake anchors gpu-check memory-viz harness-memory
 
 install: $(STAMP)
 
@@ -68,6 +68,13 @@ memory-viz:
 ANCHORS ?=
 anchors: $(STAMP) $(FAKE_CUDA_STAMP)
 	$(PY) -m bench anchors --out $(OUT) $(if $(ANCHORS),--only $(ANCHORS))
+
+# On a machine with a GPU: every single-GPU anchor's configuration measured there (max_memory_allocated and
+# reserved) beside membench's prediction for that GPU, each case in a fresh process (tools/gpu_check.py; results/
+# reference/gpu/ holds the H200's). GPU_CHECK_LAYERS=0 for full size; ANCHORS=torchtune for one source.
+GPU_CHECK_LAYERS ?= 2
+gpu-check: $(STAMP)
+	$(PY) tools/gpu_check.py --out $(OUT)/gpu_check --layers $(GPU_CHECK_LAYERS) $(if $(ANCHORS),--only $(ANCHORS))
 
 # The fake-CUDA run (tests_cuda_fake/, docs/testing.md "The CUDA path without a GPU"): membench's CUDA code path on a machine
 # without a GPU, in its own environment. PyPI's CUDA build of exactly $(TORCH)'s version (`===` is an exact string

@@ -8,7 +8,8 @@ and an out-of-memory ends one case only) runs `bench.run.passes.memory_pass` on 
 max_memory_reserved of one steady-state step, as `compare --device cuda` measures) and then
 `bench.analysis.predict.predict_case` on fake CUDA with this GPU's compute capability, in the same torch. The rows
 (`bench.core.results.PREDICTION_CHECK`, plus the anchor's name) go to DIR/gpu-check-<run>.csv and .md as each case
-ends. Cases past `--deadline-s` are written as `skipped` rows, never dropped.
+ends (the gpu-check table of results/README.md). Cases past `--deadline-s` are written as `skipped` rows, never
+dropped.
 """
 
 from __future__ import annotations
@@ -141,25 +142,15 @@ def run_in_subprocess(request: dict, timeout_s: float) -> dict:
 
 
 def write(rows: list[dict], out: Path, run_id: str) -> None:
-    import pandas as pd
+    """The rows so far as the gpu-check table (`bench.core.results.GPU_CHECK`), atomically, and a markdown copy."""
+    from bench.core.results import GPU_CHECK, write_table
 
-    frame = pd.DataFrame(rows)
-    frame.to_csv(out / f"gpu-check-{run_id}.tmp", index=False)
-    os.replace(out / f"gpu-check-{run_id}.tmp", out / f"gpu-check-{run_id}.csv")
-    columns = [c for c in ("anchor", "strategy", "batch_size", "measured_bytes", "predicted_bytes", "error_pct",
-                           "measured_reserved_bytes", "predicted_reserved_bytes", "reserved_error_pct",
-                           "measured_nvidia_smi_bytes",
-                           "sdpa_kernel", "status", "wall_s", "message") if c in frame]
-    (out / f"gpu-check-{run_id}.md").write_text(frame[columns].to_markdown(index=False) if hasattr(frame, "to_markdown")
-                                                and _has_tabulate() else frame[columns].to_string(index=False))
-
-
-def _has_tabulate() -> bool:
-    try:
-        import tabulate  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    declared = [{key: value for key, value in row.items() if key in GPU_CHECK.names} for row in rows]
+    frame = write_table(GPU_CHECK, declared, out / f"gpu-check-{run_id}.csv")
+    columns = ["anchor", "strategy", "batch_size", "measured_bytes", "predicted_bytes", "error_pct",
+               "measured_reserved_bytes", "predicted_reserved_bytes", "reserved_error_pct",
+               "measured_nvidia_smi_bytes", "sdpa_kernel", "status", "wall_s", "message"]
+    (out / f"gpu-check-{run_id}.md").write_text(f"```\n{frame[columns].to_string(index=False)}\n```\n")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -200,8 +200,17 @@ PREDICTION_CHECK = Table("prediction-check", PREDICTION_CHECK_SCHEMA_VERSION, [
     *columns("int", "schema_version"),
 ])
 
+# tools/gpu_check.py on a machine with a GPU: the prediction check's columns for each anchor's configuration (or a
+# named case), measured there in a fresh process, with the row's status and timings
+GPU_CHECK_SCHEMA_VERSION = 1
+GPU_CHECK = Table("gpu-check", GPU_CHECK_SCHEMA_VERSION, [
+    *columns("text", "anchor"), *[column for column in PREDICTION_CHECK.columns if column.name != "schema_version"],
+    *columns("text", "status sdpa_kernel"), *columns("int", "measured_nvidia_smi_bytes"),
+    *columns("float", "measure_s predict_s wall_s"), *columns("int", "schema_version"),
+])
+
 # every table membench writes, by name (a test checks results/README.md documents each column and version)
-TABLES = {table.name: table for table in (RESULTS, PREDICT, FIT, PLAN, PREDICTION_CHECK, ANCHORS)}
+TABLES = {table.name: table for table in (RESULTS, PREDICT, FIT, PLAN, PREDICTION_CHECK, ANCHORS, GPU_CHECK)}
 
 
 CASE_KEY = ["workload", "strategy", "phase", "device", "batch_size", "data"]
