@@ -21,6 +21,7 @@ import contextlib
 import functools
 import math
 import re
+import warnings
 from typing import Callable, Iterator
 
 import torch
@@ -106,6 +107,12 @@ def compiled_buffer_events(optimizer_class: type, param: torch.Tensor, exp_avg: 
             for kind, name, per_value, constant in compiled_buffer_plan(optimizer_class, param.dtype, quantized)]
 
 
+def _warn_eager(error: Exception) -> None:
+    warnings.warn(f"torchao's compiled update could not be read from inductor on the CPU ({type(error).__name__}: "
+                  f"{str(error).splitlines()[0][:200]}): predicted eagerly, which counts temporaries the compiled "
+                  f"update does not make (an over-estimate)", stacklevel=3)
+
+
 @contextlib.contextmanager
 def update_as_compiled(optimizer_class: type) -> Iterator[None]:
     """While entered (around a step on fake tensors only: torch.compile would trace this wrapper on real ones), each
@@ -121,6 +128,9 @@ def update_as_compiled(optimizer_class: type) -> Iterator[None]:
         adam.single_param_adam = update  # the calibration compiles torchao's own function
         try:
             events = compiled_buffer_events(optimizer_class, p, exp_avg)
+        except Exception as error:  # noqa: BLE001 - inductor cannot compile here (no C++ compiler): eager, and say so
+            _warn_eager(error)
+            return update(p, grad, step, exp_avg, *args, **kwargs)
         finally:
             adam.single_param_adam = as_compiled
         # the wrapper's buffers, made and freed in its order (the update's in-place writes change no sizes, so it

@@ -210,6 +210,29 @@ def test_torchaos_compiled_update_holds_its_float32_moments_by_hand(name, bytes_
 
 
 @needs_torchao
+def test_without_inductor_on_the_cpu_the_update_is_predicted_eagerly_and_says_so(monkeypatch):
+    """Where inductor cannot compile the update on the CPU (no C++ compiler), the fake-tensor step still runs: eagerly,
+    its temporaries counted (an over-estimate), with a warning naming why."""
+    import torchao.optim
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from strategies import compiled_update
+
+    def no_compiler(*args):
+        raise RuntimeError("InvalidCxxCompiler: no working C++ compiler found")
+
+    monkeypatch.setattr(compiled_update, "compiled_buffer_plan", no_compiler)
+    with FakeTensorMode():
+        param = torch.nn.Parameter(torch.zeros(4096 * 4, dtype=torch.bfloat16))
+        param.grad = torch.zeros_like(param)
+        optimizer = torchao.optim.AdamW8bit([param])
+        with compiled_update.update_as_compiled(torchao.optim.AdamW8bit), torch.compiler.set_stance("force_eager"), \
+                pytest.warns(UserWarning, match="InvalidCxxCompiler.*predicted eagerly"):
+            optimizer.step()
+    assert optimizer.state[param]["step"] == 1
+
+
+@needs_torchao
 def test_bitsandbytes_adamw8bit_state_is_its_layout_to_the_byte_and_its_update_makes_no_temporaries():
     """bitsandbytes' AdamW8bit (impl=bitsandbytes), by hand: a 64 x 80 weight (5,120 values) keeps two uint8 code
     tensors and two float32 block maxima of 3 values (blocks of 2048, the last ragged: torchao's layout would not
