@@ -3,17 +3,7 @@
 # single-GPU anchor measured there beside its prediction (tools/gpu_check.py), at 2 layers and then a few at full size.
 # Everything is written as it goes under $WORK/w and packed into $OUT/gpu.tgz at the end (one file comes back).
 #   OUT=/tmp/out bash tools/gpu_session.sh      (wheels of missing packages in .whl/ are installed first)
-set -u
-OUT=${OUT:-/tmp/gpu-out}
-W=${WORK:-/tmp/gpu-work}/w
-mkdir -p "$W"
-START=$(date +%s)
-elapsed() { echo $(( $(date +%s) - START )); }
-export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-fi
+source tools/gpu_lease_setup.sh  # $OUT, $W, elapsed, the wheels in .whl/
 {
   nvidia-smi
   python3 -c "import torch, transformers, peft; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version(), torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0), 'transformers', transformers.__version__, 'peft', peft.__version__)"

@@ -2,17 +2,7 @@
 # The second lease of 2026-11-27 (after tools/gpu_session.sh; run from the repository root): the `cuda` tests again after their fixes, the rows the
 # first lease missed, fresh-process captcha cases (the cuBLAS workspace of an earlier case), the allocations alive at
 # the peak of torchao's compiled low-bit steps, and full-size bert-large (nvidia-smi) and Llama-2-7B. $OUT/gpu.tgz.
-set -u
-OUT=${OUT:-/tmp/gpu-out}
-W=${WORK:-/tmp/gpu-work}/w
-mkdir -p "$W"
-START=$(date +%s)
-elapsed() { echo $(( $(date +%s) - START )); }
-export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-fi
+source tools/gpu_lease_setup.sh  # $OUT, $W, elapsed, the wheels in .whl/
 ( timeout 200 python3 -m pytest -m cuda tests -q -o addopts="" -n 6 --dist load -p no:cacheprovider -rfEs \
     --junitxml="$W/cuda-tests.xml" > "$W/cuda-tests.log" 2>&1; echo "rc=$? at $(elapsed) s" >> "$W/cuda-tests.log" ) &
 ( timeout 150 python3 - > "$W/verify.txt" 2>&1 <<'EOF'

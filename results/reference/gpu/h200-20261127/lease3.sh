@@ -2,17 +2,7 @@
 # The third lease of 2026-11-27: the `cuda` tests after every fix of the first two, torchao's four low-bit rows
 # measured and predicted with strategies/compiled_update.py, and the full-size rows the first two did not reach.
 #   OUT=/tmp/out bash results/reference/gpu/h200-20261127/lease3.sh      ($OUT/gpu.tgz)
-set -u
-OUT=${OUT:-/tmp/gpu-out}
-W=${WORK:-/tmp/gpu-work}/w
-mkdir -p "$W"
-START=$(date +%s)
-elapsed() { echo $(( $(date +%s) - START )); }
-export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-fi
+source tools/gpu_lease_setup.sh  # $OUT, $W, elapsed, the wheels in .whl/
 ( timeout 165 python3 -m pytest -m cuda tests -q -o addopts="" -n 6 --dist load -p no:cacheprovider -rfEsx \
     --junitxml="$W/cuda-tests.xml" > "$W/cuda-tests.log" 2>&1; echo "rc=$? at $(elapsed) s" >> "$W/cuda-tests.log" ) &
 timeout 165 python3 tools/gpu_check.py --out "$W" --layers 2 --jobs 4 --deadline-s 120 --case-timeout-s 150 \
