@@ -65,8 +65,10 @@ class Optimizer(Strategy):
     torchao compiles each parameter's update with `torch.compile` (a few seconds per parameter shape, on the first
     step). Limitations: under the live-tensor tracker the step runs outside the tracker's dispatch mode (torch.compile
     refuses to run under one), so the optimizer stage's peak counts the state, updated in place, and not the
-    compiled kernel's own buffers; on fake tensors (predict) it runs eagerly, which allocates float32 temporaries a
-    compiled kernel does not. The state counts by its real storage (uint8 codes and scales), not its float32 face.
+    compiled kernel's own buffers; on fake tensors (predict) it cannot be compiled, so each update counts the buffers
+    inductor's generated code for it allocates (read from that code compiled on the CPU at a small size:
+    `strategies.compiled_update`; an H200 measured the same blocks) and runs in place as one kernel. The state counts
+    by its real storage (uint8 codes and scales), not its float32 face.
 
     `impl=bitsandbytes` (with `name=adamw8bit`): bitsandbytes' `AdamW8bit` in place of torchao's, as
     `strategies.bitsandbytes_adamw` emulates it from bitsandbytes' source: its state as bitsandbytes lays it out
