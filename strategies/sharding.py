@@ -9,13 +9,16 @@ BatchNorm model's statistics and gradients differ from the single process's (its
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_map
 
 from bench.core.errors import Unsupported
-from bench.core.memory_categories import COMMUNICATION, allocating
+from bench.core.memory_categories import COMMUNICATION, allocating, file_as
 from strategies.base import Strategy
 
 
@@ -86,17 +89,66 @@ class _DistributedDataParallel(DistributedDataParallel):
             return super()._pre_forward(*inputs, **kwargs)
 
 
+@contextlib.contextmanager
+def _shapes_not_verified():
+    """DDP's construction without `_verify_param_shape_across_processes`: that check (C++) reads the data of a tensor of
+    every parameter's shape to compare them across the ranks, which fake tensors do not have; in one process of
+    PyTorch's fake process group every rank is this one, so it could only agree."""
+    from torch.nn.parallel import distributed as ddp_module
+
+    verify = ddp_module._verify_param_shape_across_processes
+    ddp_module._verify_param_shape_across_processes = lambda process_group, tensors, logger=None: None
+    try:
+        yield
+    finally:
+        ddp_module._verify_param_shape_across_processes = verify
+
+
 def data_parallel(model):
     """`DistributedDataParallel(model)` (its buckets filed as communication: `_DistributedDataParallel`); under
     PyTorch's fake process group (bench.analysis.predict: collectives move no data) a comm hook that returns the
     gradient bucket as it is stands in for the all-reduce, which would write into that same bucket (the fake
     group's own all-reduce returns nothing DDP can use)."""
-    wrapped = _DistributedDataParallel(model)
-    if "fake" in dist.get_backend().replace(",", ":").split(":"):  # "fake", or "cuda:fake" (CUDA tensors only)
+    fake_group = "fake" in dist.get_backend().replace(",", ":").split(":")  # "fake", or "cuda:fake" (CUDA only)
+    on_fake = any(is_fake(p) for p in model.parameters())
+    with _shapes_not_verified() if on_fake else contextlib.nullcontext():
+        wrapped = _DistributedDataParallel(model)
+    rebuild = _BucketsRebuiltInPlace(wrapped.reducer) if on_fake else None
+    if fake_group:
         def reduced_in_place(state, bucket):
+            if rebuild is not None:
+                rebuild.buffers[bucket.index()] = bucket.buffer()
             future = torch.futures.Future()
             future.set_result(bucket.buffer())
             return future
 
         wrapped.register_comm_hook(None, reduced_in_place)
+    if rebuild is not None:
+        wrapped.reducer = rebuild
     return wrapped
+
+
+class _BucketsRebuiltInPlace:
+    """DDP's reducer on fake tensors, but for the rebuild of its gradient buckets in the second iteration's forward.
+    The C++ rebuild reads a host tensor of bucket indices that it makes and synchronises across the ranks, which a fake
+    tensor cannot give. The real rebuild allocates new buckets for the same gradients (grouped by DDP's size caps in
+    the order the first backward made them) and frees the first ones, made at construction before any tracker; here
+    the first ones (seen by the fake process group's comm hook in the first backward) are filed as the communication
+    buffers allocated at that point: the same bytes (tests/test_ranks.py: equal to the real rebuild's, to the byte,
+    on the CPU)."""
+
+    def __init__(self, reducer):
+        self._reducer = reducer
+        self.buffers: dict[int, torch.Tensor] = {}
+        self._rebuilt = False
+
+    def __getattr__(self, name):
+        return getattr(self._reducer, name)
+
+    def _rebuild_buckets(self) -> bool:
+        if self._rebuilt or not self.buffers:
+            return False
+        with allocating(COMMUNICATION):
+            file_as(self.buffers.values(), COMMUNICATION)
+        self._rebuilt = True
+        return True

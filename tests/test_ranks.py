@@ -99,6 +99,21 @@ def test_the_one_process_prediction_equals_the_real_ranks_to_the_byte(strategy):
     assert predicted["predicted_communication_bytes"] == measured["peak_communication_bytes"], predicted
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "zero1"])
+@pytest.mark.parametrize("workload", ["gpt_mini:layers=2:width=64:heads=2:seq_len=64", "hf:tiny-llama:seq_len=32"])
+def test_ddp_on_fake_tensors_counts_what_its_real_steps_do_to_the_byte(strategy, workload):
+    """DistributedDataParallel on fake tensors (what `predict --device cuda --ranks N` runs at full size): its C++
+    cross-rank check skipped and its bucket rebuild emulated (strategies/sharding.py), each rank's peak and breakdown
+    equal to the same rank's step on real CPU tensors, whose reducer rebuilds its buckets for real."""
+    case = Case(workload, strategy, "train", 4, "cpu", data="synthetic")
+    for rank in range(RANKS.ranks):
+        with fake_process_group(RANKS.ranks, rank):
+            real = tracked_step(case, strategy, "cpu", ranks=RANKS.ranks, cuda_autocast=False)
+            fake = tracked_step(case, strategy, "fake", ranks=RANKS.ranks, cuda_autocast=False)
+        assert fake.peak_bytes == real.peak_bytes, (rank, fake.peak_by_category, real.peak_by_category)
+        assert fake.peak_by_category == real.peak_by_category and real.peak_by_category[COMMUNICATION] > 0
+
+
 def test_the_collectives_buffers_are_filed_as_communication():
     """DDP's gradient buckets (rebuilt in its second forward) mirror every gradient: communication equals the
     weights, and none of it is counted as activations any more. FSDP2's unsharded unit in flight is weights, above
