@@ -29,3 +29,10 @@ def test_each_case_is_measured_and_predicted_in_its_own_process_and_an_unsupport
     assert refused["status"] == "unsupported" and "cuda" in refused["message"]
     assert (tmp_path / csv.name.replace(".csv", ".md")).exists()
     assert list(pd.read_csv(csv).columns) == GPU_CHECK.names and (rows["schema_version"] == GPU_CHECK.version).all()
+
+
+def test_without_a_gpu_it_says_so_in_one_line_and_exits_2(tmp_path):
+    done = subprocess.run([sys.executable, "tools/gpu_check.py", "--out", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "needs a GPU" in done.stderr and "--device cpu" in done.stderr and not list(tmp_path.iterdir())

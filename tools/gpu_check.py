@@ -171,6 +171,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.one:
         print(json.dumps(run_one(json.loads(args.one)), default=str))
         return 0
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("gpu_check: --device cuda needs a GPU, and torch.cuda.is_available() is False here; --device cpu "
+                  "runs the same cases on the CPU (membench's count is exact there)", file=sys.stderr)
+            return 2
     args.out.mkdir(parents=True, exist_ok=True)
     run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-layers{args.layers}"
     cases = [] if args.no_anchors else anchor_cases(args.layers, [name for name in args.only.split(",") if name] or None,
