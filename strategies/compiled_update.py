@@ -8,11 +8,12 @@ update: 2 x 4 bytes a value) and their block scales; AdamW4bit adds their int64 
 value). An H200 measured exactly these blocks at the peak of such a step (results/reference/gpu/h200-20261127).
 
 On fake tensors the update cannot be compiled (predict runs it eagerly, `torch.compiler.set_stance("force_eager")`),
-and eager arithmetic allocates other temporaries (+50% on torchao's 7B anchor at 2 layers). So the prediction makes and frees
-the compiled wrapper's buffers in its order, then runs the update as one kernel (`memory_categories.one_fused_kernel`:
+and eager arithmetic allocates other temporaries (+50% on torchao's 7B anchor at 2 layers). So the prediction makes
+and frees the compiled wrapper's buffers in its order, then runs the update as one kernel (`memory_categories.one_fused_kernel`:
 the state written in place, nothing of its own counted). The buffers are read from inductor itself: the same update
 compiled on the CPU for a small parameter of the same dtype and state layout, at two sizes, its wrapper's allocations
-and frees in order (`wrapper_events`), each buffer's bytes a line through its two sizes. CPU and CUDA wrappers allocate the same buffers for this update (the H200's blocks equal the CPU code's).
+and frees in order (`wrapper_events`), each buffer's bytes a line through its two sizes. CPU and CUDA wrappers
+allocate the same buffers for this update (the H200's blocks equal the CPU code's).
 """
 
 from __future__ import annotations
@@ -70,7 +71,6 @@ def peak_bytes(events: list[tuple[str, str, int]]) -> int:
     return peak
 
 
-@functools.lru_cache(maxsize=None)
 def compiled_buffer_plan(optimizer_class: type, dtype: torch.dtype, quantized: bool
                          ) -> tuple[tuple[str, str, float, float], ...]:
     """The compiled update's buffers for a parameter of `dtype` whose moments `optimizer_class` quantizes
@@ -98,19 +98,30 @@ def compiled_buffer_plan(optimizer_class: type, dtype: torch.dtype, quantized: b
     return tuple(plan)
 
 
+@functools.lru_cache(maxsize=None)
+def cached_plan(optimizer_class: type, dtype: torch.dtype, quantized: bool) -> tuple[tuple | None, str | None]:
+    """`compiled_buffer_plan` once per optimizer, dtype and layout: (the plan, None), or (None, why inductor could
+    not compile the update on the CPU), so that a machine without a C++ compiler tries once, not per parameter."""
+    try:
+        return compiled_buffer_plan(optimizer_class, dtype, quantized), None
+    except Exception as error:  # noqa: BLE001 - any failure of inductor here: the update is predicted eagerly
+        return None, f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
+
+
 def compiled_buffer_events(optimizer_class: type, param: torch.Tensor, exp_avg: torch.Tensor
-                           ) -> list[tuple[str, str, int]]:
-    """The compiled update's buffer events for `param`; `exp_avg` (its first moment) says the state's layout:
-    torchao's quantized state is a tensor subclass, the float32 state of a small parameter a plain (fake) tensor."""
+                           ) -> list[tuple[str, str, int]] | None:
+    """The compiled update's buffer events for `param`, or None (with a warning) where inductor could not compile
+    it here; `exp_avg` (its first moment) says the state's layout: torchao's quantized state is a tensor subclass,
+    the float32 state of a small parameter a plain (fake) tensor."""
     quantized = type(exp_avg) not in (torch.Tensor, FakeTensor)
+    plan, why = cached_plan(optimizer_class, param.dtype, quantized)
+    if plan is None:
+        warnings.warn(f"torchao's compiled update could not be read from inductor on the CPU ({why}): predicted "
+                      f"eagerly, which counts temporaries the compiled update does not make (an over-estimate)",
+                      stacklevel=3)
+        return None
     return [(kind, name, max(0, round(per_value * param.numel() + constant)))
-            for kind, name, per_value, constant in compiled_buffer_plan(optimizer_class, param.dtype, quantized)]
-
-
-def _warn_eager(error: Exception) -> None:
-    warnings.warn(f"torchao's compiled update could not be read from inductor on the CPU ({type(error).__name__}: "
-                  f"{str(error).splitlines()[0][:200]}): predicted eagerly, which counts temporaries the compiled "
-                  f"update does not make (an over-estimate)", stacklevel=3)
+            for kind, name, per_value, constant in plan]
 
 
 @contextlib.contextmanager
@@ -128,11 +139,10 @@ def update_as_compiled(optimizer_class: type) -> Iterator[None]:
         adam.single_param_adam = update  # the calibration compiles torchao's own function
         try:
             events = compiled_buffer_events(optimizer_class, p, exp_avg)
-        except Exception as error:  # noqa: BLE001 - inductor cannot compile here (no C++ compiler): eager, and say so
-            _warn_eager(error)
-            return update(p, grad, step, exp_avg, *args, **kwargs)
         finally:
             adam.single_param_adam = as_compiled
+        if events is None:
+            return update(p, grad, step, exp_avg, *args, **kwargs)
         # the wrapper's buffers, made and freed in its order (the update's in-place writes change no sizes, so it
         # runs after them, as one kernel)
         buffers = {}
