@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from bench.core.results import GPU_CHECK
+from bench.core.check_tables import GPU_CHECK
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -7,7 +7,7 @@ size; its strategy, batch and sequence). A fresh process per case (so that each 
 and an out-of-memory ends one case only) runs `bench.run.passes.memory_pass` on the GPU (max_memory_allocated and
 max_memory_reserved of one steady-state step, as `compare --device cuda` measures) and then
 `bench.analysis.predict.predict_case` on fake CUDA with this GPU's compute capability, in the same torch. The rows
-(`bench.core.results.PREDICTION_CHECK`, plus the anchor's name) go to DIR/gpu-check-<run>.csv and .md as each case
+(`bench.core.check_tables.PREDICTION_CHECK`, plus the anchor's name) go to DIR/gpu-check-<run>.csv and .md as each case
 ends (the gpu-check table of results/README.md). Cases past `--deadline-s` are written as `skipped` rows, never
 dropped.
 """
@@ -142,8 +142,9 @@ def run_in_subprocess(request: dict, timeout_s: float) -> dict:
 
 
 def write(rows: list[dict], out: Path, run_id: str) -> None:
-    """The rows so far as the gpu-check table (`bench.core.results.GPU_CHECK`), atomically, and a markdown copy."""
-    from bench.core.results import GPU_CHECK, write_table
+    """The rows so far as the gpu-check table (`bench.core.check_tables.GPU_CHECK`), atomically, and a markdown copy."""
+    from bench.core.check_tables import GPU_CHECK
+    from bench.core.results import write_table
 
     declared = [{key: value for key, value in row.items() if key in GPU_CHECK.names} for row in rows]
     frame = write_table(GPU_CHECK, declared, out / f"gpu-check-{run_id}.csv")

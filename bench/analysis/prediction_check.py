@@ -1,5 +1,5 @@
 """Predicted against measured CUDA memory: one row per case, and the CSV and markdown table a GPU run leaves in
-results/cuda_prediction/ (the CSV a declared table, `bench.core.results.PREDICTION_CHECK`).
+results/cuda_prediction/ (the CSV a declared table, `bench.core.check_tables.PREDICTION_CHECK`).
 
 The `cuda`-marked tests (tests/test_cuda_prediction.py) measure each case with `bench.run.runner.memory_pass` on the
 GPU, predict it with `bench.analysis.predict.predict_case`, and hand both to `comparison_row`; at the end of the session
@@ -12,14 +12,15 @@ from pathlib import Path
 
 import pandas as pd
 
-from bench.core.results import PREDICTION_CHECK, new_run_id, now_iso, write_table
+from bench.core.check_tables import PREDICTION_CHECK
+from bench.core.results import new_run_id, now_iso, write_table
 from bench.core.schema import Row
 from bench.core.units import format_mib
 
 # The largest relative error of predicted max_memory_allocated that the cuda tests accept.
 TOLERANCE = 0.10
 
-# the columns of the CSV, in order: declared once, in bench.core.results.PREDICTION_CHECK
+# the columns of the CSV, in order: declared once, in bench.core.check_tables.PREDICTION_CHECK
 COMPARISON_COLUMNS = PREDICTION_CHECK.names
 
 
@@ -31,7 +32,7 @@ def relative_error_pct(predicted: int | None, measured: int | None) -> float | N
 
 
 def comparison_row(prediction: dict, measured: dict, env: dict) -> Row:
-    """One row of the prediction-check table (`bench.core.results.PREDICTION_CHECK`) from a `predict_case` row, a
+    """One row of the prediction-check table (`bench.core.check_tables.PREDICTION_CHECK`) from a `predict_case` row, a
     CUDA `memory_pass` result (`peak_mem_bytes`, `peak_reserved_bytes`) and the environment
     (`bench.measure.env.environment("cuda")`)."""
     error = relative_error_pct(prediction.get("predicted_bytes"), measured.get("peak_mem_bytes"))
