@@ -77,6 +77,8 @@ def adamw8bit_class(paged: bool = False) -> type[torch.optim.Optimizer]:
             return torch.zeros_like(p, dtype=dtype)
 
         def _init_state(self, p: torch.Tensor) -> dict:
+            if p.is_cuda and not is_fake(p):  # the first step of a real GPU's run goes no further
+                raise Unsupported(REAL_GPU_REFUSAL)
             state = self.state[p]
             state["step"] = 0
             if p.numel() < MIN_8BIT_SIZE:
@@ -104,8 +106,6 @@ def adamw8bit_class(paged: bool = False) -> type[torch.optim.Optimizer]:
                 for p in group["params"]:
                     if p.grad is None:
                         continue
-                    if p.is_cuda and not is_fake(p):
-                        raise Unsupported(REAL_GPU_REFUSAL)
                     state = self.state[p] if self.state[p] else self._init_state(p)
                     state["step"] += 1
                     with one_fused_kernel():

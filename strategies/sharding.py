@@ -148,7 +148,6 @@ class _BucketsRebuiltInPlace:
     def _rebuild_buckets(self) -> bool:
         if self._rebuilt or not self.buffers:
             return False
-        with allocating(COMMUNICATION):
-            file_as(self.buffers.values(), COMMUNICATION)
+        file_as(self.buffers.values(), COMMUNICATION)
         self._rebuilt = True
         return True

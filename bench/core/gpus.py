@@ -9,7 +9,6 @@ an estimated step time, not to promise one. Nothing here imports torch.
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 
 from bench.core.errors import choices_error
@@ -27,13 +26,13 @@ CUDA_CONTEXT_BYTES = 500 * 2**20
 # library's buffers; Lightning's users ask for such a margin, Lightning#21154), how many candidates it predicts
 # and for how long
 DEFAULT_HEADROOM = 0.05
+DEFAULT_MAX_CANDIDATES = 40
+DEFAULT_MAX_SEARCH_S = 40.0  # no candidate starts after this: an answer within about a minute on any machine
 
 
 def limit_with_headroom(memory_bytes: int, headroom: float = DEFAULT_HEADROOM) -> int:
     """The bytes a plan may use of `memory_bytes`, leaving the fraction `headroom` free (`plan --headroom`)."""
     return math.floor(memory_bytes * (1 - headroom))
-DEFAULT_MAX_CANDIDATES = 40
-DEFAULT_MAX_SEARCH_S = 40.0  # no candidate starts after this: an answer within about a minute on any machine
 
 
 @dataclass(frozen=True)
