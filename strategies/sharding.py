@@ -53,8 +53,8 @@ class Sharded(Strategy):
         rank, world = rank_and_world()
         self.global_samples = len(batch[1])
         if len(batch[1]) < world:
-            raise Unsupported(f"batch {len(batch[1])} is smaller than the {world} ranks (--batch-size is the global "
-                              f"batch, split across the ranks: {world} gives each rank one sample)")
+            raise Unsupported(f"batch {len(batch[1])} is smaller than the {world} ranks (--global-batch-size is "
+                              f"split across the ranks; --batch-size 1 gives each rank one sample)")
         return tree_map(lambda t: torch.tensor_split(t, world)[rank] if isinstance(t, torch.Tensor) else t, batch)
 
     def samples_of_rank(self, rank: int, world: int) -> int:

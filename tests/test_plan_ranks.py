@@ -58,9 +58,27 @@ def test_the_fewest_ranks_whose_sharded_plan_fits_where_one_gpu_cannot(one_rank)
         assert all(r["strategy"] != "baseline" for r in count.searched.rows)  # reused, not run again
 
 
-def test_no_more_ranks_than_the_global_batch_has_samples():
-    assert plan_ranks.rank_counts(8, 3) == [1, 2, 3]
-    assert plan_ranks.rank_counts(2, 64) == [1, 2]
+def test_no_more_ranks_than_a_global_batch_has_samples_and_any_with_a_batch_per_rank():
+    assert plan_ranks.rank_counts(8, dataclasses.replace(_request(1), batch_size=3)) == [1, 2, 3]
+    assert plan_ranks.rank_counts(2, dataclasses.replace(_request(1), batch_size=64)) == [1, 2]
+    assert plan_ranks.rank_counts(8, dataclasses.replace(_request(1), batch_size=1, batch_per_rank=1)) == [*range(1, 9)]
+
+
+def test_a_batch_per_rank_grows_the_steps_batch_with_the_ranks(monkeypatch):
+    """`plan --max-ranks 8 --batch-size 2`: each count's search plans the step of 2 samples a rank."""
+    seen = {}
+
+    def search(request, progress, executor=None, address=None):
+        seen[request.ranks] = request.batch_size
+        return _searched_with(request, {"fsdp": 2000 // request.ranks}), ""
+
+    monkeypatch.setattr(plan_search, "search_where_cuda_runs", search)
+    request = dataclasses.replace(_request(300), batch_size=2, batch_per_rank=2)
+    counts = plan_ranks.fewest_ranks(request, max_ranks=8)
+    assert plan_ranks.fewest(counts).ranks == 7 and seen == {n: 2 * n for n in (1, 2, 4, 8, 5, 6, 7)}
+    assert all(row["batch_size"] == 2 * count.ranks for count in counts for row in count.searched.rows)
+    assert request.on_ranks(7).batch_size == 14 and dataclasses.replace(request, batch_per_rank=0).on_ranks(7) \
+        .batch_size == 2
 
 
 @pytest.mark.parametrize("argv, named", [
@@ -129,7 +147,7 @@ def test_rank_counts_are_searched_by_doubling_then_halving_and_find_the_fewest(a
     if answer_at is None:
         assert searched_ranks[-1] == top
     assert plan_ranks.monotonic_check(counts).startswith("held")
-    walked = plan_ranks.skipped(counts, top, top)
+    walked = plan_ranks.skipped(counts, top, request)
     assert set(walked) | set(searched_ranks) >= set(range(1, (answer_at or top) + 1))
 
 
@@ -150,7 +168,7 @@ def test_the_last_gap_is_scanned_since_reserved_memory_can_grow_with_the_ranks(m
     counts = plan_ranks.fewest_ranks(dataclasses.replace(_request(80 * gib), batch_size=8), max_ranks=8)
     assert plan_ranks.fewest(counts).ranks == 5
     assert searched_ranks == [1, 2, 4, 8, 5]
-    assert plan_ranks.skipped(counts, 8, 8) == [3]
+    assert plan_ranks.skipped(counts, 8, dataclasses.replace(_request(1), batch_size=8)) == [3]
     assert plan_ranks.monotonic_check(counts).startswith("held")  # 1, 2, 4, 5, 8: falling over the counts tried
     counts = plan_ranks.fewest_ranks(dataclasses.replace(_request(76 * gib), batch_size=8), max_ranks=8)
     assert plan_ranks.fewest(counts).ranks == 8 and searched_ranks[-3:] == [5, 6, 7]

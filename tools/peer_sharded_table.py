@@ -4,7 +4,7 @@ tools/peer_deepspeed_zero3.py), on the same configurations.
 
 Each configuration is `preset:seq_len:ranks:global_batch`. For each, in turn (one command at a time, each a
 subprocess whose output, wall time and load average are kept under --out):
-- `python -m bench predict --workload hf:<preset>:seq_len=<S> --device cuda --ranks <N> --batch-size <B>
+- `python -m bench predict --workload hf:<preset>:seq_len=<S> --device cuda --ranks <N> --global-batch-size <B>
   --strategies fsdp,fsdp+checkpoint:segments=all --phases train` (this Python; the fake-CUDA engine where
   `make cuda-fake-env` has made it);
 - tools/peer_fsdp_mem_tracker.py in the fake-CUDA environment's Python, for `fsdp` and `fsdp+checkpoint` (every
@@ -102,7 +102,7 @@ def membench(config: dict, folder: Path, args, runs: list[dict]) -> list[dict]:
     if not (args.reuse and found):
         command = [sys.executable, "-m", "bench", "predict", "--workload",
                    f"hf:{config['preset']}:seq_len={config['seq_len']}", "--device", "cuda", "--ranks",
-                   str(config["ranks"]), "--batch-size", str(config["global_batch"]), "--strategies",
+                   str(config["ranks"]), "--global-batch-size", str(config["global_batch"]), "--strategies",
                    "fsdp,fsdp+checkpoint:segments=all", "--phases", "train", "--out", str(folder)]
         if run(command, folder / "predict.stdout.txt", runs) != 0:
             raise SystemExit(f"predict failed: see {folder / 'predict.stdout.txt'}")

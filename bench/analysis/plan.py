@@ -67,9 +67,22 @@ class PlanRequest:
     sharded_only: bool = False
     known_rows: list = field(default_factory=list)
     strategies: list = field(default_factory=list)  # the strategies whose settings are candidates (empty: every one)
+    # `plan --max-ranks`: each rank's batch, so that on N ranks the step's batch is N times it; 0: batch_size is the
+    # step's batch on every rank count (--global-batch-size), split across the ranks
+    batch_per_rank: int = 0
 
     def case(self, spec: str) -> Case:
         return Case(self.workload, spec, "train", self.batch_size, self.device, data=self.data)
+
+    def on_ranks(self, ranks: int) -> PlanRequest:
+        """This request on `ranks` ranks: with a batch per rank, the step's batch grows with them."""
+        batch = self.batch_per_rank * ranks if self.batch_per_rank else self.batch_size
+        return replace(self, ranks=ranks, batch_size=batch)
+
+    def most_ranks(self, max_ranks: int) -> int:
+        """The most ranks up to `max_ranks` this request can run on: a fixed global batch gives each rank at least
+        one sample."""
+        return max_ranks if self.batch_per_rank else min(max_ranks, self.batch_size)
 
 
 def empty_row(request: PlanRequest, spec: str, members: int) -> Row:

@@ -4,14 +4,15 @@
 One rank is the ordinary plan (`plan_search.search`); at two ranks and more only candidates with a sharded member
 run (ddp, zero1, fsdp, with the other techniques), each rank's step predicted in one process (PyTorch's fake process
 group), since a candidate that shards nothing needs on N GPUs what it needs on one: those rows come from the one-rank
-search, which the later searches also combine from. `--batch-size` is the global batch, split across the ranks, so
-no more ranks than samples are tried.
+search, which the later searches also combine from. `--batch-size` is each rank's batch, as torchrun's ranks each
+load their own, so the step's batch grows with the ranks; `--global-batch-size` fixes the step's batch instead,
+split across the ranks, and then no more ranks than samples are tried.
 
 The rank counts are searched, not walked: 1, 2, 4, 8, ... (and the largest allowed) until one has an answer, then by
 halves between the largest count without one and that count until at most SCANNED_GAP counts lie between them,
 which are all tried, fewest first. The halving rests on a plan's per-GPU memory not growing with the rank count
-(the largest rank's batch share, ceil(batch / N), and its chunk of every parameter, ceil(rows / N), never grow with
-N); that holds for allocated memory but not always for reserved, which the caching allocator's fragmentation moves
+(a rank's batch, or its share ceil(batch / N) of a fixed global one, and its chunk of every parameter,
+ceil(rows / N), never grow with N); that holds for allocated memory but not always for reserved, which the caching allocator's fragmentation moves
 either way: llama-3.1-70b, global batch 8, checkpoint:segments=all+fsdp:offload=cpu reserves 80,948 MiB a rank on 5
 ranks and 88,868 on 6 (allocated within 1 MB of each other), so halving from 8 (fits) through 6 and 7 (do not)
 would never try 5. Hence the last gap is scanned: on up to 8 ranks every count between the doubling's last two
@@ -44,9 +45,9 @@ class RankCount:
     note: str = ""
 
 
-def rank_counts(max_ranks: int, batch_size: int) -> list[int]:
-    """The rank counts tried, in order: 1 to `max_ranks`, no more than the global batch's samples."""
-    return list(range(1, min(max_ranks, batch_size) + 1))
+def rank_counts(max_ranks: int, request: plan.PlanRequest) -> list[int]:
+    """The rank counts that may be tried, in order: 1 to `max_ranks`, no more than a fixed global batch's samples."""
+    return list(range(1, request.most_ranks(max_ranks) + 1))
 
 
 def fewest_ranks(request: plan.PlanRequest, max_ranks: int, progress: Callable[[str], None] = lambda text: None,
@@ -63,7 +64,7 @@ def fewest_ranks(request: plan.PlanRequest, max_ranks: int, progress: Callable[[
         nonlocal known
         progress(f"plan on {ranks} rank{'s' if ranks > 1 else ''} ...")
         found, note = plan_search.search_where_cuda_runs(
-            replace(request, ranks=ranks, sharded_only=ranks > 1, known_rows=[dict(row) for row in known]), progress,
+            replace(request.on_ranks(ranks), sharded_only=ranks > 1, known_rows=[dict(row) for row in known]), progress,
             executor, ray_address)
         answer = plan.decide(found.rows, request.allow_different)
         tried[ranks] = RankCount(ranks, found, answer, plan.smallest(found.rows), note)
@@ -72,7 +73,7 @@ def fewest_ranks(request: plan.PlanRequest, max_ranks: int, progress: Callable[[
             known = [row for row in found.rows if row["status"] == Status.OK.value]
         return answer is not None
 
-    top = rank_counts(max_ranks, request.batch_size)[-1]
+    top = rank_counts(max_ranks, request)[-1]
     below, above, ranks = 0, None, 1
     while above is None:
         if answered(ranks):
@@ -95,10 +96,10 @@ def fewest(counts: list[RankCount]) -> RankCount | None:
     return next((c for c in counts if c.answer is not None), None)
 
 
-def skipped(counts: list[RankCount], max_ranks: int, batch_size: int) -> list[int]:
+def skipped(counts: list[RankCount], max_ranks: int, request: plan.PlanRequest) -> list[int]:
     """The rank counts up to the answer (or to the largest allowed) that the search did not try."""
     answer = fewest(counts)
-    last = answer.ranks if answer else rank_counts(max_ranks, batch_size)[-1]
+    last = answer.ranks if answer else rank_counts(max_ranks, request)[-1]
     done = {c.ranks for c in counts}
     return [n for n in range(1, last + 1) if n not in done]
 

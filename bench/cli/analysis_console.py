@@ -7,6 +7,7 @@ import math
 
 from bench.analysis.explain import ModuleRow, UnitRow
 from bench.analysis.fit import FitResult
+from bench.cli.arguments import batch_option_of
 from bench.core.units import MiB, format_mib, format_size
 from bench.measure.breakdown import BREAKDOWN_COLUMNS
 from bench.run.rule_of_thumb import RULE_OF_THUMB_CAVEATS
@@ -180,5 +181,19 @@ def ms_or_dash(value) -> str:
 def compare_command(request, spec: str) -> str:
     """The `compare` command that measures `spec` against the baseline."""
     ranks = f" --ranks {request.ranks}" if request.ranks > 1 else ""
-    return (f"python -m bench compare --workload {request.workload} --batch-size {request.batch_size} "
-            f"--device {request.device} --phases train --strategies {spec}{ranks}")
+    batch = batch_option_of(request.batch_size, request.ranks)
+    return (f"python -m bench compare --workload {request.workload} {batch} --device {request.device} --phases train "
+            f"--strategies {spec}{ranks}")
+
+
+def rank_share(batch_size: int, ranks: int) -> str:
+    """Each rank's share of the step's batch: `2 a rank`, or `2 or 1 a rank` where the ranks do not divide it."""
+    low, extra = divmod(batch_size, ranks)
+    return f"{low} a rank" if not extra else f"{low + 1} or {low} a rank"
+
+
+def batch_words(batch_size: int, ranks: int) -> str:
+    """`batch 8`, or on several ranks the step's batch and each rank's share: `batch 8 (1 a rank on 8 ranks)`."""
+    if ranks <= 1:
+        return f"batch {batch_size}"
+    return f"batch {batch_size} ({rank_share(batch_size, ranks)} on {ranks} ranks)"

@@ -59,6 +59,48 @@ def one_batch_size(text, option: str = "--batch-size") -> int:
     return sizes[0]
 
 
+GLOBAL_BATCH_HELP = ("with --ranks N: the step's batch over all N ranks, split across them (where N does not divide "
+                     "it the first ranks take one sample more), in place of --batch-size, which is each rank's "
+                     "(default: --batch-size x N)")
+
+
+def add_global_batch_option(p: argparse.ArgumentParser, many: bool = False) -> None:
+    """--global-batch-size: the batch of the whole sharded step, where --batch-size is each rank's."""
+    p.add_argument("--global-batch-size", default=None, metavar="N,N..." if many else "N",
+                   help=GLOBAL_BATCH_HELP.replace("in place", "one size or a comma list, in place") if many
+                   else GLOBAL_BATCH_HELP)
+
+
+def step_batch_text(args) -> str | None:
+    """--batch-size or --global-batch-size as typed (None: neither); a UsageError where both are given."""
+    per_rank, whole = getattr(args, "batch_size", None), getattr(args, "global_batch_size", None)
+    if per_rank is not None and whole is not None:
+        raise UsageError(f"give --batch-size {per_rank} (each rank's) or --global-batch-size {whole} (the step's, "
+                         "split across the ranks), not both")
+    return whole if whole is not None else per_rank
+
+
+def batch_option_name(args) -> str:
+    """The batch option the user gave, for its error messages."""
+    return "--global-batch-size" if getattr(args, "global_batch_size", None) is not None else "--batch-size"
+
+
+def step_batches(args, sizes: list[int], ranks: int) -> list[int]:
+    """The step's global batches of `sizes` (parsed from `step_batch_text`): as given with --global-batch-size,
+    else each rank's batch times `ranks`, as torchrun's ranks each load their own batch."""
+    if getattr(args, "global_batch_size", None) is not None:
+        return sizes
+    return [size * ranks for size in sizes]
+
+
+def batch_option_of(batch_size: int, ranks: int) -> str:
+    """The option that asks for the global batch `batch_size` on `ranks` ranks: `--batch-size` a rank where the
+    ranks divide it, else `--global-batch-size`."""
+    if ranks > 1 and batch_size % ranks:
+        return f"--global-batch-size {batch_size}"
+    return f"--batch-size {batch_size // max(ranks, 1)}"
+
+
 def analysis_device(text: str) -> str:
     return check_choice("device", text, ("cpu", "cuda"))
 
@@ -86,7 +128,9 @@ def add_case_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", default=None, help=WORKLOAD_HELP)
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto: cuda if there is a GPU)")
     p.add_argument("--batch-size", default=None, help="one size or a comma list, e.g. 25,50,100 (default: the "
-                                                       "workload's own, 100 for captcha_resnet18; see `list`)")
+                                                       "workload's own, 100 for captcha_resnet18; see `list`); "
+                                                       "with --ranks N, each rank's")
+    add_global_batch_option(p, many=True)
     p.add_argument("--phases", default=None, help="train,eval, train or eval (default train,eval)")
     p.add_argument("--steps", type=positive_int, default=None,
                    help="exactly N timed steps per case (default: adaptive timing, see --min-steps; or the suite's)")
@@ -143,7 +187,8 @@ def _add_sweep_options(p: argparse.ArgumentParser) -> None:
                    help="cudnn.deterministic and torch.use_deterministic_algorithms(True) for each case (default off)")
     p.add_argument("--ranks", type=positive_int, default=1,
                    help="processes of torch.distributed for the sharded strategies ddp, zero1, fsdp (gloo on the CPU, "
-                        "NCCL and one GPU each on CUDA); each gets 1/N of the batch (default 1)")
+                        "NCCL and one GPU each on CUDA), each training on its own --batch-size, as torchrun's do (or "
+                        "on its share of --global-batch-size) (default 1)")
     p.add_argument("--executor", default=None,
                    help="where the cases run: local (default: this machine, in order) or ray (each case and repeat a "
                         "task in a fresh Ray worker process; see --ray-address)")

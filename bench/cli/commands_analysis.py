@@ -15,9 +15,9 @@ from bench.analysis import fit as fitting
 from bench.analysis import predict, predict_assumptions
 from bench.cli import interrupt
 from bench.cli.analysis_console import (format_explain, format_fit, format_fit_seq_len, format_plan_units,
-                                        format_predictions, nothing_fits)
-from bench.cli.arguments import (DEFAULT_WORKLOAD, EXECUTORS, analysis_device, capability, csv_list,
-                                 one_batch_size, size_option)
+                                        format_predictions, nothing_fits, rank_share)
+from bench.cli.arguments import (DEFAULT_WORKLOAD, EXECUTORS, analysis_device, batch_option_name, capability,
+                                 csv_list, one_batch_size, size_option, step_batch_text, step_batches)
 from bench.cli.commands_run import apply_memory_limit
 from bench.cli.console import status
 from bench.core import gpus
@@ -73,8 +73,9 @@ def _workload_and_data(args) -> tuple[str, str]:
 
 
 def _batch_size_text(args) -> str:
-    """--batch-size as given, else the workload's own default batch (as `run` and `compare` take it)."""
-    return args.batch_size or str(get_workload(args.workload or DEFAULT_WORKLOAD).default_batch_size)
+    """--batch-size (or --global-batch-size) as given, else the workload's own default batch (as `run` and `compare`
+    take it)."""
+    return step_batch_text(args) or str(get_workload(args.workload or DEFAULT_WORKLOAD).default_batch_size)
 
 
 def _planned_case(args) -> tuple[Case, object]:
@@ -134,7 +135,7 @@ def cmd_predict(args) -> int:
     specs = ["baseline"] + [s for s in csv_list(args.strategies or "") if s != "baseline"]
     for spec in specs:
         parse_strategy(spec)  # unknown names: exit 2 before any work
-    batches = parse_batch_sizes(_batch_size_text(args))
+    batches = step_batches(args, parse_batch_sizes(_batch_size_text(args), batch_option_name(args)), args.ranks)
     out = check_output_dir(args.out, "--out")
     interrupt.set_note("interrupted: nothing was written (predict writes its table at the end)")
     cases = [Case(workload, spec, phase, batch, device, data=data) for spec in specs for phase in phases
@@ -149,6 +150,9 @@ def cmd_predict(args) -> int:
                                  snapshot_dir=None if snapshots is None else str(snapshots))
     print(f"predicted peak memory on {device}" + (" (torch.cuda.max_memory_allocated and max_memory_reserved)"
                                                   if device == "cuda" else " (exact live tensor bytes)"))
+    if args.ranks > 1:
+        print(f"batch: the step's, over {args.ranks} ranks ("
+              + "; ".join(f"{batch}: {rank_share(batch, args.ranks)}" for batch in batches) + ")")
     print(format_predictions(rows))
     if device == "cuda":
         print("\nassumptions:")

@@ -11,8 +11,8 @@ import time
 from bench.analysis import plan, plan_candidates, plan_cost, plan_search
 from bench.analysis.fake_engine import has_gpu
 from bench.cli import interrupt
-from bench.cli.arguments import analysis_device, one_batch_size, size_option
-from bench.cli.analysis_console import compare_command, mib_or_dash, ms_or_dash
+from bench.cli.arguments import analysis_device, batch_option_name, one_batch_size, size_option, step_batch_text
+from bench.cli.analysis_console import batch_words, compare_command, mib_or_dash, ms_or_dash
 from bench.cli.commands_analysis import _batch_size_text, _workload_and_data, executor_options, uses_threads
 from bench.cli.commands_plan_context import check_over_seq_len, plan_context_command
 from bench.cli.commands_plan_ranks import plan_ranks_command
@@ -54,7 +54,8 @@ def _request(args) -> tuple[plan.PlanRequest, str]:
         raise UsageError("--confirm measures on the planned device: this machine has no GPU (plan --device cpu "
                          "--budget SIZE confirms on the CPU)")
     workload, data = _workload_and_data(args)
-    batch = one_batch_size(_batch_size_text(args))
+    batch = one_batch_size(_batch_size_text(args), batch_option_name(args))
+    per_rank = batch if args.global_batch_size is None else 0
     limit = gpus.limit_with_headroom(budget, args.headroom)
     context = gpus.CUDA_CONTEXT_BYTES if device == "cuda" else 0
     source = f"--budget {args.budget}" if args.budget is not None else f"the {gpu.name}'s {format_size(budget)}"
@@ -69,10 +70,10 @@ def _request(args) -> tuple[plan.PlanRequest, str]:
         figures = plan_cost.cpu_figures(measure_cpu_speed(), f"this CPU ({env.cpu_name()}, bfloat16 {native})")
         how += "; exact live tensor bytes judged against it"
     request = plan.PlanRequest(workload, data, batch, device, gpu.name if gpu else "this CPU", limit, context,
-                               plan_cost.to_json(figures), args.ranks, gpu.capability if gpu else None,
+                               plan_cost.to_json(figures), 1, gpu.capability if gpu else None,
                                args.allow_different, args.max_candidates, args.max_search_s,
-                               args.jobs or plan_search.default_jobs(), strategies=strategies)
-    return request, how
+                               args.jobs or plan_search.default_jobs(), strategies=strategies, batch_per_rank=per_rank)
+    return request.on_ranks(args.ranks), how
 
 
 def _candidate_strategies(args) -> list[str]:
@@ -98,7 +99,8 @@ def cmd_plan(args) -> int:
     executor, address = executor_options(args)
     if check_choice("over", args.over, ("batch", "seq_len")) == "seq_len":
         check_over_seq_len(args)
-        args.batch_size = args.batch_size or "1"
+        if step_batch_text(args) is None:
+            args.batch_size = "1"
     request, how = _request(args)
     if executor == "ray":
         request = dataclasses.replace(request, jobs=args.jobs or 0)  # 0: the cluster's CPUs
@@ -126,7 +128,7 @@ def cmd_plan(args) -> int:
         print(_confirm(request, rows, answer, args.confirm_front, args.threads))
     write_table(PLAN, rows, csv_path)
     chart_plan(table_frame(PLAN, rows), request.limit_bytes, chart_path,
-               f"plan: {request.workload}, batch {request.batch_size}, on {request.target}",
+               f"plan: {request.workload}, {batch_words(request.batch_size, request.ranks)}, on {request.target}",
                f"every candidate predicted; limit {format_size(request.limit_bytes)} ({how.split(';')[0]})")
     print(f"\nwrote {csv_path} (every candidate) and {chart_path}")
     return 0
@@ -147,8 +149,8 @@ def _summary(request: plan.PlanRequest, how: str, searched: plan_search.Searched
         counts[row["status"]] = counts.get(row["status"], 0) + 1
     engines = sorted({r["engine"] for r in rows if r["engine"]})
     estimator = next((r["time_estimator"] for r in rows if r["time_estimator"]), "none")
-    lines = [f"plan for {request.workload}, batch {request.batch_size}, training, on {request.target}"
-             + (f", {request.ranks} ranks" if request.ranks > 1 else ""),
+    lines = [f"plan for {request.workload}, {batch_words(request.batch_size, request.ranks)}, training, on "
+             f"{request.target}",
              f"  limit {format_size(request.limit_bytes)} ({request.limit_bytes:,} B): {how}",
              f"  {len(rows)} candidates in {searched_s:.0f} s ({cpu_s:.0f} s of CPU time, {searched.jobs} "
              f"process{'es' if searched.jobs > 1 else ''}; "

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 
 from bench.analysis import plan, plan_ranks
 from bench.cli import interrupt
@@ -41,7 +40,9 @@ def plan_ranks_command(args, request: plan.PlanRequest, how: str, executor: str 
 
 
 def _per_rank_count(request: plan.PlanRequest, how: str, counts: list, seconds: float, max_ranks: int) -> str:
-    lines = [f"how many GPUs: {request.workload}, global batch {request.batch_size}, training, on {request.target}",
+    batch = (f"batch {request.batch_per_rank} a rank" if request.batch_per_rank else
+             f"global batch {request.batch_size}, split across the ranks")
+    lines = [f"how many GPUs: {request.workload}, {batch}, training, on {request.target}",
              f"  limit per GPU {format_size(request.limit_bytes)} ({request.limit_bytes:,} B): {how}",
              f"  {sum(c.searched.tried for c in counts)} candidates in {seconds:.0f} s; at 2 ranks and more only "
              "those with a sharded member (ddp, zero1, fsdp), each rank predicted in one process",
@@ -59,15 +60,16 @@ def _per_rank_count(request: plan.PlanRequest, how: str, counts: list, seconds: 
         lines.append(f"  {count.ranks:>5} {count.searched.tried:>5}  {small:<48} {shown or '-'}{more}{cut}")
         if count.note:
             lines.append(f"        note: {count.note}")
-    passed = plan_ranks.skipped(counts, max_ranks, request.batch_size)
+    passed = plan_ranks.skipped(counts, max_ranks, request)
     if passed:
         lines.append(f"  not tried: {', '.join(map(str, passed))} rank(s): the counts are searched (doubling, then "
                      f"halving the gap below the first with an answer down to {plan_ranks.SCANNED_GAP} counts, all "
                      "tried), assuming a plan's per-GPU memory never grows with the ranks; "
                      f"{plan_ranks.monotonic_check(counts)}")
-    if max_ranks > request.batch_size:
-        lines.append(f"  ranks beyond {request.batch_size} not tried: --batch-size is the global batch, split "
-                     "across the ranks (a larger one tries more)")
+    if request.most_ranks(max_ranks) < max_ranks:
+        lines.append(f"  ranks beyond {request.batch_size} not tried: --global-batch-size {request.batch_size} is "
+                     "split across the ranks, at least one sample each (a larger one, or --batch-size a rank, tries "
+                     "more)")
     return "\n".join(lines)
 
 
@@ -92,5 +94,5 @@ def _answer(request: plan.PlanRequest, answered, counts: list) -> str:
     if fewer:
         lines.append(f"  (the searches on {', '.join(map(str, fewer))} rank(s) were cut short before trying every "
                      "candidate: fewer GPUs may do; --max-search-s or --max-candidates tries more)")
-    lines.append(f"measure it: {compare_command(replace(request, ranks=answered.ranks), row['strategy'])}")
+    lines.append(f"measure it: {compare_command(request.on_ranks(answered.ranks), row['strategy'])}")
     return "\n".join(lines)

@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 
 from bench.cli import interrupt, preflight_steps
-from bench.cli.arguments import DEFAULT_ISOLATED_CASE_TIMEOUT_S, EXECUTORS, csv_list, size_option
+from bench.cli.arguments import (DEFAULT_ISOLATED_CASE_TIMEOUT_S, EXECUTORS, csv_list, size_option, step_batch_text,
+                                 step_batches)
 from bench.cli.console import Progress, announce, finish_run
 from bench.core import progress
 from bench.core.atomic import WriteFailed
@@ -88,7 +89,7 @@ def _suite_overrides(args, strategies: list[str] | None) -> SuiteOverrides:
     return SuiteOverrides(
         strategies=strategies, workloads=csv_list(args.workload) if args.workload else None,
         data=args.data or None, phases=csv_list(args.phases) if args.phases else None,
-        batch_sizes=args.batch_size or None, steps=args.steps, warmup=args.warmup, min_steps=args.min_steps,
+        batch_sizes=step_batch_text(args) or None, steps=args.steps, warmup=args.warmup, min_steps=args.min_steps,
         max_time_per_case=args.max_time_per_case, target_ci=args.target_ci, quick=args.quick)
 
 
@@ -166,7 +167,8 @@ def _run_suite(args, suite: Suite, device: str, options: RunOptions, overrides: 
     preflight.check_ranks(options.ranks, device)
     preflight.check_repeats(options.repeats)
     executor = _executor(args, options, suite)
-    cases = suite.cases(device)
+    cases = [replace(case, batch_size=size) for case in suite.cases(device)
+             for size in step_batches(args, [case.batch_size], options.ranks)]
     overrides.check_steps(cases)
     preflight.check_cases(cases, bind_case)
     previous, run_id = None, None

@@ -15,8 +15,9 @@ from typing import Callable, Sequence
 
 from bench.cli import interrupt
 from bench.cli.arguments import (DEFAULT_OUT, WORKLOAD_HELP, add_case_options, add_executor_options,
-                                 add_memory_limit_option, add_snapshot_option, add_table_options, add_threads_option, fraction,
-                                 non_negative_int, positive_float, positive_int)
+                                 add_global_batch_option, add_memory_limit_option, add_snapshot_option,
+                                 add_table_options, add_threads_option, fraction, non_negative_int, positive_float,
+                                 positive_int)
 from bench.core import gpus
 from bench.core.errors import UsageError, shortened
 from bench.core.job_environment import check_job_environment
@@ -126,11 +127,14 @@ def _add_analysis_parsers(sub) -> None:
     p.add_argument("--strategies", default="", help="comma list (baseline is always included; default: baseline only)")
     p.add_argument("--device", default="cuda", help="cuda (predict CUDA on any machine) or cpu (default cuda)")
     p.add_argument("--batch-size", default=None,
-                   help="one size or a comma list (default: the workload's own, see `list`)")
+                   help="one size or a comma list (default: the workload's own, see `list`); with --ranks N, each "
+                        "rank's")
+    add_global_batch_option(p, many=True)
     p.add_argument("--phases", default="train,eval", help="train,eval, train or eval (default train,eval)")
     p.add_argument("--ranks", type=positive_int, default=1,
-                   help="for the sharded strategies (ddp, zero1, fsdp): the peak of the largest of N ranks, without "
-                        "starting N processes (PyTorch's fake process group; default 1)")
+                   help="for the sharded strategies (ddp, zero1, fsdp): the peak of the largest of N ranks, each "
+                        "training on its own --batch-size (or its share of --global-batch-size), without starting N "
+                        "processes (PyTorch's fake process group; default 1)")
     p.add_argument("--engine", default="auto",
                    help="auto (fake tensors: for CUDA on CUDA's own operators where the fake-CUDA environment exists, "
                         "`make cuda-fake-env`, else on the CPU's; a real CPU step where they cannot run a strategy), "
@@ -183,7 +187,9 @@ def _add_plan_parser(sub) -> None:
     p = _add_command(sub, "plan")
     p.add_argument("--workload", default=None, help=WORKLOAD_HELP)
     p.add_argument("--data", default=None, help="a data source of the workload (default synthetic where it has one)")
-    p.add_argument("--batch-size", default=None, help="one batch size (default: the workload's own, see `list`)")
+    p.add_argument("--batch-size", default=None, help="one batch size (default: the workload's own, see `list`); "
+                                                       "with --ranks or --max-ranks, each rank's")
+    add_global_batch_option(p)
     p.add_argument("--budget", default=None, help="memory limit: 4GiB, 500MiB, 1e9 ... (default: the --gpu's memory)")
     p.add_argument("--gpu", default=None, help="plan for this GPU of the table (`--list-gpus`): its memory is the "
                                                "limit, its figures time the step; implies --device cuda (default: "
