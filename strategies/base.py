@@ -181,6 +181,8 @@ class Strategy:
     recompute_plan_kind: str | None = None
     # why `python -m bench plan` never tries this strategy (None: it is a candidate, with its `plan_options`)
     plan_excluded: str | None = None
+    # what a prediction of it (predict, plan) assumes that its measurement does not: said in the prediction's row
+    prediction_note: str | None = None
     # the option settings `python -m bench plan` tries ({} is the defaults; see `plan_settings()`)
     plan_options: tuple[dict[str, Any], ...] = ({},)
     # What the tests expect of it on the CPU (tests/conformance.py): its outcome on a workload that `expected_on`
@@ -234,6 +236,12 @@ class Strategy:
     def prepare_model(self, model: nn.Module, units: list[nn.Module]) -> nn.Module:
         """Returns the model to train (may be `model` changed in place, or a wrapper sharing its parameters)."""
         return model
+
+    def prepare_loss(self, loss: Callable[[Any, torch.Tensor], torch.Tensor]) -> Callable[[Any, torch.Tensor],
+                                                                                         torch.Tensor]:
+        """Returns the loss the step computes from the model's float32 output and the target: the workload's `loss`
+        or a function in its place (compiled)."""
+        return loss
 
     def role(self) -> str:
         """The row's `strategy_role` (`bench.core.results.Role`): a pitfall, or a technique."""

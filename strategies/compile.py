@@ -12,6 +12,7 @@ import contextlib
 import time
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from bench.core.errors import Unsupported, UsageError, choices_error
 from strategies.base import Strategy, Tolerance, differs, register_strategy
@@ -20,6 +21,11 @@ from strategies.grad_accumulation import batch_statistics_modules
 # Backends whose graphs go through the min-cut partitioner (where the budget applies): inductor, and
 # aot_eager_decomp_partition (the same partition run by eager kernels: no C++ compiler, cheap to test with).
 BACKENDS = ("inductor", "aot_eager_decomp_partition")
+# what is compiled: the whole model (one graph where dynamo can), or each of the workload's layers (its checkpoint
+# units) on its own, as torchtune's compile_model does
+SCOPES = ("model", "layers")
+# what a prediction runs for inductor: the same partitioned graphs, on eager kernels (`Compile.backend_for`)
+PREDICTED_BACKEND = "aot_eager_decomp_partition"
 
 
 def cpu_compiler() -> str | None:
@@ -36,20 +42,29 @@ def cpu_compiler() -> str | None:
 class Compile(Strategy):
     """The model under `torch.compile(backend=...)`, compiled with `activation_memory_budget=budget`.
 
-    Options: `budget` (a fraction in (0, 1], default 1.0: the partitioner's usual plan) and `backend` (`inductor`,
-    the default, or `aot_eager_decomp_partition`). Compilation happens in the first forward and backward of each
+    Options: `budget` (a fraction in (0, 1], default 1.0: the partitioner's usual plan), `backend` (`inductor`,
+    the default, or `aot_eager_decomp_partition`), `scope` (`model`, the default: the whole model; `layers`: each of
+    the workload's layers, its checkpoint units, compiled on its own, as torchtune's `compile_model` does) and `loss`
+    (true: the loss compiled too, as torchtune's `compile_loss`; default false). Compilation happens in the first forward and backward of each
     pass (dynamo's caches are reset first, so a previous case's compiled code, built under another budget, is never
     reused); those calls fall in the warm-up steps, so the step time is the compiled step's. The row's
     `compile_time_ms` is how much longer that first forward and backward took than the last ones of the timing pass
     (inductor keeps compiled kernels in an on-disk cache: the verification pass compiles first, so the timing pass
     may find them there, as a user's second run would).
 
-    Memory: on CUDA `max_memory_allocated` measures the compiled step. On the CPU the exact live-tensor tracker
-    cannot: it is a TorchDispatchMode, and under a dispatch mode dynamo runs the model eagerly (measured: the same
-    operators, unfused, the same peak at every budget). The CPU memory pass counts at the allocator instead
-    (`cpu_memory_count`: torch.profiler's memory events, `memory_method` `cpu_allocator_events`), which sees the
-    compiled kernels' buffers as they are. `inductor` on the CPU compiles C++: without a C++ compiler the row is
-    `unsupported` and says so.
+    Memory: on CUDA `max_memory_allocated` measures the compiled step. On the CPU the memory pass counts at the
+    allocator (`cpu_memory_count`: torch.profiler's memory events, `memory_method` `cpu_allocator_events`), which
+    sees inductor's buffers as they are; the live-tensor tracker (a TorchDispatchMode that lets torch.compile compile
+    under it, `ignore_compile_internals`) sees the operators the compiled code runs, which for
+    `aot_eager_decomp_partition` are all of its memory, but not the buffers inductor's C++ wrapper allocates. `inductor`
+    on the CPU compiles C++: without a C++ compiler the row is `unsupported` and says so.
+
+    Prediction (`predict`, on fake tensors): the model compiles under the fake tensors as it would for real, and its
+    compiled graphs run on them. Inductor's kernels cannot (they read and write real memory), so inductor is
+    predicted as its partition run by eager kernels (`aot_eager_decomp_partition`: AOTAutograd's min-cut partition,
+    what the forward saves for backward, freed at its last use in backward), and the row says that inductor's fusion
+    of a graph's temporaries is not modelled. For `aot_eager_decomp_partition` the prediction is what the CPU
+    measures (tests/test_compile_prediction.py).
 
     Tolerance: fused kernels reorder float arithmetic. Loss within 1e-4; gradients within 1e-2 relative norm per
     parameter, since the baseline's own float32 gradients are off from the true ones by the same order where
@@ -66,12 +81,14 @@ class Compile(Strategy):
     name = "compile"
     row_columns = ("compile_time_ms",)
     description = "torch.compile with AOTAutograd's activation_memory_budget (the partitioner recomputes to fit)"
-    options = {"budget": 1.0, "backend": "inductor"}
+    options = {"budget": 1.0, "backend": "inductor", "scope": "model", "loss": False}
     phases = ("train",)
     cpu_memory_count = "allocator_events"
     priority = 70  # compiles the model as the other strategies left it
-    plan_excluded = ("its compiled step's memory cannot be predicted on fake tensors (predict refuses it): "
-                     "measure it with compare")
+    plan_excluded = ("the planner's time model counts eager operators, not compiled kernels: measure it with compare "
+                     "(predict predicts its memory)")
+    prediction_note = ("predicted as inductor's partition (AOTAutograd's min-cut, inductor's decompositions) run by "
+                       "eager kernels: inductor's fusion of a graph's temporaries is not modelled")
     tolerance = Tolerance(loss_rtol=1e-4, grad_rtol=1e-2, step_rtol=float("inf"))
     expected_on = {"gpt_mini": differs("another random stream than eager dropout")}
     # inductor compiles C++ for ~30 s per pass on a 2-core CPU; the eager partition backend runs the same
@@ -85,6 +102,10 @@ class Compile(Strategy):
             raise UsageError(f"compile:budget={self.settings['budget']} must be a fraction in (0, 1]")
         if self.settings["backend"] not in BACKENDS:
             raise choices_error("compile backend", self.settings["backend"], BACKENDS)
+        if self.settings["scope"] not in SCOPES:
+            raise choices_error("compile scope", self.settings["scope"], SCOPES)
+        if self.settings["backend"] != "inductor":
+            self.prediction_note = None  # the partition backend's prediction is what it runs
         self._call_ms: list[float] = []  # forward + backward of each step of the current session, in order
         self._has_dropout = False
         self.compile_time_ms: float | None = None
@@ -108,7 +129,25 @@ class Compile(Strategy):
 
     def prepare_model(self, model, units):
         self._has_dropout = "dropout" in batch_statistics_modules(model)
-        return torch.compile(model, backend=self.settings["backend"])
+        self._backend = self.backend_for(model)
+        if self.settings["scope"] == "layers":
+            for unit in units:  # compiled in place: the model calls each unit's compiled forward
+                unit.compile(backend=self._backend)
+            return model
+        return torch.compile(model, backend=self._backend)
+
+    def prepare_loss(self, loss):
+        """With `loss=true`, the loss compiled too (torchtune's compile_loss): its graph partitioned and fused as the
+        model's."""
+        return torch.compile(loss, backend=self._backend) if self.settings["loss"] else loss
+
+    def backend_for(self, model) -> str:
+        """The backend the model compiles with: the setting's, but on fake or meta parameters (predict) inductor's
+        partition run by eager kernels, since inductor's compiled kernels read and write real memory."""
+        backend = self.settings["backend"]
+        if backend == "inductor" and any(is_fake(p) or p.is_meta for p in model.parameters()):
+            return PREDICTED_BACKEND
+        return backend
 
     @contextlib.contextmanager
     def forward(self):

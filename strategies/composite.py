@@ -81,6 +81,11 @@ class Composite(Strategy):
             model = m.prepare_model(model, units)
         return model
 
+    def prepare_loss(self, loss):
+        for m in self.members:
+            loss = m.prepare_loss(loss)
+        return loss
+
     def shard_batch(self, batch):
         return self._owner("shard_batch").shard_batch(batch)
 

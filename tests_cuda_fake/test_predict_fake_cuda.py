@@ -26,8 +26,7 @@ from tests_cuda_fake.test_cuda_path import DEVICE_INDEPENDENT_REASONS, WORKLOADS
 
 ROOT = Path(__file__).resolve().parent.parent
 BATCH = 2
-# predict refuses compile for a reason of its own (its tracker, a dispatch mode, makes dynamo run eagerly)
-PREDICT_REASONS = DEVICE_INDEPENDENT_REASONS + [r"dynamo runs the model eagerly"]
+PREDICT_REASONS = DEVICE_INDEPENDENT_REASONS  # compile included: its graphs run on the fake tensors
 
 
 def cuda_case(spec: str, phase: str = "train", workload: str = "captcha_resnet18") -> Case:

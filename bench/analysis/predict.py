@@ -153,17 +153,15 @@ def _planned_strategies(case, engines: list[str], ranks: int) -> dict:
 
 
 def _notes_before_the_step(strategy, planned: dict, ranks: int) -> list[str]:
-    """What the row's message says before any step runs (a plan chosen on predictions, or the sharded ranks: the
-    latter replaces the former); _NoPrediction for a compiled step, which the exact tracker cannot see."""
-    if strategy.cpu_memory_count != "live_tensors":
-        raise _NoPrediction(Status.UNSUPPORTED, f"{strategy.spec()}: predict runs the step under the exact tracker, "
-                            "a dispatch mode under which dynamo runs the model eagerly, so the compiled step's memory "
-                            "cannot be predicted; measure it (`compare --device cpu` counts it at the CPU allocator)")
+    """What the row's message says before any step runs: what the prediction of a member assumes
+    (`Strategy.prediction_note`), then a plan chosen on predictions, or the sharded ranks (the latter replaces the
+    former)."""
+    notes = [m.prediction_note for m in getattr(strategy, "members", [strategy]) if m.prediction_note]
     if strategy.distributed:
-        return [f"largest rank of {ranks}, fake process group"]
+        return notes + [f"largest rank of {ranks}, fake process group"]
     if any("checkpoint.planning_s" in s.describe() for s in planned.values()):
-        return ["plan chosen on predicted peaks, not confirmed by a run"]
-    return []
+        return notes + ["plan chosen on predicted peaks, not confirmed by a run"]
+    return notes
 
 
 def _first_engine_that_runs(case, spec: str, engines: list[str], planned: dict, ranks: int,

@@ -72,6 +72,11 @@ _CORRECTIONS = {**dict.fromkeys(CPU_LOSS_BUFFER_OPS, _loss_with_cpu_buffer),
 class CpuKernelStorages(TorchDispatchMode):
     """On fake CPU tensors, the outputs of the operators above as the CPU's kernels return them (see the module)."""
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """True: a compiled model compiles under this mode and runs its compiled code under it (as the tracker)."""
+        return True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)

@@ -99,6 +99,13 @@ class LiveTensorTracker(TorchDispatchMode):
     through a model of CUDA's caching allocator.
     """
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """True: torch.compile compiles under the tracker (the tracker off while it traces), and the tracker counts
+        what the compiled code's operators make when it runs, as under no mode; with False dynamo would run the
+        model eagerly under it (PyTorch's default for a dispatch mode)."""
+        return True
+
     def __init__(self, device: str = "cpu", record_timeline: bool = False, block_bytes: int = 1,
                  record_events: bool = False):
         super().__init__()

@@ -74,6 +74,11 @@ class OperatorCostCounter(TorchDispatchMode):
     """Records the cost of every operator run under it; `end_step()` closes a step (`steps` holds each step's
     list of OpCost). Views, and operators on no tensor, cost nothing."""
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """True: a compiled model compiles under this mode and runs its compiled code under it (as the tracker)."""
+        return True
+
     def __init__(self):
         super().__init__()
         self.current: list[OpCost] = []

@@ -56,6 +56,7 @@ class Session:
 
             watch_trainable()  # before the strategy's hooks, so that the watchers see each gradient first
         self.model = strategy.prepare_model(self.base_model, workload.checkpoint_units(self.base_model))
+        self.loss_of = strategy.prepare_loss(workload.loss)
         if observe_grads:
             watch_trainable()  # the parameters the strategy added (LoRA's adapters)
         self.optimizer = strategy.wrap_optimizer(workload.make_optimizer(self.base_model), self.base_model)
@@ -98,7 +99,7 @@ class Session:
 
     def loss(self, predicted: Any, target: torch.Tensor | None = None) -> torch.Tensor:
         """The workload's loss on the output in float32 (losses are not autocast-safe), outside autocast."""
-        return self.workload.loss(to_float32(predicted), self.y if target is None else target)
+        return self.loss_of(to_float32(predicted), self.y if target is None else target)
 
     def batch(self) -> tuple[Any, torch.Tensor]:
         """The (inputs, target) of one step, from where the strategy loads it."""
