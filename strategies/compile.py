@@ -17,6 +17,7 @@ from torch._subclasses.fake_tensor import is_fake
 from bench.core.errors import Unsupported, UsageError, choices_error
 from strategies.base import Strategy, Tolerance, differs, register_strategy
 from strategies.grad_accumulation import batch_statistics_modules
+from strategies.inductor_plan import predicted_inductor
 
 # Backends whose graphs go through the min-cut partitioner (where the budget applies): inductor, and
 # aot_eager_decomp_partition (the same partition run by eager kernels: no C++ compiler, cheap to test with).
@@ -24,8 +25,6 @@ BACKENDS = ("inductor", "aot_eager_decomp_partition")
 # what is compiled: the whole model (one graph where dynamo can), or each of the workload's layers (its checkpoint
 # units) on its own, as torchtune's compile_model does
 SCOPES = ("model", "layers")
-# what a prediction runs for inductor: the same partitioned graphs, on eager kernels (`Compile.backend_for`)
-PREDICTED_BACKEND = "aot_eager_decomp_partition"
 
 
 def cpu_compiler() -> str | None:
@@ -61,10 +60,11 @@ class Compile(Strategy):
 
     Prediction (`predict`, on fake tensors): the model compiles under the fake tensors as it would for real, and its
     compiled graphs run on them. Inductor's kernels cannot (they read and write real memory), so inductor is
-    predicted as its partition run by eager kernels (`aot_eager_decomp_partition`: AOTAutograd's min-cut partition,
-    what the forward saves for backward, freed at its last use in backward), and the row says that inductor's fusion
-    of a graph's temporaries is not modelled. For `aot_eager_decomp_partition` the prediction is what the CPU
-    measures (tests/test_compile_prediction.py).
+    predicted from its own generated code (`strategies.inductor_plan`): inductor's partition, then each graph
+    compiled by inductor for the CPU from fake inputs of its shapes, and its wrapper's buffers made and freed in their
+    order while the graph's arithmetic counts as one kernel; a graph with a kernel that allocates its own output
+    (attention) runs as its partition on eager kernels. On the CPU both predictions equal their measurements
+    (tests/test_compile_prediction.py).
 
     Tolerance: fused kernels reorder float arithmetic. Loss within 1e-4; gradients within 1e-2 relative norm per
     parameter, since the baseline's own float32 gradients are off from the true ones by the same order where
@@ -87,8 +87,9 @@ class Compile(Strategy):
     priority = 70  # compiles the model as the other strategies left it
     plan_excluded = ("the planner's time model counts eager operators, not compiled kernels: measure it with compare "
                      "(predict predicts its memory)")
-    prediction_note = ("predicted as inductor's partition (AOTAutograd's min-cut, inductor's decompositions) run by "
-                       "eager kernels: inductor's fusion of a graph's temporaries is not modelled")
+    prediction_note = ("inductor predicted from its generated code (each graph compiled for the CPU: its buffers, "
+                       "not its kernels' work areas); a graph with a kernel that allocates its own output (attention) "
+                       "as its partition on eager kernels")
     tolerance = Tolerance(loss_rtol=1e-4, grad_rtol=1e-2, step_rtol=float("inf"))
     expected_on = {"gpt_mini": differs("another random stream than eager dropout")}
     # inductor compiles C++ for ~30 s per pass on a 2-core CPU; the eager partition backend runs the same
@@ -141,12 +142,13 @@ class Compile(Strategy):
         model's."""
         return torch.compile(loss, backend=self._backend) if self.settings["loss"] else loss
 
-    def backend_for(self, model) -> str:
+    def backend_for(self, model):
         """The backend the model compiles with: the setting's, but on fake or meta parameters (predict) inductor's
-        partition run by eager kernels, since inductor's compiled kernels read and write real memory."""
+        memory plan read from its generated code (`strategies.inductor_plan`), since its kernels read and write real
+        memory."""
         backend = self.settings["backend"]
         if backend == "inductor" and any(is_fake(p) or p.is_meta for p in model.parameters()):
-            return PREDICTED_BACKEND
+            return predicted_inductor()
         return backend
 
     @contextlib.contextmanager

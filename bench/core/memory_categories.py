@@ -32,6 +32,8 @@ class Listener(Protocol):
 
     def recategorize(self, tensors: Iterable, category: str) -> None: ...
 
+    def made_now(self, tensors: Iterable) -> None: ...
+
 
 _LISTENERS: list[Listener] = []  # the trackers entered now
 
@@ -72,6 +74,14 @@ def one_fused_kernel() -> Iterator[None]:
     registers nothing they make or read and counts no peak (the kernel's intermediates live in its registers)."""
     with allocating(FUSED_KERNEL):
         yield
+
+
+def made_now(tensors: Iterable) -> None:
+    """Every listening tracker counts `tensors` from now on, as what an operator just made: the outputs of a fused
+    kernel whose arithmetic ran inside `one_fused_kernel()` (a compiled graph's, `strategies/inductor_plan.py`)."""
+    tensors = list(tensors)
+    for listener in list(_LISTENERS):
+        listener.made_now(tensors)
 
 
 def file_as(tensors: Iterable, category: str) -> None:

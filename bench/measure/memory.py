@@ -194,6 +194,13 @@ class LiveTensorTracker(TorchDispatchMode):
                 self._register(t, category)
         self._update_peak("")
 
+    def made_now(self, tensors: Iterable[torch.Tensor | None]) -> None:
+        """Registers tensors as an operator's outputs made now (filed as such; `memory_categories.made_now`)."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                self._register(t, self._category_of_output(t) if self._allocating else self.stage)
+        self._update_peak("")
+
     def _register(self, t: torch.Tensor, category: str) -> None:
         # a DTensor (FSDP's sharded parameters): this rank's shard is what lives here
         t = getattr(t, "_local_tensor", t)
