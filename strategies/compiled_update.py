@@ -32,7 +32,8 @@ from bench.core.memory_categories import one_fused_kernel
 from bench.core.quiet_import import import_torchao
 
 BUFFER = re.compile(r"^\s*(\w+) = empty_strided_\w+\(\(([^)]*)\), \([^)]*\), torch\.(\w+)\)")
-REUSE = re.compile(r"^\s*(\w+) = (\w+); del (\w+)\s*# reuse")
+# a buffer handed over to another name: `buf6 = buf5; del buf5  # reuse`, or as a view of it (`reinterpret_tensor`)
+REUSE = re.compile(r"^\s*(\w+) = (?:reinterpret_tensor\()?(\w+)(?:,[^;]*\))?; del (\w+)\s*# reuse")
 DELETE = re.compile(r"^\s*del (\w+)\s*$")
 # the two calibration sizes: multiples of every low-bit block size (torchao quantizes a parameter of at least 4096
 # values whose size its block divides), and sizes below 4096 for the parameters it keeps in float32
@@ -46,20 +47,28 @@ def wrapper_events(code: str) -> list[tuple[str, str, int]]:
     and `del`s; what is still held when it returns is freed then, in the order it was made."""
     body = code[code.index("def call("):]
     live: dict[str, tuple[str, int]] = {}  # a name in the code -> (the buffer it was made as, its bytes)
-    events = []
+    events: list = []
     for line in body.splitlines()[1:]:
         if line.strip().startswith("return"):
             break
-        if match := REUSE.match(line):
-            if match[2] in live:
-                live[match[1]] = live.pop(match[2])
-        elif match := BUFFER.match(line):
-            shape = [int(size) for size in match[2].split(",") if size.strip()]
-            live[match[1]] = (match[1], math.prod(shape) * getattr(torch, match[3]).itemsize)
-            events.append(("alloc", *live[match[1]]))
-        elif (match := DELETE.match(line)) and match[1] in live:
+        if not read_buffer_line(line, live, events) and (match := DELETE.match(line)) and match[1] in live:
             events.append(("free", *live.pop(match[1])))
     return events + [("free", *buffer) for buffer in live.values()]
+
+
+def read_buffer_line(line: str, live: dict[str, tuple[str, int]], events: list) -> bool:
+    """Whether `line` of a wrapper makes a buffer (recorded in `live` under its name and in `events` as ("alloc",
+    name, bytes)) or hands one over to another name (`live` updated); False for any other line."""
+    if match := REUSE.match(line):
+        if match[2] in live:
+            live[match[1]] = live.pop(match[2])
+        return True
+    if match := BUFFER.match(line):
+        shape = [int(size) for size in match[2].split(",") if size.strip()]
+        live[match[1]] = (match[1], math.prod(shape) * getattr(torch, match[3]).itemsize)
+        events.append(("alloc", *live[match[1]]))
+        return True
+    return False
 
 
 def peak_bytes(events: list[tuple[str, str, int]]) -> int:

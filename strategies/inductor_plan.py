@@ -23,7 +23,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import math
 import re
 import warnings
 
@@ -31,9 +30,8 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from bench.core.memory_categories import made_now, one_fused_kernel
-from strategies.compiled_update import BUFFER, DELETE
+from strategies.compiled_update import DELETE, read_buffer_line
 
-REUSE = re.compile(r"^\s*(\w+) = (?:reinterpret_tensor\()?(\w+)(?:,[^;]*\))?; del (\w+)\s*# reuse")
 ASSIGNED = re.compile(r"^\s*(\w+) = (.*)$")
 INPUTS = re.compile(r"^\s*([\w, ]+?),? = args\s*$")
 RETURNED = re.compile(r"(?:reinterpret_tensor\()?(\w+)")
@@ -62,13 +60,8 @@ def wrapper_plan(code: str) -> WrapperPlan | None:
             return WrapperPlan(tuple(events), frozenset(returned))
         if not inputs and (match := INPUTS.match(line)):
             inputs = [name.strip() for name in match[1].split(",") if name.strip()]
-        elif match := REUSE.match(line):
-            if match[2] in live:
-                live[match[1]] = live.pop(match[2])
-        elif match := BUFFER.match(line):
-            shape = [int(size) for size in match[2].split(",") if size.strip()]
-            live[match[1]] = (match[1], math.prod(shape) * getattr(torch, match[3]).itemsize)
-            events.append(("alloc", *live[match[1]]))
+        elif read_buffer_line(line, live, events):
+            continue
         elif match := DELETE.match(line):
             if match[1] in live:
                 events.append(("free", *live.pop(match[1])))
