@@ -129,7 +129,7 @@ def _replayed(gm: torch.fx.GraphModule, example_inputs: list):
         return boxed_nop(gm, example_inputs)  # each input freed at its last use, as inductor's wrapper frees it
 
     def run(args: list):
-        device = next(t.device for t in args if isinstance(t, torch.Tensor))
+        device = next((t.device for t in args if isinstance(t, torch.Tensor)), torch.device("cpu"))
         with one_fused_kernel():  # the graph's arithmetic: one kernel's, its intermediates no memory
             outputs = gm(*args)
         buffers: dict[str, torch.Tensor] = {}
