@@ -13,12 +13,16 @@ def _overrides(strategy: Strategy, hook: str) -> bool:
     return getattr(type(strategy), hook) is not getattr(Strategy, hook)
 
 
+def members_of(strategy: Strategy) -> list[Strategy]:
+    """The strategies a (composed or single) strategy applies: a Composite's members, else itself."""
+    return getattr(strategy, "members", [strategy])
+
+
 def recompute_plan_of(strategy: Strategy) -> str:
     """What a strategy recomputes in backward, composed or not: its own checkpointing plan's `recompute_plan()`
     (`0 1 2 3`, `0-4 5-9`, `each unit, saving compute`) or that of its first member that has one; `none` when
     nothing is recomputed. Known once its model was prepared."""
-    members = getattr(strategy, "members", [strategy])
-    return next((plan for m in members if (plan := m.recompute_plan()) is not None), "none")
+    return next((plan for m in members_of(strategy) if (plan := m.recompute_plan()) is not None), "none")
 
 
 class Composite(Strategy):

@@ -111,6 +111,25 @@ def wrapper_code(gm: torch.fx.GraphModule, example_inputs: list) -> str:
     return calls[0]
 
 
+# graph code and input layouts -> (its wrapper's plan or None, why inductor failed or ""): a model's identical layers
+# (`compile:scope=layers`) are compiled once
+_PLANS: dict[tuple, tuple[WrapperPlan | None, str]] = {}
+
+
+def _plan_of(gm: torch.fx.GraphModule, example_inputs: list) -> tuple[WrapperPlan | None, str]:
+    """`wrapper_plan` of inductor's code for `gm`, once per graph code and input layout; (None, "") for a graph whose
+    wrapper gets a buffer otherwise, (None, why) where inductor could not compile it here."""
+    # as text: a recompiled graph's sizes may be symbolic (SymInts hash only once they are known)
+    key = (gm.code, tuple(repr((t.shape, t.stride(), t.dtype)) if isinstance(t, torch.Tensor) else repr(t)
+                          for t in example_inputs))
+    if key not in _PLANS:
+        try:
+            _PLANS[key] = wrapper_plan(wrapper_code(gm, example_inputs)), ""
+        except Exception as error:  # noqa: BLE001 - inductor could not compile it here: the partition, eagerly
+            _PLANS[key] = None, f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
+    return _PLANS[key]
+
+
 def _replayed(gm: torch.fx.GraphModule, example_inputs: list):
     """The boxed callable AOTAutograd runs for `gm`: its wrapper's memory plan where inductor's wrapper allocates
     every buffer, else `gm` on eager kernels."""
@@ -118,13 +137,10 @@ def _replayed(gm: torch.fx.GraphModule, example_inputs: list):
 
     if not any(node.op == "call_function" for node in gm.graph.nodes):
         return boxed_nop(gm, example_inputs)  # nothing to compute (inductor generates no wrapper for it)
-    try:
-        plan = wrapper_plan(wrapper_code(gm, example_inputs))
-    except Exception as error:  # noqa: BLE001 - inductor could not compile it here: the partition on eager kernels
-        warnings.warn(f"inductor could not compile a graph on the CPU for its memory plan ({type(error).__name__}: "
-                      f"{(str(error).splitlines() or [''])[0][:200]}): predicted as its partition on eager kernels",
-                      stacklevel=2)
-        plan = None
+    plan, why = _plan_of(gm, example_inputs)
+    if why:
+        warnings.warn(f"inductor could not compile a graph on the CPU for its memory plan ({why}): predicted as its "
+                      "partition on eager kernels", stacklevel=2)
     if plan is None:
         return boxed_nop(gm, example_inputs)  # each input freed at its last use, as inductor's wrapper frees it
 

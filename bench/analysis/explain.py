@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from bench.run.runner import CaseMeter, bind_case, memory_pass
+from strategies.composite import members_of
 
 
 # --- explain: per-module table -----------------------------------------------------------------------------
@@ -97,7 +98,7 @@ def checkpoint_plan_of(strategy) -> tuple[str, list[tuple[int, ...]], str] | Non
     labelled with its name, `checkpoint`) with the units each checkpoint recomputes, or one that recomputes within
     every unit (kind `operators`, labelled with its name and settings, `selective_checkpoint:policy=compute`) with
     no groups; None for the others."""
-    for member in getattr(strategy, "members", [strategy]):
+    for member in members_of(strategy):
         groups = member.recomputed_groups()
         if groups is None:
             continue

@@ -12,8 +12,8 @@ The rank counts are searched, not walked: 1, 2, 4, 8, ... (and the largest allow
 halves between the largest count without one and that count until at most SCANNED_GAP counts lie between them,
 which are all tried, fewest first. The halving rests on a plan's per-GPU memory not growing with the rank count
 (a rank's batch, or its share ceil(batch / N) of a fixed global one, and its chunk of every parameter,
-ceil(rows / N), never grow with N); that holds for allocated memory but not always for reserved, which the caching allocator's fragmentation moves
-either way: llama-3.1-70b, global batch 8, checkpoint:segments=all+fsdp:offload=cpu reserves 80,948 MiB a rank on 5
+ceil(rows / N), never grow with N); that holds for allocated memory but not always for reserved, which the caching
+allocator's fragmentation moves either way: llama-3.1-70b, global batch 8, checkpoint:segments=all+fsdp:offload=cpu reserves 80,948 MiB a rank on 5
 ranks and 88,868 on 6 (allocated within 1 MB of each other), so halving from 8 (fits) through 6 and 7 (do not)
 would never try 5. Hence the last gap is scanned: on up to 8 ranks every count between the doubling's last two
 is tried. The counts the search skipped are named, and the assumption is checked over the counts it tried
@@ -64,8 +64,8 @@ def fewest_ranks(request: plan.PlanRequest, max_ranks: int, progress: Callable[[
         nonlocal known
         progress(f"plan on {ranks} rank{'s' if ranks > 1 else ''} ...")
         found, note = plan_search.search_where_cuda_runs(
-            replace(request.on_ranks(ranks), sharded_only=ranks > 1, known_rows=[dict(row) for row in known]), progress,
-            executor, ray_address)
+            replace(request.on_ranks(ranks), sharded_only=ranks > 1, known_rows=[dict(row) for row in known]),
+            progress, executor, ray_address)
         answer = plan.decide(found.rows, request.allow_different)
         tried[ranks] = RankCount(ranks, found, answer, plan.smallest(found.rows), note)
         on_count(sorted(tried.values(), key=lambda c: c.ranks), tried[ranks])

@@ -32,6 +32,7 @@ from bench.core.units import MiB
 from bench.measure import breakdown, cuda_allocator, fake_cuda, snapshot
 from bench.run.isolation import process_state
 from bench.run.runner import MEMORY_WARMUP_STEPS, bind_case, forget_traceback
+from strategies.composite import members_of
 
 ENGINES = ("auto", "fake-cuda", "fake", "meta", "cpu")
 CUDA_ONLY_ENGINES = ("fake-cuda",)
@@ -156,7 +157,7 @@ def _notes_before_the_step(strategy, planned: dict, ranks: int) -> list[str]:
     """What the row's message says before any step runs: what the prediction of a member assumes
     (`Strategy.prediction_note`), then a plan chosen on predictions, or the sharded ranks (the latter replaces the
     former)."""
-    notes = [m.prediction_note for m in getattr(strategy, "members", [strategy]) if m.prediction_note]
+    notes = [m.prediction_note for m in members_of(strategy) if m.prediction_note]
     if strategy.distributed:
         return notes + [f"largest rank of {ranks}, fake process group"]
     if any("checkpoint.planning_s" in s.describe() for s in planned.values()):

@@ -59,16 +59,14 @@ def one_batch_size(text, option: str = "--batch-size") -> int:
     return sizes[0]
 
 
-GLOBAL_BATCH_HELP = ("with --ranks N: the step's batch over all N ranks, split across them (where N does not divide "
-                     "it the first ranks take one sample more), in place of --batch-size, which is each rank's "
-                     "(default: --batch-size x N)")
-
-
 def add_global_batch_option(p: argparse.ArgumentParser, many: bool = False) -> None:
-    """--global-batch-size: the batch of the whole sharded step, where --batch-size is each rank's."""
+    """--global-batch-size: the batch of the whole sharded step, where --batch-size is each rank's; with `many`,
+    a comma list as --batch-size takes."""
+    listed = "one size or a comma list, " if many else ""
     p.add_argument("--global-batch-size", default=None, metavar="N,N..." if many else "N",
-                   help=GLOBAL_BATCH_HELP.replace("in place", "one size or a comma list, in place") if many
-                   else GLOBAL_BATCH_HELP)
+                   help=f"with --ranks N: the step's batch over all N ranks, split across them (where N does not "
+                        f"divide it the first ranks take one sample more), {listed}in place of --batch-size, which "
+                        f"is each rank's (default: --batch-size x N)")
 
 
 def step_batch_text(args) -> str | None:

@@ -22,7 +22,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from bench.measure.dispatch_modes import CompiledCodeMode
 
 aten = torch.ops.aten
 
@@ -69,13 +70,8 @@ _CORRECTIONS = {**dict.fromkeys(CPU_LOSS_BUFFER_OPS, _loss_with_cpu_buffer),
                 aten.native_batch_norm.default: _batch_norm_with_cpu_stats}
 
 
-class CpuKernelStorages(TorchDispatchMode):
+class CpuKernelStorages(CompiledCodeMode):
     """On fake CPU tensors, the outputs of the operators above as the CPU's kernels return them (see the module)."""
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        """True: a compiled model compiles under this mode and runs its compiled code under it (as the tracker)."""
-        return True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -11,10 +11,11 @@ from typing import Callable, Iterable
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils.weak import WeakIdKeyDictionary
 
 from bench.core import memory_categories
+from bench.measure.dispatch_modes import CompiledCodeMode
 
 STAGES = ("setup", "forward", "backward", "optimizer")
 
@@ -74,7 +75,7 @@ class TimelinePoint:
 _METADATA_OPS = frozenset({torch.ops.prim.device.default})
 
 
-class LiveTensorTracker(TorchDispatchMode):
+class LiveTensorTracker(CompiledCodeMode):
     """Counts the bytes of every live tensor storage on one device, exactly, op by op.
 
     Storages are registered when first seen, as an operator's output or input, or through `track()` for
@@ -98,13 +99,6 @@ class LiveTensorTracker(TorchDispatchMode):
     rounded), every operator and the peak resets, from the tracker's start: `bench.measure.cuda_allocator` replays it
     through a model of CUDA's caching allocator.
     """
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        """True: torch.compile compiles under the tracker (the tracker off while it traces), and the tracker counts
-        what the compiled code's operators make when it runs, as under no mode; with False dynamo would run the
-        model eagerly under it (PyTorch's default for a dispatch mode)."""
-        return True
 
     def __init__(self, device: str = "cpu", record_timeline: bool = False, block_bytes: int = 1,
                  record_events: bool = False):
@@ -198,8 +192,12 @@ class LiveTensorTracker(TorchDispatchMode):
         """Registers tensors as an operator's outputs made now (filed as such; `memory_categories.made_now`)."""
         for t in tensors:
             if isinstance(t, torch.Tensor):
-                self._register(t, self._category_of_output(t) if self._allocating else self.stage)
+                self._register_output(t)
         self._update_peak("")
+
+    def _register_output(self, t: torch.Tensor) -> None:
+        """Registers `t` as an operator's output made now: under its declared category, else the stage's."""
+        self._register(t, self._category_of_output(t) if self._allocating else self.stage)
 
     def _register(self, t: torch.Tensor, category: str) -> None:
         # a DTensor (FSDP's sharded parameters): this rank's shard is what lives here
@@ -314,7 +312,7 @@ class LiveTensorTracker(TorchDispatchMode):
             self.events.append(MemoryEvent("op", stage=self.stage, op=func.__name__))
         out = func(*args, **kwargs)
         for t in _tensors_in((out,)):
-            self._register(t, self._category_of_output(t) if self._allocating else self.stage)
+            self._register_output(t)
         self._update_peak(func.__name__)
         return out
 

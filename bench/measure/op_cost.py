@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+from bench.measure.dispatch_modes import CompiledCodeMode
 
 aten = torch.ops.aten
 
@@ -70,14 +71,9 @@ def _dtype_name(tensors: list[torch.Tensor]) -> str:
     return str(floating[0]).removeprefix("torch.") if floating else "float32"
 
 
-class OperatorCostCounter(TorchDispatchMode):
+class OperatorCostCounter(CompiledCodeMode):
     """Records the cost of every operator run under it; `end_step()` closes a step (`steps` holds each step's
     list of OpCost). Views, and operators on no tensor, cost nothing."""
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        """True: a compiled model compiles under this mode and runs its compiled code under it (as the tracker)."""
-        return True
 
     def __init__(self):
         super().__init__()
