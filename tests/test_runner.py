@@ -1,6 +1,8 @@
 """The runner: every column filled, failures as rows, verification against the baseline."""
 
+import contextlib
 import gc
+from dataclasses import replace
 
 import pytest
 import torch
@@ -94,6 +96,47 @@ def test_memory_pass_counts_the_steady_state_step():
     assert stats["peak_mem_bytes"] > 3 * params
     assert stats["peak_stage"] in ("backward", "optimizer")
     assert stats["memory_method"] == "cpu_live_tensor_bytes"
+
+
+@pytest.mark.parametrize("collected_in_step", [False, True], ids=["collector-idle", "collector-runs-in-step"])
+@pytest.mark.parametrize("count", ["live_tensors", "allocator_events"])
+def test_the_warm_ups_reference_cycles_are_freed_before_the_measured_step(temporary_strategy, count,
+                                                                          collected_in_step):
+    """A reference cycle the warm-up leaves (torch.compile's tracing leaves some, holding the tensors it traced) is
+    freed before the measured step, whenever Python's collector would have run (not at all, or in the step's
+    forward): neither counted in the peak nor freed inside the step."""
+    @temporary_strategy
+    class Counted(Strategy):
+        name = "test_counted"
+        cpu_memory_count = count
+
+    @temporary_strategy
+    class LeavesACycle(Counted):
+        name = "test_leaves_a_cycle"
+
+        @contextlib.contextmanager
+        def forward(self):
+            if collected_in_step:
+                gc.collect()
+            yield
+
+        def end_step(self, kept):
+            super().end_step(kept)
+            if not getattr(self, "_left", False):  # the warm-up step's garbage: a cycle holding 1 MiB
+                cycle = {"tensor": torch.ones(2**18)}
+                cycle["self"] = cycle
+                self._left = True
+
+    case = Case("deep_mlp:layers=24:width=8", "test_counted", "train", 8, "cpu", data="synthetic", warmup=0, steps=1)
+    was_enabled = gc.isenabled()
+    gc.disable()  # the collector runs only where membench runs it
+    try:
+        plain = memory_pass(case, parse_strategy("test_counted"))["peak_mem_bytes"]
+        leaving = memory_pass(replace(case, strategy="test_leaves_a_cycle"), parse_strategy("test_leaves_a_cycle"))
+    finally:
+        if was_enabled:
+            gc.enable()
+    assert leaving["peak_mem_bytes"] == plain
 
 
 def test_registry_rejects_duplicates():
