@@ -49,6 +49,7 @@ class Estimate:
     status: str
     message: str
     row: dict = field(repr=False, default_factory=dict)
+    job: Any = field(repr=False, default=None)  # config=: the bench.jobs.DerivedJob the case was derived from
 
     @property
     def peak_bytes(self) -> int | None:
@@ -109,12 +110,25 @@ def target_device(gpu: str | None, device: str | None,
     return device, None, capability
 
 
-def estimate(model: Callable[[], nn.Module] | nn.Module | Workload | str, batch: Any = None,
+def config_job(config: Any, overrides: Sequence[str] = (), peft_config: Any = None, quantization_config: Any = None,
+               model: Any = None):
+    """The bench.jobs.DerivedJob of `config=` (a trainer configuration file's path, or a TrainingArguments/SFTConfig
+    object with `peft_config` and `quantization_config` beside it); `model`, where a string (a preset, a config.json,
+    `hf:...`), replaces the configuration's model. A UsageError (InputError's parent) names a bad key."""
+    from bench.jobs import derive_job
+
+    named = model if isinstance(model, str) else None
+    return derive_job(config, overrides, model=named, peft_config=peft_config,
+                      quantization_config=quantization_config)
+
+
+def estimate(model: Callable[[], nn.Module] | nn.Module | Workload | str | None = None, batch: Any = None,
              loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
              optimizer: Callable[[Any], torch.optim.Optimizer] | None = None, *,
              strategies: str | Sequence[str] = "baseline", gpu: str | None = None, device: str | None = None,
              capability: tuple[int, int] | None = None, batch_size: int | None = None, phase: str = "train",
-             engine: str = "auto", snapshot_dir: str | None = None, name: str = "my_model",
+             engine: str = "auto", snapshot_dir: str | None = None, name: str = "my_model", config: Any = None,
+             overrides: Sequence[str] = (), peft_config: Any = None, quantization_config: Any = None,
              **workload_options: Any) -> Estimate | list[Estimate]:
     """The predicted peak of one steady-state training step (or `phase="eval"` forward), per strategy.
 
@@ -126,6 +140,12 @@ def estimate(model: Callable[[], nn.Module] | nn.Module | Workload | str, batch:
     prediction's memory snapshot is written there (PyTorch's format). `workload_options` go to
     `workload_from_callables` (batch_fn, checkpoint_units, importable_as, seed).
 
+    `config`: your trainer's configuration instead of a model and strategies: a file (Trainer/TRL, torchtune or
+    axolotl YAML or JSON; `overrides` as `tune run` takes them) or a TrainingArguments/SFTConfig object with
+    `peft_config` (peft's LoraConfig) and `quantization_config` (BitsAndBytesConfig) beside it; `model` (a preset
+    or config.json path) then replaces the configuration's model, `batch_size` its batch. The Estimate's `job` says
+    what every key became (docs/from-your-config.md).
+
     Example:
         >>> build = lambda: torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
         >>> batch = (torch.randn(32, 64), torch.randint(10, (32,)))
@@ -133,6 +153,12 @@ def estimate(model: Callable[[], nn.Module] | nn.Module | Workload | str, batch:
         >>> e.device, e.gpu, e.fits("RTX 4090")
         ('cuda', 'RTX 4090', True)
     """
+    job = None
+    if config is not None:
+        job = config_job(config, overrides, peft_config, quantization_config, model)
+        model, strategies, batch_size = job.workload, job.strategy, batch_size or job.batch_size
+    if model is None:
+        raise InputError("model: give a model (a function building it, a workload spec) or config=")
     workload = as_workload(model, batch, loss_fn, optimizer, name, **workload_options)
     device, gpu_name, capability = target_device(gpu, device, capability)
     if phase not in ("train", "eval"):
@@ -144,6 +170,8 @@ def estimate(model: Callable[[], nn.Module] | nn.Module | Workload | str, batch:
     cases = [_engine.Case(workload.spec(), spec, phase, size, device, data=data) for spec in specs]
     rows = _engine.predict_rows(cases, capability, engine, snapshot_dir)
     estimates = [_estimate_of(row, gpu_name) for row in rows]
+    for one_estimate in estimates:
+        one_estimate.job = job
     return estimates[0] if one else estimates
 
 

@@ -12,7 +12,7 @@ from torch import nn
 from bench.core import gpus
 from bench.core.units import MiB, parse_positive_size
 from membench import _engine
-from membench.estimating import as_workload
+from membench.estimating import as_workload, config_job
 from membench.workload import InputError
 from workloads import Workload
 
@@ -58,12 +58,13 @@ class Plan:
         return "\n".join(lines + ([f"  note: {self.note}"] if self.note else []))
 
 
-def plan(model: Callable[[], nn.Module] | nn.Module | Workload | str, batch: Any = None,
+def plan(model: Callable[[], nn.Module] | nn.Module | Workload | str | None = None, batch: Any = None,
          loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
          optimizer: Callable[[Any], torch.optim.Optimizer] | None = None, *, gpu: str | None = None,
          budget: int | str | None = None, headroom: float = gpus.DEFAULT_HEADROOM, batch_size: int | None = None,
          max_candidates: int = gpus.DEFAULT_MAX_CANDIDATES, max_search_s: float = gpus.DEFAULT_MAX_SEARCH_S,
-         name: str = "my_model", **workload_options: Any) -> Plan:
+         name: str = "my_model", config: Any = None, overrides: Sequence[str] = (), peft_config: Any = None,
+         quantization_config: Any = None, **workload_options: Any) -> Plan:
     """The fastest candidate (strategies and their combinations) whose predicted memory fits `gpu` (a name of
     `python -m bench plan --list-gpus`) or, on this CPU, `budget` (bytes, or a size such as `"500MiB"`), less
     `headroom`; the inputs are `estimate`'s. Nothing runs at full size: every candidate is predicted.
@@ -78,6 +79,9 @@ def plan(model: Callable[[], nn.Module] | nn.Module | Workload | str, batch: Any
         raise InputError("gpu/budget: give exactly one: gpu=NAME plans for CUDA, budget=SIZE for this CPU")
     if not 0 <= headroom < 1:
         raise InputError(f"headroom: {headroom!r} is not a fraction between 0 and 1")
+    if config is not None:  # `estimate`'s config=: plan for the configuration's model and batch
+        job = config_job(config, overrides, peft_config, quantization_config, model)
+        model, batch_size = job.workload, batch_size or job.batch_size
     workload = as_workload(model, batch, loss_fn, optimizer, name, **workload_options)
     limit = None if budget is None else _size(budget, "budget")
     size = batch_size or workload.default_batch_size
@@ -87,11 +91,12 @@ def plan(model: Callable[[], nn.Module] | nn.Module | Workload | str, batch: Any
     return Plan(workload.spec(), target, rows, answer, note)
 
 
-def fit(model: Callable[[], nn.Module] | nn.Module | Workload | str, batch: Any = None,
+def fit(model: Callable[[], nn.Module] | nn.Module | Workload | str | None = None, batch: Any = None,
         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
         optimizer: Callable[[Any], torch.optim.Optimizer] | None = None, *, budget: int | str,
         strategies: Sequence[str] = (), device: str = "cpu", phase: str = "train", max_batch: int = 4096,
-        time_steps: int = 0, name: str = "my_model", **workload_options: Any) -> list[dict]:
+        time_steps: int = 0, name: str = "my_model", config: Any = None, overrides: Sequence[str] = (),
+        peft_config: Any = None, quantization_config: Any = None, **workload_options: Any) -> list[dict]:
     """The largest batch whose peak stays under `budget` (bytes or `"2GiB"`), per strategy (baseline first): the
     rows of `python -m bench fit`'s table. On the CPU each answer is confirmed by a real run (so keep the budget
     below this machine's memory); on `device="cuda"` without a GPU it is predicted. `time_steps` > 0 also times
@@ -107,6 +112,9 @@ def fit(model: Callable[[], nn.Module] | nn.Module | Workload | str, batch: Any 
         raise InputError(f"device: {device!r}; valid choices: cpu, cuda")
     if phase not in ("train", "eval"):
         raise InputError(f"phase: {phase!r}; valid choices: train, eval")
+    if config is not None:  # `estimate`'s config=: the configuration's model and strategy, the batch searched
+        job = config_job(config, overrides, peft_config, quantization_config, model)
+        model, strategies = job.workload, [job.strategy]
     workload = as_workload(model, batch, loss_fn, optimizer, name, **workload_options)
     return _engine.fit_rows(workload.spec(), list(strategies), _size(budget, "budget"), phase, device,
                             workload.data_sources[0], max_batch, time_steps)

@@ -19,6 +19,7 @@ from bench.cli.analysis_console import (format_explain, format_fit, format_fit_s
 from bench.cli.arguments import (DEFAULT_WORKLOAD, EXECUTORS, analysis_device, batch_option_name, capability,
                                  csv_list, one_batch_size, size_option, step_batch_text, step_batches)
 from bench.cli.commands_run import apply_memory_limit
+from bench.cli.config_option import derived_job
 from bench.cli.console import status
 from bench.core import gpus
 from bench.core.errors import Unsupported, UsageError
@@ -126,13 +127,16 @@ def cmd_explain(args) -> int:
 @uses_threads
 def cmd_predict(args) -> int:
     """Predicted torch.cuda.max_memory_allocated per case, without a GPU (assumptions printed); writes a CSV."""
+    job = derived_job(args, "predict")  # --config: the case of the user's trainer configuration
     workload, data = _workload_and_data(args)
     gpu, device = _gpu_and_device(args, "cuda")
     engine = check_choice("engine", args.engine, predict.ENGINES)
     compute_capability = capability(args.capability) or (gpu.capability if gpu else None)
     preflight.check_ranks(args.ranks, None)
-    phases = [check_choice("phase", p, PHASES) for p in csv_list(args.phases)]
+    phases = [check_choice("phase", p, PHASES) for p in csv_list(args.phases or "train,eval")]
     specs = ["baseline"] + [s for s in csv_list(args.strategies or "") if s != "baseline"]
+    if job is not None:  # the configuration's case alone: its baseline would be another job
+        specs = [job.strategy]
     for spec in specs:
         parse_strategy(spec)  # unknown names: exit 2 before any work
     batches = step_batches(args, parse_batch_sizes(_batch_size_text(args), batch_option_name(args)), args.ranks)
@@ -215,6 +219,9 @@ def cmd_fit(args) -> int:
     """The largest batch size under a memory budget, per strategy (baseline always), each verified by a run; or
     with --over seq_len the longest sequence at a batch, on predictions."""
     over = check_choice("over", args.over, ("batch", "seq_len"))
+    job = derived_job(args, "fit")  # --config: the configuration's model and strategy; fit searches the batch
+    if job is not None and over == "batch":
+        args.batch_size = None
     gpu, device = _gpu_and_device(args, "cpu")
     if over == "batch" and device == "cuda" and args.executor == "ray":
         raise UsageError("--executor ray: fit --device cuda makes its batch attempts one after another (on one GPU "

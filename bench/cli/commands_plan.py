@@ -16,6 +16,7 @@ from bench.cli.analysis_console import batch_words, compare_command, mib_or_dash
 from bench.cli.commands_analysis import _batch_size_text, _workload_and_data, executor_options, uses_threads
 from bench.cli.commands_plan_context import check_over_seq_len, plan_context_command
 from bench.cli.commands_plan_ranks import plan_ranks_command
+from bench.cli.config_option import derived_job
 from bench.cli.console import status
 from bench.core import gpus
 from bench.core.errors import UsageError
@@ -96,6 +97,7 @@ def cmd_plan(args) -> int:
     if args.list_gpus:
         print(gpus.format_gpus())
         return 0
+    derived_job(args, "plan")  # --config: plan for the configuration's model and batch
     executor, address = executor_options(args)
     if check_choice("over", args.over, ("batch", "seq_len")) == "seq_len":
         check_over_seq_len(args)

@@ -14,6 +14,7 @@ import sys
 from typing import Callable, Sequence
 
 from bench.cli import interrupt
+from bench.cli.config_option import add_config_option
 from bench.cli.arguments import (DEFAULT_OUT, WORKLOAD_HELP, add_case_options, add_executor_options,
                                  add_global_batch_option, add_memory_limit_option, add_snapshot_option,
                                  add_table_options, add_threads_option, fraction, non_negative_int, positive_float,
@@ -130,7 +131,8 @@ def _add_analysis_parsers(sub) -> None:
                    help="one size or a comma list (default: the workload's own, see `list`); with --ranks N, each "
                         "rank's")
     add_global_batch_option(p, many=True)
-    p.add_argument("--phases", default="train,eval", help="train,eval, train or eval (default train,eval)")
+    p.add_argument("--phases", default=None, help="train,eval, train or eval (default train,eval; with --config, "
+                                                  "train)")
     p.add_argument("--ranks", type=positive_int, default=1,
                    help="for the sharded strategies (ddp, zero1, fsdp): the peak of the largest of N ranks, each "
                         "training on its own --batch-size (or its share of --global-batch-size), without starting N "
@@ -146,6 +148,7 @@ def _add_analysis_parsers(sub) -> None:
                                                "(unless --capability), and whether each case fits its memory "
                                                "(reserved + the CUDA context, as `plan` judges) (default: none)")
     add_table_options(p)
+    add_config_option(p)
     add_snapshot_option(p, "beside the predict CSV, in predict-<run>.snapshots/ (on CUDA the modelled allocator's "
                            "blocks and segments)")
     add_threads_option(p)
@@ -164,6 +167,7 @@ def _add_analysis_parsers(sub) -> None:
                                                    "with a seq_len option, e.g. hf:llama-3.1-8b) (default batch)")
     p.add_argument("--batch-size", default=None, help="--over seq_len: the batch (default 1)")
     _add_seq_len_options(p)
+    add_config_option(p)
     p.add_argument("--phase", default="train", help="train or eval (default train)")
     p.add_argument("--max-batch", default="4096", help="largest batch size tried (default 4096)")
     p.add_argument("--time-steps", type=non_negative_int, default=1,
@@ -186,6 +190,7 @@ def _add_plan_parser(sub) -> None:
     """plan."""
     p = _add_command(sub, "plan")
     p.add_argument("--workload", default=None, help=WORKLOAD_HELP)
+    add_config_option(p)
     p.add_argument("--data", default=None, help="a data source of the workload (default synthetic where it has one)")
     p.add_argument("--batch-size", default=None, help="one batch size (default: the workload's own, see `list`); "
                                                        "with --ranks or --max-ranks, each rank's")

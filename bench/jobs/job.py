@@ -93,9 +93,16 @@ class DerivedJob:
         lines = [f"from {self.config_text}:", f"  {self.command()}"]
         for fate in FATES:
             uses = self.by_fate(fate)
-            if uses:
-                lines.append(f"  {fate} ({len(uses)}):")
+            if not uses:
+                continue
+            lines.append(f"  {fate} ({len(uses)}):")
+            if fate != IGNORED:
                 lines.extend(f"    {use.key}={_short(use.value)}: {use.detail}" for use in uses)
+                continue
+            reasons: dict[str, list[str]] = {}
+            for use in uses:  # the ignored keys a line per reason: the reason matters, not each path's value
+                reasons.setdefault(use.detail, []).append(use.key)
+            lines.extend(f"    {', '.join(keys)}: {reason}" for reason, keys in reasons.items())
         if self.assumptions:
             lines.append("  assumed where the configuration says nothing:")
             lines.extend(f"    {line}" for line in self.assumptions)
