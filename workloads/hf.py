@@ -55,7 +55,7 @@ from torch.nn import functional as F
 
 from bench.core.errors import UsageError
 from bench.core.quiet_import import import_torchao
-from workloads import hf_checks, text_data
+from workloads import hf_checks, hf_moe, text_data
 from workloads.base import DeferredHead, Workload, register_workload
 from workloads.hf_config import FILE_FORM, config_values, is_file_reference, make_config, read_config_file  # noqa: F401
 from workloads.hf_presets import MASK_TOKEN_IDS, PRESETS
@@ -220,6 +220,8 @@ class HfWorkload(Workload):
                              f"{', '.join(['auto', *tasks])}")
         self.task = tasks[0] if s["task"] == "auto" else s["task"]
         self._values = values
+        if hf_moe.is_moe(full):  # its experts' grouped products on fake tensors (workloads.hf_moe)
+            hf_moe.register_grouped_mm_fake_kernel()
         auto_class = _auto_classes(transformers)[self.task][0]
         hf_checks.check_size(values, self.task, s["layers"] or full.num_hidden_layers, source, lambda layers: (
             auto_class.from_config(make_config(transformers, values, layers, source), dtype=torch.float32)))
@@ -238,7 +240,8 @@ class HfWorkload(Workload):
     def build_model(self) -> nn.Module:
         auto_class, _ = _auto_classes(import_transformers())[self.task]
         torch.manual_seed(self.seed)
-        return auto_class.from_config(self.config(), attn_implementation=self.settings["attn"], dtype=torch.float32)
+        model = auto_class.from_config(self.config(), attn_implementation=self.settings["attn"], dtype=torch.float32)
+        return hf_moe.file_moe_allocations(model)  # an MoE model's router and dispatch filed apart; else unchanged
 
     @property
     def model_loss(self) -> bool:
@@ -298,12 +301,17 @@ class HfWorkload(Workload):
         return {"input_ids": ids[:, :-1].contiguous(), "position_ids": positions}, target
 
     def prediction_note(self) -> str | None:
-        """What a prediction of a packed row does not see: the sources' own attention for packed documents."""
-        if not self.settings["packed"]:
-            return None
-        return ("packed rows run transformers' block-diagonal mask (batch x sequence^2, an SDPA attention bias); "
-                "FlexAttention's block mask (torchtune) or flash-attention's variable-length kernel, which keep no such "
-                "mask, are not traced")
+        """What a prediction of a packed row does not see (the sources' own attention for packed documents), and of
+        a mixture-of-experts model how its tokens reach the experts and their share of the weights (hf_moe)."""
+        notes = []
+        if self.settings["packed"]:
+            notes.append("packed rows run transformers' block-diagonal mask (batch x sequence^2, an SDPA attention "
+                         "bias); FlexAttention's block mask (torchtune) or flash-attention's variable-length kernel, "
+                         "which keep no such mask, are not traced")
+        config = self.config()
+        if hf_moe.is_moe(config):
+            notes.append(hf_moe.routing_note(config, hf_moe.parameter_split(self.model_structure())))
+        return "; ".join(notes) or None
 
     def _masked(self, ids: torch.Tensor, vocab_size: int, gen: torch.Generator):
         """Masked-LM inputs and targets: a fixed share of each row's positions, drawn with `gen`, replaced by the

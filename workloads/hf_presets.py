@@ -87,6 +87,29 @@ PRESETS: dict[str, dict[str, Any]] = {
         "sliding_window": 131072, "use_sliding_window": False, "max_window_layers": 80, "attention_dropout": 0.0,
         "tie_word_embeddings": False, "initializer_range": 0.02, "bos_token_id": 151643, "eos_token_id": 151643,
     },
+    # Mixture-of-experts decoders (workloads.hf_moe: how their tokens reach the experts)
+    # https://huggingface.co/mistralai/Mixtral-8x7B-v0.1/blob/main/config.json (sliding_window null: full attention)
+    "mixtral-8x7b": {
+        "model_type": "mixtral", "architectures": ["MixtralForCausalLM"],
+        "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
+        "hidden_act": "silu", "max_position_embeddings": 32768, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0,
+        "sliding_window": None, "attention_dropout": 0.0, "output_router_logits": False,
+        "router_aux_loss_coef": 0.02, "tie_word_embeddings": False, "initializer_range": 0.02, "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+    # https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json (128 experts of 768, 8 per token, every layer)
+    "qwen3-30b-a3b": {
+        "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
+        "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+        "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+        "num_experts": 128, "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "norm_topk_prob": True, "hidden_act": "silu", "max_position_embeddings": 40960, "max_window_layers": 48,
+        "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": None, "use_sliding_window": False,
+        "attention_bias": False, "attention_dropout": 0.0, "output_router_logits": False,
+        "router_aux_loss_coef": 0.001, "tie_word_embeddings": False, "initializer_range": 0.02,
+        "bos_token_id": 151643, "eos_token_id": 151645,
+    },
     # membench's own small shapes (not published models), for tests and quick CPU runs
     "tiny-gpt2": {
         "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
@@ -106,6 +129,30 @@ PRESETS: dict[str, dict[str, Any]] = {
         "intermediate_size": 64, "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1,
         "max_position_embeddings": 128, "pad_token_id": 0,
     },
+    # MoE shapes: experts' widths and counts that keep every grouped product's rows a multiple of 16 bytes
+    "tiny-mixtral": {
+        "model_type": "mixtral", "architectures": ["MixtralForCausalLM"],
+        "vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "hidden_act": "silu", "max_position_embeddings": 128, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+    },
+    "tiny-qwen3-moe": {
+        "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
+        "vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "num_experts": 8,
+        "num_experts_per_tok": 2, "norm_topk_prob": True, "hidden_act": "silu", "max_position_embeddings": 128,
+        "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "tie_word_embeddings": False, "bos_token_id": 0,
+        "eos_token_id": 1,  # Qwen3MoeConfig's defaults (151643, 151645) are outside this vocabulary
+    },
+    # OLMoE (allenai/OLMoE-1B-7B-0924's architecture: 64 experts, 8 per token, q and k norms) at a tiny width
+    "tiny-olmoe": {
+        "model_type": "olmoe", "architectures": ["OlmoeForCausalLM"],
+        "vocab_size": 512, "hidden_size": 32, "intermediate_size": 16, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "num_experts": 8, "num_experts_per_tok": 2,
+        "norm_topk_prob": False, "hidden_act": "silu", "max_position_embeddings": 128, "rms_norm_eps": 1e-05,
+        "tie_word_embeddings": False, "pad_token_id": 1, "eos_token_id": 2,  # OlmoeConfig's 50279: not in 512
+    },
 }
 
 # Parameter counts as published, of the preset's architecture (embedding and head counted once when tied):
@@ -120,6 +167,12 @@ PUBLISHED_PARAMETERS: dict[str, int] = {
     "mistral-7b": 7_241_732_096,  # the paper's "7.3B" (Jiang et al. 2023)
     "qwen2.5-7b": 7_615_616_512,  # the model card: "Number of Parameters: 7.61B"
     "qwen2.5-72b": 72_706_203_648,  # the model card: "Number of Parameters: 72.7B"
+    # Mixtral: "46.7B total parameters" (Mistral AI's announcement, https://mistral.ai/news/mixtral-of-experts/);
+    # 45,097,156,608 of them experts' (32 layers x 8 experts x 3 x 4096 x 14336)
+    "mixtral-8x7b": 46_702_792_704,
+    # the model card: "Number of Parameters: 30.5B in total and 3.3B activated", "(Non-Embedding): 29.9B"
+    # (29,909,792,768 here, the two untied 151,936 x 2048 matrices apart)
+    "qwen3-30b-a3b": 30_532_122_624,
 }
 
 # The [MASK] token of the tokenizers of the encoder presets (their vocab.txt), used by the masked-LM task's batches

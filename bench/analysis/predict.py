@@ -207,10 +207,12 @@ def _fill_figures(row: Row, step: TrackedStep, capability: tuple[int, int] | Non
         row["predicted_bytes"] = step.peak_bytes
         row["predicted_mib"] = round(step.peak_bytes / MiB, 1)
         row.update(breakdown.predicted_columns(step.peak_by_category))
+        _name_activation_parts(row, notes, step.peak_by_category)
         return
     workspace = cublas_workspace(capability or device_capability())
     replayed = cuda_allocator.replay(step.events, workspace)
     row.update(breakdown.predicted_columns(replayed.peak_by_category))
+    _name_activation_parts(row, notes, replayed.peak_by_category)
     row.update(predicted_bytes=replayed.max_allocated_bytes, predicted_mib=round(replayed.max_allocated_bytes / MiB, 1),
                predicted_reserved_bytes=replayed.max_reserved_bytes,
                predicted_reserved_mib=round(replayed.max_reserved_bytes / MiB, 1),
@@ -219,6 +221,15 @@ def _fill_figures(row: Row, step: TrackedStep, capability: tuple[int, int] | Non
         cap = row["cudnn_workspace_bound_bytes"] = cudnn_workspace_cap()
         bound = f" (<= {cap / MiB:,.0f} MiB more)" if cap else ""
         notes.append(f"cuDNN conv workspace not modelled{bound}")
+        row["message"] = "; ".join(notes)
+
+
+def _name_activation_parts(row: Row, notes: list[str], peak_by_category: dict[str, int]) -> None:
+    """The parts of the predicted activations a workload filed apart (an MoE layer's router and dispatch buffers,
+    `breakdown.activation_parts`), added to the row's message."""
+    parts = breakdown.activation_parts(peak_by_category)
+    if parts:
+        notes.append(parts)
         row["message"] = "; ".join(notes)
 
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from bench.core.memory_categories import COMMUNICATION
+from bench.core.memory_categories import COMMUNICATION, MOE_DISPATCH, MOE_ROUTER
 from bench.measure import memory
 
 BREAKDOWN_COLUMNS = ("peak_params_bytes", "peak_grads_bytes", "peak_optimizer_bytes", "peak_activations_bytes",
@@ -49,6 +49,8 @@ CATEGORY_COLUMN = {
     "grads": "peak_grads_bytes",
     "optimizer_state": "peak_optimizer_bytes",
     "forward": "peak_activations_bytes",
+    MOE_ROUTER: "peak_activations_bytes",
+    MOE_DISPATCH: "peak_activations_bytes",
     "batch": "peak_batch_bytes",
     "buffers": "peak_batch_bytes",
     COMMUNICATION: "peak_communication_bytes",
@@ -65,10 +67,24 @@ PREDICTED_COLUMNS = {
     "grads": "predicted_grads_bytes",
     "optimizer_state": "predicted_optimizer_state_bytes",
     "forward": "predicted_activations_bytes",
+    MOE_ROUTER: "predicted_activations_bytes",
+    MOE_DISPATCH: "predicted_activations_bytes",
     LOGITS: "predicted_logits_bytes",
     COMMUNICATION: "predicted_communication_bytes",
 }
 PREDICTED_OTHER_COLUMN = "predicted_other_bytes"
+
+# parts of the activations that a workload files apart (`bench.core.memory_categories`), named in a prediction's
+# message rather than in columns of their own: a mixture-of-experts layer's router outputs and dispatch buffers
+ACTIVATION_PARTS = {MOE_DISPATCH: "MoE dispatch buffers", MOE_ROUTER: "MoE router outputs"}
+
+
+def activation_parts(peak_by_category: dict[str, int]) -> str | None:
+    """The named parts of the activations at a peak (`ACTIVATION_PARTS`), in bytes, as one clause of a message; None
+    where the step has none."""
+    parts = [f"{name} {peak_by_category[category]:,} B" for category, name in ACTIVATION_PARTS.items()
+             if category in peak_by_category]
+    return f"activations include {', '.join(parts)}" if parts else None
 
 
 def predicted_columns(peak_by_category: dict[str, int]) -> dict[str, int]:

@@ -1,0 +1,190 @@
+"""Mixture-of-experts decoders of the `hf:` workload (workloads/hf_moe.py): the presets' published numbers, the
+experts implementation the models run, the CPU count against the literal training loop and against the fake engine
+to the byte, the memory's independence from the routing, and the router's and dispatch's own lines in the breakdown.
+
+Small: full-size models are built on the meta device only; the steps run tiny-mixtral, tiny-qwen3-moe and tiny-olmoe
+(2 layers, 4-8 experts, widths of 16-64) at 32-64 tokens, where the peak falls in the backward with the experts'
+dispatch buffers alive. tests_cuda_fake/test_moe_full_size.py predicts the full-size models.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from bench.analysis import fake_engine, predict
+from bench.analysis.explain import explain
+from bench.core.memory_categories import MOE_DISPATCH, MOE_ROUTER
+from bench.measure import breakdown
+from bench.run.runner import Case, bind_case, memory_pass
+from conformance import MEASURED_STEP, literal_loop_peak
+from workloads import hf_moe
+from workloads.hf_presets import PRESETS, PUBLISHED_PARAMETERS
+from workloads.loader import resolve_workload
+
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                                 reason="transformers is not installed (make install installs membench[hf])"),
+              pytest.mark.usefixtures("one_thread")]
+
+FULL_SIZE = {"mixtral-8x7b": (8, 2), "qwen3-30b-a3b": (128, 8)}  # experts per layer, experts per token
+# (spec, batch): each tiny MoE preset where its train peak falls in the backward, dispatch buffers alive
+TINY = [("hf:tiny-mixtral:seq_len=64", 4), ("hf:tiny-qwen3-moe:seq_len=64", 4), ("hf:tiny-olmoe:seq_len=32", 4)]
+
+
+def cpu_case(spec: str, batch: int, data: str = "synthetic", strategy: str = "baseline") -> Case:
+    return Case(spec, strategy, "train", batch, "cpu", data=data, warmup=0, steps=1)
+
+
+def cpu_memory(spec: str, batch: int, data: str = "synthetic") -> dict:
+    case = cpu_case(spec, batch, data)
+    return memory_pass(case, bind_case(case)[0])
+
+
+# --- the presets -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("preset", sorted(FULL_SIZE))
+def test_a_full_size_moe_preset_has_its_published_experts_and_parameters(preset):
+    workload = resolve_workload(f"hf:{preset}")
+    model = workload.model_structure()  # on the meta device: 187 GB of float32 weights for Mixtral, none held
+    assert next(model.parameters()).is_meta
+    split = hf_moe.parameter_split(model)
+    assert split["total"] == PUBLISHED_PARAMETERS[preset]
+    experts, per_token = FULL_SIZE[preset]
+    config = model.config
+    assert hf_moe.expert_count(config) == experts and config.num_experts_per_tok == per_token
+    blocks = hf_moe.moe_blocks(model)
+    assert len(blocks) == config.num_hidden_layers  # every layer routes (Qwen3's decoder_sparse_step 1)
+    width = PRESETS[preset].get("moe_intermediate_size", PRESETS[preset]["intermediate_size"])
+    hidden = config.hidden_size
+    assert split["experts"] == config.num_hidden_layers * experts * 3 * hidden * width  # gate, up and down
+    assert split["router"] == config.num_hidden_layers * experts * hidden
+    _, experts_module, router = blocks[0]
+    assert experts_module.gate_up_proj.shape == (experts, 2 * width, hidden)
+    assert router.weight.shape == (experts, hidden)
+
+
+@pytest.mark.parametrize("spec,batch", TINY)
+def test_the_models_run_transformers_default_grouped_experts(spec, batch):
+    model = resolve_workload(spec).build_model()
+    assert model.config._experts_implementation == hf_moe.EXPERTS_IMPLEMENTATION == "grouped_mm"
+    assert hf_moe.moe_blocks(model) and all(router is not None for _, _, router in hf_moe.moe_blocks(model))
+
+
+def test_dense_models_are_not_moe_and_are_left_unchanged():
+    model = resolve_workload("hf:tiny-llama:seq_len=8").build_model()
+    assert not hf_moe.is_moe(model.config) and hf_moe.moe_blocks(model) == []
+    assert resolve_workload("hf:tiny-llama:seq_len=8").prediction_note() is None
+
+
+# --- the CPU count, exact ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("spec,batch", TINY)
+def test_the_cpu_count_is_the_literal_training_loops_to_the_byte(spec, batch):
+    """The baseline's train peak is that of the user's loop (model(**x), loss, backward, AdamW step) counted by
+    PyTorch's MemTracker (tests/test_loop_lifetimes.py), with the router choosing real experts on real tokens."""
+    measured = cpu_memory(spec, batch)
+    assert measured["peak_stage"] == "backward"
+    assert measured["peak_mem_bytes"] == literal_loop_peak(spec, batch, "train", MEASURED_STEP)
+
+
+@pytest.mark.parametrize("spec,batch", TINY)
+def test_fake_tensors_count_what_the_cpu_counts_without_knowing_the_routing(spec, batch):
+    """On fake tensors no expert is chosen (the router's top-k has no values); the grouped experts' buffers have
+    tokens x experts-per-token rows whatever the choice, so the count is the CPU's, category by category."""
+    case = cpu_case(spec, batch)
+    real = memory_pass(case, bind_case(case)[0])
+    fake = fake_engine.tracked_step(case, "baseline", engine="fake", block_bytes=1, cuda_autocast=False)
+    assert fake.peak_bytes == real["peak_mem_bytes"]
+    for category in (MOE_DISPATCH, MOE_ROUTER):  # (the fake engine also files the logits apart: not compared)
+        assert fake.peak_by_category[category] == real.tracker.peak_by_category[category] > 0, category
+
+
+def _routes(spec: str, batch: int, data: str) -> list[torch.Tensor]:
+    """How many tokens each expert of each layer gets for the batch of `data` (the routers' top-k choices)."""
+    workload = resolve_workload(spec)
+    torch.manual_seed(0)
+    model = workload.build_model()
+    counts = []
+
+    def count(module, args, output):
+        counts.append(torch.bincount(output[2].flatten(), minlength=module.num_experts))
+
+    for _, _, router in hf_moe.moe_blocks(model):
+        router.register_forward_hook(count)
+    inputs, _ = workload.make_batch(batch, data)
+    with torch.no_grad():
+        workload.run_model(model, inputs)
+    return counts
+
+
+def test_the_peak_does_not_depend_on_which_experts_the_tokens_go_to():
+    spec, batch = TINY[0]
+    text, synthetic = _routes(spec, batch, "text"), _routes(spec, batch, "synthetic")
+    assert any(not torch.equal(a, b) for a, b in zip(text, synthetic))  # the routing differs...
+    assert any(int(c.max()) > 2 * int(c.min()) for c in text + synthetic)  # ...and is not balanced
+    peaks = {data: cpu_memory(spec, batch, data)["peak_mem_bytes"] for data in ("text", "synthetic")}
+    assert peaks["text"] == peaks["synthetic"], peaks  # ...and the peak is the same
+
+
+# --- the grouped product on fake tensors --------------------------------------------------------------------------
+
+def test_fake_grouped_products_have_the_cpu_kernels_output_and_keep_torchs_checks():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    hf_moe.register_grouped_mm_fake_kernel()
+    experts, rows, inner, outer = 4, 10, 12, 20
+    offsets = torch.tensor([3, 5, 5, 10], dtype=torch.int32)
+
+    def product(a, w):
+        return torch.nn.functional.grouped_mm(a, w.transpose(-2, -1), offs=offsets)
+
+    a, w = torch.randn(rows, inner), torch.randn(experts, outer, inner)
+    real = product(a, w)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = product(torch.empty(rows, inner), torch.empty(experts, outer, inner))
+        with pytest.raises(RuntimeError, match="16 bytes|stride"):  # bfloat16: torch's own meta kernel and checks
+            product(torch.empty(rows, 6, dtype=torch.bfloat16), torch.empty(experts, outer, 6, dtype=torch.bfloat16))
+    assert (fake.shape, fake.stride(), fake.dtype) == (real.shape, real.stride(), real.dtype)
+    assert fake.untyped_storage().nbytes() == real.untyped_storage().nbytes()
+
+
+# --- the breakdown -----------------------------------------------------------------------------------------------
+
+def test_the_router_and_the_dispatch_are_activations_filed_apart():
+    spec, batch = TINY[0]
+    measured = cpu_memory(spec, batch)
+    tracker = measured.tracker
+    parts = {category: tracker.peak_by_category.get(category, 0) for category in (MOE_DISPATCH, MOE_ROUTER)}
+    assert parts[MOE_DISPATCH] > 0 and parts[MOE_ROUTER] > 0, tracker.peak_by_category
+    # filed apart, counted in the activations column (no column of their own), and the columns add up
+    assert measured["peak_activations_bytes"] >= parts[MOE_DISPATCH] + parts[MOE_ROUTER]
+    assert sum(measured[column] for column in breakdown.BREAKDOWN_COLUMNS) == measured["peak_mem_bytes"]
+    assert breakdown.predicted_columns(parts)["predicted_activations_bytes"] == sum(parts.values())
+    # at 2 experts per token, the tokens' sorted copies alone are 2 x tokens x hidden floats, per layer
+    assert parts[MOE_DISPATCH] >= 2 * batch * 64 * 32 * 4
+
+
+def test_a_prediction_says_how_tokens_are_routed_and_what_the_parts_are():
+    spec, batch = TINY[0]
+    (row,) = predict.predict_cases([Case(spec, "baseline", "train", batch, "cpu", data="synthetic")], engine="fake")
+    assert row["status"] == "ok", row
+    message = row["message"]
+    assert "grouped_mm" in message and "no routing is assumed" in message
+    assert "MoE dispatch buffers" in message and "MoE router outputs" in message
+    workload = resolve_workload(spec)
+    split = hf_moe.parameter_split(workload.model_structure())
+    assert f"experts' weights {split['experts']:,} of {split['total']:,} parameters" in message
+
+
+def test_explain_has_a_line_for_each_router_and_experts_module():
+    spec, batch = TINY[0]
+    case = cpu_case(spec, batch)
+    result = explain(case, bind_case(case)[0])
+    rows = {row.name: row for row in result["modules"]}
+    for layer in (0, 1):
+        router, experts = rows[f"model.layers.{layer}.mlp.gate"], rows[f"model.layers.{layer}.mlp.experts"]
+        assert (router.kind, experts.kind) == ("MixtralTopKRouter", "MixtralExperts")
+        assert experts.after - experts.before > 0 and experts.peak_within >= experts.after - experts.before
+        assert experts.output_bytes == batch * 64 * 32 * 4  # tokens x hidden, back in token order
