@@ -186,6 +186,11 @@ class Workload:
         trace does not), for the predict row's message; None when nothing."""
         return None
 
+    def definition_source(self) -> str | None:
+        """Where the model's definition was read when it is data, not this class's code (a config file, with the
+        Hub revision it belongs to), for a predict row's `workload_source`; None when nothing was read."""
+        return None
+
     def describe(self) -> dict[str, Any]:
         """The settings this workload runs with, for the row's `workload_settings`."""
         return dict(self.settings)

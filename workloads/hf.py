@@ -1,14 +1,18 @@
-"""`hf:<preset>`, `hf:path/to/config.json`: a Hugging Face transformers model, random weights, nothing downloaded.
+"""`hf:<preset>`, `hf:path/to/config.json`, `hf:org/name`: a Hugging Face transformers model, random weights.
 
 The model is built from transformers' configuration classes: from a preset's published numbers
 (`workloads.hf_presets`: gpt2, bert-base-uncased, llama-3.2-1b, llama-3.1-8b, mistral-7b, qwen2.5-7b, and small
-`tiny-*` shapes), or from the `config.json` of a model folder the user has, read locally. Weights come from the
-model's own initialisation, seeded; no tokenizer, no weights and no hub access are ever needed.
+`tiny-*` shapes), from the `config.json` of a model folder the user has, read locally, or from a Hub model's
+`config.json` by its id (`hf:Qwen/Qwen2.5-7B-Instruct`, `@revision` after it), read through huggingface_hub from the
+user's cache or the Hub (`workloads.hf_config`). Weights come from the model's own initialisation, seeded; no
+tokenizer and no weights are ever needed, and a preset or a local file needs no Hub access.
 
 Options (`hf:llama-3.2-1b:layers=2:seq_len=256:attn=eager`):
 - `layers`: the number of decoder/encoder layers (0: the model's own), to measure a big model's step on a CPU;
 - `seq_len`: tokens per sequence (at most the model's `max_position_embeddings`);
 - `attn`: transformers' `attn_implementation`, `sdpa` (the default) or `eager`;
+- `trust_remote_code`: `true` to build an architecture transformers does not have from the repository's own code
+  (its config's `auto_map`), which is then imported and run, as transformers' `trust_remote_code=True` does;
 - `task`: `causal_lm` for decoders; `masked_lm` or `seq_cls` (sequence classification, the config's
   `num_labels` classes) for encoders; `auto` picks the first of these that the architecture has;
 - `packed`: causal LM only, documents packed into each row of `seq_len` tokens (0: not packed; N >= 2: N
@@ -57,7 +61,8 @@ from bench.core.errors import UsageError
 from bench.core.quiet_import import import_torchao
 from workloads import hf_checks, hf_moe, text_data
 from workloads.base import DeferredHead, Workload, register_workload
-from workloads.hf_config import FILE_FORM, config_values, is_file_reference, make_config, read_config_file  # noqa: F401
+from workloads.hf_config import (FILE_FORM, REMOTE_TASK_CLASSES, config_values, is_file_reference,  # noqa: F401
+                                 make_config, read_config_file, remote_class, resolve_config)
 from workloads.hf_presets import MASK_TOKEN_IDS, PRESETS
 
 INSTALL_HINT = "pip install 'membench[hf]' (in a checkout: make install)"
@@ -164,6 +169,12 @@ def tasks_of(transformers, model_type: str) -> list[str]:
     return ["causal_lm"] if model_type in classes["causal_lm"][1] else []
 
 
+def remote_tasks(values: dict[str, Any]) -> list[str]:
+    """The tasks a remote-code configuration's `auto_map` has a class for, in membench's order."""
+    auto_map = values.get("auto_map", {})
+    return [task for task, auto_name in REMOTE_TASK_CLASSES.items() if auto_name in auto_map]
+
+
 def token_windows(batch_size: int, tokens: int, vocab_size: int, seed: int) -> torch.Tensor:
     """`batch_size` windows of `tokens` token ids from the standard library's source, at seeded offsets: each id
     two consecutive bytes, `(256 * first + second) % vocab_size`."""
@@ -179,14 +190,15 @@ class HfWorkload(Workload):
     """A transformers model from a preset's or a config file's numbers, random weights; AdamW as HF's Trainer."""
 
     name = "hf"
-    description = ("a Hugging Face transformers model (hf:<preset> or hf:path/to/config.json), random weights, "
+    description = ("a Hugging Face transformers model (hf:<preset>, hf:path/to/config.json or hf:org/name from the "
+                   "Hub, its config.json only), random weights, "
                    "stdlib source text as tokens, cross-entropy, AdamW")
     default_batch_size = 4
     seed = 0
     data_sources = ("text", "synthetic")
     positional_option = "model"
     options = {"model": "gpt2", "layers": 0, "seq_len": 128, "attn": "sdpa", "task": "auto", "packed": 0,
-               "loss": "logits"}
+               "loss": "logits", "trust_remote_code": False}
     units_chain = False  # each layer gets the attention mask and rotary embeddings as arguments besides its input
     learning_rate = 5e-5  # transformers' Trainer defaults: AdamW, lr 5e-5, no weight decay
     weight_decay = 0.0
@@ -203,15 +215,16 @@ class HfWorkload(Workload):
             raise UsageError(f"unknown hf attn {s['attn']!r}; valid choices: {', '.join(ATTENTION_IMPLEMENTATIONS)}")
         if s["loss"] not in LOSSES:
             raise UsageError(f"unknown hf loss {s['loss']!r}; valid choices: {', '.join(LOSSES)}")
-        values = config_values(str(s["model"]))
+        self.config_source = resolve_config(str(s["model"]), transformers, bool(s["trust_remote_code"]))
+        values = self.config_source.values
         source = str(s["model"])
         hf_checks.check_values(values, source, transformers)
-        full = make_config(transformers, values, 0, source)
+        full = make_config(transformers, values, 0, source, self.config_source)
         if s["layers"] < 0 or s["layers"] > full.num_hidden_layers:
             raise UsageError(f"hf:{s['model']}:layers={s['layers']} must be between 1 and "
                              f"{full.num_hidden_layers} (the model's own; 0 for all)")
         self.model_type = values["model_type"]
-        tasks = tasks_of(transformers, self.model_type)
+        tasks = (remote_tasks(values) if self.config_source.remote_code else tasks_of(transformers, self.model_type))
         if not tasks:
             raise UsageError(f"hf: model_type {self.model_type!r} has no causal or masked language-model class in "
                              f"transformers {transformers.__version__}")
@@ -222,9 +235,9 @@ class HfWorkload(Workload):
         self._values = values
         if hf_moe.is_moe(full):  # its experts' grouped products on fake tensors (workloads.hf_moe)
             hf_moe.register_grouped_mm_fake_kernel()
-        auto_class = _auto_classes(transformers)[self.task][0]
         hf_checks.check_size(values, self.task, s["layers"] or full.num_hidden_layers, source, lambda layers: (
-            auto_class.from_config(make_config(transformers, values, layers, source), dtype=torch.float32)))
+            self._model_builder()(make_config(transformers, values, layers, source, self.config_source),
+                                  dtype=torch.float32)))
         positions = getattr(full, "max_position_embeddings", None)
         if s["seq_len"] < 1 or (positions and s["seq_len"] > positions):
             raise UsageError(f"hf:{s['model']}:seq_len={s['seq_len']} must be between 1 and {positions} "
@@ -235,12 +248,21 @@ class HfWorkload(Workload):
 
     def config(self):
         """The transformers configuration this workload builds its model from (a new object each call)."""
-        return make_config(import_transformers(), self._values, self.settings["layers"])
+        return make_config(import_transformers(), self._values, self.settings["layers"],
+                           config_source=self.config_source)
+
+    def _model_builder(self):
+        """What builds the model from a configuration, `builder(config, **options)`: the `from_config` of
+        transformers' Auto class of the task, or for remote code the user trusted the `_from_config` of the
+        repository's own class for it, as transformers' Auto classes call it."""
+        if self.config_source.remote_code:
+            return remote_class(self.config_source, REMOTE_TASK_CLASSES[self.task])._from_config
+        return _auto_classes(import_transformers())[self.task][0].from_config
 
     def build_model(self) -> nn.Module:
-        auto_class, _ = _auto_classes(import_transformers())[self.task]
+        build = self._model_builder()
         torch.manual_seed(self.seed)
-        model = auto_class.from_config(self.config(), attn_implementation=self.settings["attn"], dtype=torch.float32)
+        model = build(self.config(), attn_implementation=self.settings["attn"], dtype=torch.float32)
         return hf_moe.file_moe_allocations(model)  # an MoE model's router and dispatch filed apart; else unchanged
 
     @property
@@ -364,9 +386,16 @@ class HfWorkload(Workload):
         """The configuration's layer count: building an 8B model on the CPU to count its layers would take 32 GB."""
         return self.config().num_hidden_layers
 
+    def definition_source(self) -> str | None:
+        """The config file read (for a Hub model, `org/name@commit: path`); None for a preset."""
+        source = self.config_source
+        if source.kind == "hub":
+            return f"{source.repo_id}@{source.revision}: {source.file}"
+        return source.file
+
     def describe(self) -> dict[str, Any]:
         config = self.config()
         shape = {key: getattr(config, key, None) for key in ("hidden_size", "num_hidden_layers", "num_attention_heads",
                                                              "num_key_value_heads", "intermediate_size", "vocab_size")}
         return {**self.settings, "task": self.task, "model_type": self.model_type,
-                **{key: value for key, value in shape.items() if value is not None}}
+                **{key: value for key, value in shape.items() if value is not None}, **self.config_source.recorded()}

@@ -95,6 +95,7 @@ def predict_case(case, engine: str = "auto", ranks: int = 1, capability: tuple[i
         planned = _planned_strategies(case, engines, ranks)
         notes = _notes_before_the_step(strategy, planned, ranks)
         notes += [note for note in [getattr(context.workload, "prediction_note", lambda: None)()] if note]
+        row["workload_source"] = getattr(context.workload, "definition_source", lambda: None)()
         if strategy.distributed:
             row["ranks"] = ranks
         row["message"] = "; ".join(notes)
