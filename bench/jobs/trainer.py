@@ -235,15 +235,17 @@ def _valid_fields(kind: str) -> dict[str, Any]:
     return fields
 
 
-TRL_ONLY = ("max_length", "max_seq_length", "packing", "packing_strategy", "padding_free", "dataset_text_field",
+# keys only SFTConfig or TRL's ModelConfig/ScriptArguments have (max_length and model_name_or_path are this layout's
+# for a plain Trainer too)
+TRL_ONLY = ("max_seq_length", "packing", "packing_strategy", "padding_free", "dataset_text_field",
             "model_init_kwargs", "completion_only_loss", "assistant_only_loss", "activation_offloading", "use_peft",
             "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "load_in_4bit", "load_in_8bit",
-            "model_name_or_path", "dataset_name", "loss_type")
+            "dataset_name", "loss_type")
 
 
 def kind_of(values: dict[str, Any]) -> str:
     """trl where the configuration has a key only SFTConfig or TRL's ModelConfig/ScriptArguments has."""
-    return KIND_TRL if any(key in values for key in TRL_ONLY if key != "model_name_or_path") else KIND_TRAINER
+    return KIND_TRL if any(key in values for key in TRL_ONLY) else KIND_TRAINER
 
 
 def _version(text: Any, key: str) -> tuple[int, int]:

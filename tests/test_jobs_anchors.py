@@ -1,0 +1,67 @@
+"""Issue 44 §4: each anchor whose source states its configuration in a file form (torchtune's recipe and overrides,
+the transformers guide's Trainer arguments) derives, through bench.jobs, the case its hand-written spec predicts; the
+rows where the translation differs are declared here with the reason the translation is right."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from bench.analysis.anchors import ANCHOR_DIR, MODEL_DIR, load_file
+from bench.jobs import derive_job
+from bench.jobs.job import workload_options
+from strategies import parse_strategy
+
+# anchor -> (what the translation derives that the hand-written case lacks, what the hand-written has that it lacks)
+TRAINER_LOSS = "loss=model"  # Trainer.compute_loss takes the model's own loss from labels=; the anchors compute it
+BNB_ADAM = "optimizer:name=adamw8bit:impl=bitsandbytes"  # the guide's bnb.optim.Adam8bit: bitsandbytes' layout
+DIFFERENCES = {
+    **{name: ({TRAINER_LOSS}, set()) for name in (
+        "transformers-vanilla", "transformers-grad-accumulation", "transformers-grad-checkpointing",
+        "transformers-fp16", "transformers-fp16-checkpointing", "transformers-adafactor", "transformers-adafactor-all")},
+    "transformers-adam8bit": ({TRAINER_LOSS, BNB_ADAM}, {"optimizer:name=adamw8bit"}),
+    "transformers-adam8bit-all": ({TRAINER_LOSS, BNB_ADAM}, {"optimizer:name=adamw8bit"}),
+}
+
+
+def _referenced_anchors():
+    for source in ("torchtune", "transformers"):
+        rows = {row["name"]: row for row in yaml.safe_load((ANCHOR_DIR / f"{source}.yaml").read_text())["rows"]}
+        for anchor in load_file(ANCHOR_DIR / f"{source}.yaml"):
+            yield pytest.param(anchor, rows[anchor.name]["config"], id=anchor.name)
+
+
+def _members(spec: str) -> set[str]:
+    """The canonical members of a spec, LoRA targets as a sorted set (peft adapts the same modules in any order)."""
+    members = set()
+    for member in parse_strategy(spec).spec().split("+"):
+        parts = [("targets=" + "/".join(sorted(p[8:].split("/")))) if p.startswith("targets=") else p
+                 for p in member.split(":")]
+        members.add(":".join(parts))
+    return members
+
+
+def _options(workload: str) -> set[str]:
+    _, options = workload_options(workload)
+    defaults = {"attn": "sdpa", "task": "causal_lm"}  # the workload's own choices for these decoders
+    return {f"{k}={v}" for k, v in options.items() if defaults.get(k) != v}
+
+
+@pytest.mark.parametrize("anchor, reference", list(_referenced_anchors()))
+def test_the_anchor_s_configuration_derives_its_case(anchor, reference):
+    model = str(MODEL_DIR / f"{reference['model']}.json")
+    job = derive_job(ANCHOR_DIR / reference["file"], reference["overrides"], model=model)
+    if "seq_len" in reference:  # an unpacked batch's length is the data's: the anchor's assumption, given as a user would
+        job, _ = job.with_explicit(workload=f"hf:{model}:seq_len={reference['seq_len']}")
+    derived = _members(job.strategy) | _options(job.workload)
+    written = _members(anchor.strategy) | _options(anchor.workload())
+    assert job.batch_size == anchor.global_batch
+    assert workload_options(job.workload)[0] == f"hf:{model}"
+    assert (derived - written, written - derived) == DIFFERENCES.get(anchor.name, (set(), set()))
+    assert not [use for use in job.keys if use.fate not in ("used", "ignored", "not modelled")]
+
+
+def test_every_torchtune_and_transformers_anchor_has_its_configuration():
+    names = {param.id for param in _referenced_anchors()}
+    anchors = {a.name for s in ("torchtune", "transformers") for a in load_file(ANCHOR_DIR / f"{s}.yaml")}
+    assert names == anchors
