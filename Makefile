@@ -8,6 +8,9 @@ TORCH ?= torch==2.13.0
 # x86_64 torchvision is a CUDA build whose compiled ops do not load beside a CPU torch: timm does not need them
 # (workloads/timm_models.py imports it without them).
 TORCHVISION ?= torchvision==0.28.0
+# torchtune's recipe configurations (recipes/configs/), which the tests of bench/jobs read: its files only, so
+# without its dependencies (torchdata, omegaconf, tokenizers), which membench never imports
+TORCHTUNE ?= torchtune==0.6.1
 DEVICE ?= auto
 SUITE ?= bench/suites/default.yaml
 # your own runs (git-ignored in results/); the committed reference runs are under results/reference/, where no
@@ -31,6 +34,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH)" "$(TORCHVISION)"
 	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev,timm,hf,report]"
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps "$(TORCHTUNE)"
 	$(CUDA_PREDICTIONS_ENV)
 	touch $(STAMP)
 
