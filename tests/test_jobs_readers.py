@@ -176,3 +176,5 @@ def test_predict_config_prints_the_spec_and_predicts_it(tmp_path, capsys):
     assert "ignored" in out and "output_dir" in out
     rows = (next(tmp_path.glob("predict-*.csv"))).read_text().splitlines()
     assert len(rows) == 2 and "hf:tiny-llama:seq_len=64:loss=model" in rows[1]  # the derived case alone, recorded
+    assert rows[1].endswith("trainer_lora.json max_length=64 dtype=float32 per_device_train_batch_size=1 "
+                            "gradient_accumulation_steps=1 bf16=false")  # and the configuration it came from

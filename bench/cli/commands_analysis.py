@@ -152,6 +152,8 @@ def cmd_predict(args) -> int:
     snapshots = writable_snapshot_folder(path) if args.snapshot else None
     rows = predict.predict_cases(cases, engine, args.ranks, compute_capability, on_case=progress,
                                  snapshot_dir=None if snapshots is None else str(snapshots))
+    for row in rows if job is not None else ():
+        row["config"] = job.config_text  # the configuration the case was derived from, beside the spec it ran
     print(f"predicted peak memory on {device}" + (" (torch.cuda.max_memory_allocated and max_memory_reserved)"
                                                   if device == "cuda" else " (exact live tensor bytes)"))
     if args.ranks > 1:

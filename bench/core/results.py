@@ -143,7 +143,8 @@ def new_row(values: dict | None = None, **more) -> Row:
 #    policy, or `none`), and `offload_host_peak_bytes` (host memory of offloaded activations), after `sdpa_kernel`
 # 4: `predicted_communication_bytes` (the collectives' buffers of a sharded strategy), after `offload_host_peak_bytes`
 # 5: `workload_source`, the file the model's definition was read from (a Hub model's `org/name@commit: path`), last
-PREDICT_SCHEMA_VERSION = 5
+# 6: `config`, the trainer configuration a case was derived from (`predict --config`: its kind, file and overrides), last
+PREDICT_SCHEMA_VERSION = 6
 PREDICT = Table("predict", PREDICT_SCHEMA_VERSION, [
     *columns("int", "schema_version"),
     *columns("text", "workload strategy phase"), *columns("int", "batch_size"), *columns("text", "device"),
@@ -154,7 +155,7 @@ PREDICT = Table("predict", PREDICT_SCHEMA_VERSION, [
     *columns("int", "predicted_weights_bytes predicted_grads_bytes predicted_optimizer_state_bytes "
                     "predicted_activations_bytes predicted_logits_bytes predicted_other_bytes"),
     *columns("text", "sdpa_kernel recompute_plan"), *columns("int", "offload_host_peak_bytes"),
-    *columns("int", "predicted_communication_bytes"), *columns("text", "workload_source"),
+    *columns("int", "predicted_communication_bytes"), *columns("text", "workload_source config"),
 ])
 
 # `python -m bench fit`: one row per strategy (bench.analysis.fit.fit_rows, the fields of FitResult)
