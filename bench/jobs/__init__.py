@@ -43,11 +43,12 @@ def kind_of_file(values: dict[str, Any]) -> str:
 
 def derive_job(config: str | Path | dict | Any, overrides: Iterable[str] = (), *, kind: str | None = None,
                model: str | None = None, peft_config: Any = None, quantization_config: Any = None,
-               model_config: Any = None) -> DerivedJob:
+               model_config: Any = None, max_length: int | None = None) -> DerivedJob:
     """The DerivedJob of `config`: a configuration file's path (YAML or JSON), a mapping, or a TrainingArguments or
     SFTConfig object (then `peft_config`, `quantization_config` and `model_config` may hold the objects beside it);
     `overrides` as `tune run` takes them (`key=value`, `~key`); `model`: the workload's model where the
-    configuration's is not to be used (a preset such as `llama-3.1-8b`, a config.json path, `hf:...`).
+    configuration's is not to be used (a preset such as `llama-3.1-8b`, a config.json path, `hf:...`); `max_length`:
+    the sequence length where a Trainer object has none (the longest row of its data).
     A UsageError, one line naming the key and what is valid, for anything the readers refuse."""
     overrides = tuple(overrides)
     if kind is not None and kind not in KINDS:
@@ -55,7 +56,8 @@ def derive_job(config: str | Path | dict | Any, overrides: Iterable[str] = (), *
     if not isinstance(config, (str, Path, dict)):
         if overrides:
             raise UsageError("overrides apply to a configuration file; change the object's fields instead")
-        return job_from_trainer_objects(config, peft_config, quantization_config, model_config, model=model)
+        return job_from_trainer_objects(config, peft_config, quantization_config, model_config, model=model,
+                                        max_length=max_length)
     if isinstance(config, dict):
         values, source = apply_overrides(config, overrides), "<mapping>"
     else:
@@ -146,14 +148,18 @@ def config_file_of(model_config: Any) -> str:
 
 
 def job_from_trainer_objects(args: Any, peft_config: Any = None, quantization_config: Any = None,
-                             model_config: Any = None, model: str | None = None) -> DerivedJob:
+                             model_config: Any = None, model: str | None = None,
+                             max_length: int | None = None) -> DerivedJob:
     """The DerivedJob of a Trainer's objects: TrainingArguments or SFTConfig `args`, peft's LoraConfig, transformers'
     BitsAndBytesConfig, and the model's PretrainedConfig (or `model`, a workload model name) — what a dry run of a
-    constructed Trainer reads (its `args`, its model's `config`, `peft_config`, `quantization_config`)."""
+    constructed Trainer reads (its `args`, its model's `config`, `peft_config`, `quantization_config`); `max_length`:
+    the tokens of the longest row (a dry run's collated batch), where `args` has no max_length of its own."""
     from bench.jobs.trainer import KIND_TRAINER, KIND_TRL, read_trainer
 
     values = object_values(args)
     values.update(_beside(peft_config, quantization_config))
+    if max_length is not None:
+        values["max_length"] = max_length
     if model is None and model_config is not None:
         model = config_file_of(model_config)
         dtype = getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None)
