@@ -1,5 +1,5 @@
 """Issue 44 §4: each anchor whose source states its configuration in a file form (torchtune's recipe and overrides,
-the transformers guide's Trainer arguments) derives, through bench.jobs, the case its hand-written spec predicts; the
+the transformers guide's Trainer arguments, fsdp_qlora's train.py arguments) derives, through bench.jobs, the case its hand-written spec predicts; the
 rows where the translation differs are declared here with the reason the translation is right."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from bench.analysis.anchors import ANCHOR_DIR, MODEL_DIR, load_file
+from bench.analysis.anchors import ANCHOR_DIR, MODEL_DIR, load_file, plan_row
 from bench.jobs import derive_job
 from bench.jobs.job import workload_options
 from strategies import parse_strategy
@@ -15,17 +15,23 @@ from strategies import parse_strategy
 # anchor -> (what the translation derives that the hand-written case lacks, what the hand-written has that it lacks)
 TRAINER_LOSS = "loss=model"  # Trainer.compute_loss takes the model's own loss from labels=; the anchors compute it
 BNB_ADAM = "optimizer:name=adamw8bit:impl=bitsandbytes"  # the guide's bnb.optim.Adam8bit: bitsandbytes' layout
+SOURCES = ("torchtune", "transformers", "fsdp_qlora")
 DIFFERENCES = {
     **{name: ({TRAINER_LOSS}, set()) for name in (
         "transformers-vanilla", "transformers-grad-accumulation", "transformers-grad-checkpointing",
         "transformers-fp16", "transformers-fp16-checkpointing", "transformers-adafactor", "transformers-adafactor-all")},
     "transformers-adam8bit": ({TRAINER_LOSS, BNB_ADAM}, {"optimizer:name=adamw8bit"}),
     "transformers-adam8bit-all": ({TRAINER_LOSS, BNB_ADAM}, {"optimizer:name=adamw8bit"}),
+    # fsdp_qlora's train.py: `loss = model(..., labels=...).loss`, the model's own loss, as the Trainer's
+    **{name: ({TRAINER_LOSS}, set()) for name in (
+        "fsdp-qlora-512", "fsdp-qlora-2048", "fsdp-lora-512", "fsdp-lora-2048", "fsdp-lora-512-allocated",
+        "fsdp-lora-2048-allocated", "fsdp-qlora-2048-batch4", "fsdp-qlora-2048-batch10", "fsdp-lora-2048-batch4",
+        "fsdp-lora-2048-batch6", "fsdp-qlora-ddp-batch8", "fsdp-lora-ddp-batch4")},
 }
 
 
 def _referenced_anchors():
-    for source in ("torchtune", "transformers"):
+    for source in SOURCES:
         rows = {row["name"]: row for row in yaml.safe_load((ANCHOR_DIR / f"{source}.yaml").read_text())["rows"]}
         for anchor in load_file(ANCHOR_DIR / f"{source}.yaml"):
             yield pytest.param(anchor, rows[anchor.name]["config"], id=anchor.name)
@@ -53,9 +59,10 @@ def test_the_anchor_s_configuration_derives_its_case(anchor, reference):
     job = derive_job(ANCHOR_DIR / reference["file"], reference["overrides"], model=model)
     if "seq_len" in reference:  # an unpacked batch's length is the data's: the anchor's assumption, given as a user would
         job, _ = job.with_explicit(workload=f"hf:{model}:seq_len={reference['seq_len']}")
+    predicted, _ = plan_row(anchor)  # the hand-written spec that runs (its fallback where it does not parse)
     derived = _members(job.strategy) | _options(job.workload)
-    written = _members(anchor.strategy) | _options(anchor.workload())
-    assert job.batch_size == anchor.global_batch
+    written = _members(predicted) | _options(anchor.workload())
+    assert job.batch_size * (job.ranks or 1) == anchor.global_batch and (job.ranks or 1) == anchor.ranks
     assert workload_options(job.workload)[0] == f"hf:{model}"
     assert (derived - written, written - derived) == DIFFERENCES.get(anchor.name, (set(), set()))
     assert not [use for use in job.keys if use.fate not in ("used", "ignored", "not modelled")]
@@ -63,5 +70,5 @@ def test_the_anchor_s_configuration_derives_its_case(anchor, reference):
 
 def test_every_torchtune_and_transformers_anchor_has_its_configuration():
     names = {param.id for param in _referenced_anchors()}
-    anchors = {a.name for s in ("torchtune", "transformers") for a in load_file(ANCHOR_DIR / f"{s}.yaml")}
+    anchors = {a.name for s in SOURCES for a in load_file(ANCHOR_DIR / f"{s}.yaml")}
     assert names == anchors

@@ -153,6 +153,7 @@ def test_the_trainer_s_objects_derive_the_same_case_as_its_file():
     ({"model": {"_component_": "torchtune.models.llama3_1.llama3_1_8b"}, "dtype": "fp8"}, [],
      "key dtype: unknown value 'fp8'; valid choices: bf16, fp32"),
     ({"model": {"_component_": "torchtune.models.llama3_1.llama3_1_8b"}}, ["optimizer.fused"], "expected key=value"),
+    ({"train_type": "qlora", "sharding_strategy": "zero3"}, [], "key sharding_strategy: unknown value 'zero3'"),
 ])
 def test_a_bad_key_or_value_is_one_line_and_exit_2(tmp_path, capsys, content, overrides, expected):
     path = tmp_path / "bad.json"

@@ -44,6 +44,8 @@ def derived_job(args, command: str):
     for note in notes:
         print(f"  {note}")
     print()
+    if job.ranks and hasattr(args, "ranks") and args.ranks == 1:
+        args.ranks = job.ranks  # the configuration's processes, where --ranks does not say otherwise
     args.workload = job.workload
     args.batch_size = str(job.batch_size)
     if command != "plan":

@@ -1,12 +1,13 @@
-"""Reading the training configuration a user already wrote (Trainer/TRL arguments, torchtune recipes, axolotl) as the
-membench case it describes: `derive_job(...)` -> `DerivedJob` (workload and strategy specs, batch, every key
-accounted for).
+"""Reading the training configuration a user already wrote (Trainer/TRL arguments, torchtune recipes, axolotl YAML,
+fsdp_qlora's train.py arguments) as the membench case it describes: `derive_job(...)` -> `DerivedJob` (workload and
+strategy specs, batch, every key accounted for).
 
     >>> job = derive_job("recipes/configs/llama3_1/8B_lora_single_device.yaml", ["batch_size=4"])  # doctest: +SKIP
     >>> job.workload, job.strategy, job.batch_size  # doctest: +SKIP
 
 Which reader reads a file: `kind=` when given (trainer, trl, torchtune, axolotl), else the file's keys: a `model`
-section with a `_component_` is torchtune's, `base_model` axolotl's, anything else the Trainer's (TRL's where a key
+section with a `_component_` is torchtune's, `base_model` axolotl's, `train_type` or `context_length` fsdp_qlora's
+train.py arguments, anything else the Trainer's (TRL's where a key
 only SFTConfig or TRL's ModelConfig has is present). Python objects (TrainingArguments, SFTConfig, peft's
 LoraConfig, transformers' BitsAndBytesConfig and PretrainedConfig) are read by `job_from_trainer_objects`.
 """
@@ -25,7 +26,7 @@ from bench.core.errors import UsageError
 from bench.jobs.files import apply_overrides, load_file
 from bench.jobs.job import DerivedJob, KeyUse
 
-KINDS = ("trainer", "trl", "torchtune", "axolotl")
+KINDS = ("trainer", "trl", "torchtune", "axolotl", "fsdp_qlora")
 
 __all__ = ["DerivedJob", "KeyUse", "KINDS", "derive_job", "job_from_trainer_objects", "kind_of_file"]
 
@@ -38,6 +39,8 @@ def kind_of_file(values: dict[str, Any]) -> str:
         return "torchtune"
     if "base_model" in values or "base_model_config" in values:
         return "axolotl"
+    if "train_type" in values or "context_length" in values:
+        return "fsdp_qlora"
     return kind_of(values)
 
 
@@ -78,6 +81,10 @@ def derive_job(config: str | Path | dict | Any, overrides: Iterable[str] = (), *
         from bench.jobs.axolotl import read_axolotl
 
         return read_axolotl(values, source, overrides, model=_hf(model))
+    if kind == "fsdp_qlora":
+        from bench.jobs.fsdp_qlora import read_fsdp_qlora
+
+        return read_fsdp_qlora(values, source, overrides, model=_hf(model))
     from bench.jobs.trainer import read_trainer
 
     return read_trainer(values, source, overrides, kind=kind, model=_hf(model))

@@ -14,9 +14,10 @@ _BLOCK = re.compile(r"(<!-- keys: (\w+) -->\n)(.*?)(<!-- /keys -->)", re.S)
 
 def reader_keys() -> dict:
     """Each reader's declared keys, by the name of its block."""
-    from bench.jobs import axolotl, torchtune, trainer
+    from bench.jobs import axolotl, fsdp_qlora, torchtune, trainer
 
-    return {"trainer": trainer.KEYS, "torchtune": torchtune.KEYS, "axolotl": axolotl.KEYS}
+    return {"trainer": trainer.KEYS, "torchtune": torchtune.KEYS, "axolotl": axolotl.KEYS,
+            "fsdp_qlora": fsdp_qlora.KEYS}
 
 
 def keys_table(name: str) -> str:
