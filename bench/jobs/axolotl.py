@@ -140,7 +140,11 @@ def read_axolotl(values: dict[str, Any], source: str, overrides: tuple[str, ...]
         members.append("amp:dtype=float16")
     reading.used("bf16", "bf16_weights+amp:dtype=bfloat16" if bf16 else "off")
     reading.used("fp16", "amp:dtype=float16" if fp16 else "off")
-    members += _adapter(reading)
+    adapter = _adapter(reading)
+    if adapter and "bf16_weights" in members:
+        reading.assume("peft's get_peft_model keeps the adapters in float32 on a bfloat16 model "
+                       "(autocast_adapter_dtype=True): predicted in bfloat16 with the weights (not modelled)")
+    members += adapter
     checkpointing = reading.get("gradient_checkpointing", False, types=(bool, str, type(None)))
     if checkpointing not in (None, False, True, "offload", "unsloth"):
         raise UsageError(f"axolotl key gradient_checkpointing: unknown value {checkpointing!r}; valid choices: true, "

@@ -219,19 +219,22 @@ def _training_members(reading: Reading) -> list[str]:
     members = []
     if reading.get("enable_activation_checkpointing", False, types=(bool,)):
         members.append("checkpoint:segments=all")
-    reading.used("enable_activation_checkpointing")
+    reading.used("enable_activation_checkpointing", "checkpoint:segments=all (every decoder layer)"
+                 if "checkpoint:segments=all" in members else "off")
     if reading.get("enable_activation_offloading", False, types=(bool,)):
         streams = reading.get("activation_offloading_use_streams", True, types=(bool,))
         members.append("offload_activations" + ("" if streams else ":use_streams=false"))
-    reading.used("enable_activation_offloading")
+    offloading = any(m.startswith("offload_activations") for m in members)
+    reading.used("enable_activation_offloading", "offload_activations" if offloading else "off")
     reading.used("activation_offloading_use_streams")
     if reading.get("compile", False, types=(bool,)):
         members.append("compile:scope=layers:loss=true")
-    reading.used("compile")
+    reading.used("compile", "compile:scope=layers:loss=true (each decoder layer and the loss)"
+                 if reading.get("compile") else "off")
     members.append(_optimizer_member(reading))
     if reading.get("optimizer_in_bwd", False, types=(bool,)):
         members.append("optimizer_in_backward")
-    reading.used("optimizer_in_bwd")
+    reading.used("optimizer_in_bwd", "optimizer_in_backward" if "optimizer_in_backward" in members else "off")
     loss = reading.get("loss._component_", "torch.nn.CrossEntropyLoss", types=(str,),
                        choices=CHUNKED_LOSSES + WHOLE_LOSSES)
     if loss in CHUNKED_LOSSES:

@@ -271,7 +271,11 @@ def read_trainer(values: dict[str, Any], source: str, overrides: tuple[str, ...]
     weights = _weights_member(reading, kind)
     members.append(weights)
     members += _precision(reading, kind, default)
-    members += _adapters(reading, kind)
+    adapters = _adapters(reading, kind)
+    if adapters and weights == "bf16_weights":
+        reading.assume("peft's get_peft_model keeps the adapters in float32 on a bfloat16 model "
+                       "(autocast_adapter_dtype=True): predicted in bfloat16 with the weights (not modelled)")
+    members += adapters
     members += _checkpointing(reading, default)
     members.append(_optimizer(reading, transformers_version, default))
     if torch_version < TORCH_SET_TO_NONE_FROM:
