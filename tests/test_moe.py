@@ -128,26 +128,33 @@ def test_the_peak_does_not_depend_on_which_experts_the_tokens_go_to():
     assert peaks["text"] == peaks["synthetic"], peaks  # ...and the peak is the same
 
 
-# --- the grouped product on fake tensors --------------------------------------------------------------------------
+# --- the grouped product on meta and fake tensors ---------------------------------------------------------------
 
-def test_fake_grouped_products_have_the_cpu_kernels_output_and_keep_torchs_checks():
+def test_grouped_products_without_values_have_the_cpu_kernels_output_and_keep_torchs_checks():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    hf_moe.register_grouped_mm_fake_kernel()
+    hf_moe.register_grouped_mm_meta_kernel()
     experts, rows, inner, outer = 4, 10, 12, 20
-    offsets = torch.tensor([3, 5, 5, 10], dtype=torch.int32)
 
-    def product(a, w):
-        return torch.nn.functional.grouped_mm(a, w.transpose(-2, -1), offs=offsets)
+    def step(device="cpu", dtype=torch.float32, inner=inner):
+        """A grouped product of 4 experts' weights (stored transposed, as transformers stores them) and its
+        backward: (the product, the weights' gradient)."""
+        offsets = torch.tensor([3, 5, 5, 10], dtype=torch.int32, device=device)
+        a = torch.randn(rows, inner, device=device, dtype=dtype, requires_grad=True)
+        w = torch.randn(experts, outer, inner, device=device, dtype=dtype, requires_grad=True)
+        out = torch.nn.functional.grouped_mm(a, w.transpose(-2, -1), offs=offsets)
+        (out * 2).sum().backward()
+        return out, w.grad
 
-    a, w = torch.randn(rows, inner), torch.randn(experts, outer, inner)
-    real = product(a, w)
+    real = step()
     with FakeTensorMode(allow_non_fake_inputs=True):
-        fake = product(torch.empty(rows, inner), torch.empty(experts, outer, inner))
-        with pytest.raises(RuntimeError, match="16 bytes|stride"):  # bfloat16: torch's own meta kernel and checks
-            product(torch.empty(rows, 6, dtype=torch.bfloat16), torch.empty(experts, outer, 6, dtype=torch.bfloat16))
-    assert (fake.shape, fake.stride(), fake.dtype) == (real.shape, real.stride(), real.dtype)
-    assert fake.untyped_storage().nbytes() == real.untyped_storage().nbytes()
+        fake = step()
+        with pytest.raises(RuntimeError, match="16 bytes"):  # bfloat16: torch's own meta kernel and its checks
+            step(dtype=torch.bfloat16, inner=6)
+    for without_values in (fake, step("meta")):
+        for got, expected in zip(without_values, real):
+            assert (got.shape, got.stride(), got.dtype) == (expected.shape, expected.stride(), expected.dtype)
+            assert got.untyped_storage().nbytes() == expected.untyped_storage().nbytes()
 
 
 # --- the breakdown -----------------------------------------------------------------------------------------------

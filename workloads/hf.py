@@ -233,8 +233,8 @@ class HfWorkload(Workload):
                              f"{', '.join(['auto', *tasks])}")
         self.task = tasks[0] if s["task"] == "auto" else s["task"]
         self._values = values
-        if hf_moe.is_moe(full):  # its experts' grouped products on fake tensors (workloads.hf_moe)
-            hf_moe.register_grouped_mm_fake_kernel()
+        if hf_moe.is_moe(full):  # its experts' grouped products on meta and fake tensors (workloads.hf_moe)
+            hf_moe.register_grouped_mm_meta_kernel()
         hf_checks.check_size(values, self.task, s["layers"] or full.num_hidden_layers, source, lambda layers: (
             self._model_builder()(make_config(transformers, values, layers, source, self.config_source),
                                   dtype=torch.float32)))

@@ -13,13 +13,13 @@ tensors, which cannot know the routing, needs no assumption about it (balanced o
 workload builds its models with `experts_implementation="grouped_mm"`; the eager loop (`"eager"`: one matrix product
 per expert hit, sized by the tokens it got, found with `nonzero`) is data-dependent and is not what membench runs.
 
-On fake tensors one piece is missing from PyTorch: the meta kernel of `aten._grouped_mm` accepts bfloat16 only
-(`_meta_grouped_mm_common` copies the check of CUDA's fast CUTLASS path), while the operator itself runs any float
-dtype, on the CPU (its own kernel) and on CUDA (float32, or any GPU but sm90/sm100: `_grouped_mm_fallback`, one
-matrix product per group into the same output tensor). `register_grouped_mm_fake_kernel` gives fake tensors the
-output those kernels return (`_create_grouped_mm_output_tensor`, the one torch's meta kernel makes) for the dtypes its
-meta kernel refuses; bfloat16 calls keep torch's own meta kernel and its checks. Registered once per process, when an
-MoE workload is configured; it changes nothing that torch's meta kernel answers.
+On meta and fake tensors one piece is missing from PyTorch: the meta kernel of `aten._grouped_mm` accepts bfloat16
+only (`_meta_grouped_mm_common` copies the check of CUDA's fast CUTLASS path), while the operator itself runs any
+float dtype, on the CPU (its own kernel) and on CUDA (float32, or any GPU but sm90/sm100: `_grouped_mm_fallback`,
+one matrix product per group into the same output tensor). `register_grouped_mm_meta_kernel` makes the operator's
+Meta kernel return, for the dtypes torch's refuses, the output those kernels return (`_create_grouped_mm_output_tensor`,
+the one torch's meta kernel makes); bfloat16 calls keep torch's own meta kernel and its checks. Registered once per
+process, when an MoE workload is configured; it changes nothing that torch's meta kernel answers.
 
 The breakdown: `file_moe_allocations` makes each router's and each experts module's forward declare its storages
 (`bench.core.memory_categories.allocating`): the router's logits, probabilities and top-k choices as `MOE_ROUTER`,
@@ -117,34 +117,30 @@ def routing_note(config, split: dict[str, int]) -> str:
             f"({100 * split['experts'] / total:.1f}%), router {split['router']:,}")
 
 
-# --- aten._grouped_mm on fake tensors ---------------------------------------------------------------------------
+# --- aten._grouped_mm on meta and fake tensors -----------------------------------------------------------------
 
-_REGISTERED: list[bool] = []
+_META_KERNELS: list[torch.library.Library] = []  # kept alive: a Library's registrations die with it
 
 
-def _grouped_mm_on_fake_tensors(fake_mode, func, mat_a, mat_b, offs=None, bias=None, out_dtype=None):
-    """`aten._grouped_mm` of fake tensors in a dtype torch's meta kernel refuses: the output tensor the CPU kernel
-    and CUDA's fallback return (see the module); bfloat16 is left to torch's meta kernel (NotImplemented)."""
-    from torch._meta_registrations import _create_grouped_mm_output_tensor
-    from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
+def _grouped_mm_meta(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+    """`aten._grouped_mm` on meta tensors (fake tensors run it too): bfloat16 through torch's own meta kernel and its
+    checks; any other float dtype the output tensor the CPU kernel and CUDA's fallback return (see the module)."""
+    from torch._meta_registrations import _create_grouped_mm_output_tensor, meta_grouped_mm
 
     if mat_a.dtype == torch.bfloat16 and mat_b.dtype == torch.bfloat16:
-        return NotImplemented
+        return meta_grouped_mm(mat_a, mat_b, offs=offs, bias=bias, out_dtype=out_dtype)
     torch._check(mat_a.dim() in (2, 3) and mat_b.dim() in (2, 3),
                  lambda: f"grouped_mm: operands must be 2-D or 3-D, got {mat_a.dim()} and {mat_b.dim()}")
     torch._check(mat_a.dtype == mat_b.dtype and mat_a.dtype.is_floating_point,
                  lambda: f"grouped_mm: operands of one float dtype expected, got {mat_a.dtype} and {mat_b.dtype}")
-    device = mat_a.fake_device
-    with in_kernel_invocation_manager(fake_mode):
-        out = _create_grouped_mm_output_tensor(mat_a, mat_b, offs, out_dtype)
-    return FakeTensor(fake_mode, out, device)
+    return _create_grouped_mm_output_tensor(mat_a, mat_b, offs, out_dtype)
 
 
-def register_grouped_mm_fake_kernel() -> None:
-    """Gives fake tensors `aten._grouped_mm` in every float dtype its kernels run (see the module); once per process."""
-    if _REGISTERED:
+def register_grouped_mm_meta_kernel() -> None:
+    """Gives meta and fake tensors `aten._grouped_mm` in every float dtype its kernels run (see the module): the
+    operator's Meta kernel replaced by `_grouped_mm_meta`, once per process."""
+    if _META_KERNELS:
         return
-    from torch._subclasses.fake_impls import register_op_impl
-
-    register_op_impl(torch.ops.aten._grouped_mm.default)(_grouped_mm_on_fake_tensors)
-    _REGISTERED.append(True)
+    library = torch.library.Library("aten", "IMPL")
+    library.impl("_grouped_mm", _grouped_mm_meta, "Meta")
+    _META_KERNELS.append(library)
