@@ -10,6 +10,7 @@ dispatch buffers alive. tests_cuda_fake/test_moe_full_size.py predicts the full-
 from __future__ import annotations
 
 import importlib.util
+import json
 
 import pytest
 import torch
@@ -76,6 +77,22 @@ def test_dense_models_are_not_moe_and_are_left_unchanged():
     model = resolve_workload("hf:tiny-llama:seq_len=8").build_model()
     assert not hf_moe.is_moe(model.config) and hf_moe.moe_blocks(model) == []
     assert resolve_workload("hf:tiny-llama:seq_len=8").prediction_note() is None
+
+
+@pytest.mark.parametrize("change,words", [
+    ({"num_experts_per_tok": 5}, ["num_experts_per_tok = 5 with num_local_experts = 4", "1 to num_local_experts"]),
+    ({"num_experts_per_tok": "2"}, ["num_experts_per_tok = '2' (str)", "integer from 1"]),
+    ({"num_local_experts": 0}, ["num_experts_per_tok = 2 with num_local_experts = 0"]),
+])
+def test_a_bad_moe_value_in_a_config_file_is_one_line(tmp_path, change, words):
+    from bench.core.errors import UsageError
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**PRESETS["tiny-mixtral"], **change}))
+    with pytest.raises(UsageError) as error:
+        resolve_workload(f"hf:{path}").build_model()
+    message = str(error.value)
+    assert all(word in message for word in words) and "\n" not in message, message
 
 
 # --- the CPU count, exact ----------------------------------------------------------------------------------------

@@ -16,13 +16,15 @@ import torch
 
 from bench.core.errors import UsageError
 from bench.core.units import MAX_SIZE_BYTES, format_size
+from workloads.hf_moe import EXPERT_COUNT_KEYS
 
 # The integer sizes membench reads from a configuration, or that size the model it builds (transformers' names;
 # a model type's own spelling, gpt2's `n_layer`, is mapped through its config class's `attribute_map`). None is
 # valid where transformers takes it as "derive it" (num_key_value_heads, intermediate_size, head_dim).
 POSITIVE_INTEGERS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                      "max_position_embeddings", "num_labels")
-OPTIONAL_POSITIVE_INTEGERS = ("num_key_value_heads", "intermediate_size", "head_dim")
+OPTIONAL_POSITIVE_INTEGERS = ("num_key_value_heads", "intermediate_size", "head_dim", "num_experts_per_tok",
+                              "moe_intermediate_size")
 # No real model has a dimension near this; above it the int64 products of the shapes overflow soon
 LARGEST_DIMENSION = 2**31 - 1
 
@@ -56,6 +58,12 @@ def check_values(values: dict[str, Any], source: str, transformers) -> None:
             raise UsageError(f"hf: {source}: {spelled} = {_described(value)} ({kind}) is not valid; expected an "
                              f"integer from 1 to {LARGEST_DIMENSION:,}" +
                              (" or null" if name in OPTIONAL_POSITIVE_INTEGERS else ""))
+    experts_key = next((key for key in EXPERT_COUNT_KEYS if _is_integer(values.get(key))), None)
+    per_token = values.get("num_experts_per_tok")
+    if experts_key is not None and _is_integer(per_token) and per_token > values[experts_key]:
+        raise UsageError(f"hf: {source}: num_experts_per_tok = {per_token} with {experts_key} = "
+                         f"{values[experts_key]} is not valid; expected each token routed to 1 to "
+                         f"{experts_key} experts")
 
 
 def config_error(source: str, error: Exception) -> UsageError:
