@@ -118,6 +118,34 @@ def test_fake_tensors_count_what_the_cpu_counts_without_knowing_the_routing(spec
         assert fake.peak_by_category[category] == real.tracker.peak_by_category[category] > 0, category
 
 
+# two more families, as config files: shared experts beside the routed ones (Qwen2-MoE's gated one, DeepSeek-V3's),
+# DeepSeek-V3's group-limited routing and its first layer dense
+OTHER_FAMILIES = {
+    "qwen2_moe": {"model_type": "qwen2_moe", "vocab_size": 512, "hidden_size": 32, "intermediate_size": 64,
+                  "moe_intermediate_size": 16, "shared_expert_intermediate_size": 32, "num_hidden_layers": 2,
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 8, "num_experts_per_tok": 2,
+                  "max_position_embeddings": 128, "bos_token_id": 0, "eos_token_id": 1},
+    "deepseek_v3": {"model_type": "deepseek_v3", "vocab_size": 512, "hidden_size": 32, "intermediate_size": 64,
+                    "moe_intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4,
+                    "num_key_value_heads": 4, "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
+                    "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1, "kv_lora_rank": 16, "q_lora_rank": None,
+                    "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8, "max_position_embeddings": 128,
+                    "bos_token_id": 0, "eos_token_id": 1},
+}
+
+
+@pytest.mark.parametrize("family", sorted(OTHER_FAMILIES))
+def test_other_families_from_a_config_file_are_counted_on_fake_tensors_as_on_the_cpu(tmp_path, family):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(OTHER_FAMILIES[family]))
+    spec = f"hf:{path}:seq_len=32"
+    case = cpu_case(spec, 4)
+    real = memory_pass(case, bind_case(case)[0])
+    fake = fake_engine.tracked_step(case, "baseline", engine="fake", block_bytes=1, cuda_autocast=False)
+    assert real["peak_stage"] == "backward" and fake.peak_bytes == real["peak_mem_bytes"]
+    assert real.tracker.peak_by_category[MOE_DISPATCH] > 0
+
+
 def _routes(spec: str, batch: int, data: str) -> list[torch.Tensor]:
     """How many tokens each expert of each layer gets for the batch of `data` (the routers' top-k choices)."""
     workload = resolve_workload(spec)
