@@ -179,3 +179,19 @@ def test_predict_config_prints_the_spec_and_predicts_it(tmp_path, capsys):
     assert len(rows) == 2 and "hf:tiny-llama:seq_len=64:loss=model" in rows[1]  # the derived case alone, recorded
     assert rows[1].endswith("trainer_lora.json max_length=64 dtype=float32 per_device_train_batch_size=1 "
                             "gradient_accumulation_steps=1 bf16=false")  # and the configuration it came from
+
+
+def test_options_beside_the_configuration_win_and_say_so():
+    job = derive_job(FIXTURES / "trainer_lora.json", model="llama-3.1-8b")
+    changed, notes = job.with_explicit(workload="hf:tiny-llama:seq_len=32", batch_size=4)
+    assert changed.workload == "hf:tiny-llama:seq_len=32:loss=model"  # the derived loss kept, the given length won
+    assert changed.batch_size == 4 and changed.strategy == job.strategy
+    assert [note.split(" overrides ")[0] for note in notes] == ["--workload hf:tiny-llama:seq_len=32", "--batch-size 4"]
+    with pytest.raises(UsageError, match="accumulates 2 micro-batches"):
+        job.with_explicit(batch_size=3)
+
+
+def test_strategies_beside_a_configuration_are_refused(tmp_path, capsys):
+    code = main(["predict", "--config", str(FIXTURES / "trainer_lora.json"), "--strategies", "amp", "--device", "cpu",
+                 "--out", str(tmp_path)])
+    assert code == 2 and "--strategies with --config" in capsys.readouterr().err

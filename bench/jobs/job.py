@@ -129,15 +129,17 @@ class DerivedJob:
 
 def _accumulation_fitted(strategy: str, batch_size: int) -> str:
     """`strategy` with its grad_accumulation member kept only where its micro-batch count divides `batch_size`."""
-    parts = []
+    from strategies import STRATEGIES
+
     for part in strategy.split("+"):
-        if part.startswith("grad_accumulation:micro_batches="):
-            micro = int(part.split("=", 1)[1])
+        name, *options = part.split(":")
+        if name == "grad_accumulation":
+            settings = dict(option.split("=", 1) for option in options)
+            micro = int(settings.get("micro_batches", STRATEGIES.get(name).options["micro_batches"]))
             if batch_size % micro:
                 raise UsageError(f"--batch-size {batch_size}: the configuration accumulates {micro} micro-batches, "
                                  f"which must divide the batch; give a multiple of {micro}")
-        parts.append(part)
-    return "+".join(parts)
+    return strategy
 
 
 def workload_options(spec: str) -> tuple[str, dict[str, str]]:
