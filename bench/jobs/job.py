@@ -120,15 +120,15 @@ class DerivedJob:
         if batch_size is not None and batch_size != self.batch_size:
             notes.append(f"--batch-size {batch_size} overrides the configuration's batch per device "
                          f"({self.batch_size})")
-            job = replace(job, batch_size=batch_size, strategy=_accumulation_fitted(job.strategy, batch_size))
+            job = replace(job, batch_size=batch_size, strategy=_accumulation_checked(job.strategy, batch_size))
         if ranks is not None and ranks != (self.ranks or 1):
             notes.append(f"--ranks {ranks} overrides the configuration's ranks ({self.ranks or 1})")
             job = replace(job, ranks=ranks)
         return job, notes
 
 
-def _accumulation_fitted(strategy: str, batch_size: int) -> str:
-    """`strategy` with its grad_accumulation member kept only where its micro-batch count divides `batch_size`."""
+def _accumulation_checked(strategy: str, batch_size: int) -> str:
+    """`strategy`, once its grad_accumulation member's micro-batch count is checked to divide `batch_size`."""
     from strategies import STRATEGIES
 
     for part in strategy.split("+"):
