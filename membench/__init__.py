@@ -9,10 +9,11 @@
 See docs/python-api.md. The command line (`python -m bench`) is unchanged; this package sits on top of it.
 """
 
+from membench.dry_run import DryRun, dry_run
 from membench.estimating import Estimate, estimate
 from membench.measuring import Measurement, StepMemory, measure
 from membench.planning import Plan, fit, plan
 from membench.workload import CallableWorkload, InputError, Shape, check_inputs, workload_from_callables
 
-__all__ = ["CallableWorkload", "Estimate", "InputError", "Measurement", "Shape", "StepMemory", "check_inputs",
-           "estimate", "fit", "measure", "Plan", "plan", "workload_from_callables"]
+__all__ = ["CallableWorkload", "DryRun", "dry_run", "Estimate", "InputError", "Measurement", "Shape", "StepMemory",
+           "check_inputs", "estimate", "fit", "measure", "Plan", "plan", "workload_from_callables"]

@@ -15,11 +15,14 @@ from bench.analysis.fake_cuda_worker import serve
 
 def search(values: dict) -> dict:
     """The whole search; or, for {"candidate": [spec, members], "request": ...}, that one candidate's row (a Ray
-    task's, `plan_search._evaluate_on_ray`)."""
+    task's, `plan_search._evaluate_on_ray`); or, for {"candidates": [[request, spec, members], ...]}, each one's
+    row in turn, each with a request of its own (a dry run's changes, which may change the workload)."""
     from bench.analysis import plan, plan_search
 
     if "candidate" in values:
         return {"rows": [dict(plan_search._evaluate(values["request"], *values["candidate"]))]}
+    if "candidates" in values:  # [request, spec, members] each, in turn (a dry run's changes: membench.dry_run)
+        return {"rows": [dict(plan_search._evaluate(*candidate)) for candidate in values["candidates"]]}
     if values.get("capability"):
         values["capability"] = tuple(values["capability"])
     return plan_search.search(plan.PlanRequest(**values),
