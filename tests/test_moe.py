@@ -73,6 +73,21 @@ def test_the_models_run_transformers_default_grouped_experts(spec, batch):
     assert hf_moe.moe_blocks(model) and all(router is not None for _, _, router in hf_moe.moe_blocks(model))
 
 
+def test_a_copy_of_the_model_runs_its_own_experts():
+    # the router's and experts' filing is hooks, not a wrapped forward that a copy would share with the original
+    import copy
+
+    workload = resolve_workload(TINY[0][0])
+    model = workload.build_model()
+    clone = copy.deepcopy(model)
+    with torch.no_grad():
+        for _, experts, _ in hf_moe.moe_blocks(clone):
+            experts.down_proj.zero_()
+    inputs, _ = workload.make_batch(1, "synthetic")
+    with torch.no_grad():
+        assert not torch.equal(workload.run_model(model, inputs), workload.run_model(clone, inputs))
+
+
 def test_dense_models_are_not_moe_and_are_left_unchanged():
     model = resolve_workload("hf:tiny-llama:seq_len=8").build_model()
     assert not hf_moe.is_moe(model.config) and hf_moe.moe_blocks(model) == []

@@ -30,9 +30,6 @@ a prediction's message. The experts' and router's weights are counted from the m
 
 from __future__ import annotations
 
-import functools
-from typing import Any
-
 import torch
 from torch import nn
 
@@ -75,23 +72,34 @@ def moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module | None]
     return blocks
 
 
-def _filed_forward(forward, category: str):
-    @functools.wraps(forward)
-    def filed(*args: Any, **kwargs: Any):
-        with allocating(category):
-            return forward(*args, **kwargs)
+def _file_forward(module: nn.Module, category: str) -> None:
+    """Hooks on `module` that file what its forward allocates under `category`: entered before it, left after it,
+    also when it raises (`always_call`). Hooks, not a wrapped `forward`: a copy of the module keeps calling its own."""
+    if getattr(module, "_membench_moe_category", None) == category:
+        return
+    entered: list = []  # the open `allocating` contexts, innermost last (a checkpoint's recompute nests none)
 
-    filed._membench_category = category
-    return filed
+    def enter(module, args):
+        context = allocating(category)
+        context.__enter__()
+        entered.append(context)
+
+    def leave(module, args, output):
+        if entered:
+            entered.pop().__exit__(None, None, None)
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave, always_call=True)
+    module._membench_moe_category = category
 
 
 def file_moe_allocations(model: nn.Module) -> nn.Module:
     """`model`, with each router's forward filing what it allocates under `MOE_ROUTER` and each experts module's
     under `MOE_DISPATCH` (no tracker listening: nothing is filed, nothing else changes)."""
     for _, experts, router in moe_blocks(model):
-        for module, category in ((experts, MOE_DISPATCH), (router, MOE_ROUTER)):
-            if module is not None and not hasattr(module.forward, "_membench_category"):
-                module.forward = _filed_forward(module.forward, category)
+        _file_forward(experts, MOE_DISPATCH)
+        if router is not None:
+            _file_forward(router, MOE_ROUTER)
     return model
 
 
