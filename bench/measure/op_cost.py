@@ -19,9 +19,12 @@ from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten
-from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+from bench.core.quiet_import import quiet_loggers
 from bench.measure.dispatch_modes import CompiledCodeMode
+
+with quiet_loggers("torch.utils.flop_counter"):  # a CUDA torch without triton warns; membench runs no triton kernel
+    from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 aten = torch.ops.aten
 

@@ -16,9 +16,9 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
-from torch.utils.flop_counter import FlopCounterMode
 
 from bench.core import progress
+from bench.measure.op_cost import FlopCounterMode  # imported quietly there
 from bench.measure import allocator_events, breakdown, memory, snapshot, timing
 from bench.measure.stats import summarize_timing
 from bench.run.case import Case, bind_case
