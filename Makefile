@@ -68,10 +68,11 @@ memory-viz:
 	$(PYTHON) tools/memory_viz.py --torch-version $(TORCH_VERSION)
 
 # every published GPU measurement of bench/anchors/ predicted on fake CUDA, the error of each (docs/accuracy.md);
-# one anchor at a time, a full-size model each: tens of minutes on 2 cores. ANCHORS=torchao for one source.
+# a full-size model each: tens of minutes on 2 cores, ANCHOR_JOBS at once. ANCHORS=torchao for one source.
 ANCHORS ?=
+ANCHOR_JOBS ?= 1
 anchors: $(STAMP) $(FAKE_CUDA_STAMP)
-	$(PY) -m bench anchors --out $(OUT) $(if $(ANCHORS),--only $(ANCHORS))
+	$(PY) -m bench anchors --out $(OUT) --jobs $(ANCHOR_JOBS) $(if $(ANCHORS),--only $(ANCHORS))
 
 # On a machine with a GPU: every single-GPU anchor's configuration measured there (max_memory_allocated and
 # reserved) beside membench's prediction for that GPU, each case in a fresh process (tools/gpu_check.py; results/

@@ -154,6 +154,38 @@ def test_the_command_writes_the_declared_table_and_prints_the_summary(tmp_path, 
     assert frame.set_index("anchor").loc["torchtune-qlora", "status"] == "not_modelled"
 
 
+def test_anchors_at_once_are_written_in_the_files_order_whatever_finishes_first(tmp_path, monkeypatch, capsys):
+    import threading
+    import time
+
+    from bench.measure import fake_cuda
+
+    first_started, running, most = threading.Event(), [0], [0]
+    lock = threading.Lock()
+
+    def predictor(case, ranks, capability):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        if "qlora" in case["strategy"]:  # the first anchor in the files' order finishes last
+            first_started.set()
+            time.sleep(0.5)
+        else:
+            first_started.wait(5)
+        with lock:
+            running[0] -= 1
+        return _predict_row(reserved=12000 * MiB), ""
+
+    monkeypatch.setattr(fake_cuda, "environment_python", lambda *a: tmp_path / "python")
+    monkeypatch.setattr(anchors, "predict_on_fake_cuda", predictor)
+    assert main(["anchors", "--only", "transformers-vanilla,torchtune-qlora", "--out", str(tmp_path),
+                 "--jobs", "2"]) == 0
+    assert most[0] == 2  # both at once
+    (path,) = tmp_path.glob("anchors-*.csv")
+    assert list(pd.read_csv(path)["anchor"]) == ["torchtune-qlora", "transformers-vanilla"]
+    assert "(2 at once)" in capsys.readouterr().out
+
+
 def test_an_unknown_anchor_is_one_line_naming_the_choices(capsys):
     assert main(["anchors", "--only", "no-such-anchor"]) == 2
     err = capsys.readouterr().err

@@ -1,8 +1,8 @@
 """The committed reference run of the anchors is what the code predicts now: `python -m bench anchors` on this
 checkout, every anchor, against the newest results/reference/anchors/anchors-*.csv. A change that moves an anchor's
 prediction without a new reference run fails here (four FSDP rows once moved by up to 8 points unseen, because the
-reference had been assembled from re-runs of the rows each change was expected to move). Marked slow: 20-30 minutes
-on 2 cores; .ci/run runs it after the fake-CUDA environment is built."""
+reference had been assembled from re-runs of the rows each change was expected to move). Marked slow: 10-15 minutes
+on 2 cores with two anchors at once; .ci/run runs it after the fake-CUDA environment is built."""
 
 from __future__ import annotations
 
@@ -60,7 +60,8 @@ def test_a_moved_row_is_named():
 @pytest.mark.slow
 @pytest.mark.skipif(fake_cuda.unavailable_reason() is not None, reason=str(fake_cuda.unavailable_reason()))
 def test_the_reference_anchor_run_is_what_the_code_predicts(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "bench", "anchors", "--out", str(tmp_path)], cwd=ROOT,
+    # two at once: CI runs this step alone on its two cores (each anchor's figures do not depend on it)
+    done = subprocess.run([sys.executable, "-m", "bench", "anchors", "--out", str(tmp_path), "--jobs", "2"], cwd=ROOT,
                           capture_output=True, text=True, timeout=3 * 3600)
     assert done.returncode == 0, done.stderr[-2000:]
     print(done.stdout)  # the table and its summary (shown in CI's log: .ci/run runs this test with -s)

@@ -4,6 +4,7 @@ each, written as an anchors table (bench.analysis.anchors)."""
 from __future__ import annotations
 
 import time
+from concurrent import futures
 
 from bench.analysis import anchors
 from bench.cli import interrupt
@@ -17,23 +18,33 @@ from bench.run.preflight import check_output_dir
 
 
 def cmd_anchors(args) -> int:
-    """Predicts each anchor in turn (one fake-CUDA process each), prints the table and the median and largest
-    |error|, and writes `anchors-<run>.csv` to --out."""
+    """Predicts each anchor (one fake-CUDA process each, `--jobs` at once), prints the table and the median and
+    largest |error|, and writes `anchors-<run>.csv` to --out, in the anchors' order whatever order they finish in."""
     selected = anchors.load_anchors(only=csv_list(args.only) if args.only else None)
     if fake_cuda.environment_python() is None:
         raise UsageError(f"anchors predicts on fake CUDA: {fake_cuda.unavailable_reason()} (make cuda-fake-env)")
     out = check_output_dir(args.out, "--out")
     path = out / f"anchors-{new_run_id('cuda')}.csv"
-    interrupt.set_note(f"interrupted: the anchors predicted so far are in {path}")
+    interrupt.set_file_note(path, f"interrupted: the anchors predicted so far are in {path}",
+                            "interrupted: no anchor was finished, nothing was written")
     start = time.perf_counter()
-    rows = []
-    for index, anchor in enumerate(selected):
-        status(f"[{index + 1}/{len(selected)}] {anchor.name} on fake CUDA ({anchor.gpu}) ...")
-        rows.append(anchors.anchor_row(anchor))
-        write_table(ANCHORS, rows, path)  # after each anchor: a long run interrupted keeps what it predicted
+    finished: dict[int, dict] = {}
+    pool = futures.ThreadPoolExecutor(max_workers=args.jobs)  # threads: each waits on its own process
+    try:
+        pending = {pool.submit(anchors.anchor_row, anchor): index for index, anchor in enumerate(selected)}
+        for count, done in enumerate(futures.as_completed(pending), 1):
+            index = pending[done]
+            finished[index] = done.result()
+            status(f"[{count}/{len(selected)}] {selected[index].name} on fake CUDA ({selected[index].gpu}): "
+                   f"{finished[index]['duration_s']:.0f} s")
+            # after each anchor (a long run interrupted keeps what it predicted); the first write creates the file
+            write_table(ANCHORS, [finished[i] for i in sorted(finished)], path, new=count == 1)
+    finally:  # an interrupt starts no other anchor; the running ones' processes got the signal too
+        pool.shutdown(wait=True, cancel_futures=True)
+    rows = [finished[i] for i in sorted(finished)]
     elapsed = time.perf_counter() - start
     print(anchors.format_table(rows))
     print()
     print(anchors.format_summary(anchors.summary(rows)))
-    print(f"\n{len(rows)} anchors in {elapsed:.0f} s; wrote {path}")
+    print(f"\n{len(rows)} anchors in {elapsed:.0f} s ({args.jobs} at once); wrote {path}")
     return 0

@@ -249,6 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--only", default=None, help="comma list of anchor or source names, e.g. torchao or "
                                                "transformers-vanilla (default: every anchor)")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"folder for anchors-<run>.csv (default {DEFAULT_OUT}/)")
+    p.add_argument("--jobs", type=positive_int, default=1,
+                   help="anchors predicted at once, each in its own fake-CUDA process (their figures do not depend "
+                        "on it; each process needs up to 2 GB resident) (default 1)")
     return parser
 
 
