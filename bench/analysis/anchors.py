@@ -28,6 +28,7 @@ import yaml
 from bench.analysis import nvidia_smi
 from bench.core.errors import UsageError
 from bench.core.gpus import GPU, find_gpu
+from bench.core import processes
 from bench.core.anchors_table import ANCHORS
 from bench.core.schema import Row
 from bench.core.units import MiB
@@ -215,9 +216,9 @@ def predict_on_fake_cuda(case: dict, ranks: int, capability: tuple[int, int]) ->
     with tempfile.TemporaryDirectory(prefix="membench-anchor-") as folder:
         request_file, rows_file = Path(folder) / "request.json", Path(folder) / "rows.json"
         request_file.write_text(json.dumps(request))
-        done = subprocess.run([str(python), "-m", "bench.analysis._predict_worker", str(request_file),
-                               str(rows_file)], env=fake_cuda.python_environment(), stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True, preexec_fn=_limit_memory)
+        done = processes.run_child([str(python), "-m", "bench.analysis._predict_worker", str(request_file),
+                                    str(rows_file)], env=fake_cuda.python_environment(), stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.PIPE, text=True, preexec_fn=_limit_memory)
         answer = json.loads(rows_file.read_text()) if rows_file.exists() else {}
     if done.returncode == 130:
         raise KeyboardInterrupt

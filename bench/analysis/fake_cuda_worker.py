@@ -2,7 +2,9 @@
 
 The caller (`run_in_fake_cuda`) writes a JSON request, runs `python -m <worker module> REQUEST ROWS` there and reads
 {"rows": [...]} back, or {"error": "..."} when that process could not do the work; the worker's `main` (`serve`)
-imports the plugins, answers, and exits 130 on Ctrl-C, which reaches the caller too.
+imports the plugins, answers, and exits 130 on Ctrl-C, which reaches the caller too. The worker dies with its caller
+and is ended (SIGTERM, then SIGKILL) when the caller stops early; SIGTERM and SIGHUP stop it as Ctrl-C does
+(bench.core.processes), and the request's temporary folder goes with the caller's `with` block.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+from bench.core import processes
 from bench.measure import fake_cuda
 
 
@@ -23,8 +26,8 @@ def run_in_fake_cuda(python: Path, worker_module: str, request: dict[str, Any],
     with tempfile.TemporaryDirectory(prefix="membench-fake-cuda-") as folder:
         request_file, rows_file = Path(folder) / "request.json", Path(folder) / "rows.json"
         request_file.write_text(json.dumps(request))
-        done = subprocess.run([str(python), "-m", worker_module, str(request_file), str(rows_file)],
-                              env=fake_cuda.python_environment(), stdout=subprocess.DEVNULL)
+        done = processes.run_child([str(python), "-m", worker_module, str(request_file), str(rows_file)],
+                                   env=fake_cuda.python_environment(), stdout=subprocess.DEVNULL)
         answer = json.loads(rows_file.read_text()) if rows_file.exists() else {}
     if done.returncode == 0 and "rows" in answer:
         return (answer if whole else answer["rows"]), ""
@@ -36,6 +39,7 @@ def serve(request_path: str, rows_path: str, answer: Callable[[dict[str, Any]], 
     caller reads."""
     from bench.run._worker import import_plugins
 
+    processes.stop_on_signals()  # SIGTERM from a caller that stops early: this process's cleanup runs
     try:
         import_plugins()
         rows = answer(json.loads(Path(request_path).read_text()))

@@ -18,6 +18,8 @@ from concurrent.futures.process import BrokenProcessPool
 
 import torch
 
+from bench.core import processes
+
 LOCAL, RAY = "local", "ray"
 
 
@@ -40,9 +42,12 @@ class Inline:
 
 
 def worker_start() -> None:
-    """A local worker's start: the plugins, Ctrl-C left to the parent, one thread (fake tensors do no arithmetic)."""
+    """A local worker's start: it dies with its parent (and SIGTERM ends it, whatever handler a forked worker
+    inherited), the plugins, Ctrl-C left to the parent, one thread (fake tensors do no arithmetic)."""
     from bench.run._worker import import_plugins
 
+    processes.default_signals()  # a forked worker inherits its parent's handlers: pool.terminate() must end it
+    processes.die_with_parent()  # a parent killed outright (SIGKILL) leaves no worker behind
     import_plugins()  # a forkserver's worker: the plugins the parent's process imported (the fake-CUDA mode)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it ends its workers
     torch.set_num_threads(1)  # one thread each, and no OpenMP pool across the fork

@@ -30,7 +30,8 @@ def plan_ranks_command(args, request: plan.PlanRequest, how: str, executor: str 
                + (f", the smallest {mib_or_dash(last.smallest['judged_bytes'])} MiB with {last.smallest['strategy']}"
                   if last.smallest else "") + f" (written to {csv_path})")
 
-    interrupt.set_note(f"interrupted: {csv_path} holds the rank counts that finished, if any")
+    interrupt.set_file_note(csv_path, f"interrupted: {csv_path} holds the rank counts that finished",
+                            "interrupted: no rank count was finished, nothing was written")
     counts = plan_ranks.fewest_ranks(request, args.max_ranks, status, executor, address, write_so_far)
     print(_per_rank_count(request, how, counts, time.monotonic() - started, args.max_ranks))
     answered = plan_ranks.fewest(counts)

@@ -18,6 +18,7 @@ import threading
 from dataclasses import replace
 
 from bench.core.errors import UsageError
+from bench.core.processes import run_child
 
 RESULT_MARKER = "MEMBENCH_PREFLIGHT "
 CHILD_IMPORT_S = 60.0  # the child's own start (importing torch and the workload) on a loaded machine
@@ -51,8 +52,8 @@ def user_code_steps_in_child(cases: list, check_memory: bool, memory_limit_s: fl
            "memory_limit_s": memory_limit_s, "calibration_limit_s": calibration_limit_s}
     limit = CHILD_IMPORT_S + (memory_limit_s or 0) * max(len(cases), 1) + calibration_limit_s
     try:
-        done = subprocess.run([sys.executable, "-m", "bench.cli.preflight_steps"], input=json.dumps(job), text=True,
-                              capture_output=True, env=worker_env(), timeout=limit)
+        done = run_child([sys.executable, "-m", "bench.cli.preflight_steps"], input=json.dumps(job), text=True,
+                         capture_output=True, env=worker_env(), timeout=limit)
     except subprocess.TimeoutExpired:
         _warn(f"the pre-flight checks did not finish within {limit:g} s; the cases run without them")
         return None
@@ -79,8 +80,8 @@ def workloads_resolve_in_child(specs: list[str]) -> None:
     from bench.run.isolation import worker_env
 
     for spec in specs:
-        done = subprocess.run([sys.executable, "-m", "bench.cli.preflight_steps"], text=True, capture_output=True,
-                              input=json.dumps({"resolve": [spec]}), env=worker_env(), timeout=CHILD_IMPORT_S * 5)
+        done = run_child([sys.executable, "-m", "bench.cli.preflight_steps"], text=True, capture_output=True,
+                         input=json.dumps({"resolve": [spec]}), env=worker_env(), timeout=CHILD_IMPORT_S * 5)
         result = next((json.loads(line[len(RESULT_MARKER):]) for line in done.stdout.splitlines()
                        if line.startswith(RESULT_MARKER)), None)
         if result is None:

@@ -49,8 +49,10 @@ def run_job(job: dict) -> dict:
 
 
 def main() -> int:
-    from bench.core import progress
+    from bench.core import processes, progress
     from bench.run.isolation import ROW_MARKER, STAGE_MARKER
+
+    processes.stop_on_signals()  # SIGTERM from a parent that stops early: the case's cleanup (rank processes) runs
 
     stages: list[str] = []
 
@@ -61,8 +63,11 @@ def main() -> int:
             sys.stderr.write(f"{STAGE_MARKER}{what}\n")
             sys.stderr.flush()
 
-    with progress.listening(stage):
-        result = run_job(json.loads(sys.stdin.read()))
+    try:
+        with progress.listening(stage):
+            result = run_job(json.loads(sys.stdin.read()))
+    except KeyboardInterrupt as stopped:  # 130 for Ctrl-C (the parent stops too), 143 for SIGTERM, 129 for SIGHUP
+        return processes.exit_status(stopped)
     sys.stdout.write(ROW_MARKER + json.dumps(result, default=str) + "\n")
     sys.stdout.flush()
     return 0

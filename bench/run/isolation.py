@@ -29,6 +29,7 @@ from typing import Any, Iterator
 
 import torch
 
+from bench.core import processes
 from bench.core.job_environment import without_launcher_variables
 from bench.core.results import Status, new_row
 from bench.run.result import CaseResult
@@ -201,13 +202,14 @@ def run_in_worker(case, env: dict | None, options: RunOptions, verify: bool = Tr
     A worker that crashes returns an error result (`worker_exit_code` holds its exit code, negative for a signal).
     A worker still running after `timeout` seconds is killed and returns a `timeout` result (see `timed_out`).
     A worker ended by SIGINT (Ctrl-C reaching the process group) raises KeyboardInterrupt here, so that an
-    interrupted case leaves no row and `--resume` runs it again.
+    interrupted case leaves no row and `--resume` runs it again. The worker dies with this process, and is asked
+    to stop (then killed) when this one stops waiting for it: Ctrl-C, SIGTERM, SIGHUP (bench.core.processes).
     """
     job = {"case": case.to_json(), "env": env, "options": asdict(options), "verify": verify}
     try:
-        done = subprocess.run([sys.executable, "-m", "bench.run._worker"], input=json.dumps(job), text=True,
-                              capture_output=True, env=worker_env(), timeout=timeout)
-    except subprocess.TimeoutExpired as error:  # subprocess.run has killed the worker and waited for it
+        done = processes.run_child([sys.executable, "-m", "bench.run._worker"], input=json.dumps(job), text=True,
+                                   capture_output=True, env=worker_env(), timeout=timeout)
+    except subprocess.TimeoutExpired as error:  # run_child has killed the worker and waited for it
         return timed_out(options.case_timeout_s or error.timeout, error.stderr)
     if done.returncode in (-signal.SIGINT, 130):
         raise KeyboardInterrupt

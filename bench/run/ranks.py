@@ -22,6 +22,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Iterator
 
+from bench.core.processes import ended_on_error, popen
 from bench.run.isolation import ROW_MARKER, RunOptions, crash_message, worker_env
 from bench.run.result import CaseResult
 
@@ -95,14 +96,16 @@ def _launch_ranks(case, env: dict | None, options: RunOptions, verify: bool, tim
     """(the merged result, whether a rank failed because `port` was taken) of one start of the ranks on `port`."""
     ranks = options.ranks
     job = json.dumps({"case": case.to_json(), "env": env, "options": asdict(options), "verify": verify})
-    with tempfile.TemporaryDirectory(prefix="membench-ranks-") as folder:
-        processes = []
+    processes, children = [], []
+    # the ranks die with this process, and are ended before their folder goes when it stops early (Ctrl-C, SIGTERM)
+    with tempfile.TemporaryDirectory(prefix="membench-ranks-") as folder, ended_on_error(children):
         for rank in range(ranks):
             rank_env = {**worker_env(), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks),
                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
             out, err = (open(Path(folder) / f"{rank}.{kind}", "w") for kind in ("out", "err"))
-            process = subprocess.Popen([sys.executable, "-m", "bench.run._worker"], stdin=subprocess.PIPE, stdout=out,
-                                       stderr=err, text=True, env=rank_env)
+            process = popen([sys.executable, "-m", "bench.run._worker"], stdin=subprocess.PIPE, stdout=out,
+                            stderr=err, text=True, env=rank_env)
+            children.append(process)
             process.stdin.write(job)
             process.stdin.close()
             processes.append((process, out, err))

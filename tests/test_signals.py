@@ -1,0 +1,163 @@
+"""SIGINT, SIGTERM and SIGHUP (Ctrl-C; `timeout`, a scheduler's limit, a container stop; a closed terminal) stop a
+command alike: every worker process it started ends with it and no temporary file or folder outlives it. The CLI
+runs as a real process with TMPDIR in the test's folder; the signal goes to that process alone, as `kill` sends it.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from cli_helpers import ROOT
+
+# a workload whose every forward sleeps $MEMBENCH_TEST_SLEEP_S: its probes and steps last while the signal is sent
+SLEEPY = textwrap.dedent('''
+    """A linear model whose forward sleeps $MEMBENCH_TEST_SLEEP_S seconds (with $MEMBENCH_TEST_SLEEP_IN_RANKS_ONLY,
+    only in a rank process of torch.distributed)."""
+    import os
+    import time
+
+    import torch
+    from torch import nn
+
+    from workloads import Workload
+
+
+    class Sleepy(nn.Linear):
+        def forward(self, x):
+            if os.environ.get("RANK") or not os.environ.get("MEMBENCH_TEST_SLEEP_IN_RANKS_ONLY"):
+                time.sleep(float(os.environ.get("MEMBENCH_TEST_SLEEP_S", "0")))
+            return super().forward(x)
+
+
+    class SleepyWorkload(Workload):
+        name = "sleepy"
+        description = "sleeps in each forward"
+        default_batch_size = 2
+
+        def build_model(self):
+            torch.manual_seed(self.seed)
+            return nn.Sequential(Sleepy(8, 8), nn.Linear(8, 8))
+
+        def make_batch(self, batch_size, data="synthetic"):
+            gen = torch.Generator().manual_seed(self.seed)
+            return torch.randn(batch_size, 8, generator=gen), torch.randn(batch_size, 8, generator=gen)
+
+        def loss(self, output, target):
+            return nn.functional.mse_loss(output, target)
+''')
+
+SIGNALS = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
+
+
+def _signals_as_in_a_terminal() -> None:
+    """In the child before it execs: the signals' default actions (a shell runs a background job, `make test &`,
+    with SIGINT ignored, and `nohup` SIGHUP; children inherit that)."""
+    for signum in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_DFL)
+
+
+def _start(args: list, tmp_path: Path, sleep_s: float, **variables: str) -> tuple[subprocess.Popen, Path]:
+    """`python -m bench ARGS` with its temporary folder (TMPDIR) empty in `tmp_path` (torch's compile caches, which
+    are meant to outlive a process, elsewhere) and the environment `variables` set."""
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    env = {**os.environ, "TMPDIR": str(temporary), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+           "TRITON_CACHE_DIR": str(tmp_path / "triton"), "MEMBENCH_TEST_SLEEP_S": str(sleep_s), **variables}
+    proc = subprocess.Popen([sys.executable, "-m", "bench", *map(str, args)], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_signals_as_in_a_terminal)
+    return proc, temporary
+
+
+def _wait_for(condition, proc: subprocess.Popen, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert proc.poll() is None, f"the command ended before the signal: {proc.stderr.read()[-2000:]}"
+        assert time.monotonic() < deadline, "the command never reached the state the signal is sent in"
+        time.sleep(0.05)
+
+
+def _stop_and_check(proc: subprocess.Popen, signum: int, temporary: Path) -> str:
+    """Sends `signum` to the command alone; asserts it exits 128 + signum, that none of the processes it had started
+    survives it, and that its temporary folder is empty. Returns its stderr."""
+    children = psutil.Process(proc.pid).children(recursive=True)
+    assert children, "the command had started no worker process"
+    proc.send_signal(signum)
+    try:
+        _, stderr = proc.communicate(timeout=60)
+        _, alive = psutil.wait_procs(children, timeout=15)
+        survivors = [f"{p.pid} {' '.join(p.cmdline())[:200]}" for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+        assert not survivors, f"{signal.Signals(signum).name}: these outlived the command: {survivors}"
+        assert proc.returncode == 128 + signum, stderr[-2000:]
+        assert sorted(p.name for p in temporary.iterdir()) == [], stderr[-2000:]
+        return stderr
+    finally:
+        for child in children:  # a failed test leaves nothing running either
+            if child.is_running():
+                child.kill()
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.parametrize("signum", SIGNALS, ids=lambda s: signal.Signals(s).name)
+def test_a_parallel_fit_ends_its_workers_on_each_signal(tmp_path, signum):
+    """`fit --jobs 2`: its probes run in two worker processes; each signal ends them with the command."""
+    workload = tmp_path / "sleepy.py"
+    workload.write_text(SLEEPY)
+    proc, temporary = _start(["fit", "--device", "cpu", "--budget", "1GiB", "--jobs", "2", "--workload",
+                              f"{workload}:SleepyWorkload", "--max-batch", "4096", "--out", tmp_path / "out"],
+                             tmp_path, sleep_s=30)
+    _wait_for(lambda: len(psutil.Process(proc.pid).children(recursive=True)) >= 2, proc)
+    stderr = _stop_and_check(proc, signum, temporary)
+    assert "interrupted: nothing was written" in stderr
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").glob("*.csv"))
+
+
+# SIGTERM in `make test`; the other two, which take the same path through the ranks' code, with --runslow (15 s each)
+@pytest.mark.parametrize("signum", [pytest.param(s, marks=[] if s == signal.SIGTERM else [pytest.mark.slow])
+                                    for s in SIGNALS], ids=lambda s: signal.Signals(s).name)
+def test_a_sharded_run_ends_its_ranks_and_removes_their_folder(tmp_path, signum):
+    """`run --ranks 2`: two rank processes, their output in a temporary folder; each signal ends both and removes
+    the folder."""
+    workload = tmp_path / "sleepy.py"
+    workload.write_text(SLEEPY)
+    proc, temporary = _start(["run", "--strategies", "ddp", "--ranks", "2", "--workload",
+                              f"{workload}:SleepyWorkload", "--phases", "train", "--device", "cpu", "--warmup", "0",
+                              "--steps", "1", "--threads", "1", "--no-isolate", "--out", tmp_path / "out"],
+                             tmp_path, sleep_s=30, MEMBENCH_TEST_SLEEP_IN_RANKS_ONLY="1")
+
+    def ranks_running() -> bool:
+        ranks = [p for p in psutil.Process(proc.pid).children() if "bench.run._worker" in " ".join(p.cmdline())]
+        return len(ranks) == 2 and any(p.name.startswith("membench-ranks-") for p in temporary.iterdir())
+
+    _wait_for(ranks_running, proc)
+    _stop_and_check(proc, signum, temporary)
+
+
+def test_workers_die_with_a_parent_killed_outright(tmp_path):
+    """SIGKILL, which no cleanup can catch (the out-of-memory killer's): Linux ends the workers (PR_SET_PDEATHSIG)."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the parent-death signal is Linux's")
+    workload = tmp_path / "sleepy.py"
+    workload.write_text(SLEEPY)
+    proc, _ = _start(["fit", "--device", "cpu", "--budget", "1GiB", "--jobs", "2", "--workload",
+                      f"{workload}:SleepyWorkload", "--max-batch", "4096", "--out", tmp_path / "out"],
+                     tmp_path, sleep_s=30)
+    _wait_for(lambda: len(psutil.Process(proc.pid).children(recursive=True)) >= 2, proc)
+    children = psutil.Process(proc.pid).children(recursive=True)
+    proc.kill()
+    proc.communicate(timeout=60)
+    try:
+        _, alive = psutil.wait_procs(children, timeout=15)
+        assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+    finally:
+        for child in children:
+            if child.is_running():
+                child.kill()
