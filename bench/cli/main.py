@@ -22,6 +22,7 @@ from bench.cli.arguments import (DEFAULT_OUT, WORKLOAD_HELP, add_case_options, a
 from bench.core import gpus
 from bench.core.errors import UsageError, shortened
 from bench.core.job_environment import check_job_environment
+from bench.core.processes import exit_status
 from bench.measure.resident import pin_mmap_threshold
 
 DESCRIPTION = ("Measures what each PyTorch memory-saving technique saves and costs (peak memory, step time, whether "
@@ -256,7 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs one command; exit code 2 for a usage error (one line on stderr), 130 for an interrupt."""
+    """Runs one command; exit code 2 for a usage error (one line on stderr), 130 for an interrupt (143 SIGTERM, 129
+    SIGHUP)."""
     interrupt.start(sys.argv[1:] if argv is None else argv)
     try:
         pin_mmap_threshold()  # before anything grows the heap (bench.measure.resident)
@@ -271,6 +273,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as error:
         print(f"error: {shortened(str(error))}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stopped:  # Ctrl-C, or SIGTERM/SIGHUP under `python -m bench` (bench/__main__.py)
         print(f"\n{interrupt.note()}", file=sys.stderr)
-        return 130
+        return exit_status(stopped)
