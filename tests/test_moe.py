@@ -161,6 +161,20 @@ def test_other_families_from_a_config_file_are_counted_on_fake_tensors_as_on_the
     assert real.tracker.peak_by_category[MOE_DISPATCH] > 0
 
 
+def test_the_routers_load_balancing_loss_is_counted_on_fake_tensors_as_on_the_cpu(tmp_path):
+    # output_router_logits: every layer's router logits kept for the auxiliary loss, which the model's own loss
+    # (loss=model, as the Trainer trains) adds to the cross-entropy
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**PRESETS["tiny-mixtral"], "output_router_logits": True}))
+    peaks = {}
+    for spec in (f"hf:{path}:seq_len=32:loss=model", "hf:tiny-mixtral:seq_len=32:loss=model"):
+        case = cpu_case(spec, 2)
+        peaks[spec] = real = memory_pass(case, bind_case(case)[0])["peak_mem_bytes"]
+        assert fake_engine.tracked_step(case, "baseline", engine="fake", block_bytes=1,
+                                        cuda_autocast=False).peak_bytes == real
+    assert len(set(peaks.values())) == 2  # the auxiliary loss is a step of its own
+
+
 def _routes(spec: str, batch: int, data: str) -> list[torch.Tensor]:
     """How many tokens each expert of each layer gets for the batch of `data` (the routers' top-k choices)."""
     workload = resolve_workload(spec)
