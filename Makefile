@@ -23,7 +23,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install bench test perf clean cuda-fake-env test-cuda-fake anchors gpu-check memory-viz harness-memory
+.PHONY: install bench test perf perf-predict clean cuda-fake-env test-cuda-fake anchors gpu-check memory-viz harness-memory
 
 install: $(STAMP)
 
@@ -148,6 +148,14 @@ perf: $(STAMP)
 	mkdir -p $(OUT)/perf
 	$(PY) -m benchmarks.overhead --out $(OUT)/perf
 	$(PY) -m pytest benchmarks -q --benchmark-enable --benchmark-autosave --benchmark-json=$(OUT)/perf/benchmark.json
+
+# how long membench takes to answer (issue 45's goals): each goal's wall time (a full-size prediction cold and warm, fit
+# --over seq_len, plan) with the figures it predicted, so that a run after a speed-up shows none moved.
+# PERF_GOALS=predict-8b-lora,warm-8b-lora for some (`python -m benchmarks.perf_predict --list` names them); tens of
+# minutes for all of them on 2 cores.
+PERF_GOALS ?=
+perf-predict: $(STAMP)
+	$(PY) -m benchmarks.perf_predict $(if $(PERF_GOALS),--only $(PERF_GOALS))
 
 # the harness's own memory (issue 31): every built-in workload (small) and gpt2 at 2 layers, train and eval, in
 # `compare` processes; per case the counted peak, the resident peak and the process at rest against the goal
