@@ -10,16 +10,22 @@ non-decreasing; a fall is named in the row's `monotonic_check` (and the answer i
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 from bench.analysis import pools, predict
+from bench.analysis.fake_cuda_worker import run_in_fake_cuda
 from bench.analysis.fit import FitResult
 from bench.analysis.fit_search import Probes, largest_in_rounds
 from bench.core.errors import UsageError
 from bench.core.gpus import CUDA_CONTEXT_BYTES
 from bench.core.results import Status
 from bench.core.units import format_size
+from bench.measure import fake_cuda
+from bench.run.eta import left_text
 from bench.run.runner import Case, bind_case
 from workloads import get_workload
 
@@ -148,6 +154,22 @@ def longest_under(judged_at: Callable[[int], int | None], budget: int, step: int
     return lo * step
 
 
+def probes_left(judged: dict[int, int | None], budget: int, step: int, limit: int) -> int:
+    """About how many more probes `longest_under` makes, from the judged peaks so far (by length; None: no
+    prediction, over the budget): none once the longest length seen to fit is followed by one seen not to; within a
+    bracket, a bisection's count (interpolation usually needs fewer); with no length seen over the budget yet, the
+    doublings left to the longest sequence and two to close the bracket. A progress line's estimate only."""
+    fitting = [n for n, value in judged.items() if value is not None and value <= budget]
+    lo = max(fitting, default=0)
+    over = [n for n, value in judged.items() if n > lo and (value is None or value > budget)]
+    if over:
+        width = (min(over) - lo) // step
+        return math.ceil(math.log2(width)) if width > 1 else 0
+    if lo >= limit - limit % step:
+        return 0
+    return math.ceil(math.log2(limit / lo)) + 2 if lo else 2
+
+
 def _lost_probe(seq_len: int, error: BaseException) -> Probe:
     first = next((line for line in str(error).splitlines() if line.strip()), "").strip()
     return Probe(seq_len, None, None, "", f"error: its worker died ({type(error).__name__}: {first})"[:300])
@@ -164,10 +186,16 @@ def fit_seq_len(spec: str, budget: int, phase: str, device: str, workload: str, 
     probes already made (by length), not made again."""
     limit = max_seq or max_seq_len(workload) or 131072
 
+    started = time.monotonic()
+
     def told(seq_len: int, p: Probe) -> None:
+        judged = {n: probe.judged_bytes for n, probe in probes.values.items()}
+        left = probes_left(judged, budget, step, limit)
+        made = len(judged) - len(known or {})
         progress(f"fit {spec}: seq_len {seq_len}: " + (
             p.message if p.judged_bytes is None else
-            f"judged {format_size(p.judged_bytes)} vs budget {format_size(budget)}"))
+            f"judged {format_size(p.judged_bytes)} vs budget {format_size(budget)}")
+            + f" [{made} probes made; {left_text(left, made, time.monotonic() - started)}]")
 
     def args_at(seq_len: int) -> tuple:
         if judged_at is not None:
@@ -204,20 +232,48 @@ def fit_seq_len(spec: str, budget: int, phase: str, device: str, workload: str, 
                      monotonic_check=check)
 
 
+def searched_specs(specs: list[str]) -> list[str]:
+    """The strategies `fit --over seq_len` searches: those asked for, the baseline first where it is one of them;
+    the baseline alone where none is named. The baseline is not added to a search that did not ask for it: at full
+    size it seldom fits at any length, and its probes cost as much as a strategy's."""
+    asked = list(dict.fromkeys(specs))
+    if not asked or "baseline" in asked:
+        return ["baseline"] + [s for s in asked if s != "baseline"]
+    return asked
+
+
 def fit_over_seq_len(specs: list[str], budget: int, phase: str, device: str, workload: str, data: str, batch: int,
                      step: int = DEFAULT_SEQ_STEP, max_seq: int | None = None,
                      capability: tuple[int, int] | None = None,
                      progress: Callable[[str], None] = lambda text: None, jobs: int = 1,
                      executor: str = pools.LOCAL, ray_address: str | None = None) -> list[FitResult]:
-    """`fit_seq_len` for each strategy, baseline first (always included); its predictions `jobs` at once in local
-    worker processes, or as Ray tasks with `executor="ray"` (`bench.analysis.pools.probe_pool`)."""
+    """`fit_seq_len` for each strategy of `searched_specs(specs)`; its predictions `jobs` at once in local worker
+    processes, or as Ray tasks with `executor="ray"` (`bench.analysis.pools.probe_pool`).
+
+    A CUDA search in a torch that sees no CUDA device runs whole in the fake-CUDA environment's Python, one process
+    for every probe (`python -m bench.analysis._fit_worker`): each probe there is a prediction in that process, not a
+    new process started per probe (seconds of imports each); the same probes, so the same rows. Where that process
+    fails, the search runs here, each probe in a process of its own."""
     seq_len_spec(workload, step)  # a workload without seq_len: a UsageError before any prediction
-    specs = ["baseline"] + [s for s in specs if s != "baseline"]
+    specs = searched_specs(specs)
+    if device == "cuda" and executor == pools.LOCAL and not torch.cuda.is_available():
+        python = fake_cuda.environment_python()
+        if python is not None:
+            request = {"specs": specs, "budget": budget, "phase": phase, "device": device, "workload": workload,
+                       "data": data, "batch": batch, "step": step, "max_seq": max_seq,
+                       "capability": list(capability) if capability else None, "jobs": jobs}
+            rows, _ = run_in_fake_cuda(python, "bench.analysis._fit_worker", request)
+            if rows is not None:
+                return [FitResult(**row) for row in rows]
     results = []
+    started = time.monotonic()
     with pools.opened(pools.probe_pool(jobs, executor, ray_address, __name__, workload)) as pool:
-        for spec in specs:
+        for index, spec in enumerate(specs):
             canonical = bind_case(Case(workload, spec, phase, batch, "cpu", data=data))[0].spec()
-            progress(f"fit {canonical}: searching for the longest sequence under {format_size(budget)} ...")
+            after = (f"; {left_text(len(specs) - index, index, time.monotonic() - started, 'strategies')} with this one"
+                     if len(specs) > 1 else "")
+            progress(f"fit {canonical} (strategy {index + 1} of {len(specs)}{after}): searching for the longest "
+                     f"sequence under {format_size(budget)} ...")
             results.append(fit_seq_len(canonical, budget, phase, device, workload, data, batch, step, max_seq,
                                        capability, progress=progress, pool=pool))
     return results

@@ -58,7 +58,7 @@ def largest_in_rounds(peak_at: Callable[[int], float], prefetch: Callable[[list[
     `jobs` points at once each round: `first` (which may lie beyond `top`), then, between the largest x seen to fit
     and the smallest above it seen not to, the point where the line between them (or, with no such x yet, between the
     two largest that fit) crosses the budget and the one after it, and points spread evenly across the bracket
-    (doubling upward while none was seen over the budget). After a round that did not halve the bracket, the even
+    (doubling upward while none was seen over the budget; the smallest x first while none was seen to fit). After a round that did not halve the bracket, the even
     points alone (a safeguard for a strongly curved peak). Where the peak grows with x the answer is the serial
     search's: there is one largest x that fits, and both end on it and on the x after it, probed."""
     seen: set[int] = set()
@@ -87,7 +87,8 @@ def largest_in_rounds(peak_at: Callable[[int], float], prefetch: Callable[[list[
             g = min(end - 1, max(lo + 1, g))
             points += [g, g + 1]
         if over:
-            points += [lo + (end - lo) * i // (jobs + 1) for i in range(1, jobs + 1)]
+            # nothing fits yet: the smallest x first, which ends the search at once where even it does not fit
+            points += ([1] if lo == 0 else []) + [lo + (end - lo) * i // (jobs + 1) for i in range(1, jobs + 1)]
         else:
             d = max(lo, 1)
             for _ in range(jobs):

@@ -168,6 +168,18 @@ def duration(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
+def left_text(left: int, done: int, elapsed_s: float, what: str = "probes", at_most: bool = False) -> str:
+    """What a search's progress line says of what remains: `left` more of `what` (`at_most`: an upper bound) and
+    the time they take at the mean wall time of the `done` ones so far (`elapsed_s` for all of them); the time is
+    left out before any is done. E.g. "about 3 probes left, ~1m20s"."""
+    count = f"{'at most' if at_most else 'about'} {left} {what} left"
+    if left <= 0:
+        return f"no {what} left"
+    if done <= 0:
+        return count
+    return f"{count}, ~{duration(elapsed_s / done * left)}"
+
+
 @dataclass
 class SweepEstimate:
     """The sweep's cases, which of them are emulated (their 16-bit dtype), and each finished case's seconds and row;
