@@ -88,6 +88,15 @@ def test_a_copy_of_the_model_runs_its_own_experts():
         assert not torch.equal(workload.run_model(model, inputs), workload.run_model(clone, inputs))
 
 
+def test_a_model_whose_experts_follow_the_routing_is_said_to():
+    workload = resolve_workload(TINY[0][0])
+    model = workload.model_structure()
+    assert "no routing is assumed" in hf_moe.routing_note(model.config, model)
+    model.set_experts_implementation("eager")  # transformers' loop over the experts hit: sized by the routing
+    note = hf_moe.routing_note(model.config, model)
+    assert "run by eager, whose buffers are sized by the routing" in note and "no routing is assumed" not in note
+
+
 def test_dense_models_are_not_moe_and_are_left_unchanged():
     model = resolve_workload("hf:tiny-llama:seq_len=8").build_model()
     assert not hf_moe.is_moe(model.config) and hf_moe.moe_blocks(model) == []

@@ -332,7 +332,7 @@ class HfWorkload(Workload):
                          "which keep no such mask, are not traced")
         config = self.config()
         if hf_moe.is_moe(config):
-            notes.append(hf_moe.routing_note(config, hf_moe.parameter_split(self.model_structure())))
+            notes.append(hf_moe.routing_note(config, self.model_structure()))
         return "; ".join(notes) or None
 
     def _masked(self, ids: torch.Tensor, vocab_size: int, gen: torch.Generator):

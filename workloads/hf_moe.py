@@ -10,8 +10,9 @@ experts with the per-expert row counts as offsets (`torch.histc` of the expert i
 token order and summed over the chosen experts. Every buffer of that path has tokens x experts-per-token rows (or
 one row per expert) whatever the router chose: its memory does not depend on the routing, so a prediction on fake
 tensors, which cannot know the routing, needs no assumption about it (balanced or not, the same bytes). The
-workload builds its models with `experts_implementation="grouped_mm"`; the eager loop (`"eager"`: one matrix product
-per expert hit, sized by the tokens it got, found with `nonzero`) is data-dependent and is not what membench runs.
+workload leaves transformers' choice as it is (the models it builds say `grouped_mm`: tests/test_moe.py); the eager
+loop (`"eager"`: one matrix product per expert hit, sized by the tokens it got, found with `nonzero`) is
+data-dependent, and a prediction's message says so where a model runs it (`routing_note`).
 
 On meta and fake tensors one piece is missing from PyTorch: the meta kernel of `aten._grouped_mm` accepts bfloat16
 only (`_meta_grouped_mm_common` copies the check of CUDA's fast CUTLASS path), while the operator itself runs any
@@ -36,6 +37,9 @@ from torch import nn
 from bench.core.memory_categories import MOE_DISPATCH, MOE_ROUTER, allocating
 
 EXPERTS_IMPLEMENTATION = "grouped_mm"  # transformers 5's default experts_implementation, and what membench runs
+# the experts implementations whose buffers have the same sizes whatever the routing (batched_mm: one product per
+# (token, expert) pair, with each pair's weights gathered)
+ROUTING_FREE_IMPLEMENTATIONS = (EXPERTS_IMPLEMENTATION, "batched_mm")
 # the configuration attributes that say a model routes tokens to experts (transformers' names, per model type)
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 
@@ -114,15 +118,20 @@ def parameter_split(model: nn.Module) -> dict[str, int]:
     return {"experts": experts, "router": router, "total": sum(p.numel() for p in model.parameters())}
 
 
-def routing_note(config, split: dict[str, int]) -> str:
-    """What a prediction of an MoE model says about its experts: how tokens reach them, and their share of the
-    weights (`split`, `parameter_split`'s)."""
-    total = split["total"] or 1
-    return (f"MoE: {expert_count(config)} experts per layer, {config.num_experts_per_tok} per token, run by "
-            f"transformers' {EXPERTS_IMPLEMENTATION} (tokens sorted by expert, one grouped product per projection): "
-            "its buffers have tokens x experts-per-token rows whatever the routing, so no routing is assumed; "
-            f"experts' weights {split['experts']:,} of {split['total']:,} parameters "
-            f"({100 * split['experts'] / total:.1f}%), router {split['router']:,}")
+def routing_note(config, model: nn.Module) -> str:
+    """What a prediction of an MoE model (`model`: the one it runs, built on any device) says about its experts: how
+    tokens reach them, and their share of the weights."""
+    split = parameter_split(model)
+    implementation = getattr(model.config, "_experts_implementation", None)
+    shape = f"MoE: {expert_count(config)} experts per layer, {config.num_experts_per_tok} per token"
+    if not moe_blocks(model) or implementation not in ROUTING_FREE_IMPLEMENTATIONS:
+        # the eager loop, or an MoE without transformers' grouped experts (remote code): sized by the routing
+        return (f"{shape}, run by {implementation or 'its own code'}, whose buffers are sized by the routing: fake "
+                "tensors cannot run it (a prediction falls back to a real step)")
+    return (f"{shape}, run by transformers' {implementation} (tokens sorted by expert, one grouped product per "
+            "projection): its buffers have tokens x experts-per-token rows whatever the routing, so no routing is "
+            f"assumed; experts' weights {split['experts']:,} of {split['total']:,} parameters "
+            f"({100 * split['experts'] / (split['total'] or 1):.1f}%), router {split['router']:,}")
 
 
 # --- aten._grouped_mm on meta and fake tensors -----------------------------------------------------------------
