@@ -88,3 +88,18 @@ def test_a_cuda_search_in_one_fake_cuda_process_judges_the_predictions_of_predic
     assert row.strategy == "lora" and 8 <= row.seq_len < 128  # the baseline was not asked for
     assert judged([row.seq_len, row.seq_len + 8]) == [row.judged_bytes, row.next_judged_bytes]
     assert row.judged_bytes <= budget < row.next_judged_bytes
+
+
+def test_each_plan_candidates_line_says_how_many_known_candidates_are_left_and_when_the_search_stops():
+    from bench.analysis import plan, plan_cost, plan_search
+    from bench.measure.op_cost import CONV, MATMUL, CpuSpeed
+
+    figures = plan_cost.cpu_figures(CpuSpeed({(kind, "float32"): 1e10 for kind in (MATMUL, CONV)}, 1e10, 1e-6), "CPU")
+    request = plan.PlanRequest("deep_mlp:layers=4:width=16", "synthetic", 8, "cpu", "this CPU", 2**30, 0,
+                               plan_cost.to_json(figures), max_candidates=4, max_search_s=600,
+                               strategies=["checkpoint", "amp"])
+    lines = []
+    searched = plan_search.search(request, lines.append)
+    assert lines[0].endswith("baseline ...")  # nothing is known before the baseline ran
+    assert all("known candidates left" in line and "no new candidate after" in line for line in lines[1:])
+    assert len(lines) == searched.tried and len(lines) >= 2

@@ -41,6 +41,7 @@ from bench.analysis.fake_cuda_worker import run_in_fake_cuda
 from bench.core.results import PLAN, Status
 from bench.core.schema import Row
 from bench.measure import fake_cuda
+from bench.run import eta
 from strategies import STRATEGIES
 from strategies.base import PlanSpace
 
@@ -244,6 +245,20 @@ class _Queue:
         return settings, combinations
 
 
+def _left(queue: _Queue, request: plan.PlanRequest, elapsed_s: float) -> str:
+    """What a candidate's progress line says of the rest of the search: the candidates known and not started yet
+    (combinations become known as their members finish, so more may come), the time they take at the mean wall time
+    of the candidates finished so far, and when the search stops starting new ones (`max_search_s`)."""
+    if queue.base() is None:
+        return ""
+    settings, combinations = queue.untried()
+    done = sum(1 for spec, row in queue.rows.items() if row is not None and spec not in queue.known)
+    left = min(len(settings) + len(combinations), max(0, request.max_candidates - queue.tried()))
+    stop = max(0.0, request.max_search_s - elapsed_s)
+    limit = f"; no new candidate after {eta.duration(stop)} more" if math.isfinite(stop) else ""
+    return f" ({eta.left_text(left, done, elapsed_s, 'known candidates')}{limit})"
+
+
 def _combinations_of(pool: list, size: int) -> list[tuple]:
     return list(itertools.combinations(pool, size))
 
@@ -291,7 +306,7 @@ def search(request: plan.PlanRequest, progress: Callable[[str], None] = lambda t
                 spec, members = candidate
                 queue.rows[spec] = None
                 progress(f"[{queue.tried()}/{request.max_candidates} at most, {time.monotonic() - started:.0f} s] "
-                         f"{spec} ...")
+                         f"{spec} ...{_left(queue, request, time.monotonic() - started)}")
                 running[pool.submit(task, as_json, spec, members, *extra)] = spec
             if not running:
                 break
