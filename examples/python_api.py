@@ -1,7 +1,7 @@
 """membench from Python: a model defined here, estimated for two GPUs, measured over three steps of this script's own
 training loop, and planned, with no workload class and no command line.
 
-    python examples/python_api.py
+    python examples/python_api.py  (from any folder; copy it into your own project as it is)
 
 `workload()` below is also a workload spec the command line takes (`--workload examples/python_api.py:workload`),
 which is how tests/test_python_api.py checks that each figure here equals the command line's.
@@ -63,10 +63,11 @@ def optimizer(params) -> torch.optim.Optimizer:
 
 def workload() -> membench.CallableWorkload:
     """The same model, batch, loss and optimizer as one membench workload (`importable_as` lets the fake-CUDA
-    environment's process, which predicts CUDA, rebuild it from this file)."""
+    environment's process, which predicts CUDA, rebuild it from this file: named by `__file__`, it is found from
+    whatever folder the script runs in, and wherever the script is copied)."""
     return membench.workload_from_callables(TinyTransformer, make_batch(), loss_fn, optimizer, name="tiny_transformer",
                                             checkpoint_units=lambda model: list(model.blocks),
-                                            importable_as="examples/python_api.py:workload")
+                                            importable_as=f"{__file__}:workload")
 
 
 def estimates() -> dict[str, membench.Estimate]:

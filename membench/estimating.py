@@ -9,10 +9,18 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from bench.cli.arguments import csv_list
+from bench.core.gpus import capability_for
 from bench.core.units import MiB
+from bench.run.isolation import process_state
+from bench.run.preflight import check_choice, check_output_dir, parse_batch_size
 from membench import _engine
-from membench.workload import InputError, check_inputs, workload_from_callables
+from membench.workload import InputError, check_inputs, parsed, workload_from_callables
+from strategies import parse_strategy
+from strategies.base import PHASES
 from workloads import Workload, get_workload
+
+DEVICES = ("cpu", "cuda")
 
 # predict's columns -> the breakdown's names
 BREAKDOWN = {"weights": "predicted_weights_bytes", "grads": "predicted_grads_bytes",
@@ -90,24 +98,45 @@ def as_workload(model: Any, batch: Any = None, loss_fn: Callable | None = None, 
     if isinstance(model, Workload):
         return model
     if isinstance(model, str):
-        return get_workload(model)
+        return parsed("model", get_workload, model)
     workload = workload_from_callables(model, batch, loss_fn, optimizer, name=name, **kwargs)
     check_inputs(workload)
     return workload
 
 
 def target_device(gpu: str | None, device: str | None,
-                  capability: tuple[int, int] | None) -> tuple[str, str | None, tuple[int, int] | None]:
-    """(device, the GPU's name, compute capability) for a `gpu` name of bench.core.gpus, or a `device`."""
-    if gpu is not None:
-        found = _engine.gpu_named(gpu)
-        if device not in (None, "cuda"):
-            raise InputError(f"device: {device!r} with gpu={gpu!r}; a GPU's estimate is on cuda")
-        return "cuda", found.name, capability or found.capability
-    device = device or "cpu"
-    if device not in ("cpu", "cuda"):
-        raise InputError(f"device: {device!r}; valid choices: cpu, cuda")
-    return device, None, capability
+                  capability: str | tuple[int, int] | None) -> tuple[str, str | None, tuple[int, int] | None]:
+    """(device, the GPU's name, compute capability) for a `gpu` name of bench.core.gpus, or a `device`; each parsed
+    as `predict --gpu/--device/--capability` parses it (a capability `"9.0"` or `(9, 0)`), an InputError naming the
+    argument otherwise."""
+    found = None if gpu is None else parsed("gpu", _engine.gpu_named, gpu)
+    if found is not None and device not in (None, "cuda"):
+        raise InputError(f"device: {device!r} with gpu={gpu!r}; a GPU's estimate is on cuda")
+    device = parsed("device", check_choice, "device", "cuda" if found else device or "cpu", DEVICES, "device")
+    return device, found.name if found else None, parsed("capability", capability_for, capability, device, found,
+                                                          "capability")
+
+
+def strategy_specs(strategies: str | Sequence[str]) -> list[str]:
+    """The strategy specs of `strategies`: one spec, a comma list as `--strategies` takes it, or a sequence of
+    specs; each parsed as the command line parses it, an InputError naming it otherwise."""
+    given = csv_list(strategies) if isinstance(strategies, str) else list(strategies)
+    if not given:
+        raise InputError(f"strategies: {strategies!r} names no strategy; give one (\"baseline\", "
+                         "\"checkpoint+amp\") or a list of them")
+    if not all(isinstance(spec, str) for spec in given):
+        raise InputError(f"strategies: {strategies!r}; give strategy specs as text, e.g. [\"baseline\", \"amp\"]")
+    for spec in given:
+        parsed("strategies", parse_strategy, spec)
+    return given
+
+
+def batch_size_of(batch_size: Any, workload: Workload) -> int:
+    """`batch_size` parsed as `--batch-size` (one positive whole number: 0 is no batch, never the default), or
+    the workload's own where None."""
+    if batch_size is None:
+        return workload.default_batch_size
+    return parsed("batch_size", parse_batch_size, batch_size, "batch_size")
 
 
 def config_job(config: Any, overrides: Sequence[str] = (), peft_config: Any = None, quantization_config: Any = None,
@@ -126,7 +155,7 @@ def estimate(model: Callable[[], nn.Module] | nn.Module | Workload | str | None 
              loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
              optimizer: Callable[[Any], torch.optim.Optimizer] | None = None, *,
              strategies: str | Sequence[str] = "baseline", gpu: str | None = None, device: str | None = None,
-             capability: tuple[int, int] | None = None, batch_size: int | None = None, phase: str = "train",
+             capability: str | tuple[int, int] | None = None, batch_size: int | None = None, phase: str = "train",
              engine: str = "auto", snapshot_dir: str | None = None, name: str = "my_model", config: Any = None,
              overrides: Sequence[str] = (), peft_config: Any = None, quantization_config: Any = None,
              **workload_options: Any) -> Estimate | list[Estimate]:
@@ -135,8 +164,10 @@ def estimate(model: Callable[[], nn.Module] | nn.Module | Workload | str | None 
     `model` is a function building the model (built on fake tensors: nothing full-size is allocated), a model, a
     Workload or a workload spec; `batch` one `(inputs, target)` (tensors or `membench.Shape`s); `loss_fn(output,
     target)`; `optimizer(params)` a factory (default Adam). `gpu` names a GPU of `python -m bench plan --list-gpus`
-    (its compute capability picks the attention kernel), else `device` is `cpu` (exact) or `cuda`. `strategies`
-    is one spec (`"checkpoint+amp"`: returns one Estimate) or a list (returns one per spec). `snapshot_dir`: each
+    (its compute capability picks the attention kernel), else `device` is `cpu` (exact) or `cuda`; `capability`
+    overrides it (`"9.0"` or `(9, 0)`, as `--capability`). `strategies` is one spec (`"checkpoint+amp"`: returns one
+    Estimate) or a list, or a comma list as `--strategies` takes it (returns one per spec). Every argument is
+    parsed as the command line parses its option: a bad value is an InputError naming it. `snapshot_dir`: each
     prediction's memory snapshot is written there (PyTorch's format). `workload_options` go to
     `workload_from_callables` (batch_fn, checkpoint_units, importable_as, seed).
 
@@ -159,16 +190,19 @@ def estimate(model: Callable[[], nn.Module] | nn.Module | Workload | str | None 
         model, strategies, batch_size = job.workload, job.strategy, batch_size or job.batch_size
     if model is None:
         raise InputError("model: give a model (a function building it, a workload spec) or config=")
-    workload = as_workload(model, batch, loss_fn, optimizer, name, **workload_options)
     device, gpu_name, capability = target_device(gpu, device, capability)
-    if phase not in ("train", "eval"):
-        raise InputError(f"phase: {phase!r}; valid choices: train, eval")
-    one = isinstance(strategies, str)
-    specs = [strategies] if one else list(strategies)
-    size = batch_size or workload.default_batch_size
+    phase = parsed("phase", check_choice, "phase", phase, PHASES, "phase")
+    engine = parsed("engine", check_choice, "engine", engine, _engine.predict.ENGINES, "engine")
+    one = isinstance(strategies, str) and "," not in strategies
+    specs = strategy_specs(strategies)
+    if snapshot_dir is not None:
+        snapshot_dir = str(parsed("snapshot_dir", check_output_dir, snapshot_dir, "snapshot_dir"))
+    workload = as_workload(model, batch, loss_fn, optimizer, name, **workload_options)
+    size = batch_size_of(batch_size, workload)
     data = workload.data_sources[0]
     cases = [_engine.Case(workload.spec(), spec, phase, size, device, data=data) for spec in specs]
-    rows = _engine.predict_rows(cases, capability, engine, snapshot_dir)
+    with process_state():  # the user's model is built and stepped here: its global changes do not outlive the call
+        rows = _engine.predict_rows(cases, capability, engine, snapshot_dir)
     estimates = [_estimate_of(row, gpu_name) for row in rows]
     for one_estimate in estimates:
         one_estimate.job = job

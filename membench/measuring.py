@@ -14,7 +14,8 @@ from torch import nn
 
 from bench.measure import breakdown, memory, snapshot
 from bench.core.units import MiB
-from membench.workload import InputError, check_optimizer
+from bench.run.preflight import check_choice, check_output_dir
+from membench.workload import InputError, check_optimizer, parsed
 
 # the breakdown's names -> bench.measure.breakdown's columns (the results table's peak_*_bytes)
 BREAKDOWN = {"params": "peak_params_bytes", "grads": "peak_grads_bytes", "optimizer": "peak_optimizer_bytes",
@@ -114,10 +115,10 @@ class Measurement:
             check_optimizer(optimizer, model)
         self.model, self.optimizer, self.batch = model, optimizer, batch
         first = next(iter(model.parameters()), None)
-        self.device = device or (first.device.type if first is not None else "cpu")
-        if self.device not in ("cpu", "cuda"):
-            raise InputError(f"device: {self.device!r}; valid choices: cpu, cuda")
-        self.snapshot_dir = None if snapshot_dir is None else Path(snapshot_dir)
+        self.device = parsed("device", check_choice, "device",
+                             device or (first.device.type if first is not None else "cpu"), ("cpu", "cuda"), "device")
+        self.snapshot_dir = (None if snapshot_dir is None else
+                             parsed("snapshot_dir", check_output_dir, snapshot_dir, "snapshot_dir"))
         self.name = name
         self.steps: list[StepMemory] = []
         self._stack: contextlib.ExitStack | None = None

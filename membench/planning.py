@@ -9,11 +9,15 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from bench.cli.arguments import headroom_fraction, non_negative_int, positive_float, positive_int
 from bench.core import gpus
 from bench.core.units import MiB, parse_positive_size
+from bench.run.isolation import process_state
+from bench.run.preflight import check_choice, check_steps, parse_batch_size
 from membench import _engine
-from membench.estimating import as_workload, config_job
-from membench.workload import InputError
+from membench.estimating import DEVICES, as_workload, batch_size_of, config_job, strategy_specs
+from membench.workload import InputError, parsed
+from strategies.base import PHASES
 from workloads import Workload
 
 
@@ -77,24 +81,27 @@ def plan(model: Callable[[], nn.Module] | nn.Module | Workload | str | None = No
     """
     if (gpu is None) == (budget is None):
         raise InputError("gpu/budget: give exactly one: gpu=NAME plans for CUDA, budget=SIZE for this CPU")
-    if not 0 <= headroom < 1:
-        raise InputError(f"headroom: {headroom!r} is not a fraction between 0 and 1")
+    found = None if gpu is None else parsed("gpu", gpus.find_gpu, gpu)  # each as `plan`'s option of that name
+    headroom = parsed("headroom", headroom_fraction, str(headroom))
+    max_candidates = parsed("max_candidates", positive_int, str(max_candidates))
+    max_search_s = parsed("max_search_s", positive_float, str(max_search_s))
     if config is not None:  # `estimate`'s config=: plan for the configuration's model and batch
         job = config_job(config, overrides, peft_config, quantization_config, model)
         model, batch_size = job.workload, batch_size or job.batch_size
     workload = as_workload(model, batch, loss_fn, optimizer, name, **workload_options)
     limit = None if budget is None else _size(budget, "budget")
-    size = batch_size or workload.default_batch_size
-    rows, answer, note = _engine.plan_search_rows(workload.spec(), workload.data_sources[0], size, gpu, limit,
-                                                  headroom, max_candidates, max_search_s)
-    target = gpus.find_gpu(gpu).name if gpu else "this CPU"
+    size = batch_size_of(batch_size, workload)
+    with process_state():  # the user's model is built and stepped here: its global changes do not outlive the call
+        rows, answer, note = _engine.plan_search_rows(workload.spec(), workload.data_sources[0], size, gpu, limit,
+                                                      headroom, max_candidates, max_search_s)
+    target = found.name if found else "this CPU"
     return Plan(workload.spec(), target, rows, answer, note)
 
 
 def fit(model: Callable[[], nn.Module] | nn.Module | Workload | str | None = None, batch: Any = None,
         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
         optimizer: Callable[[Any], torch.optim.Optimizer] | None = None, *, budget: int | str,
-        strategies: Sequence[str] = (), device: str = "cpu", phase: str = "train", max_batch: int = 4096,
+        strategies: str | Sequence[str] = (), device: str = "cpu", phase: str = "train", max_batch: int = 4096,
         time_steps: int = 0, name: str = "my_model", config: Any = None, overrides: Sequence[str] = (),
         peft_config: Any = None, quantization_config: Any = None, **workload_options: Any) -> list[dict]:
     """The largest batch whose peak stays under `budget` (bytes or `"2GiB"`), per strategy (baseline first): the
@@ -108,13 +115,17 @@ def fit(model: Callable[[], nn.Module] | nn.Module | Workload | str | None = Non
         >>> rows[0]["strategy"], 1 <= rows[0]["batch_size"] <= 64
         ('baseline', True)
     """
-    if device not in ("cpu", "cuda"):
-        raise InputError(f"device: {device!r}; valid choices: cpu, cuda")
-    if phase not in ("train", "eval"):
-        raise InputError(f"phase: {phase!r}; valid choices: train, eval")
+    device = parsed("device", check_choice, "device", device, DEVICES, "device")  # each as `fit`'s option
+    phase = parsed("phase", check_choice, "phase", phase, PHASES, "phase")
+    max_batch = parsed("max_batch", parse_batch_size, max_batch, "max_batch")
+    time_steps = parsed("time_steps", non_negative_int, str(time_steps))
+    parsed("time_steps", check_steps, time_steps, "time_steps", 0)
+    budget = _size(budget, "budget")
     if config is not None:  # `estimate`'s config=: the configuration's model and strategy, the batch searched
         job = config_job(config, overrides, peft_config, quantization_config, model)
         model, strategies = job.workload, [job.strategy]
+    specs = strategy_specs(strategies) if isinstance(strategies, str) or strategies else []
     workload = as_workload(model, batch, loss_fn, optimizer, name, **workload_options)
-    return _engine.fit_rows(workload.spec(), list(strategies), _size(budget, "budget"), phase, device,
-                            workload.data_sources[0], max_batch, time_steps)
+    with process_state():  # the user's model is built and stepped here: its global changes do not outlive the call
+        return _engine.fit_rows(workload.spec(), specs, budget, phase, device, workload.data_sources[0], max_batch,
+                                time_steps)

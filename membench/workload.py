@@ -11,9 +11,14 @@ whose function returns the same workload.
 
 from __future__ import annotations
 
+import argparse
 import logging
+import math
+import operator
+import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -22,14 +27,29 @@ from torch.utils._pytree import tree_map
 
 from bench.core.errors import UsageError
 from bench.run import case as case_module
+from bench.run.isolation import process_state
 from workloads.base import _UNIT_COUNTS, Workload
 
 SPEC_PREFIX = "membench.workload"
 
 
 class InputError(UsageError, ValueError):
-    """One of the user's inputs to membench (the batch, the loss, the optimizer, the model builder) is not usable;
-    the message names the input and says why, in one line."""
+    """One of the user's inputs to membench (the batch, the loss, the optimizer, the model builder, any argument)
+    is not usable; the message names the input and says why, in one line. A ValueError, as Python's own functions
+    raise for a bad value."""
+
+
+def parsed(name: str, parse: Callable[..., Any], *args: Any) -> Any:
+    """`parse(*args)` -- the command line's own parser of the value, so that the API takes each value as the command
+    line does (one type, one meaning) -- with its error (a UsageError, or argparse's) raised as an InputError that
+    names the argument `name`."""
+    try:
+        return parse(*args)
+    except InputError:
+        raise
+    except (UsageError, argparse.ArgumentTypeError) as error:
+        text = str(error)
+        raise InputError(text if text.startswith(name) else f"{name}: {text}") from None
 
 
 @dataclass(frozen=True)
@@ -43,7 +63,22 @@ class Shape:
     dtype: torch.dtype = torch.float32
 
     def __init__(self, *dims: int, dtype: torch.dtype = torch.float32):
-        object.__setattr__(self, "dims", tuple(int(d) for d in dims))
+        if not isinstance(dtype, torch.dtype):
+            raise InputError(f"Shape: dtype {dtype!r} is not a torch.dtype (e.g. torch.long)")
+        checked = []
+        for dim in dims:
+            try:
+                size = operator.index(dim)  # 2.5 is no size: int() would cut it to 2 without a word
+            except TypeError:
+                raise InputError(f"Shape{dims!r}: {dim!r} is not a whole number of elements") from None
+            if size < 0:
+                raise InputError(f"Shape{dims!r}: {size} is negative; a dimension holds 0 or more elements")
+            checked.append(size)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if math.prod(checked) * itemsize >= 2**63:  # torch's storage size is a signed 64-bit count of bytes
+            raise InputError(f"Shape{dims!r}: {math.prod(checked):,} elements of {dtype} are more bytes than a "
+                             "tensor can hold (2**63)")
+        object.__setattr__(self, "dims", tuple(checked))
         object.__setattr__(self, "dtype", dtype)
 
     def zeros(self, batch_size: int | None = None) -> torch.Tensor:
@@ -146,8 +181,10 @@ def workload_from_callables(model: Callable[[], nn.Module] | nn.Module, batch: A
         >>> w.spec(), w.default_batch_size
         ('membench.workload:doc_linear', 3)
     """
-    if not name.isidentifier():
+    if not (isinstance(name, str) and name.isidentifier()):
         raise InputError(f"name: {name!r} is not a Python identifier (letters, digits and _)")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise InputError(f"seed: {seed!r} is not a whole number (torch.manual_seed's seed)")
     module = sys.modules[__name__]
     existing = getattr(module, name, None)
     if existing is not None and not (isinstance(existing, type) and issubclass(existing, CallableWorkload)):
@@ -170,6 +207,7 @@ def workload_from_callables(model: Callable[[], nn.Module] | nn.Module, batch: A
         raise InputError(f"batch: expected (inputs, target), got {type(batch).__name__}"
                          + (f" of {len(batch)} items" if isinstance(batch, (tuple, list)) else ""))
     rows = batch_rows(batch) if batch is not None else 8
+    importable_as = _reference_elsewhere(importable_as)
     attributes = {
         "name": name, "build_fn": staticmethod(build_fn), "example_batch": batch, "example_rows": rows,
         "batch_fn": staticmethod(batch_fn) if batch_fn is not None else None,
@@ -184,6 +222,26 @@ def workload_from_callables(model: Callable[[], nn.Module] | nn.Module, batch: A
     workload = cls()
     workload.reference = importable_as or f"{SPEC_PREFIX}:{name}"
     return workload
+
+
+def _reference_elsewhere(importable_as: str | None) -> str | None:
+    """`importable_as` as another process resolves it wherever it starts: a `path/file.py:FUNCTION` spec with the
+    path made absolute (relative, it names a file only from the folder this script was started in); an InputError
+    saying what to give where the file is not there, or the spec is not of the loader's forms."""
+    if importable_as is None:
+        return None
+    head, colon, rest = str(importable_as).partition(":")
+    if not (isinstance(importable_as, str) and colon and head and rest):
+        raise InputError(f"importable_as: {importable_as!r} is not `path/file.py:FUNCTION` (nor "
+                         "`package.module:FUNCTION`); in a script, importable_as=f\"{__file__}:FUNCTION\"")
+    if not head.lower().endswith(".py"):
+        return importable_as  # a module: found through sys.path by any process that has this one's
+    path = Path(head).expanduser()
+    if not path.is_file():
+        raise InputError(f"importable_as: no file {head!r} here (a relative path is read from the working folder, "
+                         f"{os.getcwd()}); give the script's own path, importable_as=f\"{{__file__}}:"
+                         f"{rest.split(':')[0]}\", which names it from any folder")
+    return f"{path.resolve()}:{rest}"
 
 
 def _copy_module(model: nn.Module) -> nn.Module:
@@ -215,7 +273,8 @@ def check_inputs(workload: Workload, batch_size: int | None = None) -> None:
     logger = logging.getLogger("torch._subclasses.fake_tensor")  # it logs each rejected operator's traceback
     level, logger.disabled = logger.disabled, True
     try:
-        _check_on_fake_tensors(workload, batch_size)
+        with process_state():  # the user's builder may set torch's default dtype and leave it for the next model
+            _check_on_fake_tensors(workload, batch_size)
     finally:
         logger.disabled = level
 

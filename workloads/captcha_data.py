@@ -18,6 +18,8 @@ from unittest import mock
 import numpy
 import torch
 
+from bench.core.job_environment import CACHE_VARIABLE, variable
+
 ALPHA_NUMS = "abcdefghijklmnopqrstuvwxyz0123456789"
 DIGITS = 4
 NUM_LABELS = len(ALPHA_NUMS) * DIGITS
@@ -37,8 +39,9 @@ class SeededSecrets(random.Random):
 
 
 def cache_dir() -> Path:
-    """Where generated data sets are kept: $MEMBENCH_CACHE, else ~/.cache/membench (never inside git)."""
-    return Path(os.environ.get("MEMBENCH_CACHE", Path.home() / ".cache" / "membench"))
+    """Where generated data sets are kept: $MEMBENCH_CACHE, else ~/.cache/membench (never inside git; a blank
+    $MEMBENCH_CACHE is unset, not the working directory)."""
+    return Path(variable(CACHE_VARIABLE) or Path.home() / ".cache" / "membench")
 
 
 def random_code(rng: random.Random) -> str:

@@ -13,7 +13,6 @@ listed in the row's `not_modelled`; a row is `fully_modelled` only when nothing 
 from __future__ import annotations
 
 import json
-import os
 import resource
 import statistics
 import subprocess
@@ -28,6 +27,7 @@ import yaml
 from bench.analysis import nvidia_smi
 from bench.core.errors import UsageError
 from bench.core.gpus import GPU, find_gpu
+from bench.core.job_environment import ANCHOR_WORKER_BYTES_VARIABLE, size_variable
 from bench.core import processes
 from bench.core.anchors_table import ANCHORS
 from bench.core.schema import Row
@@ -42,7 +42,14 @@ KINDS = {"max_memory_allocated": "predicted_bytes", "peak_active": "predicted_by
 UNITS = {"GiB": 2**30, "GB": 10**9, "MiB": 2**20, "MB": 10**6}
 REQUIRED = ("name", "label", "figure", "strategy")
 # the fake-CUDA worker's address space: a full-size model on fake tensors stays near 500 MB resident
-WORKER_MEMORY_BYTES = int(os.environ.get("MEMBENCH_ANCHOR_WORKER_BYTES", 12 * 2**30))
+WORKER_MEMORY_BYTES = 12 * 2**30
+
+
+def worker_memory_bytes() -> int:
+    """The fake-CUDA worker's address space: $MEMBENCH_ANCHOR_WORKER_BYTES (a size, checked when a command starts:
+    bench.core.job_environment), else WORKER_MEMORY_BYTES. Read when a worker starts, not on import: a bad value is
+    then the command's one line, not a traceback of the import."""
+    return size_variable(ANCHOR_WORKER_BYTES_VARIABLE, WORKER_MEMORY_BYTES)
 STATUSES = ("ok", "partial", "not_modelled", "error")
 # the files' order in a run (the issue's order; the sharded, slowest predictions last), any other file after these
 SOURCE_ORDER = ("torchtune", "torchao", "transformers", "fsdp_qlora")
@@ -199,9 +206,11 @@ def predicted_figure(anchor: Anchor, predict_row: dict) -> tuple[int | None, str
 
 
 def _limit_memory() -> None:
-    """In the worker before it starts: its address space capped at WORKER_MEMORY_BYTES (or a lower hard limit)."""
+    """In the worker before it starts: its address space capped at `worker_memory_bytes()` (or a lower hard
+    limit)."""
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
-    soft = WORKER_MEMORY_BYTES if hard == resource.RLIM_INFINITY else min(WORKER_MEMORY_BYTES, hard)
+    limit = worker_memory_bytes()
+    soft = limit if hard == resource.RLIM_INFINITY else min(limit, hard)
     resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 

@@ -26,10 +26,12 @@ from bench.core.results import Status
 from bench.core.units import format_size
 from bench.measure import fake_cuda
 from bench.run.eta import left_text
+from bench.run.preflight import check_seq_len_bounds
 from bench.run.runner import Case, bind_case
 from workloads import get_workload
 
 DEFAULT_SEQ_STEP = 256
+LONGEST_DEFAULT = 131072  # the longest sequence tried of a model that does not say its own
 BREAKDOWN = ("weights", "grads", "optimizer_state", "activations", "logits", "other")
 
 
@@ -62,6 +64,16 @@ def max_seq_len(workload: str) -> int | None:
     if not hasattr(configured, "config"):
         return None
     return getattr(configured.config(), "max_position_embeddings", None)
+
+
+def longest_tried(workload: str, step: int, max_seq: int | None) -> int:
+    """The longest sequence `--over seq_len` tries: `max_seq`, else the model's max_position_embeddings, else
+    LONGEST_DEFAULT; a UsageError naming --seq-step or --max-seq-len where they conflict with each other or the
+    model (bench.run.preflight.check_seq_len_bounds), or where the workload has no seq_len option."""
+    model_max = max_seq_len(workload)
+    check_seq_len_bounds(step, max_seq, model_max, workload)
+    seq_len_spec(workload, step)
+    return max_seq or model_max or LONGEST_DEFAULT
 
 
 def peak_by(row) -> str:
@@ -184,7 +196,7 @@ def fit_seq_len(spec: str, budget: int, phase: str, device: str, workload: str, 
     `batch`: a row of the fit table with `over` = seq_len. `judged_at` replaces the prediction (a test's peaks).
     With a `pool` of several jobs (`bench.analysis.pools`) the lengths are predicted several at once. `known`:
     probes already made (by length), not made again."""
-    limit = max_seq or max_seq_len(workload) or 131072
+    limit = longest_tried(workload, step, max_seq)
 
     started = time.monotonic()
 
@@ -254,7 +266,7 @@ def fit_over_seq_len(specs: list[str], budget: int, phase: str, device: str, wor
     for every probe (`python -m bench.analysis._fit_worker`): each probe there is a prediction in that process, not a
     new process started per probe (seconds of imports each); the same probes, so the same rows. Where that process
     fails, the search runs here, each probe in a process of its own."""
-    seq_len_spec(workload, step)  # a workload without seq_len: a UsageError before any prediction
+    longest_tried(workload, step, max_seq)  # no seq_len option, or bounds that conflict: before any prediction
     specs = searched_specs(specs)
     if device == "cuda" and executor == pools.LOCAL and not torch.cuda.is_available():
         python = fake_cuda.environment_python()

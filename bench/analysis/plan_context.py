@@ -28,7 +28,6 @@ from bench.analysis.plan_search import COUNT, TIME
 from bench.run.runner import Case
 from strategies.base import PlanSpace
 
-LONGEST_KNOWN_DEFAULT = 131072  # the longest sequence tried where the model does not say its own
 SEARCH_START = 2048  # the baseline's search brackets from here; the others' from their first probe
 
 
@@ -58,8 +57,8 @@ def longest_plan(request: plan.PlanRequest, step: int = fit_context.DEFAULT_SEQ_
     searched candidate's probes run `jobs` at once (`bench.analysis.pools.probe_pool`); `probe` replaces the
     prediction of one case (a test's peaks), and then every probe is made here."""
     workload, budget = request.workload, request.limit_bytes
-    fit_context.seq_len_spec(workload, step)  # a workload without seq_len: a UsageError before any prediction
-    longest_known = max_seq or fit_context.max_seq_len(workload) or LONGEST_KNOWN_DEFAULT
+    # a workload without seq_len, or a step or bound that conflict: a UsageError before any prediction
+    longest_known = fit_context.longest_tried(workload, step, max_seq)
     context = plan.bind_for_plan(request.case("baseline"), 1)[1]
     accepted, _ = plan_candidates.settings(PlanSpace(context, max(1, budget - request.context_bytes)))
     if request.strategies:

@@ -11,7 +11,7 @@ from typing import Any, Callable
 from bench.core.errors import UsageError
 from bench.core.units import parse_positive_size
 from bench.run.preflight import (DEFAULT_MAX_TIME_PER_CASE_S, DEFAULT_MIN_STEPS, DEFAULT_TARGET_CI,
-                                 DEFAULT_WARMUP_STEPS, check_choice, parse_batch_sizes)
+                                 DEFAULT_WARMUP_STEPS, check_choice, parse_batch_size)
 
 DEFAULT_WORKLOAD = "captcha_resnet18"
 WORKLOAD_HELP = ("a registered workload with options (see `list`; e.g. deep_mlp:layers=100, timm:resnet18) or "
@@ -44,6 +44,8 @@ positive_float = number_type(float, lambda v: 0 < v < float("inf"), "a positive 
 fraction = number_type(float, lambda v: 0 < v < 1, "a fraction between 0 and 1 (e.g. 0.05)")  # --target-ci
 non_negative_int = number_type(int, lambda v: v >= 0, "0 or a positive integer")
 non_negative_float = number_type(float, lambda v: 0 <= v < float("inf"), "0 or a positive number of seconds")
+# plan's --headroom and the API's headroom=: 0 keeps nothing free, a meaningful plan
+headroom_fraction = number_type(float, lambda v: 0 <= v < 1, "a fraction from 0 up to 1, 1 excluded (e.g. 0.05)")
 
 
 def csv_list(text: str) -> list[str]:
@@ -51,12 +53,29 @@ def csv_list(text: str) -> list[str]:
     return [p.strip() for p in text.split(",") if p.strip()]
 
 
-def one_batch_size(text, option: str = "--batch-size") -> int:
-    """The one batch size a command takes; a UsageError for a list or a bad size."""
-    sizes = parse_batch_sizes(text, option)
-    if len(sizes) != 1:
-        raise UsageError(f"{option}: bad batch size {text!r}; this command takes one batch size")
-    return sizes[0]
+def given_text(text: str) -> str:
+    """The argparse type of every option that takes free text (`refuse_blank_values`): the text as given, refused
+    when it holds nothing but spaces and commas. An empty `--phases ""` or `--strategies " , "` would otherwise be
+    read as the option left out, and run its default (every phase, every strategy the planner tries, the default
+    workload) without a word."""
+    if not text.replace(",", " ").strip():
+        raise argparse.ArgumentTypeError(f"empty value {text!r}; give a value, or leave the option out for its "
+                                         "default")
+    return text
+
+
+def refuse_blank_values(parser: argparse.ArgumentParser) -> None:
+    """Gives every option of `parser` and of its commands that takes free text (an option with no type of its own)
+    the type `given_text`, so that an empty value is one line naming the option, wherever the option is declared."""
+    for action in parser._actions:  # argparse keeps no public list of a parser's options
+        if isinstance(action, argparse._SubParsersAction):
+            for command in dict.fromkeys(action.choices.values()):
+                refuse_blank_values(command)
+        elif action.option_strings and action.type is None and action.nargs != 0:
+            action.type = given_text
+
+
+one_batch_size = parse_batch_size  # the one batch size a command takes (bench.run.preflight, shared with the API)
 
 
 def add_global_batch_option(p: argparse.ArgumentParser, many: bool = False) -> None:
@@ -109,16 +128,6 @@ def size_option(text: str, option: str) -> int:
         return parse_positive_size(text)
     except ValueError as error:
         raise UsageError(f"{option}: bad size {text!r}: {error}") from None
-
-
-def capability(text: str | None) -> tuple[int, int] | None:
-    """`--capability 9.0` as (9, 0); None when not given; a UsageError for anything but MAJOR.MINOR."""
-    if text is None:
-        return None
-    major, dot, minor = text.partition(".")
-    if not (dot and major.isdigit() and minor.isdigit()):
-        raise UsageError(f"--capability: bad compute capability {text!r}; give MAJOR.MINOR, e.g. 8.6 or 9.0")
-    return int(major), int(minor)
 
 
 def add_case_options(p: argparse.ArgumentParser) -> None:

@@ -16,7 +16,7 @@ from bench.analysis import predict, predict_assumptions
 from bench.cli import interrupt
 from bench.cli.analysis_console import (format_explain, format_fit, format_fit_seq_len, format_plan_units,
                                         format_predictions, nothing_fits, rank_share)
-from bench.cli.arguments import (DEFAULT_WORKLOAD, EXECUTORS, analysis_device, batch_option_name, capability,
+from bench.cli.arguments import (DEFAULT_WORKLOAD, EXECUTORS, analysis_device, batch_option_name,
                                  csv_list, one_batch_size, size_option, step_batch_text, step_batches)
 from bench.cli.commands_run import apply_memory_limit
 from bench.cli.config_option import derived_job
@@ -131,14 +131,13 @@ def cmd_predict(args) -> int:
     workload, data = _workload_and_data(args)
     gpu, device = _gpu_and_device(args, "cuda")
     engine = check_choice("engine", args.engine, predict.ENGINES)
-    compute_capability = capability(args.capability) or (gpu.capability if gpu else None)
+    compute_capability = gpus.capability_for(args.capability, device, gpu)
     preflight.check_ranks(args.ranks, None)
     phases = [check_choice("phase", p, PHASES) for p in csv_list(args.phases or "train,eval")]
     specs = ["baseline"] + [s for s in csv_list(args.strategies or "") if s != "baseline"]
     if job is not None:  # the configuration's case alone: its baseline would be another job
         specs = [job.strategy]
-    for spec in specs:
-        parse_strategy(spec)  # unknown names: exit 2 before any work
+    preflight.check_ranks_shard(args.ranks, [parse_strategy(spec) for spec in specs])  # unknown names: exit 2
     batches = step_batches(args, parse_batch_sizes(_batch_size_text(args), batch_option_name(args)), args.ranks)
     out = check_output_dir(args.out, "--out")
     interrupt.set_note("interrupted: nothing was written (predict writes its table at the end)")

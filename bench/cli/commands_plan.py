@@ -25,7 +25,7 @@ from bench.core.units import format_size
 from bench.measure import cpu_16bit, env
 from bench.measure.op_cost import measure_cpu_speed
 from bench.report.pareto_charts import chart_plan
-from bench.run.preflight import check_choice, check_output_dir, check_ranks
+from bench.run.preflight import check_choice, check_output_dir, check_ranks, check_ranks_shard
 from strategies import STRATEGIES
 
 
@@ -35,6 +35,9 @@ def _request(args) -> tuple[plan.PlanRequest, str]:
     device = analysis_device(args.device or ("cuda" if gpu else "cpu"))
     check_ranks(args.ranks, None)
     strategies = _candidate_strategies(args)
+    if strategies:  # else every strategy the planner tries, the sharded ones among them
+        check_ranks_shard(max(args.ranks, args.max_ranks or 1), strategies,
+                          "--ranks" if args.max_ranks is None else "--max-ranks")
     if args.max_ranks is not None:
         check_ranks(args.max_ranks, None)
         if args.ranks > 1:

@@ -22,7 +22,7 @@ def check_over_seq_len(args) -> None:
     if args.confirm or args.confirm_front:
         raise UsageError("--over seq_len answers from predictions: measure its answer with the compare command it "
                          "prints (drop --confirm)")
-    fit_context.seq_len_spec(_workload_and_data(args)[0], args.seq_step)  # a workload without seq_len
+    fit_context.longest_tried(_workload_and_data(args)[0], args.seq_step, args.max_seq_len)  # before any work
 
 
 def plan_context_command(args, request: plan.PlanRequest, how: str, executor: str = "local",

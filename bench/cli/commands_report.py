@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from bench.core.errors import UsageError
-from bench.core.results import REPORT_COLUMNS, read_results_file
+from bench.core.results import REPORT_COLUMNS, SCHEMA_VERSION, newer_schema_version, read_results_file
 from bench.report.data import report_name
 from bench.report.html import build_html, is_predict_csv, plotly_bundle
 from bench.report.markdown import build_report, newest_csv, parse_size
@@ -39,7 +39,12 @@ def cmd_report(args) -> int:
                          "snapshots; REPORT.md and the PNG charts are drawn from measured runs")
     if not predictions:
         for path in paths:
-            read_results_file(path, "cannot report on", REPORT_COLUMNS)  # every file checked before anything is drawn
+            frame = read_results_file(path, "cannot report on", REPORT_COLUMNS)  # each checked before any drawing
+            newer = newer_schema_version(frame)
+            if newer is not None:
+                print(f"warning: {path} was written by a newer membench (schema_version {newer}; this one reads up "
+                      f"to {SCHEMA_VERSION}): columns it added are left out, and a figure whose meaning changed is "
+                      "drawn as this version understands it; report it with that version", file=sys.stderr)
     out = check_output_dir(args.out or paths[0].parent, "--out" if args.out else "the results file's folder")
     page = plotly_bundle() if args.html else None  # a missing plotly is said before anything is drawn
     if not predictions:

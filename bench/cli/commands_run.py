@@ -171,6 +171,7 @@ def _run_suite(args, suite: Suite, device: str, options: RunOptions, overrides: 
              for size in step_batches(args, [case.batch_size], options.ranks)]
     overrides.check_steps(cases)
     preflight.check_cases(cases, bind_case)
+    preflight.check_ranks_shard(options.ranks, dict.fromkeys(case.strategy for case in cases))
     previous, run_id = None, None
     out_path = _output_path(args, device)
     _state["out_path"] = out_path

@@ -17,8 +17,8 @@ from bench.cli import interrupt
 from bench.cli.config_option import add_config_option
 from bench.cli.arguments import (DEFAULT_OUT, WORKLOAD_HELP, add_case_options, add_executor_options,
                                  add_global_batch_option, add_memory_limit_option, add_snapshot_option,
-                                 add_table_options, add_threads_option, fraction, non_negative_int, positive_float,
-                                 positive_int)
+                                 add_table_options, add_threads_option, headroom_fraction, non_negative_int,
+                                 positive_float, positive_int, refuse_blank_values)
 from bench.core import gpus
 from bench.core.errors import UsageError, shortened
 from bench.core.job_environment import check_job_environment
@@ -126,7 +126,8 @@ def _add_analysis_parsers(sub) -> None:
     add_threads_option(p)
 
     p = _add_command(sub, "predict")
-    p.add_argument("--strategies", default="", help="comma list (baseline is always included; default: baseline only)")
+    p.add_argument("--strategies", default=None,
+                   help="comma list (baseline is always included; default: baseline only)")
     p.add_argument("--device", default="cuda", help="cuda (predict CUDA on any machine) or cpu (default cuda)")
     p.add_argument("--batch-size", default=None,
                    help="one size or a comma list (default: the workload's own, see `list`); with --ranks N, each "
@@ -160,7 +161,8 @@ def _add_analysis_parsers(sub) -> None:
     p.add_argument("--gpu", default=None, help="fit on this GPU of `plan --list-gpus`: its memory is the budget, its "
                                                "compute capability sizes the kernels' workspaces; implies --device "
                                                "cuda (default: none)")
-    p.add_argument("--strategies", default="", help="comma list (baseline is always included; default: baseline only)")
+    p.add_argument("--strategies", default=None,
+                   help="comma list (baseline is always included; default: baseline only)")
     p.add_argument("--device", default=None, help="cpu (exact count) or cuda (real attempts on a GPU, predictions "
                                                   "without one) (default: cuda with --gpu, else cpu)")
     p.add_argument("--over", default="batch", help="the axis searched: batch (the largest batch) or seq_len (the "
@@ -202,7 +204,7 @@ def _add_plan_parser(sub) -> None:
                                                "none, give --budget)")
     p.add_argument("--list-gpus", action="store_true", help="print the GPU table and exit (default off)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda with --gpu, else cpu)")
-    p.add_argument("--headroom", type=fraction, default=gpus.DEFAULT_HEADROOM,
+    p.add_argument("--headroom", type=headroom_fraction, default=gpus.DEFAULT_HEADROOM,
                    help=f"fraction of the limit kept free (default {gpus.DEFAULT_HEADROOM:g})")
     p.add_argument("--ranks", type=positive_int, default=1,
                    help="plan for N ranks: the sharded strategies become candidates (default 1)")
@@ -253,6 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=positive_int, default=1,
                    help="anchors predicted at once, each in its own fake-CUDA process (their figures do not depend "
                         "on it; each process needs up to 2 GB resident) (default 1)")
+    refuse_blank_values(parser)
     return parser
 
 

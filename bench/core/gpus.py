@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from bench.core.errors import choices_error
+from bench.core.errors import UsageError, choices_error
 
 GiB = 2**30
 TFLOPS = 1e12
@@ -97,6 +97,45 @@ GPUS: dict[str, GPU] = {gpu.name: gpu for gpu in (
     GPU("H200", 143771 * 2**20, 67 * TFLOPS, 494.5 * TFLOPS, 989.5 * TFLOPS, 989.5 * TFLOPS, 4800 * GB_PER_S,
         PCIE5_X16, (9, 0), "NVIDIA H200 Tensor Core GPU datasheet (SXM); nvidia-smi for its memory"),
 )}
+
+
+# The compute capabilities of NVIDIA's GPUs that PyTorch's CUDA builds run on (developer.nvidia.com/cuda-gpus and the
+# CUDA programming guide's table of compute capabilities: Maxwell 5.x to Blackwell 12.x; 10.1 is Thor's number before
+# CUDA 13, 11.0 after). A capability outside it names no GPU: its prediction would pick kernels for a device that
+# does not exist.
+COMPUTE_CAPABILITIES = ((5, 0), (5, 2), (5, 3), (6, 0), (6, 1), (6, 2), (7, 0), (7, 2), (7, 5), (8, 0), (8, 6),
+                        (8, 7), (8, 9), (9, 0), (10, 0), (10, 1), (10, 3), (11, 0), (12, 0), (12, 1))
+
+
+def parse_capability(value, option: str = "--capability") -> tuple[int, int] | None:
+    """A compute capability as (major, minor): `"9.0"` (as the command line and nvidia-smi spell it) or `(9, 0)`;
+    None for None. A UsageError naming `option` for any other spelling, or a capability no GPU has."""
+    if value is None:
+        return None
+    if isinstance(value, (tuple, list)) and len(value) == 2 and all(type(v) is int for v in value):
+        major, minor = value
+    else:
+        text = str(value).strip() if isinstance(value, (str, float)) else ""
+        whole, dot, fraction = text.partition(".")
+        if not (dot and whole.isdigit() and fraction.isdigit() and len(fraction) == 1):
+            raise UsageError(f"{option}: bad compute capability {value!r}; give MAJOR.MINOR as nvidia-smi "
+                             "--query-gpu=compute_cap prints it, e.g. 8.6 or 9.0")
+        major, minor = int(whole), int(fraction)
+    if (major, minor) not in COMPUTE_CAPABILITIES:
+        raise UsageError(f"{option}: no GPU has compute capability {major}.{minor}; valid choices: "
+                         + ", ".join(f"{a}.{b}" for a, b in COMPUTE_CAPABILITIES))
+    return major, minor
+
+
+def capability_for(value, device: str, gpu: GPU | None = None, option: str = "--capability") -> tuple[int, int] | None:
+    """The compute capability a prediction on `device` picks its kernels by: `value` (`parse_capability`), else the
+    `gpu`'s, else None (this machine's GPU, or a default one). A UsageError where `value` is given for the CPU, which
+    has none: the option would be taken and change nothing."""
+    parsed = parse_capability(value, option)
+    if parsed is not None and device != "cuda":
+        raise UsageError(f"{option} {value}: a compute capability is a CUDA device's, and this prediction is for "
+                         f"device {device!r}; drop it, or predict for cuda")
+    return parsed or (gpu.capability if gpu is not None else None)
 
 
 def _key(name: str) -> str:

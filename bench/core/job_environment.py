@@ -1,6 +1,8 @@
 """The environment a command runs in, checked and cleaned before it does anything: a torchrun or SLURM shell's
-rendezvous variables (which membench's own rank processes and workers must not inherit), $MEMBENCH_PLUGINS and
-$MEMBENCH_CPU_16BIT (a bad value refused in one line before the first case, by every command that computes).
+rendezvous variables (which membench's own rank processes and workers must not inherit), and membench's own
+variables ($MEMBENCH_PLUGINS, $MEMBENCH_CPU_16BIT, the sizes, an internal one set by hand): a bad value refused in
+one line before the first case, by every command that computes, and read by one reader (`variable`, `size_variable`)
+wherever it is used.
 
 Nothing here imports torch: `report` and a usage error stay quick.
 """
@@ -12,6 +14,7 @@ import os
 import sys
 
 from bench.core.errors import UsageError
+from bench.core.units import parse_positive_size
 
 # torch.distributed's env:// rendezvous (what torchrun sets, and SLURM scripts export for it). Inherited, they make
 # an isolated worker think it is one rank of a job that does not exist: it waits for peers until the case timeout.
@@ -26,6 +29,52 @@ PLUGINS_VARIABLE = "MEMBENCH_PLUGINS"
 # what membench took.
 CPU_16BIT_VARIABLE = "MEMBENCH_CPU_16BIT"
 CPU_16BIT_CHOICES = ("auto", "emulated", "native")
+# MEMBENCH_MMAP_THRESHOLD: the C heap's mmap threshold membench pins (bench.measure.resident): a size, or `off`
+MMAP_THRESHOLD_VARIABLE = "MEMBENCH_MMAP_THRESHOLD"
+MMAP_THRESHOLD_OFF = ("off", "none", "default", "0")
+# MEMBENCH_ANCHOR_WORKER_BYTES: the address space of each `anchors` fake-CUDA worker (bench.analysis.anchors)
+ANCHOR_WORKER_BYTES_VARIABLE = "MEMBENCH_ANCHOR_WORKER_BYTES"
+# MEMBENCH_CACHE: the folder of generated data sets (workloads.captcha_data)
+CACHE_VARIABLE = "MEMBENCH_CACHE"
+# Variables membench sets in the processes it starts, never a user's setting: set by hand, a torch without CUDA
+# would be made to act as a fake-CUDA worker on its first import
+INTERNAL_VARIABLES = ("MEMBENCH_FAKE_CUDA_WORKER",)
+
+
+def variable(name: str) -> str | None:
+    """The value of environment variable `name`, stripped; None where it is unset or blank (one meaning for both:
+    `MEMBENCH_CACHE=` is no folder, not the working directory)."""
+    value = os.environ.get(name, "").strip()
+    return value or None
+
+
+def size_variable(name: str, default: int | None, off: tuple[str, ...] = ()) -> int | None:
+    """A size in bytes from variable `name` (`12GiB`, `1e9`, `4096`): `default` where unset, None for a word of
+    `off`; a negative, zero or meaningless value is a UsageError naming the variable (never taken as `off`)."""
+    value = variable(name)
+    if value is None:
+        return default
+    if value.lower() in off:
+        return None
+    try:
+        return parse_positive_size(value)
+    except ValueError:
+        words = " or ".join(["a positive size in bytes (e.g. 4096, 1MiB, 12GiB)", *(f"`{w}`" for w in off[:1])])
+        raise UsageError(f"{name}={os.environ[name]!r}: expected {words}; fix or unset {name}") from None
+
+
+def check_sizes() -> None:
+    """The size variables parse (`size_variable`), before anything is run with them."""
+    size_variable(MMAP_THRESHOLD_VARIABLE, None, MMAP_THRESHOLD_OFF)
+    size_variable(ANCHOR_WORKER_BYTES_VARIABLE, None)
+
+
+def check_internal_variables() -> None:
+    """No variable of INTERNAL_VARIABLES is set in the user's shell; a UsageError naming it otherwise."""
+    for name in INTERNAL_VARIABLES:
+        if name in os.environ:
+            raise UsageError(f"{name} is set ({name}={os.environ[name]!r}): it is membench's own, set in the worker "
+                             f"processes it starts, not a setting; unset {name}")
 
 
 def launcher_variables(environ=None) -> list[str]:
@@ -84,6 +133,8 @@ def check_job_environment(command: str) -> None:
     """Everything above, before `command` does anything; `report` draws from files and needs none of it."""
     if command == "report":
         return
+    check_internal_variables()
     check_cpu_16bit()
+    check_sizes()
     check_plugins()
     clear_launcher_variables()

@@ -239,18 +239,23 @@ def to_frame(rows: list[dict]) -> pd.DataFrame:
     return add_relative_columns(frame[COLUMNS + extra])
 
 
-def write_csv_atomic(frame: pd.DataFrame, path: Path) -> None:
+def write_csv_atomic(frame: pd.DataFrame, path: Path, new: bool = False) -> None:
     """Writes to a temporary file in the same folder, then renames it over `path`: never a half-written CSV. A write
-    that fails (a full disk) raises WriteFailed and leaves the previous file whole."""
-    write_text_atomic(path, frame.to_csv(index=False, lineterminator="\n"))
+    that fails (a full disk) raises WriteFailed and leaves the previous file whole. With `new` (the first write of
+    a run's file), `path` must not exist: a UsageError, and nothing overwritten, where it does."""
+    try:
+        write_text_atomic(path, frame.to_csv(index=False, lineterminator="\n"), new=new)
+    except FileExistsError:
+        raise UsageError(f"{str(path)!r} exists already: another run took the same run id (the same second and "
+                         "random suffix); it was not overwritten: run again for a new id") from None
 
 
-def write_rows(rows: list[dict], path: Path) -> pd.DataFrame:
+def write_rows(rows: list[dict], path: Path, new: bool = False) -> pd.DataFrame:
     """The rows as a results CSV at `path` (atomically), each whole-number column written as whole numbers
     (`7596999104`, not `7596999104.0`, also beside an empty cell or after a resume read it back as floats);
-    returns the frame (as the rows hold it)."""
+    returns the frame (as the rows hold it). `new`: the run's first write, never over an existing file."""
     frame = to_frame(rows)
-    write_csv_atomic(_whole_numbers(frame), path)
+    write_csv_atomic(_whole_numbers(frame), path, new)
     return frame
 
 
@@ -283,11 +288,13 @@ def table_frame(table: Table, rows: list[dict]) -> pd.DataFrame:
     return frame
 
 
-def write_table(table: Table, rows: list[dict], path: Path) -> pd.DataFrame:
+def write_table(table: Table, rows: list[dict], path: Path, new: bool = True) -> pd.DataFrame:
     """Rows of another declared table (predict, fit, the prediction check) as a CSV at `path`, atomically
-    (`table_frame`: its columns in order, of their kinds); returns the frame written."""
+    (`table_frame`: its columns in order, of their kinds); returns the frame written. `new` (the default: each
+    table goes to a file of its own run id): never over an existing file; False to rewrite the file this run
+    wrote before (a table written after each of its rows)."""
     frame = table_frame(table, rows)
-    write_csv_atomic(frame, path)
+    write_csv_atomic(frame, path, new)
     return frame
 
 
@@ -351,39 +358,70 @@ def read_results_file(path: Path | str, purpose: str, required: list[str] = RESU
         raise UsageError(f"{where}: not a membench results file (no column {missing[0]!r}{renamed})")
     if frame.empty:
         raise UsageError(f"{where}: the file has a header but no rows")
-    bad = _first_bad_cell(frame)
+    bad = _first_bad_cell(pd.read_csv(path, dtype=str))
     if bad:
-        row, column, value, kind = bad
-        raise UsageError(f"{where}: row {row} (line {row + 1}), column {column!r}: {value!r} is not "
-                         f"{_KIND_WORDS[kind]}; fix or empty the cell")
+        row, column, value, why = bad
+        raise UsageError(f"{where}: row {row} (line {row + 1}), column {column!r}: {value!r} {why}; fix or empty "
+                         "the cell")
     return frame
+
+
+def newer_schema_version(frame: pd.DataFrame, table: Table = RESULTS) -> int | None:
+    """The schema version of a file's rows where it is newer than this membench writes of `table` (its rows mean
+    what that newer membench says they mean), else None."""
+    versions = pd.to_numeric(frame.get("schema_version", pd.Series(dtype=float)), errors="coerce").dropna()
+    newest = versions.max() if len(versions) else None
+    return int(newest) if newest is not None and newest > table.version and newest < float("inf") else None
 
 
 _KIND_WORDS = {"int": "a whole number", "float": "a number", "bool": "True or False"}
 _BOOL_TEXT = {"true", "false", "1", "0", "1.0", "0.0", "yes", "no"}
 
 
-def _first_bad_cell(frame: pd.DataFrame) -> tuple[int, str, str, str] | None:
+def never_negative(column: str) -> bool:
+    """Whether `column` of the results table holds a figure that is never below 0: a size (`_bytes`), a time (`_ms`,
+    `_s`), a rate, a batch, a ratio to the baseline; not the harness's share of resident memory, which the process
+    at rest can exceed, nor the memory growth per step, which a step that frees can make negative."""
+    if column in SIGNED_COLUMNS or RESULTS.kinds.get(column) not in ("int", "float"):
+        return False
+    return (column.endswith(("_bytes", "_s")) or "_ms" in column
+            or column in ("batch_size", "samples_per_s", "mem_vs_baseline", "time_vs_baseline"))
+
+
+SIGNED_COLUMNS = ("harness_rss_bytes", "mem_growth_bytes_per_step")
+
+
+def _first_bad_cell(raw: pd.DataFrame) -> tuple[int, str, str, str] | None:
     """The first cell (by row, then column order) whose value is not of its declared column's kind -- text in a
-    number column, a fraction in a whole-number one, a word in a True/False one -- as (row number counted from 1
-    after the header, column, the cell's text, kind); None when every cell is of its kind. Empty cells are allowed
-    (a figure that does not apply), and columns the table does not declare (an older file's) are not checked."""
+    number column, a fraction in a whole-number one, a word in a True/False one, a number that overflows (`1e400`),
+    a negative size or time -- as (row number counted from 1 after the header, column, the cell's text as written,
+    what is wrong with it); None when every cell is right. `raw`: the file's cells as text, so that a value is
+    quoted as the user wrote it, not as a parser made it (`inf`). Empty cells are allowed (a figure that does not
+    apply), and columns the table does not declare (an older file's) are not checked."""
     worst = None
-    for column in frame.columns:
+    for column in raw.columns:
         kind = RESULTS.kinds.get(column)
         if kind not in _KIND_WORDS:
             continue
-        cells = frame[column]
+        cells = raw[column]
         present = cells.notna()
         if kind == "bool":
-            bad = present & ~cells.astype(str).str.strip().str.lower().isin(_BOOL_TEXT)
+            checks = [(present & ~cells.astype(str).str.strip().str.lower().isin(_BOOL_TEXT),
+                       f"is not {_KIND_WORDS[kind]}")]
         else:
             numbers = pd.to_numeric(cells, errors="coerce")
-            bad = present & numbers.isna()
+            finite = numbers.abs() < float("inf")
+            # `inf` as membench writes it (a relative difference to a baseline of 0) is a value; `1e400` is not
+            spelled_infinite = cells.astype(str).str.strip().str.lower().str.lstrip("+-").isin(("inf", "infinity"))
+            checks = [(present & numbers.isna(), f"is not {_KIND_WORDS[kind]}"),
+                      (numbers.notna() & ~finite & ~spelled_infinite, "overflows: it is not a finite number")]
             if kind == "int":
-                bad |= numbers.notna() & (numbers % 1 != 0)
-        if bad.any():
-            index = int(bad.to_numpy().argmax())
-            if worst is None or index < worst[0]:
-                worst = (index, column, str(cells.iloc[index]), kind)
+                checks.append((numbers.notna() & ((numbers % 1 != 0) | ~finite), f"is not {_KIND_WORDS[kind]}"))
+            if never_negative(column):
+                checks.append((finite & (numbers < 0), f"is negative, which a figure of {column!r} never is"))
+        for bad, why in checks:
+            if bad.any():
+                index = int(bad.to_numpy().argmax())
+                if worst is None or index < worst[0]:
+                    worst = (index, column, str(cells.iloc[index]), why)
     return None if worst is None else (worst[0] + 1, *worst[1:])

@@ -32,7 +32,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from bench.core.errors import UsageError
+from bench.core.job_environment import MMAP_THRESHOLD_OFF, MMAP_THRESHOLD_VARIABLE, size_variable
 
 RESIDENT_COLUMNS = ("process_peak_rss_bytes", "process_rest_rss_bytes", "harness_rss_bytes", "process_rss_method")
 # The goal the harness is held to (issue 31): resident <= GOAL_FACTOR x the counted peak + the process at rest.
@@ -40,7 +40,7 @@ GOAL_FACTOR = 1.3
 
 # Tensors of at least this many bytes are mmapped by glibc and unmapped when freed (see pin_mmap_threshold).
 MMAP_THRESHOLD_BYTES = 1 << 20
-THRESHOLD_VARIABLE = "MEMBENCH_MMAP_THRESHOLD"
+THRESHOLD_VARIABLE = MMAP_THRESHOLD_VARIABLE
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter number, from glibc's malloc.h
 
 _STATUS = "/proc/self/status"
@@ -114,15 +114,7 @@ def mmap_threshold_setting() -> int | None:
     glibc has read already and which pins it as well."""
     if os.environ.get("MALLOC_MMAP_THRESHOLD_"):
         return None
-    value = os.environ.get(THRESHOLD_VARIABLE, "").strip().lower()
-    if value in ("off", "0", "none", "default"):
-        return None
-    if not value:
-        return MMAP_THRESHOLD_BYTES
-    try:
-        return max(int(value), 0) or None
-    except ValueError:
-        raise UsageError(f"{THRESHOLD_VARIABLE}={value!r}: a number of bytes, or off") from None
+    return size_variable(THRESHOLD_VARIABLE, MMAP_THRESHOLD_BYTES, MMAP_THRESHOLD_OFF)  # -5 is refused, not `off`
 
 
 def pin_mmap_threshold() -> bool:

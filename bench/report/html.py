@@ -165,9 +165,11 @@ def _plan_json(folder: Path) -> list[dict[str, Any]]:
 def is_predict_csv(path: Path) -> bool:
     """True for a `predict` table (its `predicted_bytes` column), which the page draws on its own."""
     try:
-        return "predicted_bytes" in pd.read_csv(path, nrows=0).columns
+        columns = pd.read_csv(path, nrows=0).columns
     except Exception:  # noqa: BLE001 - an unreadable file is judged by the results reader, which says why
         return False
+    # an anchors table has predicted_bytes too: the results reader names it in one line (OTHER_TABLES)
+    return "predicted_bytes" in columns and "published_bytes" not in columns
 
 
 def _predict_rows(path: Path) -> list[dict[str, Any]]:
@@ -269,12 +271,15 @@ def report_data(csv_paths: list[Path]) -> dict[str, Any]:
 def build_html(csv_paths: list[Path], out_dir: Path, name: str = "REPORT.html") -> tuple[Path, list[str]]:
     """Writes the page `name` into `out_dir` from the results (or predict) CSVs and the snapshots, predictions and
     plans beside them; returns its path and the snapshot files skipped, with why. A UsageError where plotly is not
-    installed; a ValueError for a page over 20 MB."""
+    installed, or for a page over PAGE_LIMIT_BYTES (nothing is written then)."""
     plotly_js = plotly_bundle()
     data = report_data([Path(p) for p in csv_paths])
     page = render_html(data, plotly_js)
-    if len(page.encode()) > PAGE_LIMIT_BYTES:
-        raise ValueError(f"{name} would be {len(page.encode()):,} bytes, over the {PAGE_LIMIT_BYTES:,} limit")
+    size = len(page.encode())
+    if size > PAGE_LIMIT_BYTES:  # a browser slows to a crawl on such a page: one line, not a traceback
+        raise UsageError(f"--html: {name} would be {size:,} bytes, over the page's limit of {PAGE_LIMIT_BYTES:,}; "
+                         f"nothing was written: report fewer CSVs at once, or leave out --html (REPORT.md and the "
+                         "charts have no such limit)")
     path = Path(out_dir) / name
     write_text_atomic(path, page)
     return path, data["skipped"]

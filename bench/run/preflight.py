@@ -74,6 +74,15 @@ def parse_batch_sizes(text: str, option: str = "--batch-size") -> list[int]:
     return sizes
 
 
+def parse_batch_size(text, option: str = "--batch-size") -> int:
+    """The one batch size a command (or an argument of the Python API) takes: `parse_batch_sizes` of exactly one
+    size; a UsageError naming `option` for a list or a bad size (0 is no batch, never "the default")."""
+    sizes = parse_batch_sizes(text, option)
+    if len(sizes) != 1:
+        raise UsageError(f"{option}: bad batch size {text!r}; this command takes one batch size")
+    return sizes[0]
+
+
 def check_output_dir(path: Path | str, option: str) -> Path:
     """`path` as a folder we can write into (created if missing), absolute (a workload that changes the working
     directory does not move it); a UsageError naming `option` otherwise.
@@ -167,6 +176,39 @@ def check_ranks(ranks: int, device: str | None) -> None:
     if ranks > have:
         raise UsageError(f"--ranks {ranks:,} is more than the {have} {what}; give at most {have} (predict and plan "
                          "--ranks N answer for more without starting them)")
+
+
+def check_ranks_shard(ranks: int, strategies: Iterable, option: str = "--ranks") -> None:
+    """`--ranks N` (N > 1) where at least one of `strategies` (specs, or parsed strategies) shards the step over the
+    ranks; a UsageError otherwise. Without one, every case would be the step of the N ranks' whole batch on one
+    device: a figure of another question, given as the answer to this one."""
+    if ranks <= 1:
+        return
+    from strategies import STRATEGIES, parse_strategy
+
+    parsed = [s if hasattr(s, "distributed") else parse_strategy(s) for s in strategies]
+    if any(strategy.distributed for strategy in parsed):
+        return
+    sharded = [name for name in STRATEGIES.names() if STRATEGIES.get(name).distributed]
+    given = ", ".join(dict.fromkeys(strategy.spec() for strategy in parsed)) or "none"
+    raise UsageError(f"{option} {ranks}: none of the strategies ({given}) shards the step over ranks, so every case "
+                     f"would be one device's step of the {ranks} ranks' batch; add a sharded strategy ("
+                     f"{', '.join(sharded)}), or drop {option}")
+
+
+def check_seq_len_bounds(step: int, max_seq: int | None, model_max: int | None, workload: str) -> None:
+    """`--seq-step` and `--max-seq-len` of `--over seq_len` against each other and the longest sequence the model
+    takes (`model_max`, its max_position_embeddings; None where it says none): a UsageError naming the option. The
+    answer is a multiple of the step up to the longest, so a step past either would be answered with a length the
+    user excluded, or refused naming a length the search made up."""
+    if max_seq is not None and model_max is not None and max_seq > model_max:
+        raise UsageError(f"--max-seq-len {max_seq:,} is longer than {workload} takes: {model_max:,} tokens (its "
+                         f"max_position_embeddings); give at most {model_max:,}, or leave it out for that")
+    longest = max_seq or model_max
+    if longest is not None and step > longest:
+        which = f"--max-seq-len {max_seq:,}" if max_seq else f"{workload}'s {model_max:,} (max_position_embeddings)"
+        raise UsageError(f"--seq-step {step:,} is longer than the longest sequence, {which}: the answer is a "
+                         f"multiple of --seq-step; give a --seq-step of at most {longest:,}")
 
 
 def check_steps(value: int | None, option: str, minimum: int) -> None:

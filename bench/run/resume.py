@@ -22,7 +22,7 @@ from pathlib import Path
 import pandas as pd
 
 from bench.core.errors import UsageError
-from bench.core.results import CASE_KEY, SCHEMA_VERSION, Status, read_results_file
+from bench.core.results import CASE_KEY, SCHEMA_VERSION, Status, newer_schema_version, read_results_file
 from bench.run.isolation import RunOptions
 
 FINISHED = tuple(status.value for status in (Status.OK, Status.OOM, Status.UNSUPPORTED, Status.TIMEOUT))
@@ -67,17 +67,40 @@ def _same(stored, wanted) -> bool:
         return str(stored) == str(wanted)
 
 
+# what a run measures: a file's rows of one workload, device or data source that the resumed command does not ask
+# for mean the command is another run's (its rows would go into this one, under this run's id)
+SWEEP_AXES = {"workload": "--workload", "device": "--device", "data": "--data"}
+
+
+def _check_same_sweep(path: Path, frame: pd.DataFrame, cases: list) -> None:
+    """Each workload, device and data source of the file's rows is among those of `cases` (the resumed command
+    may reach ones the run had not yet: an interrupted sweep); a UsageError naming the first that is not."""
+    if not cases:
+        return
+    for column, option in SWEEP_AXES.items():
+        if column not in frame:
+            continue
+        asked = {str(getattr(case, column)) for case in cases}
+        stored = [str(v) for v in frame[column].dropna().unique()]
+        missing = [v for v in stored if v not in asked]
+        if missing:
+            raise UsageError(f"cannot resume {str(path)!r}: its run measured {column} {missing[0]!r}, which this "
+                             f"command does not ask for ({option} {', '.join(sorted(asked))}); resume with the run's "
+                             "own options, or start a new run (without --resume)")
+
+
 def load_resume(path: Path | str, cases: list, options: RunOptions) -> Resumed:
     """Reads the run at `path`, checks that `cases`/`options` are consistent with it, and splits off what is done."""
     path = Path(path)
     frame = read_results_file(path, "cannot resume")
-    versions = pd.to_numeric(frame.get("schema_version", pd.Series(dtype=float)), errors="coerce").dropna()
-    if len(versions) and versions.max() > SCHEMA_VERSION:  # its rows mean what a newer membench says they mean
+    newer = newer_schema_version(frame)
+    if newer is not None:  # its rows mean what a newer membench says they mean
         raise UsageError(f"cannot resume {str(path)!r}: it was written by a newer membench (schema_version "
-                         f"{int(versions.max())}; this one writes {SCHEMA_VERSION}); resume it with that version, "
-                         "or start a new run")
+                         f"{newer}; this one writes {SCHEMA_VERSION}); resume it with that version, or start a new "
+                         "run")
     run_ids = frame["run_id"].dropna().unique()
     run_id = str(run_ids[0]) if len(run_ids) else path.stem
+    _check_same_sweep(path, frame, cases)
     options = options.resolved()
     differences = []
     if cases:

@@ -333,7 +333,9 @@ def run_cases(cases: list[Case], out_path: Path | None = None,
         timeline.add({**row, "workload": case.workload, "data": case.data}, result.timeline)
         finished[index] = row
         if out_path is not None:
-            write_rows(list(previous_rows or []) + [finished[i] for i in sorted(finished)], out_path)
+            # a new run's first write creates its file, never over another run's (a resumed run rewrites its own)
+            write_rows(list(previous_rows or []) + [finished[i] for i in sorted(finished)], out_path,
+                       new=previous_rows is None and len(finished) == 1)
             timeline.write()
         if progress:
             progress(index, len(cases), case, row)
