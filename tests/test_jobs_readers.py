@@ -59,6 +59,13 @@ def test_torchtune_s_llama3_1_8b_lora_recipe_field_by_field():
     assert fates["loss._component_"] == "not modelled"  # CEWithChunkedOutputLoss's whole bf16 logits
 
 
+def test_a_shipped_torchtune_configuration_by_its_tune_run_name():
+    path = _torchtune_config("llama3_1/8B_lora_single_device.yaml")
+    assert derive_job("llama3_1/8B_lora_single_device").workload == derive_job(path).workload
+    with pytest.raises(UsageError, match="llama3_1/8B_nothing"):
+        derive_job("llama3_1/8B_nothing")
+
+
 def test_torchtune_qlora_and_component_overrides():
     path = _torchtune_config("llama3_1/8B_qlora_single_device.yaml")
     job = derive_job(path, ["optimizer=torchao.optim.AdamW8bit", "~optimizer.fused", "compile=True",

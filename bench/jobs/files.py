@@ -22,9 +22,28 @@ COMPONENT = "_component_"
 _INTERPOLATION = re.compile(r"\$\{([^}]+)\}")
 
 
+def shipped_config(name: str) -> Path | None:
+    """A configuration torchtune ships, by the name `tune run --config` takes (`llama3_1/8B_lora_single_device`, with
+    or without `.yaml`), where torchtune is installed; None otherwise."""
+    import importlib.metadata
+
+    try:
+        distribution = importlib.metadata.distribution("torchtune")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for candidate in (name, f"{name}.yaml"):
+        path = Path(distribution.locate_file(f"recipes/configs/{candidate}"))
+        if path.is_file():
+            return path
+    return None
+
+
 def load_file(path: str | Path) -> dict[str, Any]:
-    """The mapping a YAML or JSON configuration file holds; a UsageError naming the file otherwise."""
+    """The mapping a YAML or JSON configuration file holds (a name of torchtune's shipped configurations where no
+    such file exists: `llama3_1/8B_lora_single_device`); a UsageError naming the file otherwise."""
     path = Path(path)
+    if not path.exists():
+        path = shipped_config(str(path)) or path
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as error:
