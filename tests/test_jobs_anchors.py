@@ -68,7 +68,7 @@ def test_the_anchor_s_configuration_derives_its_case(anchor, reference):
     assert not [use for use in job.keys if use.fate not in ("used", "ignored", "not modelled")]
 
 
-def test_every_torchtune_and_transformers_anchor_has_its_configuration():
+def test_every_anchor_of_the_three_sources_has_its_configuration():
     names = {param.id for param in _referenced_anchors()}
     anchors = {a.name for s in SOURCES for a in load_file(ANCHOR_DIR / f"{s}.yaml")}
     assert names == anchors
