@@ -202,3 +202,22 @@ def test_strategies_beside_a_configuration_are_refused(tmp_path, capsys):
     code = main(["predict", "--config", str(FIXTURES / "trainer_lora.json"), "--strategies", "amp", "--device", "cpu",
                  "--out", str(tmp_path)])
     assert code == 2 and "--strategies with --config" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # a plan and a fit on the CPU: about 18 s on 2 cores
+def test_plan_and_fit_with_a_configuration_record_it(tmp_path, capsys):
+    config = [str(FIXTURES / "trainer_lora.json"), "max_length=32", "dtype=float32", "bf16=false",
+              "gradient_accumulation_steps=1"]
+    assert main(["plan", "--config", *config, "--workload", "hf:tiny-llama", "--budget", "1GiB",
+                 "--max-candidates", "1", "--jobs", "1", "--out", str(tmp_path / "plan")]) == 0
+    assert main(["fit", "--config", *config, "--workload", "hf:tiny-llama", "--budget", "64MiB", "--max-batch", "4",
+                 "--time-steps", "0", "--jobs", "1", "--out", str(tmp_path / "fit")]) == 0
+    out = capsys.readouterr().out
+    assert out.count("from trainer:") == 2  # each command printed the case it derived
+    recorded = " ".join(config[1:])
+    plan_rows = next((tmp_path / "plan").glob("plan-*.csv")).read_text().splitlines()
+    assert plan_rows[0].endswith(",config") and plan_rows[1].endswith(recorded)
+    assert "hf:tiny-llama:seq_len=32:loss=model" in plan_rows[1]
+    fit_rows = next((tmp_path / "fit").glob("fit-*.csv")).read_text().splitlines()
+    assert [row.endswith(recorded) for row in fit_rows[1:]] == [True, True]  # the baseline and the configuration's
+    assert "lora:r=16:alpha=32:targets=q_proj/v_proj+checkpoint:segments=all+optimizer:impl=fused" in fit_rows[2]

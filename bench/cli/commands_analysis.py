@@ -19,7 +19,7 @@ from bench.cli.analysis_console import (format_explain, format_fit, format_fit_s
 from bench.cli.arguments import (DEFAULT_WORKLOAD, EXECUTORS, analysis_device, batch_option_name,
                                  csv_list, one_batch_size, size_option, step_batch_text, step_batches)
 from bench.cli.commands_run import apply_memory_limit
-from bench.cli.config_option import derived_job
+from bench.cli.config_option import derived_job, with_config
 from bench.cli.console import status
 from bench.core import gpus
 from bench.core.errors import Unsupported, UsageError
@@ -151,8 +151,7 @@ def cmd_predict(args) -> int:
     snapshots = writable_snapshot_folder(path) if args.snapshot else None
     rows = predict.predict_cases(cases, engine, args.ranks, compute_capability, on_case=progress,
                                  snapshot_dir=None if snapshots is None else str(snapshots))
-    for row in rows if job is not None else ():
-        row["config"] = job.config_text  # the configuration the case was derived from, beside the spec it ran
+    with_config(rows, args)  # the configuration the case was derived from, beside the spec it ran
     print(f"predicted peak memory on {device}" + (" (torch.cuda.max_memory_allocated and max_memory_reserved)"
                                                   if device == "cuda" else " (exact live tensor bytes)"))
     if args.ranks > 1:
@@ -263,7 +262,7 @@ def cmd_fit(args) -> int:
           f"phase {phase}")
     print(format_fit(results, args.time_steps))
     path = out / f"fit-{new_run_id(device)}.csv"
-    write_table(FIT, fitting.fit_rows(results), path)
+    write_table(FIT, with_config(fitting.fit_rows(results), args), path)
     print(f"\nwrote {path}")
     return 0
 
@@ -288,7 +287,7 @@ def _fit_over_seq_len(args, gpu, device: str, budget: int, workload: str, data: 
           "predicted, not run")
     print(format_fit_seq_len(results))
     path = out / f"fit-{new_run_id(device)}.csv"
-    write_table(FIT, fitting.fit_rows(results), path)
+    write_table(FIT, with_config(fitting.fit_rows(results), args), path)
     print(f"\nwrote {path}")
     if not any(r.seq_len for r in results):
         print(f"error: no strategy fits even {args.seq_step} tokens; the note column of {path} says why",

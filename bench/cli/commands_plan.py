@@ -16,7 +16,7 @@ from bench.cli.analysis_console import batch_words, compare_command, mib_or_dash
 from bench.cli.commands_analysis import _batch_size_text, _workload_and_data, executor_options, uses_threads
 from bench.cli.commands_plan_context import check_over_seq_len, plan_context_command
 from bench.cli.commands_plan_ranks import plan_ranks_command
-from bench.cli.config_option import derived_job
+from bench.cli.config_option import derived_job, with_config
 from bench.cli.console import status
 from bench.core import gpus
 from bench.core.errors import UsageError
@@ -117,7 +117,7 @@ def cmd_plan(args) -> int:
     interrupt.set_note("interrupted: nothing was written (plan writes its table when the search is done)")
     started, cpu_started = time.monotonic(), _cpu_seconds()
     searched, note = plan_search.search_where_cuda_runs(request, status, executor, address)
-    rows = searched.rows
+    rows = with_config(searched.rows, args)
     searched_s, cpu_s = time.monotonic() - started, _cpu_seconds() - cpu_started
     answer = plan.decide(rows, request.allow_different)
     run_id = new_run_id(request.device)

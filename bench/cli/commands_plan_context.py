@@ -7,6 +7,7 @@ from bench.analysis import fit, fit_context, plan, plan_context
 from bench.cli import interrupt
 from bench.cli.analysis_console import format_fit_seq_len
 from bench.cli.commands_analysis import _workload_and_data
+from bench.cli.config_option import with_config
 from bench.cli.console import status
 from bench.core.errors import UsageError
 from bench.core.results import FIT, new_run_id, write_table
@@ -33,7 +34,7 @@ def plan_context_command(args, request: plan.PlanRequest, how: str, executor: st
     found = plan_context.longest_plan(request, args.seq_step, args.max_seq_len, status, request.jobs, executor,
                                       address)
     path = out / f"fit-{new_run_id(request.device)}.csv"
-    write_table(FIT, fit.fit_rows(found.results), path)
+    write_table(FIT, with_config(fit.fit_rows(found.results), args), path)
     print(f"longest sequence (a multiple of {args.seq_step} tokens) at batch {request.batch_size} on "
           f"{request.target}, training; predicted, not run")
     print(f"  limit {format_size(request.limit_bytes)} ({request.limit_bytes:,} B): {how}")

@@ -7,6 +7,7 @@ import time
 from bench.analysis import plan, plan_ranks
 from bench.cli import interrupt
 from bench.cli.analysis_console import compare_command, mib_or_dash, ms_or_dash
+from bench.cli.config_option import with_config
 from bench.cli.console import status
 from bench.core.results import PLAN, new_run_id, write_table
 from bench.core.units import format_size
@@ -24,7 +25,7 @@ def plan_ranks_command(args, request: plan.PlanRequest, how: str, executor: str 
 
     def write_so_far(counts: list, last: plan_ranks.RankCount) -> None:
         """The CSV rewritten (atomically) after each rank count: an interrupted search keeps the counts it finished."""
-        write_table(PLAN, [row for count in counts for row in count.searched.rows], csv_path)
+        write_table(PLAN, with_config([row for count in counts for row in count.searched.rows], args), csv_path)
         status(f"plan on {last.ranks} rank{'s' if last.ranks > 1 else ''}: {last.searched.tried} candidates, "
                + (f"answer {last.answer['strategy']}" if last.answer else "none fits")
                + (f", the smallest {mib_or_dash(last.smallest['judged_bytes'])} MiB with {last.smallest['strategy']}"

@@ -17,6 +17,13 @@ def add_config_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", nargs="+", default=None, metavar=("FILE", "KEY=VALUE"), help=CONFIG_HELP)
 
 
+def with_config(rows: list[dict], args) -> list[dict]:
+    """`rows` with the configuration they were derived from in their `config` column (--config), as written."""
+    for row in rows:
+        row["config"] = getattr(args, "config_text", None)
+    return rows
+
+
 def derived_job(args, command: str):
     """The DerivedJob of --config (None without it), the options given beside it applied, and the lines that say
     so printed with the derived case; `args` gains the derived workload, strategy, batch and phases."""
@@ -46,6 +53,7 @@ def derived_job(args, command: str):
     print()
     if job.ranks and hasattr(args, "ranks") and args.ranks == 1:
         args.ranks = job.ranks  # the configuration's processes, where --ranks does not say otherwise
+    args.config_text = job.config_text  # recorded in the rows (with_config)
     args.workload = job.workload
     args.batch_size = str(job.batch_size)
     if command != "plan":

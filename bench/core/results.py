@@ -161,19 +161,21 @@ PREDICT = Table("predict", PREDICT_SCHEMA_VERSION, [
 # `python -m bench fit`: one row per strategy (bench.analysis.fit.fit_rows, the fields of FitResult)
 # 1: the columns of the first undeclared files, and schema_version
 # 2: the axis searched (`over`: batch or seq_len) and the columns of the sequence-length search
-FIT_SCHEMA_VERSION = 2
+# 3: `config`, the trainer configuration the strategy was derived from (`fit --config`), last
+FIT_SCHEMA_VERSION = 3
 FIT = Table("fit", FIT_SCHEMA_VERSION, [
     *columns("int", "schema_version"),
     *columns("text", "strategy phase device"), *columns("int", "budget_bytes batch_size peak_bytes"),
     *columns("bool", "verified"), *columns("int", "next_batch_peak_bytes"), *columns("text", "next_batch_method"),
     *columns("float", "time_per_sample_ms"), *columns("text", "note"), *columns("int", "runs"),
     *columns("text", "over"), *columns("int", "seq_len seq_len_step judged_bytes next_judged_bytes"),
-    *columns("text", "peak_by monotonic_check"),
+    *columns("text", "peak_by monotonic_check config"),
 ])
 
 # `python -m bench plan`: one row per candidate combination of techniques (bench.analysis.plan)
 # 1: the first plan files
-PLAN_SCHEMA_VERSION = 1
+# 2: `config`, the trainer configuration the case was derived from (`plan --config`), last
+PLAN_SCHEMA_VERSION = 2
 PLAN = Table("plan", PLAN_SCHEMA_VERSION, [
     *columns("int", "schema_version"),
     *columns("text", "workload"), *columns("int", "batch_size ranks"), *columns("text", "device target strategy"),
@@ -187,7 +189,7 @@ PLAN = Table("plan", PLAN_SCHEMA_VERSION, [
     *columns("text", "differs_by_design"), *columns("bool", "eligible on_front answer"),
     # --confirm / --confirm-front: the harness's measurement (bench.run.runner) of the candidate
     *columns("int", "measured_peak_bytes"), *columns("float", "measured_step_time_ms peak_error_pct"),
-    *columns("bool", "matches_baseline"),
+    *columns("bool", "matches_baseline"), *columns("text", "config"),
 ])
 
 # every table membench writes, by name (a test checks results/README.md documents each column and version)
