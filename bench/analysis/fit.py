@@ -52,6 +52,7 @@ class FitResult:
     next_judged_bytes: int | None = None
     peak_by: str = ""  # what makes up the peak: the largest category, the attention kernel, the recompute plan
     monotonic_check: str = ""  # where the search's assumption (the peak never falls as it grows) was checked
+    config: str | None = None  # `fit --config`: the trainer configuration the strategy was derived from (bench.jobs)
 
 
 def measured_peak(case, strategy) -> int:
