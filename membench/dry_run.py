@@ -6,12 +6,12 @@ Example:
     >>> trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset)  # doctest: +SKIP
     >>> print(membench.dry_run(trainer, gpu="RTX 4090"))  # doctest: +SKIP
     Trainer's step on RTX 4090: does not fit (judged 31,204.0 MiB of 23,552.0) ...
-      cheapest change that fits: gradient_checkpointing=True (judged 17,112.4 MiB, est. 2,315.0 ms a step)
+      cheapest change that fits: activation_checkpointing=True (judged 17,112.4 MiB, est. 2,315.0 ms a step)
 
 Limitations: the batch is the longest `per_device_train_batch_size` examples of `trainer.train_dataset` put
 through `trainer.data_collator` (an iterable dataset: its first examples, said); its rows run full length, without
 an attention mask over padding (the shape padding gives, not what padding masks). The changes tried are the
-Trainer's own memory levers (`gradient_checkpointing`, a smaller `per_device_train_batch_size` with more
+Trainer's own memory levers (`activation_checkpointing`, a smaller `per_device_train_batch_size` with more
 `gradient_accumulation_steps`, an 8-bit AdamW), singly, then in pairs, then all three; the model and the data are
 not changed. Nothing full-size is allocated: every candidate is predicted on fake tensors, as `plan` predicts.
 """
@@ -157,8 +157,11 @@ def longest_batch(trainer) -> tuple[tuple[int, int], list[str]]:
 def trainer_changes(args) -> list[TrainerChange]:
     """The Trainer's own memory levers that `args` does not already pull."""
     changes = []
-    if not args.gradient_checkpointing:
-        changes.append(TrainerChange("gradient_checkpointing=True", {"gradient_checkpointing": True}, True))
+    # transformers 5 renamed the argument activation_checkpointing (gradient_checkpointing is its deprecated alias,
+    # which dataclasses.replace does not carry over): the name the installed Trainer reads
+    name = "activation_checkpointing" if hasattr(args, "activation_checkpointing") else "gradient_checkpointing"
+    if not getattr(args, name, False) and not getattr(args, "gradient_checkpointing", False):
+        changes.append(TrainerChange(f"{name}=True", {name: True}, True))
     rows, steps = args.per_device_train_batch_size, args.gradient_accumulation_steps
     factor = 2
     while rows % factor == 0 and rows // factor >= 1:

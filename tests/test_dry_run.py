@@ -71,12 +71,12 @@ def test_nothing_fits_says_what_was_tried(tmp_path):
     trainer = tiny_trainer(tmp_path, per_device_train_batch_size=1, optim="adafactor")  # one lever left to pull
     result = membench.dry_run(trainer, budget=1024)
     assert not result.fits and result.change is None
-    assert [[c.text for c in combo] for combo, _ in result.tried] == [["gradient_checkpointing=True"]]
+    assert [[c.text for c in combo] for combo, _ in result.tried] == [["activation_checkpointing=True"]]
     assert "no change tried fits" in str(result)
 
 
 def test_the_changes_are_the_trainers_own_levers():
-    class Args:
+    class Args:  # transformers before 5
         gradient_checkpointing, per_device_train_batch_size, gradient_accumulation_steps, optim = False, 4, 2, "adamw_torch"
 
     texts = [change.text for change in trainer_changes(Args())]
@@ -90,6 +90,19 @@ def test_the_changes_are_the_trainers_own_levers():
     Args.gradient_checkpointing, Args.optim, Args.per_device_train_batch_size = True, "paged_adamw_8bit", 1
     assert trainer_changes(Args()) == []
     assert TrainerChange("x", {}, True).keeps_result
+
+
+def test_checkpointing_is_suggested_under_the_name_the_installed_trainer_reads(tmp_path):
+    """transformers 5's argument is activation_checkpointing (gradient_checkpointing its deprecated alias, which
+    dataclasses.replace drops): the suggestion must reach the derived case as checkpointing."""
+    from membench.dry_run import _job_at, longest_batch, trainer_objects
+
+    trainer = tiny_trainer(tmp_path)
+    (change,) = [c for c in trainer_changes(trainer.args) if "checkpointing" in c.text]
+    objects = trainer_objects(trainer)
+    shape, _ = longest_batch(trainer)
+    assert "checkpoint:segments=all" in _job_at(objects, shape, change.fields).strategy
+    assert "checkpoint" not in _job_at(objects, shape, {}).strategy
 
 
 def test_a_trainer_without_data_or_target_is_one_input_error(tmp_path):
