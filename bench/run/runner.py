@@ -276,10 +276,14 @@ def local_executor(cases: list[Case], options: RunOptions,
 class StepTimeline:
     """Live bytes after each operator of one training step per case, kept in `<run>.timeline.csv` beside the results.
 
-    The chart of memory over a step is drawn from this file. A resumed run keeps the points already on disk.
+    The chart of memory over a step is drawn from this file. A resumed run keeps the points already on disk; a case
+    added again (run again after its results row was not written: a full disk) replaces its earlier points.
+    `run_cases` writes this file before the results CSV: the CSV is what `--resume` trusts as finished, so a case
+    whose points could not be written is not in it either, and runs again.
     """
 
     COLUMNS = ["workload", "strategy", "phase", "device", "batch_size", "data", "index", "stage", "op", "live_bytes"]
+    CASE_COLUMNS = ("workload", "strategy", "phase", "device", "batch_size", "data")
 
     def __init__(self, results_path: Path | None):
         self.path = None if results_path is None else Path(results_path).with_suffix(".timeline.csv")
@@ -293,10 +297,17 @@ class StepTimeline:
         if not points:
             return
         frame = pd.DataFrame(points)
-        for key in ("workload", "strategy", "phase", "device", "batch_size", "data"):
+        for key in self.CASE_COLUMNS:
             frame[key] = row[key]
+        same = tuple(str(row[key]) for key in self.CASE_COLUMNS)
+        self.frames = [kept for kept in (self._without(earlier, same) for earlier in self.frames) if len(kept)]
         self.frames.append(frame[self.COLUMNS])
         self.changed = True
+
+    def _without(self, frame: pd.DataFrame, case: tuple) -> pd.DataFrame:
+        """`frame` without the points of `case` (its CASE_COLUMNS values as text, as a file read back holds them)."""
+        keys = frame[list(self.CASE_COLUMNS)].astype(str).itertuples(index=False, name=None)
+        return frame[[key != case for key in keys]]
 
     def write(self) -> None:
         if self.path is not None and self.changed:
@@ -333,10 +344,10 @@ def run_cases(cases: list[Case], out_path: Path | None = None,
         timeline.add({**row, "workload": case.workload, "data": case.data}, result.timeline)
         finished[index] = row
         if out_path is not None:
+            timeline.write()  # first: a case is finished (for --resume) once its row is in the CSV, its points too
             # a new run's first write creates its file, never over another run's (a resumed run rewrites its own)
             write_rows(list(previous_rows or []) + [finished[i] for i in sorted(finished)], out_path,
                        new=previous_rows is None and len(finished) == 1)
-            timeline.write()
         if progress:
             progress(index, len(cases), case, row)
     return list(previous_rows or []) + [finished[i] for i in sorted(finished)]
