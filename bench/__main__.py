@@ -2,12 +2,21 @@
 
 import sys
 
-from bench.core.processes import stop_on_signals
+from bench.core.processes import exit_status, stop_on_signals, stopped_by
 
 # SIGTERM (timeout, a scheduler, a container stop) and SIGHUP stop a command as Ctrl-C does: its worker processes are
 # ended and its temporary files and folders removed, then it exits 143 / 129 (bench.core.processes)
 stop_on_signals()
 
-from bench.cli.main import main  # noqa: E402 - the signals are ours before the import's seconds
+from bench.cli import interrupt  # noqa: E402 - the signals are ours before the imports' seconds
+from bench.cli.main import main  # noqa: E402
 
-sys.exit(main())
+try:
+    status = main()
+except Exception as error:
+    stopped = stopped_by(error)  # a cleanup that failed while a signal stopped the command: still that signal's stop
+    if stopped is None:
+        raise
+    print(f"\n{interrupt.note()}", file=sys.stderr)
+    status = exit_status(stopped)
+sys.exit(status)

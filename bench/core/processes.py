@@ -3,12 +3,16 @@ with their parent.
 
 SIGINT raises KeyboardInterrupt in Python; SIGTERM (what `timeout`, a scheduler's time limit and a container stop
 send) and SIGHUP (a closed terminal) end the process at once by default, so no `finally` runs: worker processes go
-on without their parent and temporary files and folders stay. `stop_on_signals()` makes the three alike: the first
-raises an exception in the main thread (KeyboardInterrupt for SIGINT, `Terminated` for the others), so every
-`with` block unwinds (worker pools ended, temporary folders removed, atomic writes' temporaries deleted); later ones
-are ignored while that cleanup runs. A child started with `run_child` (or `die_with_parent` in its first line) gets
-SIGTERM from Linux when its parent ends, however it ends (SIGKILL included), and is sent SIGTERM, then SIGKILL after
-a grace period, when its parent stops waiting for it because of an exception (`end_children`).
+on without their parent and temporary files and folders stay. `stop_on_signals()` makes the three alike. The first
+raises an exception in the main thread (KeyboardInterrupt for SIGINT, `Terminated` for the others), so every `with`
+block unwinds (worker pools ended, temporary folders removed, atomic writes' temporaries deleted), and sends SIGTERM
+to each child `popen` started that still runs (also one that another thread waits on). Later ones are ignored while
+that cleanup runs; a stop that Python swallowed (raised in an at-fork callback) is raised again, and a process still
+running STOP_LIMIT_S after the first signal is ended there.
+
+A child started with `popen` or `run_child` gets SIGTERM from Linux when its parent ends, however it ends (SIGKILL
+included), and is sent SIGTERM, then SIGKILL after a grace period, when its parent stops waiting for it because of
+an exception (`end_children`).
 
 Example:
     stop_on_signals()                      # first thing in a process's entry point
@@ -23,13 +27,19 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+import weakref
 from typing import Any, Callable, Iterator
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 TERMINATING = (signal.SIGTERM, signal.SIGHUP)
 STOPPING = (signal.SIGINT, *TERMINATING)
 GRACE_S = 10.0  # how long a child that was asked to stop may clean up before it is killed
+# how long a stopping process may take to end: an exception raised into code with a bare `except:` (a library's
+# import) is swallowed and the process would run on, deaf to the signals that follow; it is ended then
+STOP_LIMIT_S = 3 * GRACE_S
+RAISE_AGAIN_S = 0.1  # a stop that Python swallowed is raised again this long after, once the callback has returned
 
 
 class Terminated(KeyboardInterrupt):
@@ -47,24 +57,82 @@ def exit_status(error: KeyboardInterrupt) -> int:
     return 128 + (error.signum if isinstance(error, Terminated) else signal.SIGINT)
 
 
-_stopping: dict[str, int | None] = {"signal": None}
+def stopped_by(error: BaseException) -> KeyboardInterrupt | None:
+    """The interrupt behind `error`, if it was raised while one unwound (a cleanup that failed: an import the signal
+    had cut half-way, imported again); None for an error of its own."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, KeyboardInterrupt):
+            return error
+        seen.add(id(error))
+        error = error.__context__
+    return None
+
+
+# the signal being handled (None: none yet), and whether the deadline of STOP_LIMIT_S is set
+_stopping: dict[str, Any] = {"signal": None, "deadline": False}
+
+
+# the children `popen` started that may still run: told to stop with their parent, also those another thread waits on
+_children: "weakref.WeakSet[subprocess.Popen]" = weakref.WeakSet()
 
 
 def _stop(signum: int, frame: Any) -> None:
     if _stopping["signal"] is not None:
         return  # the cleanup of the first signal is under way: it ends the process
     _stopping["signal"] = signum
+    for child in list(_children):  # a signal sent to this process alone (kill PID, a container stop) reaches them
+        with contextlib.suppress(OSError):
+            child.send_signal(signal.SIGTERM)
+    if not _stopping["deadline"]:
+        _stopping["deadline"] = True
+        deadline = threading.Timer(STOP_LIMIT_S, _end_now, (signum,))
+        deadline.daemon = True  # a process that ends in time does not wait for it
+        deadline.start()
     raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(signum)
+
+
+def _raised_again(unraisable: Any) -> None:
+    """sys.unraisablehook: a stop raised where Python only prints an exception and goes on (an at-fork callback of a
+    pool's fork, a `__del__`) is raised again in the main thread a moment later (not in this hook, where it would be
+    swallowed again), instead of being lost."""
+    signum = _stopping["signal"]
+    if isinstance(unraisable.exc_value, KeyboardInterrupt) and signum is not None:
+        _stopping["signal"] = None  # `_stop` raises it again
+        # the signal itself, to the main thread: a wait there (sleep, a lock, a pipe) is interrupted as by the first
+        again = threading.Timer(RAISE_AGAIN_S, signal.pthread_kill, (threading.main_thread().ident, signum))
+        again.daemon = True
+        again.start()
+        return
+    _hooks["unraisable"](unraisable)
+
+
+_hooks: dict[str, Any] = {"unraisable": sys.unraisablehook}
+
+
+def _end_now(signum: int) -> None:
+    """The process did not end within STOP_LIMIT_S of the signal: its children killed, it exits 128 + signum."""
+    for child in list(_children):
+        with contextlib.suppress(OSError):
+            child.kill()
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.write(f"\nstopping took over {STOP_LIMIT_S:g} s after {signal.Signals(signum).name} (its exception "
+                         "was caught somewhere): ended now\n")
+        sys.stderr.flush()
+    os._exit(128 + signum)
 
 
 def stop_on_signals() -> None:
     """SIGINT, SIGTERM and SIGHUP raise KeyboardInterrupt / `Terminated` in the main thread, once (see above). A
     signal this process ignores (SIGHUP under nohup) stays ignored. Only in the main thread of a process's entry
     point: a library must not take over its host's signals."""
-    _stopping["signal"] = None
+    _stopping.update(signal=None, deadline=False)
     for signum in STOPPING:
         if signal.getsignal(signum) is not signal.SIG_IGN:
             signal.signal(signum, _stop)
+    if sys.unraisablehook is not _raised_again:
+        _hooks["unraisable"] = sys.unraisablehook
+        sys.unraisablehook = _raised_again
 
 
 def default_signals() -> None:
@@ -110,7 +178,9 @@ def _child_setup(parent_pid: int, then: Callable[[], None] | None) -> Callable[[
 def popen(args, preexec_fn: Callable[[], None] | None = None, **kwargs) -> subprocess.Popen:
     """`subprocess.Popen(args, **kwargs)` whose child gets SIGTERM when this process ends (`die_with_parent`, before
     the `preexec_fn` given, if any). Linux's parent is the calling thread: call it from one that outlives the child."""
-    return subprocess.Popen(args, preexec_fn=_child_setup(os.getpid(), preexec_fn), **kwargs)
+    child = subprocess.Popen(args, preexec_fn=_child_setup(os.getpid(), preexec_fn), **kwargs)
+    _children.add(child)
+    return child
 
 
 def end_children(children: list[subprocess.Popen], grace_s: float = GRACE_S) -> None:
