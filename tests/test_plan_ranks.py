@@ -185,3 +185,12 @@ def test_a_peak_that_grows_with_the_ranks_is_named(monkeypatch):
     counts = plan_ranks.fewest_ranks(dataclasses.replace(_request(800), batch_size=4), max_ranks=4)
     check = plan_ranks.monotonic_check(counts)
     assert check.startswith("VIOLATED: ") and "fsdp 1 -> 2 ranks grew by 300 B" in check
+
+
+def test_max_ranks_beyond_what_plan_searches_is_one_line_naming_the_range():
+    """`--max-ranks 10000` searched rank counts for hours (a ZeRO-1 prediction traces each rank): refused at once."""
+    from cli_helpers import cli, one_line_exit_2
+
+    done = cli("plan", "--device", "cpu", "--budget", "1KiB", "--max-ranks", "10000", "--workload",
+               "deep_mlp:layers=4:width=8", "--batch-size", "2", "--out", "/nonexistent/never-made", timeout=120)
+    one_line_exit_2(done, "--max-ranks 10,000", "1 to 1,024")

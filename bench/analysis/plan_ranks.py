@@ -27,11 +27,18 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from bench.analysis import plan, plan_search, pools
+from bench.core.errors import UsageError
 from bench.core.results import Status
 from bench.core.schema import Row
 
 
 SCANNED_GAP = 3  # counts between a count without an answer and one with: at most this many are all tried
+# The most ranks `--max-ranks` searches up to. Each count is a search of its own, and where no count fits (a rank's
+# batch over the limit on any number of GPUs) all of 1, 2, 4, ... up to the maximum are searched; a ZeRO-1
+# candidate's prediction traces each of its ranks (its ranks hold different parameter partitions), so its time grows
+# with the count: 128 ranks of a 4-layer MLP took 38 s on this 2-core machine, 10,000 would take about 50 minutes a
+# candidate (the candidate in flight is not stopped by --max-search-s).
+MAX_SEARCHED_RANKS = 1024
 
 
 @dataclass
@@ -45,6 +52,14 @@ class RankCount:
     note: str = ""
 
 
+def check_max_ranks(max_ranks: int) -> None:
+    """`--max-ranks` up to MAX_SEARCHED_RANKS, or a UsageError naming the range (before anything is searched)."""
+    if max_ranks > MAX_SEARCHED_RANKS:
+        raise UsageError(f"--max-ranks {max_ranks:,} is more than plan searches: give 1 to {MAX_SEARCHED_RANKS:,} "
+                         "(each rank count is a search of its own, and a ZeRO-1 candidate's prediction traces each of "
+                         "its ranks, so the search would run for hours)")
+
+
 def rank_counts(max_ranks: int, request: plan.PlanRequest) -> list[int]:
     """The rank counts that may be tried, in order: 1 to `max_ranks`, no more than a fixed global batch's samples."""
     return list(range(1, request.most_ranks(max_ranks) + 1))
@@ -56,7 +71,8 @@ def fewest_ranks(request: plan.PlanRequest, max_ranks: int, progress: Callable[[
     """Each rank count's search, in the order above (doubling from one rank to the first count with an answer, then
     halving the gap below it down to SCANNED_GAP counts, which are tried fewest first), its candidates evaluated by
     `executor` (`plan_search.search`); the counts tried, by rank count. `on_count(counts, latest)` is called after
-    each (the counts so far, by rank count, and the one just searched)."""
+    each (the counts so far, by rank count, and the one just searched). `max_ranks` is at most MAX_SEARCHED_RANKS."""
+    check_max_ranks(max_ranks)
     tried: dict[int, RankCount] = {}
     known: list[Row] = []
 

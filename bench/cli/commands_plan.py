@@ -8,7 +8,7 @@ import math
 import os
 import time
 
-from bench.analysis import plan, plan_candidates, plan_cost, plan_search
+from bench.analysis import plan, plan_candidates, plan_cost, plan_ranks, plan_search
 from bench.analysis.fake_engine import has_gpu
 from bench.cli import interrupt
 from bench.cli.arguments import analysis_device, batch_option_name, one_batch_size, size_option, step_batch_text
@@ -40,6 +40,7 @@ def _request(args) -> tuple[plan.PlanRequest, str]:
                           "--ranks" if args.max_ranks is None else "--max-ranks")
     if args.max_ranks is not None:
         check_ranks(args.max_ranks, None)
+        plan_ranks.check_max_ranks(args.max_ranks)
         if args.ranks > 1:
             raise UsageError(f"give --ranks {args.ranks} (a plan for that many) or --max-ranks {args.max_ranks} (the "
                              "fewest GPUs), not both")

@@ -19,6 +19,7 @@ def plan_ranks_command(args, request: plan.PlanRequest, how: str, executor: str 
                        address: str | None = None) -> int:
     """Each rank count's search from one up, the answer (the fewest ranks and its plan), the CSV of every candidate;
     exit 1 when no rank count up to --max-ranks has a plan that fits."""
+    plan_ranks.check_max_ranks(args.max_ranks)  # before the output folder is made
     out = check_output_dir(args.out, "--out")
     started = time.monotonic()
     csv_path = out / f"plan-{new_run_id(request.device)}.csv"
