@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, NamedTuple
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-from torch.utils.weak import WeakIdKeyDictionary
 
 from bench.core import memory_categories
 from bench.measure.dispatch_modes import CompiledCodeMode
@@ -44,12 +43,12 @@ class _StorageInfo:
     key: int = 0  # the storage's number in `events` (0 while resized to no bytes)
 
 
-@dataclass(frozen=True)
-class MemoryEvent:
+class MemoryEvent(NamedTuple):
     """One entry of the tracker's event log: a storage allocated or freed, an operator run, or the peak reset.
 
     `kind` is "alloc" (`nbytes` the storage's exact bytes), "free", "op" (`op` its name) or "reset"; `key` numbers
-    the storage (an alloc and its free share it); `stage` is the tracker's stage when it happened.
+    the storage (an alloc and its free share it); `stage` is the tracker's stage when it happened. A named tuple,
+    immutable: a full-size step logs hundreds of thousands, and a frozen dataclass took several times as long to make.
     """
 
     kind: str
@@ -108,7 +107,7 @@ class LiveTensorTracker(CompiledCodeMode):
         self.block_bytes = block_bytes
         self.record_timeline = record_timeline
         self.stage = "setup"
-        self._storages: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._storages = _StorageTable()
         # the weak reference that tells of each live storage's release (a callback runs only while its reference
         # lives), by id; each one drops itself when it has told, so a pass's bookkeeping is its live storages'
         self._refs: dict[int, weakref.ref] = {}
@@ -200,34 +199,42 @@ class LiveTensorTracker(CompiledCodeMode):
         self._register(t, self._category_of_output(t) if self._allocating else self.stage)
 
     def _register(self, t: torch.Tensor, category: str) -> None:
-        # a DTensor (FSDP's sharded parameters): this rank's shard is what lives here
-        t = getattr(t, "_local_tensor", t)
-        if is_traceable_wrapper_subclass(t):
-            # a wrapper (torchao's 8-bit optimizer state: uint8 codes and float32 scales behind a float32 face)
-            # holds no data of its own: its storage reports the face's bytes; the tensors inside are what lives
-            for inner in _inner_tensors(t):
-                self._register(inner, category)
-            return
-        # a fake tensor is never meta but on the meta device (which the first test skips), and asking it `is_meta`
-        # dispatches an operator through every mode (~80 us, once per tensor of a full-size step's ~70,000)
-        if t.device.type != self.device or (self.device != "meta" and not isinstance(t, FakeTensor) and t.is_meta):
-            return
+        if type(t) is FakeTensor:  # most tensors of a prediction: neither a DTensor nor a wrapper, never meta
+            if t.device.type != self.device:
+                return
+        else:
+            # a DTensor (FSDP's sharded parameters): this rank's shard is what lives here
+            t = getattr(t, "_local_tensor", t)
+            if is_traceable_wrapper_subclass(t):
+                # a wrapper (torchao's 8-bit optimizer state: uint8 codes and float32 scales behind a float32 face)
+                # holds no data of its own: its storage reports the face's bytes; the tensors inside are what lives
+                for inner in _inner_tensors(t):
+                    self._register(inner, category)
+                return
+            # a fake tensor is never meta but on the meta device (which the first test skips), and asking it
+            # `is_meta` dispatches an operator through every mode (~80 us, once per tensor of a full-size step's
+            # ~70,000)
+            if t.device.type != self.device or (self.device != "meta" and not isinstance(t, FakeTensor)
+                                                and t.is_meta):
+                return
         try:
             st = t.untyped_storage()
         except (RuntimeError, NotImplementedError):  # sparse or opaque tensors have no storage
             return
-        if st in self._storages:
+        by_id = self._storages.by_id
+        storage_id = id(st)
+        if storage_id in by_id:
             return
         self._keys += 1
-        info = _StorageInfo(self.storage_bytes(st.nbytes()), category, self._keys)
+        nbytes = st.nbytes()
+        info = _StorageInfo(-(-nbytes // self.block_bytes) * self.block_bytes, category, self._keys)
         if self.record_events:
             module = self.module_of() if self.module_of else ""
-            self.events.append(MemoryEvent("alloc", info.key, st.nbytes(), self.stage, module=module,
-                                           category=category))
-        self._storages[st] = info
+            self.events.append(MemoryEvent("alloc", info.key, nbytes, self.stage, module=module, category=category))
+        by_id[storage_id] = info
         self.live_bytes += info.nbytes
         self.live_by_category[category] = self.live_by_category.get(category, 0) + info.nbytes
-        ref = weakref.ref(st, lambda ref, info=info: self._released(ref, info))
+        ref = weakref.ref(st, lambda ref, info=info, storage_id=storage_id: self._released(ref, info, storage_id))
         self._refs[id(ref)] = ref
 
     def storage_bytes(self, nbytes: int) -> int:
@@ -243,8 +250,9 @@ class LiveTensorTracker(CompiledCodeMode):
                 self.live_by_category[category] = self.live_by_category.get(category, 0) + info.nbytes
                 info.category = category
 
-    def _released(self, ref: weakref.ref, info: _StorageInfo) -> None:
+    def _released(self, ref: weakref.ref, info: _StorageInfo, storage_id: int) -> None:
         self._refs.pop(id(ref), None)
+        self._storages.by_id.pop(storage_id, None)  # before the id can name another storage
         self._freed(info)
 
     def _freed(self, info: _StorageInfo) -> None:
@@ -326,6 +334,33 @@ def _tensors_in(values: Iterable) -> Iterable[torch.Tensor]:
             yield value
         elif isinstance(value, (list, tuple)):
             yield from _tensors_in(value)
+
+
+class _StorageTable:
+    """A tracker's live storages (storage -> `_StorageInfo`), by the storage object's identity: what torch's
+    WeakIdKeyDictionary gave (`get`, `in`, `values`, in the order registered) without making a weak reference per
+    look-up, once or more per tensor of every operator. An entry leaves when its storage is released (the tracker's
+    own weak reference to it: `LiveTensorTracker._released`), before its id can be another object's."""
+
+    __slots__ = ("by_id",)
+
+    def __init__(self):
+        self.by_id: dict[int, _StorageInfo] = {}
+
+    def get(self, storage, default=None):
+        return self.by_id.get(id(storage), default)
+
+    def __contains__(self, storage) -> bool:
+        return id(storage) in self.by_id
+
+    def __setitem__(self, storage, info: _StorageInfo) -> None:
+        self.by_id[id(storage)] = info
+
+    def __len__(self) -> int:
+        return len(self.by_id)
+
+    def values(self):
+        return self.by_id.values()
 
 
 _RESIZE_WATCHERS: list[LiveTensorTracker] = []  # the trackers entered now, told of each storage resize
