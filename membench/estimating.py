@@ -9,7 +9,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from bench.cli.arguments import csv_list
+from bench.cli.arguments import csv_list, headroom_fraction
 from bench.core.gpus import capability_for
 from bench.core.units import MiB
 from bench.run.isolation import process_state
@@ -71,13 +71,16 @@ class Estimate:
         of it kept free. False when nothing was predicted.
 
         Example: `estimate(...).fits("H100")`, `estimate(...).fits(8 * 2**30, headroom=0.05)`."""
-        if self.peak_bytes is None:
-            return False
+        headroom = parsed("headroom", headroom_fraction, str(headroom))  # as `plan --headroom`
         if isinstance(target, str):
-            gpu = _engine.gpu_named(target)
+            gpu = parsed("target", _engine.gpu_named, target)
             limit = gpu.memory_bytes * (1 - headroom) - _engine.gpus.CUDA_CONTEXT_BYTES
+        elif isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 < target < float("inf"):
+            raise InputError(f"target: {target!r}; give a GPU's name (`plan --list-gpus`) or a number of bytes")
         else:
             limit = int(target) * (1 - headroom)
+        if self.peak_bytes is None:
+            return False
         return self.peak_bytes <= limit
 
     def __str__(self) -> str:

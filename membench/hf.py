@@ -45,6 +45,7 @@ class MembenchCallback(TrainerCallback):
         self.measurement: Measurement | None = None
         self.run_id: str | None = None
         self.path: Path | None = None
+        self._written: Path | None = None  # the file this callback created (its next writes rewrite it)
         self.batch_size: int | None = None
         self._started: float | None = None
         self._hook = None
@@ -115,7 +116,9 @@ class MembenchCallback(TrainerCallback):
         if self.path is None or not self.steps:
             return None
         self.results_dir.mkdir(parents=True, exist_ok=True)
-        write_rows(self.rows(), self.path)
+        # the first write creates the file, never over another run's of the same id; later ones rewrite our own
+        write_rows(self.rows(), self.path, new=self.path != self._written)
+        self._written = self.path
         return self.path
 
 

@@ -138,15 +138,22 @@ def test_resume_of_another_workloads_file_is_refused(tmp_path):
     assert path.read_bytes() == before
 
 
-def test_report_warns_of_a_file_from_a_newer_membench(tmp_path):
-    frame = pd.read_csv(REFERENCE_CSV, dtype=str)
-    frame["schema_version"] = str(results.SCHEMA_VERSION + 1)
-    path = tmp_path / "20261128T000000Z-cpu-aaaa.csv"
+@pytest.mark.parametrize("kind", ["results", "predict"])
+def test_report_warns_of_a_file_from_a_newer_membench(tmp_path, kind):
+    if kind == "results":
+        source, table, html = REFERENCE_CSV, results.RESULTS, []
+    else:
+        assert _main("predict", "--workload", MLP, "--device", "cpu", "--phases", "train", "--batch-size", "2",
+                     "--out", tmp_path / "predicted").returncode == 0
+        (source,), table, html = list((tmp_path / "predicted").glob("predict-*.csv")), results.PREDICT, ["--html"]
+    frame = pd.read_csv(source, dtype=str)
+    frame["schema_version"] = str(table.version + 1)
+    path = tmp_path / (source.name if kind == "predict" else "20261128T000000Z-cpu-aaaa.csv")
     frame.to_csv(path, index=False)
-    done = _main("report", path, "--out", tmp_path / "report")
+    done = _main("report", path, *html, "--out", tmp_path / "report")
     assert done.returncode == 0, done.stderr
     warning = [line for line in done.stderr.splitlines() if line.startswith("warning:")]
-    assert len(warning) == 1 and f"schema_version {results.SCHEMA_VERSION + 1}" in warning[0], done.stderr
+    assert len(warning) == 1 and f"schema_version {table.version + 1}" in warning[0], done.stderr
 
 
 def _edited(tmp_path, column: str, value: str, row: int = 0) -> Path:
@@ -341,3 +348,25 @@ def test_the_example_estimates_cuda_when_run_from_another_folder(tmp_path):
     done = subprocess.run([sys.executable, "-c", script, str(ROOT / "examples")], cwd=tmp_path, capture_output=True,
                           text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0 and "STATUS ok" in done.stdout, done.stderr[-2000:]
+
+
+def test_fits_takes_its_target_and_headroom_as_plan_does():
+    estimate = membench.estimate(_mlp, BATCH, LOSS, name="fits_args")
+    assert estimate.fits(estimate.allocated_bytes) and estimate.fits("H100")
+    for bad, named in ((dict(target="nope"), "target:"), (dict(target=-5), "target:"),
+                       (dict(target=2**30, headroom=1.5), "headroom:")):
+        with pytest.raises(membench.InputError, match=f"^{named}"):  # "nope" was a UsageError, -5 False
+            estimate.fits(**bad)
+
+
+def test_the_preflight_estimate_of_a_dtype_changing_workload_leaves_the_next_workloads_alone():
+    """The pre-flight memory estimate of a sweep over several workloads runs each one's model in this process: the
+    first one's default dtype doubled the next one's estimate."""
+    from bench.cli.preflight_steps import _meta_baseline_peak
+    from bench.run.runner import Case
+
+    hostile = ROOT / "tests" / "fixtures" / "hostile_workload.py"
+    clean = Case(f"{hostile}:Tiny:mode=none", "baseline", "train", 2, "cpu")
+    alone = _meta_baseline_peak(clean, 2)
+    _meta_baseline_peak(Case(f"{hostile}:Tiny:mode=dtype", "baseline", "train", 2, "cpu"), 2)
+    assert torch.get_default_dtype() == torch.float32 and _meta_baseline_peak(clean, 2) == alone

@@ -196,7 +196,7 @@ def fit_seq_len(spec: str, budget: int, phase: str, device: str, workload: str, 
     `batch`: a row of the fit table with `over` = seq_len. `judged_at` replaces the prediction (a test's peaks).
     With a `pool` of several jobs (`bench.analysis.pools`) the lengths are predicted several at once. `known`:
     probes already made (by length), not made again."""
-    limit = longest_tried(workload, step, max_seq)
+    limit = max_seq or max_seq_len(workload) or LONGEST_DEFAULT  # its callers checked the bounds (longest_tried)
 
     started = time.monotonic()
 

@@ -137,8 +137,9 @@ def cmd_predict(args) -> int:
     specs = ["baseline"] + [s for s in csv_list(args.strategies or "") if s != "baseline"]
     if job is not None:  # the configuration's case alone: its baseline would be another job
         specs = [job.strategy]
-    preflight.check_ranks_shard(args.ranks, [parse_strategy(spec) for spec in specs])  # unknown names: exit 2
+    strategies = [parse_strategy(spec) for spec in specs]  # unknown names: exit 2 before any work
     batches = step_batches(args, parse_batch_sizes(_batch_size_text(args), batch_option_name(args)), args.ranks)
+    preflight.check_ranks_shard(args.ranks, strategies)
     out = check_output_dir(args.out, "--out")
     interrupt.set_note("interrupted: nothing was written (predict writes its table at the end)")
     cases = [Case(workload, spec, phase, batch, device, data=data) for spec in specs for phase in phases

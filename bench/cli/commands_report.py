@@ -6,8 +6,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pandas as pd
+
 from bench.core.errors import UsageError
-from bench.core.results import REPORT_COLUMNS, SCHEMA_VERSION, newer_schema_version, read_results_file
+from bench.core.results import PREDICT, REPORT_COLUMNS, RESULTS, newer_schema_version, read_results_file
 from bench.report.data import report_name
 from bench.report.html import build_html, is_predict_csv, plotly_bundle
 from bench.report.markdown import build_report, newest_csv, parse_size
@@ -37,14 +39,14 @@ def cmd_report(args) -> int:
     if predictions and not args.html:
         raise UsageError(f"{predictions[0]} is a `predict` table: `report --html` draws its predictions and predicted "
                          "snapshots; REPORT.md and the PNG charts are drawn from measured runs")
-    if not predictions:
-        for path in paths:
-            frame = read_results_file(path, "cannot report on", REPORT_COLUMNS)  # each checked before any drawing
-            newer = newer_schema_version(frame)
-            if newer is not None:
-                print(f"warning: {path} was written by a newer membench (schema_version {newer}; this one reads up "
-                      f"to {SCHEMA_VERSION}): columns it added are left out, and a figure whose meaning changed is "
-                      "drawn as this version understands it; report it with that version", file=sys.stderr)
+    for path in paths:  # each checked before anything is drawn
+        frame = _predict_table(path) if predictions else read_results_file(path, "cannot report on", REPORT_COLUMNS)
+        table = PREDICT if predictions else RESULTS
+        newer = newer_schema_version(frame, table)
+        if newer is not None:
+            print(f"warning: {path} was written by a newer membench (schema_version {newer}; this one reads up to "
+                  f"{table.version}): columns it added are left out, and a figure whose meaning changed is drawn as "
+                  "this version understands it; report it with that version", file=sys.stderr)
     out = check_output_dir(args.out or paths[0].parent, "--out" if args.out else "the results file's folder")
     page = plotly_bundle() if args.html else None  # a missing plotly is said before anything is drawn
     if not predictions:
@@ -55,3 +57,11 @@ def cmd_report(args) -> int:
             print(line, file=sys.stderr)
         print(f"wrote {path}")
     return 0
+
+
+def _predict_table(path: Path) -> pd.DataFrame:
+    """A predict CSV's rows, or a UsageError of one line where pandas cannot read them."""
+    try:
+        return pd.read_csv(path)
+    except (pd.errors.ParserError, UnicodeDecodeError, ValueError) as error:
+        raise UsageError(f"cannot report on {str(path)!r}: not a readable CSV ({str(error).splitlines()[0]})") from None

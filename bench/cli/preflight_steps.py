@@ -121,11 +121,15 @@ def _bounded(seconds: float | None, estimate):
 
 
 def _meta_baseline_peak(case, batch_size: int) -> int:
-    """The baseline's exact tracked peak of `case` at `batch_size`, on the meta device (no memory used)."""
+    """The baseline's exact tracked peak of `case` at `batch_size`, on the meta device (no memory used), with torch's
+    global state restored after it: a workload whose model sets the default dtype must not double the next
+    workload's estimate."""
     from bench.analysis.fake_engine import tracked_peak
+    from bench.run.isolation import process_state
 
-    return tracked_peak(replace(case, batch_size=batch_size, strategy="baseline"), "baseline",
-                        engine="meta", block_bytes=1)
+    with process_state():
+        return tracked_peak(replace(case, batch_size=batch_size, strategy="baseline"), "baseline",
+                            engine="meta", block_bytes=1)
 
 
 def _first_case_note(cases: list) -> str | None:
