@@ -19,6 +19,12 @@ from bench.core.results import REPORT_COLUMNS, Role, add_relative_columns, read_
 from bench.core.units import format_size, parse_size  # noqa: F401 - the report's and the charts' size helpers
 
 DEFAULT_BATCH_SIZE = 100
+# What one report draws, at most, so that its time is bounded whatever the CSVs hold (a 100,000-row file drew for
+# minutes): the groups (a run's device, workload and data: a REPORT.md section and up to six charts each) and the
+# batch sizes of a group's batch table and chart (spread from the smallest to the largest). What is left out is said.
+MAX_GROUPS = 20
+MAX_BATCH_SIZES = 12
+MAX_STRATEGIES = 40  # of a group, in `strategy_order` (baseline, techniques, compositions, pitfalls)
 NOT_OK = ("oom", "unsupported", "error")
 STATUS_LABEL = {"ok": "ok", "oom": "OOM", "unsupported": "unsupported", "error": "error"}
 MISMATCH_LABEL = "≠ baseline"
@@ -130,6 +136,7 @@ class Group:
     timeline: Path | None = None
     charts: dict[str, Path] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
+    strategies_left_out: int = 0  # past MAX_STRATEGIES: their rows are not in `frame`
 
     @property
     def stem(self) -> str:
@@ -145,6 +152,22 @@ class Group:
     @property
     def batch_sizes(self) -> list[int]:
         return sorted(int(b) for b in self.frame["batch_size"].dropna().unique())
+
+    @property
+    def shown_batch_sizes(self) -> list[int]:
+        """At most MAX_BATCH_SIZES of the batch sizes, spread evenly from the smallest to the largest, the charted
+        batch among them: what the batch table and chart show."""
+        sizes = self.batch_sizes
+        if len(sizes) <= MAX_BATCH_SIZES:
+            return sizes
+        picked = {sizes[round(i * (len(sizes) - 1) / (MAX_BATCH_SIZES - 2))] for i in range(MAX_BATCH_SIZES - 1)}
+        return sorted(picked | {self.chosen_batch})
+
+    def batch_sizes_text(self) -> str:
+        """The batch sizes shown, and how many are not (`, ... (12 of 3,125 batch sizes shown)`)."""
+        shown, every = self.shown_batch_sizes, self.batch_sizes
+        text = ", ".join(str(b) for b in shown)
+        return text if len(shown) == len(every) else f"{text} ({len(shown)} of {len(every):,} batch sizes shown)"
 
     @property
     def chosen_batch(self) -> int | None:
@@ -185,7 +208,10 @@ def make_groups(frame: pd.DataFrame) -> list[Group]:
             values = dict(zip(dims, key))
             suffix = "".join(f".{safe_name(values[d])}" for d in varying)
             rows = rows.drop_duplicates(["strategy", "phase", "batch_size"], keep="last")
-            groups.append(Group(str(run_id), values["device"], values["workload"], values["data"], rows, suffix))
+            order = strategy_order(rows)
+            kept = rows[rows["strategy"].isin(order[:MAX_STRATEGIES])] if len(order) > MAX_STRATEGIES else rows
+            groups.append(Group(str(run_id), values["device"], values["workload"], values["data"], kept, suffix,
+                                strategies_left_out=max(0, len(order) - MAX_STRATEGIES)))
     return groups
 
 

@@ -32,7 +32,7 @@ def budget_in_view(data_top: float, budget: float) -> bool:
 
 
 def chart_batch(group: Group, path: Path, budget_bytes: int | None) -> Path:
-    frame = group.frame
+    frame = group.frame[group.frame["batch_size"].isin(group.shown_batch_sizes)]  # at most MAX_BATCH_SIZES
     order = strategy_order(frame)
     colors = strategy_colors(order)
     phases = phases_in(frame)
@@ -41,7 +41,7 @@ def chart_batch(group: Group, path: Path, budget_bytes: int | None) -> Path:
     for ax, phase in zip(axes, phases):
         notes = _batch_lines(ax, frame[frame["phase"] == phase], order, colors)
         _budget_line(ax, budget_bytes)
-        ax.set_xticks(group.batch_sizes)
+        ax.set_xticks(group.shown_batch_sizes)
         ax.set_xlabel("batch size")
         ax.set_ylabel("peak memory (MiB)")
         ax.set_title(phase, fontsize=12)
@@ -49,7 +49,7 @@ def chart_batch(group: Group, path: Path, budget_bytes: int | None) -> Path:
         if notes:
             note_below(fig, ax, "not measured: " + "; ".join(notes), len(phases) + 0.6)
     _batch_legend(fig, axes)
-    sizes = ", ".join(str(b) for b in group.batch_sizes)
+    sizes = group.batch_sizes_text()
     set_titles(fig, "Peak memory against batch size" + (" (dash-dot: memory budget)" if budget_bytes else ""),
                group.subtitle(batch=f"batch sizes {sizes}"))
     return save_figure(fig, path)

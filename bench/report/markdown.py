@@ -16,7 +16,7 @@ from bench.core.units import format_mib
 from bench.core.atomic import write_text_atomic
 from bench.report import charts
 from bench.report.data import (  # noqa: F401 - newest_csv and parse_size are part of this module's API
-    Group, MISMATCH_LABEL, STATUS_LABEL, find_timeline, format_size, load_results, make_groups, newest_csv, report_name,
+    Group, MAX_GROUPS, MAX_STRATEGIES, MISMATCH_LABEL, STATUS_LABEL, find_timeline, format_size, load_results, make_groups, newest_csv, report_name,
     parse_size, row_flag, strategy_order, is_checkpoint_plan, pitfall_strategies, plan_label, plan_rows, settings_of, state_floor_bytes,
 )
 from bench.report.pareto_charts import pareto_front
@@ -119,20 +119,23 @@ def pitfall_table(rows: pd.DataFrame, order: list[str]) -> list[str]:
 def batch_table(group: Group, phase: str, order: list[str], budget_bytes: int | None) -> list[str]:
     """Peak MiB by strategy and batch size for one phase (all rows, non-ok ones by their status)."""
     rows = group.frame[group.frame["phase"] == phase]
-    sizes = group.batch_sizes
+    sizes = group.shown_batch_sizes
+    rows = rows[rows["batch_size"].isin(sizes)]
     lines = ["| strategy | " + " | ".join(f"batch {b}" for b in sizes) + " |",
              "|---|" + "---:|" * len(sizes)]
+    # each (strategy, batch size)'s last row, found once: a lookup per cell was a scan of every row (a 100,000-row
+    # file's table took minutes)
+    last = dict(zip(zip(rows["strategy"], rows["batch_size"]), rows.index))  # a later row replaces an earlier one
+    present = set(rows["strategy"])
     for strategy in order:
-        mine = rows[rows["strategy"] == strategy]
-        if mine.empty:
+        if strategy not in present:
             continue
         cells = []
         for b in sizes:
-            hit = mine[mine["batch_size"] == b]
-            if hit.empty:
+            if (strategy, b) not in last:
                 cells.append("—")
                 continue
-            row = hit.iloc[-1]
+            row = rows.loc[last[(strategy, b)]]
             flag = row_flag(row)
             if row["status"] != "ok":
                 cells.append(f"**{flag}**")
@@ -214,7 +217,7 @@ def _env_lines(group: Group) -> list[str]:
         f"- **Run id:** `{group.run_id}`",
         f"- **Device:** {f.first('device_name', group.device)} (`{group.device}`)",
         f"- **Workload:** `{group.workload}`, data `{group.data or '?'}`, batch sizes "
-        f"{', '.join(str(b) for b in group.batch_sizes)}",
+        f"{group.batch_sizes_text()}",
         f"- **torch:** {f.first('torch_version')}" + (f", CUDA {cuda}" if cuda and cuda != "nan" else ""),
         f"- **CPU threads:** {threads.removesuffix('.0') if isinstance(threads, str) else threads}",
         f"- **Commit:** `{f.first('git_commit')}`",
@@ -230,14 +233,20 @@ def _rel(path: Path, out_dir: Path) -> str:
         return path.as_posix()
 
 
-def render_markdown(groups: list[Group], out_dir: Path, budget_bytes: int | None) -> str:
+def render_markdown(groups: list[Group], out_dir: Path, budget_bytes: int | None, left_out: list[Group] = ()) -> str:
+    """REPORT.md of `groups`; `left_out`: the groups past MAX_GROUPS, named in one line, not drawn."""
     run_ids = list(dict.fromkeys(g.run_id for g in groups))
     lines = [f"# membench report: {', '.join(run_ids)}", ""]
+    if left_out:
+        lines += [left_out_line(groups, left_out), ""]
     if budget_bytes is not None:
         lines += [f"Memory budget: **{format_size(budget_bytes)}** ({budget_bytes:,} bytes).", ""]
     for group in groups:
         title = f"{group.run_id}" + (f" · {group.device} · {group.workload} · {group.data}" if group.suffix else "")
         lines += [f"## {title}", "", "### Environment", "", *_env_lines(group), ""]
+        if group.strategies_left_out:
+            lines += [f"**{group.strategies_left_out:,} more strategies are not shown:** a report shows the first "
+                      f"{MAX_STRATEGIES} of a run (baseline, techniques, compositions, pitfalls), its time bounded.", ""]
         order = strategy_order(group.frame)
         rows = group.at_batch()
         techniques = [s for s in order if s not in pitfall_strategies(group.frame)]
@@ -256,8 +265,11 @@ def render_markdown(groups: list[Group], out_dir: Path, budget_bytes: int | None
                       *phase_table(rows[rows["phase"] == phase], order), ""]
         if len(group.batch_sizes) > 1:
             for phase in [p for p in ("train", "eval") if (group.frame["phase"] == p).any()]:
-                lines += [f"### Peak MiB by batch size ({phase})", "",
-                          *batch_table(group, phase, order, budget_bytes), ""]
+                shown = "" if len(group.shown_batch_sizes) == len(group.batch_sizes) else (
+                f"{len(group.shown_batch_sizes)} of the {len(group.batch_sizes):,} batch sizes, spread from the "
+                "smallest to the largest; the CSV holds every one.")
+            lines += [f"### Peak MiB by batch size ({phase})", "", *([shown, ""] if shown else []),
+                      *batch_table(group, phase, order, budget_bytes), ""]
         lines += plan_table(group)
         lines += ["### Charts", ""]
         for name, caption in charts.CAPTIONS.items():
@@ -267,6 +279,14 @@ def render_markdown(groups: list[Group], out_dir: Path, budget_bytes: int | None
                 lines += [f"**{caption}:** skipped: {group.skipped[name]}", ""]
     lines += [HOW_TO_READ]
     return "\n".join(lines)
+
+
+def left_out_line(drawn: list[Group], left_out: list[Group]) -> str:
+    """What a report past MAX_GROUPS says of the groups it did not draw."""
+    runs = len({g.run_id for g in left_out})
+    return (f"**{len(left_out):,} more groups (runs, devices, workloads or data sources; {runs:,} run ids) are not "
+            f"drawn:** a report draws the first {len(drawn)} (by run id), its time bounded; report the others from "
+            "their own CSVs, or name fewer at once.")
 
 
 # --- entry point -----------------------------------------------------------------------------------------
@@ -299,10 +319,11 @@ def build_report(csv_paths: list[Path], out_dir: Path, budget_bytes: int | None 
         raise ValueError(f"no rows in {', '.join(str(p) for p in csv_paths)}")
 
     groups = make_groups(frame)
+    groups, left_out = groups[:MAX_GROUPS], groups[MAX_GROUPS:]
     for group in groups:
         group.timeline = timelines.get(group.run_id)
         charts.draw_all(group, out_dir, budget_bytes)
 
     report = out_dir / (name or report_name(csv_paths, ".md"))
-    write_text_atomic(report, render_markdown(groups, out_dir, budget_bytes))
+    write_text_atomic(report, render_markdown(groups, out_dir, budget_bytes, left_out))
     return report
