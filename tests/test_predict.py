@@ -477,7 +477,7 @@ def test_rows_from_the_fake_cuda_environment_come_back_as_rows_of_the_predict_ta
         return subprocess.CompletedProcess(argv, 0)
 
     monkeypatch.setattr(fake_cuda, "environment_python", lambda venv=None: Path(sys.executable))
-    monkeypatch.setattr(fake_cuda_worker.subprocess, "run", worker)
+    monkeypatch.setattr(fake_cuda_worker.processes, "run_child", worker)  # how the worker is started
     monkeypatch.setattr(predict.torch.cuda, "is_available", lambda: False)
     [row] = predict.predict_cases([Case(MLP, "baseline", "eval", 2, "cuda", data="synthetic")])
     assert isinstance(row, Row) and row.table is PREDICT and row["predicted_bytes"] == 1024
