@@ -16,7 +16,8 @@ from bench.core.units import format_mib
 from bench.core.atomic import write_text_atomic
 from bench.report import charts
 from bench.report.data import (  # noqa: F401 - newest_csv and parse_size are part of this module's API
-    Group, MAX_GROUPS, MAX_STRATEGIES, MISMATCH_LABEL, STATUS_LABEL, find_timeline, format_size, load_results, make_groups, newest_csv, report_name,
+    Group, MAX_GROUPS, MAX_STRATEGIES, MISMATCH_LABEL, STATUS_LABEL, find_timeline, format_size, load_results,
+    make_groups, newest_csv, report_name,
     parse_size, row_flag, strategy_order, is_checkpoint_plan, pitfall_strategies, plan_label, plan_rows, settings_of, state_floor_bytes,
 )
 from bench.report.pareto_charts import pareto_front
@@ -246,7 +247,8 @@ def render_markdown(groups: list[Group], out_dir: Path, budget_bytes: int | None
         lines += [f"## {title}", "", "### Environment", "", *_env_lines(group), ""]
         if group.strategies_left_out:
             lines += [f"**{group.strategies_left_out:,} more strategies are not shown:** a report shows the first "
-                      f"{MAX_STRATEGIES} of a run (baseline, techniques, compositions, pitfalls), its time bounded.", ""]
+                      f"{MAX_STRATEGIES} of a run (baseline, techniques, compositions, pitfalls), its time bounded.",
+                      ""]
         order = strategy_order(group.frame)
         rows = group.at_batch()
         techniques = [s for s in order if s not in pitfall_strategies(group.frame)]
