@@ -17,41 +17,7 @@ import pytest
 from cli_helpers import ROOT
 
 # a workload whose every forward sleeps $MEMBENCH_TEST_SLEEP_S: its probes and steps last while the signal is sent
-SLEEPY = textwrap.dedent('''
-    """A linear model whose forward sleeps $MEMBENCH_TEST_SLEEP_S seconds (with $MEMBENCH_TEST_SLEEP_IN_RANKS_ONLY,
-    only in a rank process of torch.distributed)."""
-    import os
-    import time
-
-    import torch
-    from torch import nn
-
-    from workloads import Workload
-
-
-    class Sleepy(nn.Linear):
-        def forward(self, x):
-            if os.environ.get("RANK") or not os.environ.get("MEMBENCH_TEST_SLEEP_IN_RANKS_ONLY"):
-                time.sleep(float(os.environ.get("MEMBENCH_TEST_SLEEP_S", "0")))
-            return super().forward(x)
-
-
-    class SleepyWorkload(Workload):
-        name = "sleepy"
-        description = "sleeps in each forward"
-        default_batch_size = 2
-
-        def build_model(self):
-            torch.manual_seed(self.seed)
-            return nn.Sequential(Sleepy(8, 8), nn.Linear(8, 8))
-
-        def make_batch(self, batch_size, data="synthetic"):
-            gen = torch.Generator().manual_seed(self.seed)
-            return torch.randn(batch_size, 8, generator=gen), torch.randn(batch_size, 8, generator=gen)
-
-        def loss(self, output, target):
-            return nn.functional.mse_loss(output, target)
-''')
+SLEEPY = (Path(__file__).parent / "fixtures" / "sleepy_workload.py").read_text()
 
 SIGNALS = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
 

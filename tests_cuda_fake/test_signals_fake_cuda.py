@@ -5,7 +5,6 @@ remove the folder (SIGTERM left both behind). tests/test_signals.py has the CPU 
 import os
 import signal
 import subprocess
-import textwrap
 import time
 from pathlib import Path
 
@@ -15,39 +14,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 CPU_PYTHON = ROOT / ".venv" / "bin" / "python"  # the environment whose predict hands CUDA cases to this one
 
-SLEEPY = textwrap.dedent('''
-    """A linear model whose forward sleeps $MEMBENCH_TEST_SLEEP_S seconds."""
-    import os
-    import time
-
-    import torch
-    from torch import nn
-
-    from workloads import Workload
-
-
-    class Sleepy(nn.Linear):
-        def forward(self, x):
-            time.sleep(float(os.environ.get("MEMBENCH_TEST_SLEEP_S", "0")))
-            return super().forward(x)
-
-
-    class SleepyWorkload(Workload):
-        name = "sleepy"
-        description = "sleeps in each forward"
-        default_batch_size = 2
-
-        def build_model(self):
-            torch.manual_seed(self.seed)
-            return nn.Sequential(Sleepy(8, 8), nn.Linear(8, 8))
-
-        def make_batch(self, batch_size, data="synthetic"):
-            gen = torch.Generator().manual_seed(self.seed)
-            return torch.randn(batch_size, 8, generator=gen), torch.randn(batch_size, 8, generator=gen)
-
-        def loss(self, output, target):
-            return nn.functional.mse_loss(output, target)
-''')
+# the CPU tests' workload whose every forward sleeps $MEMBENCH_TEST_SLEEP_S (tests/fixtures/sleepy_workload.py)
+SLEEPY = (ROOT / "tests" / "fixtures" / "sleepy_workload.py").read_text()
 
 
 def _signals_as_in_a_terminal() -> None:
