@@ -67,7 +67,8 @@ def render_body(frame: pd.DataFrame, csv_name: str) -> str:
     out = [f"Generated from `{csv_name}` by `tools/figures.py`; do not edit by hand.", "", "## Summary", "",
            *_summary_lines(rows),
            "- goal (issue 30): median |error| <= 5% and every row within 15% over at least 15 rows",
-           f"- the run took {frame['duration_s'].fillna(0).sum():.0f} s of predictions (one anchor at a time)", "",
+           f"- its predictions took {frame['duration_s'].fillna(0).sum():.0f} s, the anchors' durations summed "
+           "(`--jobs` runs several at once)", "",
            "## The table", "",
            "| anchor | source | GPU | kind | published | published GiB | predicted GiB | error | status | membench spec |",
            "| --- | --- | --- | --- | --- | ---: | ---: | ---: | --- | --- |"]

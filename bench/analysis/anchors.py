@@ -74,6 +74,7 @@ class Anchor:
     attn: str = "sdpa"
     seq_len: int = 128
     packed: int = 0  # documents packed into each row (the hf workload's `packed`); 0: rows not packed
+    loss: str = "logits"  # the hf workload's `loss`: `model` where the source takes the model's own loss (labels=)
     batch_size: int = 1
     ranks: int = 1
     batch_per_rank: bool = False  # the source's batch is each GPU's (membench's is the global batch, split by rank)
@@ -96,7 +97,8 @@ class Anchor:
         name there), or the file `model` names (a path ending in .json)."""
         config = Path(self.model) if self.model.endswith(".json") else model_dir / (self.model + ".json")
         packed = f":packed={self.packed}" if self.packed else ""
-        return f"hf:{config}:seq_len={self.seq_len}:attn={self.attn}:task={self.task}{packed}"
+        loss = f":loss={self.loss}" if self.loss != "logits" else ""
+        return f"hf:{config}:seq_len={self.seq_len}:attn={self.attn}:task={self.task}{packed}{loss}"
 
 
 def _source_ref(source: dict) -> str:
@@ -138,7 +140,8 @@ def load_file(path: Path) -> list[Anchor]:
             figure=float(row["figure"]), unit=values["unit"], kind=values["kind"], gpu=find_gpu(values["gpu"]).name,
             model=values["model"], strategy=row["strategy"], fallback=row.get("fallback"),
             task=values.get("task", "causal_lm"), attn=values.get("attn", "sdpa"),
-            seq_len=int(values.get("seq_len", 128)), packed=int(values.get("packed", 0)), batch_size=int(values.get("batch_size", 1)),
+            seq_len=int(values.get("seq_len", 128)), packed=int(values.get("packed", 0)),
+            loss=str(values.get("loss", "logits")), batch_size=int(values.get("batch_size", 1)),
             ranks=int(values.get("ranks", 1)), batch_per_rank=bool(values.get("batch_per_rank", False)),
             configuration=configuration,
             not_modelled=list(row.get("not_modelled") or []),
