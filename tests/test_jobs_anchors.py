@@ -1,6 +1,6 @@
-"""Issue 44 §4: each anchor whose source states its configuration in a file form (torchtune's recipe and overrides,
-the transformers guide's Trainer arguments, fsdp_qlora's train.py arguments) derives, through bench.jobs, the case its hand-written spec predicts; the
-rows where the translation differs are declared here with the reason the translation is right."""
+"""Each anchor whose source states its configuration in a file form (torchtune's recipe and overrides, the transformers
+guide's Trainer arguments, fsdp_qlora's train.py arguments) derives, through bench.jobs, exactly the case the anchor
+predicts: so the error of the configuration's prediction is the anchor's, row by row."""
 
 from __future__ import annotations
 
