@@ -16,7 +16,7 @@ LAYERS = {
     "bench.core": 0,
     "strategies": 1, "workloads": 1, "bench.measure": 1,
     "bench.run": 2,
-    "bench.analysis": 3,
+    "bench.analysis": 3, "bench.jobs": 3,  # a trainer's configuration read as a case: beside the analysis
     "bench.report": 4,
     "bench.cli": 5,
 }

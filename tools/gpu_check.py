@@ -147,7 +147,8 @@ def write(rows: list[dict], out: Path, run_id: str) -> None:
     from bench.core.results import write_table
 
     declared = [{key: value for key, value in row.items() if key in GPU_CHECK.names} for row in rows]
-    frame = write_table(GPU_CHECK, declared, out / f"gpu-check-{run_id}.csv")
+    # the first write creates the run's file (never over another run's), each later one rewrites it
+    frame = write_table(GPU_CHECK, declared, out / f"gpu-check-{run_id}.csv", new=len(rows) == 1)
     columns = ["anchor", "strategy", "batch_size", "measured_bytes", "predicted_bytes", "error_pct",
                "measured_reserved_bytes", "predicted_reserved_bytes", "reserved_error_pct",
                "measured_nvidia_smi_bytes", "sdpa_kernel", "status", "wall_s", "message"]
