@@ -70,11 +70,21 @@ def check_sizes() -> None:
 
 
 def check_internal_variables() -> None:
-    """No variable of INTERNAL_VARIABLES is set in the user's shell; a UsageError naming it otherwise."""
+    """No variable of INTERNAL_VARIABLES is set where it cannot work; a UsageError naming it otherwise. In the
+    fake-CUDA environment (a CUDA build of torch over stub libraries) MEMBENCH_FAKE_CUDA_WORKER=1 is how
+    `bench.measure.fake_cuda.worker_environment` runs a command whose isolated cases run on fake CUDA; with a torch
+    built without CUDA it would make the first import fail."""
     for name in INTERNAL_VARIABLES:
-        if name in os.environ:
+        if name in os.environ and not _cuda_build():
             raise UsageError(f"{name} is set ({name}={os.environ[name]!r}): it is membench's own, set in the worker "
                              f"processes it starts, not a setting; unset {name}")
+
+
+def _cuda_build() -> bool:
+    """Whether this torch is a CUDA build (imported only when an internal variable is set)."""
+    import torch
+
+    return torch.version.cuda is not None
 
 
 def launcher_variables(environ=None) -> list[str]:
