@@ -149,7 +149,7 @@ perf: $(STAMP)
 	$(PY) -m benchmarks.overhead --out $(OUT)/perf
 	$(PY) -m pytest benchmarks -q --benchmark-enable --benchmark-autosave --benchmark-json=$(OUT)/perf/benchmark.json
 
-# how long membench takes to answer (issue 45's goals): each goal's wall time (a full-size prediction cold and warm, fit
+# how long membench takes to answer (its speed goals): each goal's wall time (a full-size prediction cold and warm, fit
 # --over seq_len, plan) with the figures it predicted, so that a run after a speed-up shows none moved.
 # PERF_GOALS=predict-8b-lora,warm-8b-lora for some (`python -m benchmarks.perf_predict --list` names them); tens of
 # minutes for all of them on 2 cores.
@@ -157,7 +157,7 @@ PERF_GOALS ?=
 perf-predict: $(STAMP)
 	$(PY) -m benchmarks.perf_predict $(if $(PERF_GOALS),--only $(PERF_GOALS))
 
-# the harness's own memory (issue 31): every built-in workload (small) and gpt2 at 2 layers, train and eval, in
+# the harness's own memory: every built-in workload (small) and gpt2 at 2 layers, train and eval, in
 # `compare` processes; per case the counted peak, the resident peak and the process at rest against the goal
 # (resident <= 1.3x counted + at rest), into $(OUT)/harness_memory/harness-memory-<time>-<threshold>.csv
 # (docs/measuring.md). HARNESS_MEMORY_ARGS=--llama adds llama-3.2-1b at 2 layers (an 8 GiB step; only with 14 GB free).

@@ -1,4 +1,4 @@
-"""How long membench takes to answer "does it fit" (issue 45's goals): `make perf-predict`, or
+"""How long membench takes to answer "does it fit" (its speed goals): `make perf-predict`, or
 `python -m benchmarks.perf_predict [--only NAME,...] [--list]`.
 
 Each goal is timed as a user meets it, wall-clock: `cold` goals are a new `python -m bench ...` process (its
@@ -30,7 +30,7 @@ LLAMA_70B = "hf:llama-3.1-70b:seq_len=4096"
 
 @dataclass(frozen=True)
 class Goal:
-    """One figure of issue 45: the `python -m bench` arguments it times (or "warm"), and its goal in seconds."""
+    """One speed goal: the `python -m bench` arguments it times (or "warm"), and its goal in seconds."""
 
     name: str
     goal_s: float

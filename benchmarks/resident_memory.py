@@ -1,4 +1,4 @@
-"""The harness's own memory (issue 31 §3): for every built-in workload, small, and two Hugging Face models at 2
+"""The harness's own memory: for every built-in workload, small, and two Hugging Face models at 2
 layers, train and eval, a real `compare` run's counted peak against the process's peak resident memory and the
 process at rest, the ratio against the goal, into a CSV (`make harness-memory`; `python -m benchmarks.resident_memory
 --help`; a benchmark, not a test: tens of minutes on a 2-core CPU).

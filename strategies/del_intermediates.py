@@ -20,7 +20,7 @@ class DelIntermediates(Strategy):
     description = "output/loss released at the end of each step, not in the next forward; zero_grad(set_to_none=True)"
     priority = 60
     # Train 221,411,228 -> 221,411,228 (1.000) on captcha_resnet18: the loop itself releases the previous output and
-    # loss before the backward peak (`pred =`, `loss =`); before issue 24 the Session kept them, and the baseline was
+    # loss before the backward peak (`pred =`, `loss =`); the Session once kept them, and the baseline was
     # 221,420,444. Eval 143,910,368 -> 94,688,224 (0.658): the kept output of the previous batch holds its whole
     # autograd graph.
     memory_effect = {"train": (0.99, 1.0), "eval": (0.6, 0.7)}

@@ -121,7 +121,7 @@ def test_the_table_says_which_times_are_emulated(monkeypatch):
 
 def test_the_header_says_how_long_the_first_case_takes_and_how_to_be_quicker():
     """A CPU sweep's header gives the first case's duration from a calibrated step time, and --quick --batch-size 8
-    where that may be over a minute (issue 25 §2: a first result within a minute)."""
+    where that may be over a minute (a first result within a minute)."""
     measured = {4: 0.086, 8: 0.128}  # captcha_resnet18's baseline steps on a 2-thread Xeon, seconds
     step_s = eta.calibrated_step_seconds(Case("captcha_resnet18", "checkpoint", "train", 100, "cpu"),
                                          measure=lambda case: measured[case.batch_size])

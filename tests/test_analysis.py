@@ -244,7 +244,7 @@ def test_fit_cli_table(capsys, tmp_path, monkeypatch):
 
 
 def test_fit_where_even_batch_1_is_over_the_budget_runs_no_real_step():
-    """Issue 31 §1: the fake count says batch 1 does not fit, so no real step is run to say it again (at full size
+    """The fake count says batch 1 does not fit, so no real step is run to say it again (at full size
     that step would hold the real model)."""
     result = fitting.fit_cpu("baseline", 2**10, "train", "deep_mlp:layers=4:width=16", "synthetic", 64)
     assert result.batch_size == 0 and result.runs == 0

@@ -114,7 +114,7 @@ def test_report_redraws_a_run_from_its_csv_alone(tmp_path, capsys):
 @pytest.mark.parametrize("command", ["explain", "predict", "fit"])
 def test_every_command_that_computes_takes_threads(command, monkeypatch, tmp_path):
     """--threads sets torch's threads (and OMP_NUM_THREADS for a worker process) while the command computes, and
-    restores both; more threads than cores is one line and exit 2 (issue 24 §3)."""
+    restores both; more threads than cores is one line and exit 2."""
     import os
 
     import torch
@@ -142,7 +142,7 @@ def test_every_command_that_computes_takes_threads(command, monkeypatch, tmp_pat
 
 def test_quick_with_adaptive_timing_says_which_wins_and_compare_says_how_to_draw_the_charts(tmp_path, capsys):
     """--quick beside --max-time-per-case: one stderr line before the first case says the adaptive option wins over
-    --quick's 3 steps; the run ends with the command that draws its charts (issue 25 §2)."""
+    --quick's 3 steps; the run ends with the command that draws its charts."""
     assert main(["compare", "--strategies", "baseline", "--workload", "deep_mlp:layers=2:width=8", "--device", "cpu",
                  "--batch-size", "2", "--phases", "train", "--quick", "--max-time-per-case", "0.5",
                  "--out", str(tmp_path)]) == 0
@@ -159,7 +159,7 @@ def test_quick_with_adaptive_timing_says_which_wins_and_compare_says_how_to_draw
 
 def test_cuda_without_gpu_says_how_to_install_a_cuda_build(monkeypatch, capsys):
     """`make bench DEVICE=cuda` on a machine without a GPU: one line, exit 2, and with a CPU-only torch the pip
-    command for PyPI's CUDA build of the same release (issue 25 §2)."""
+    command for PyPI's CUDA build of the same release."""
     from bench.run.preflight import no_cuda_message
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

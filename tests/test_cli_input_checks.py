@@ -16,7 +16,7 @@ from cli_helpers import TINY, cli as _cli, cli_many, main_in_process as _main, o
 
 
 def test_a_value_for_one_case_is_its_row_and_a_value_for_none_stops_before_the_first(tmp_path):
-    """checkpoint:segments=8 cannot apply to a 4-unit model but can to a 12-unit one: in a run over both, the 4-unit
+    """Checkpoint:segments=8 cannot apply to a 4-unit model but can to a 12-unit one: in a run over both, the 4-unit
     case is `unsupported` and the cases after it still run. A value that fits none of the run's cases
     (segments=999 on the 4-unit model alone, segments=0 anywhere) is exit 2 before any case, nothing written."""
     suite = tmp_path / "two.yaml"
@@ -93,8 +93,8 @@ def test_a_suite_that_is_not_utf8_text_is_a_malformed_suite(tmp_path, content):
 
 
 def test_an_option_value_that_fits_no_case_stops_before_the_first(tmp_path):
-    """checkpoint:segments=999 on a 10-unit workload: one line and exit 2 before any case runs, not minutes of
-    other cases first (issue 24 §3)."""
+    """Checkpoint:segments=999 on a 10-unit workload: one line and exit 2 before any case runs, not minutes of
+    other cases first."""
     done = _main("run", "--strategies", "inplace_relu,checkpoint:segments=999", "--phases", "train", "--device", "cpu",
                 "--quick", "--out", tmp_path)
     assert done.returncode == 2 and not list(tmp_path.glob("*.csv"))
@@ -162,7 +162,7 @@ def hostile_values(tmp_path_factory) -> dict:
 @pytest.mark.parametrize("key", BOMB_KEYS)
 def test_a_yaml_alias_bomb_in_a_suite_is_one_short_line(hostile_values, key):
     """A few hundred bytes of YAML aliases that expand to 9**9 values, under any key: refused at once, in one line
-    that quotes a bounded part of the value (issue 24 §3: under a scalar key it grew to gigabytes and MemoryError)."""
+    that quotes a bounded part of the value (under a scalar key it grew to gigabytes and MemoryError)."""
     done = hostile_values[f"bomb-{key}"]
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
     [line] = done.stderr.strip().splitlines()
@@ -178,7 +178,7 @@ def test_a_suite_error_quotes_a_bounded_part_of_a_large_value(hostile_values):
 
 @pytest.mark.parametrize("name", LONG_NUMBERS)
 def test_an_option_value_of_ten_thousand_digits_is_one_short_line(hostile_values, name):
-    """No traceback (Python refuses int() of over 4,300 digits) and no 10,000-character line (issue 24 §3)."""
+    """No traceback (Python refuses int() of over 4,300 digits) and no 10,000-character line."""
     done = hostile_values[name]
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-1500:]
     [line] = done.stderr.strip().splitlines()

@@ -176,8 +176,8 @@ class WholeDictWorkload(DictWorkload):
 
 
 def test_a_model_that_takes_the_dict_whole_is_told_how_to_get_it(tmp_path):
-    """membench passes a dict of inputs as keyword arguments: a model whose forward takes the dict itself gets a row
-    whose message says so and how to pass it whole; done that way, the case runs (issue 24 §3)."""
+    """Membench passes a dict of inputs as keyword arguments: a model whose forward takes the dict itself gets a row
+    whose message says so and how to pass it whole; done that way, the case runs."""
     (tmp_path / "dict_workload.py").write_text(DICT_MODEL_WORKLOAD, encoding="utf-8")
     for name, status, code in (("DictWorkload", "error", 1), ("WholeDictWorkload", "ok", 0)):
         out = tmp_path / name
@@ -244,7 +244,7 @@ def _non_finite_run(tmp_path, name: str, command: str, *args) -> tuple[subproces
 
 def test_a_loss_that_is_not_finite_is_an_error_row_that_says_so_and_not_a_mismatch(tmp_path):
     """NaN from the first step: every row, the baseline's included, is an `error` saying the loss is not finite and
-    where, never an `ok` row whose baseline does not match itself (issue 24 §3)."""
+    where, never an `ok` row whose baseline does not match itself."""
     done, frame = _non_finite_run(tmp_path, "NanLoss", "compare", "--strategies", "checkpoint")
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert list(frame["status"]) == ["error", "error"], frame[["strategy", "status", "message"]]
@@ -265,7 +265,7 @@ def test_a_loss_that_stops_being_finite_later_is_an_error_row_naming_the_step(tm
 
 def test_a_row_that_does_not_match_says_which_check_by_how_much_and_against_which_tolerance(tmp_path):
     """`compare --workload deep_mlp --strategies amp` in eval: matches_baseline False and, in `message`, the check,
-    the measured relative difference and the tolerance it exceeds (issue 24 §3: the message was empty)."""
+    the measured relative difference and the tolerance it exceeds (the message was empty)."""
     done = _main("compare", "--strategies", "amp", *TINY, "--workload", "deep_mlp", "--out", tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     frame = pd.read_csv(results_csv(tmp_path)).set_index("strategy")
@@ -320,7 +320,7 @@ class Sleepy(Workload):
 
 def test_a_model_that_never_returns_is_a_timeout_row_and_the_sweep_goes_on(tmp_path):
     """--case-timeout 20: the case whose forward never returns is killed at its deadline, its row says `timeout` and
-    where it was, and the next case runs (issue 24 §3: the run hung with no output). The model hangs at the sweep's
+    where it was, and the next case runs (the run hung with no output). The model hangs at the sweep's
     batch on the CPU only: the pre-flight's own bound is the next test's. 20 s, not 5 or 10: on a loaded 2-core
     machine a worker's import of torch alone took 5.7 s, and at a load average of 10 (the suite in two processes
     beside other sessions) the healthy deep_mlp case timed out at 10 s, in its memory pass, beside the stuck one."""

@@ -1,4 +1,4 @@
-"""Issue 32 §3: fit's probes several at once (`--jobs`, local worker processes; Ray in tests/test_ray.py).
+"""Fit's probes several at once (`--jobs`, local worker processes; Ray in tests/test_ray.py).
 
 Asserted: with jobs > 1 both searches (the largest batch, `fit_search.largest_under`; the longest sequence,
 `fit_context.longest_under`) answer what the serial search answers, on peaks of several shapes, always having probed
@@ -99,8 +99,8 @@ def test_the_sequence_search_in_rounds_answers_what_the_serial_search_answers(sh
 
 
 def test_the_serial_searches_probe_as_they_did():
-    """jobs=1 keeps the probes of the searches that made results/reference/fit and results/reference/longest_context
-    (recorded from the code of commit 8849a95, before issue 32 §3), in their order."""
+    """Jobs=1 keeps the probes of the searches that made results/reference/fit and results/reference/longest_context
+    (recorded from the code of commit 8849a95, before probes ran several at once), in their order."""
     probes = []
     assert fit_context.longest_under(lambda n: probes.append(n) or 10_000 + 7 * n, 10_000 + 7 * 5000, 256,
                                      131072) == 4864

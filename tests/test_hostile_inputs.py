@@ -1,4 +1,4 @@
-"""Issue 31 §5, inputs nobody had tried: user code that leaks global state or exits, configuration files with wrong
+"""Inputs nobody had tried: user code that leaks global state or exits, configuration files with wrong
 types, numbers beyond range, the environment a job runs in, and messages that do not help. One test (or a
 parametrized family) per instance found; the CLI runs in this process wherever a subprocess is not the point.
 """
@@ -50,7 +50,7 @@ def test_sys_exit_in_a_users_loss_is_an_error_row_and_the_cli_goes_on(tmp_path):
 
 
 def test_under_isolate_the_preflight_steps_that_run_a_users_loss_run_in_a_child(capsys):
-    """os._exit(0) in the loss during the first case's calibration ends the child, not this process: a warning, no
+    """Os._exit(0) in the loss during the first case's calibration ends the child, not this process: a warning, no
     figure, and the run goes on (each case's worker then ends the same way: `crash_message(0, ...)` below names it).
     One process start, where the CLI end to end would take two (20 s on the loaded 2-core machine)."""
     from bench.cli.preflight_steps import user_code_steps_in_child
@@ -61,7 +61,7 @@ def test_under_isolate_the_preflight_steps_that_run_a_users_loss_run_in_a_child(
 
 
 def test_under_isolate_a_workload_that_exits_while_it_is_built_is_one_line_not_silence(tmp_path):
-    """os._exit(0) in a user's workload `__init__` (or its module's import): under --isolate the workload is first
+    """Os._exit(0) in a user's workload `__init__` (or its module's import): under --isolate the workload is first
     built in a child, so the CLI says so in one line and exits 2, where it used to end with exit code 0 and nothing."""
     done = _cli("compare", "--strategies", "baseline", "--workload", f"{HOSTILE}:ExitingInit", *TINY, "--isolate",
                 "--out", tmp_path)

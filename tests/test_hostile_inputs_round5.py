@@ -1,4 +1,4 @@
-"""Issue 49 §1-§3, round five of hostile input: values accepted that should be refused (or refused naming the wrong
+"""Round five of hostile input: values accepted that should be refused (or refused naming the wrong
 thing), figures wrong without a word, and tracebacks where one line is due, on the newer surfaces (seq_len search,
 --capability, --ranks, the environment, --resume, report over the newer tables, the Python API, the example run from
 elsewhere). One test (or a parametrized family) per class; the CLI runs in this process where a process of its own is
@@ -316,7 +316,7 @@ def test_a_report_over_its_size_limit_is_one_line(tmp_path, monkeypatch):
 
 
 def test_the_example_names_its_workload_from_any_folder(tmp_path, monkeypatch):
-    """examples/python_api.py copied into another folder and run from a third: its workload's spec (what the
+    """Examples/python_api.py copied into another folder and run from a third: its workload's spec (what the
     fake-CUDA process rebuilds it from) names the copy; a relative importable_as that names no file here is one
     InputError saying what to give."""
     import importlib.util

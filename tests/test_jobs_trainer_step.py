@@ -1,4 +1,4 @@
-"""Issue 44's check of the translation at small size: a prediction derived from TrainingArguments (config=, on the CPU,
+"""The translation checked at small size: a prediction derived from TrainingArguments (config=, on the CPU,
 exact) equals the transformers Trainer's own steps of the same configuration as membench's Trainer callback records
 them, to the byte but for the Trainer loop's own bytes, named (tests/test_python_api.py's TRAINER_SCALARS)."""
 

@@ -1,4 +1,4 @@
-"""The baseline's peak is a literal training loop's peak, to the byte (issue 24 §1), on every built-in workload.
+"""The baseline's peak is a literal training loop's peak, to the byte, on every built-in workload.
 
 The loop is the handful of lines a user writes (`pred = model(x); loss = criterion(pred, y); loss.backward();
 optimizer.step(); optimizer.zero_grad()`), built from the workload's model, optimizer and batch exactly as

@@ -245,7 +245,7 @@ def test_a_budget_nothing_reaches_exits_1_with_the_smallest_peak(tmp_path, capsy
                                                    ("--max-search-s", "0.001", "time")])
 def test_a_search_cut_short_says_what_it_did_not_try_and_concludes_nothing_from_it(option, value, stopped, tmp_path,
                                                                                     capsys, monkeypatch):
-    """Issue 31 §2: a search stopped by its count or time limit never says "no candidate fits" nor "the smallest
+    """A search stopped by its count or time limit never says "no candidate fits" nor "the smallest
     reachable": it says what it did not try and the option that tries it."""
     _fixed_cpu_speed(monkeypatch)
     searched = plan_search.search(_request(1024, workload=TINY, batch_size=4, **(
@@ -268,7 +268,7 @@ def _row(spec: str, judged: int, ms: float, members: int = 1) -> dict:
 
 
 def test_a_combination_that_promises_to_fit_runs_before_the_settings_not_yet_tried():
-    """Issue 31 §2: once checkpoint and amp ran (neither fits alone, together they promise to), checkpoint+amp
+    """Once checkpoint and amp ran (neither fits alone, together they promise to), checkpoint+amp
     starts before any setting still untried: a setting that cannot fit is not worth its seconds first. Once a
     candidate that fits ran, a combination that promises to fit but to be slower waits behind the untried ones."""
     space = _space("cpu")
@@ -317,7 +317,7 @@ def _table_gpu_of_this_machine() -> str | None:
 
 @pytest.mark.cuda
 def test_on_the_gpu_every_confirmed_peak_is_as_predicted_and_the_times_in_the_estimated_order(tmp_path):
-    """Issue 22 §3 on the first GPU: `--confirm-front` measures each front candidate with the harness; each measured
+    """On a GPU: `--confirm-front` measures each front candidate with the harness; each measured
     peak within 1% of its prediction, and the estimated times in the measured order (Spearman's rho >= 0.8).
 
     Fails on the H200 of results/reference/gpu/h200-20261127 (lease3/cuda-tests.log), a goal not met: the six front
@@ -356,7 +356,7 @@ print(len(accepted), len(refused), len(pairs), sorted(r.spec for r in refused))
 
 
 def test_a_full_size_presets_candidates_are_listed_and_checked_without_building_its_model():
-    """Issue 31 §1: listing llama-3.1-8b's candidates runs every strategy's check() (the BatchNorm strategies' look
+    """Listing llama-3.1-8b's candidates runs every strategy's check() (the BatchNorm strategies' look
     for BatchNorm layers) on a model that holds no memory: the real one is 32 GB of float32
     weights, here in a process limited to 6 GB of address space (torch and transformers take about 3)."""
     import os

@@ -1,4 +1,4 @@
-"""predict and fit without the device: the fake-tensor engine against the real CPU count, the model of CUDA's
+"""Predict and fit without the device: the fake-tensor engine against the real CPU count, the model of CUDA's
 caching allocator on sequences worked out by hand, cuBLAS's workspace, and the batch search of fit.
 
 Small: batch sizes 1-2, a 4-layer MLP where a workload's size does not matter.
@@ -200,7 +200,7 @@ def test_best_fit_takes_the_smallest_free_block_that_fits():
 
 
 def test_replay_counts_one_cublas_workspace_per_thread_like_pytorch_issue_95668():
-    # issue 95668: after one nn.Linear, 8,519,680 bytes stay allocated in a 20 MiB segment (12,451,840 inactive)
+    # after one nn.Linear, 8,519,680 bytes stay allocated in a 20 MiB segment (12,451,840 inactive)
     events = [MemoryEvent("op", stage="forward", op="addmm.default"), MemoryEvent("alloc", 1, 40, "forward"),
               MemoryEvent("op", stage="forward", op="mm.default"), MemoryEvent("reset", stage="backward"),
               MemoryEvent("op", stage="backward", op="mm.default"), MemoryEvent("free", 1, stage="backward")]

@@ -1,5 +1,5 @@
 """Sweeps on Ray: a local Ray on the CPU gives the same rows as the in-process runner, and a dead worker is a row; a
-plan's candidates and a fit's probes as Ray tasks give what the serial search gives (issue 32 §3)."""
+plan's candidates and a fit's probes as Ray tasks give what the serial search gives."""
 
 from __future__ import annotations
 

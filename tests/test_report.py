@@ -250,7 +250,7 @@ def test_checkpointing_plans_get_a_tradeoff_chart_and_table(tmp_path):
 
 @pytest.mark.parametrize("run_id", ["../../escaped", "/tmp/membench-escaped-report", "a/../../b"])
 def test_a_run_id_from_a_file_never_steers_where_the_report_writes(tmp_path, run_id):
-    """`run_id` is read from the CSV, which anyone may edit: chart names made from it stay inside --out (issue 24 §3)."""
+    """`run_id` is read from the CSV, which anyone may edit: chart names made from it stay inside --out."""
     results, out = tmp_path / "in" / "deep", tmp_path / "in" / "deep" / "out"
     results.mkdir(parents=True)
     frame = pd.read_csv(FULL)

@@ -1,4 +1,4 @@
-"""The harness's own memory (issue 31 §3): each row's resident columns, the goal on a small workload, the verification's
+"""The harness's own memory: each row's resident columns, the goal on a small workload, the verification's
 file store, and the pre-run warning against the machine's free memory."""
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def test_a_case_records_its_resident_peak_and_the_harness_keeps_within_the_goal(
         assert row["harness_rss_bytes"] == peak - counted - rest
         # the step's tensors were resident at its peak: the peak is above the process at rest by about the count
         assert peak - rest >= 0.9 * counted
-        # issue 31's goal is a share of at most 0.3x the count (resident.within_goal); with glibc's mmap threshold
+        # the harness's goal is a share of at most 0.3x the count (resident.within_goal); with glibc's mmap threshold
         # pinned this case's share is 0.10x (baseline) and 0.03x (checkpoint), where the heap's holes made it
         # 0.19x-0.41x from run to run; benchmarks/resident_memory.py reports the goal on every workload
         assert resident.within_goal(peak, counted, rest)

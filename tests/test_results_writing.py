@@ -91,7 +91,7 @@ def test_an_unusable_data_cache_falls_back_to_a_temporary_folder_with_a_warning(
 
 
 def test_the_timestamp_is_when_the_case_finished():
-    """results/README.md: `timestamp` is when the case finished. A case made to last over a second by a progress
+    """Results/README.md: `timestamp` is when the case finished. A case made to last over a second by a progress
     listener shows it: its timestamp is after the moment it started."""
     started = []
 
@@ -148,7 +148,7 @@ def test_a_full_disk_at_the_first_write_says_nothing_was_written(tmp_path):
 
 def test_resume_through_a_symbolic_link_writes_to_its_target_and_keeps_the_link(tmp_path):
     """The atomic rename would replace the link with a regular file: the run writes through to the link's target
-    instead, and says so in one line (issue 24 §3, "Files")."""
+    instead, and says so in one line ("Files")."""
     target = _a_run(tmp_path)
     frame = results.read_results(target)
     link = tmp_path / "latest.csv"

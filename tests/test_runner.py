@@ -145,7 +145,7 @@ def test_registry_rejects_duplicates():
 
 
 def test_a_mismatch_names_each_failed_check_its_measured_difference_and_its_tolerance():
-    """compare's `message` (issue 24 §3): only the checks that failed, a NaN difference failing as well."""
+    """Compare's `message`: only the checks that failed, a NaN difference failing as well."""
     import torch
 
     from bench.run.verify import Snapshot, compare

@@ -1,4 +1,4 @@
-"""What makes fit's and plan's searches shorter without changing their answers (issue 45): `fit --over seq_len`
+"""What makes fit's and plan's searches shorter without changing their answers: `fit --over seq_len`
 predicts the baseline only when asked for; a search in rounds where nothing fits yet probes the smallest point at
 once; the progress lines say how many probes or strategies are left and about how long they take; a CUDA search
 without a GPU runs whole in one fake-CUDA process, its rows the predictions of `predict` (slow: the fake-CUDA

@@ -66,7 +66,7 @@ def render_body(frame: pd.DataFrame, csv_name: str) -> str:
     rows = _records(frame)
     out = [f"Generated from `{csv_name}` by `tools/figures.py`; do not edit by hand.", "", "## Summary", "",
            *_summary_lines(rows),
-           "- goal (issue 30): median |error| <= 5% and every row within 15% over at least 15 rows",
+           "- goal: median |error| <= 5% and every row within 15% over at least 15 rows",
            f"- its predictions took {frame['duration_s'].fillna(0).sum():.0f} s, the anchors' durations summed "
            "(`--jobs` runs several at once)", "",
            "## The table", "",

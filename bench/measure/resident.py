@@ -35,7 +35,7 @@ from typing import Any
 from bench.core.job_environment import MMAP_THRESHOLD_OFF, MMAP_THRESHOLD_VARIABLE, size_variable
 
 RESIDENT_COLUMNS = ("process_peak_rss_bytes", "process_rest_rss_bytes", "harness_rss_bytes", "process_rss_method")
-# The goal the harness is held to (issue 31): resident <= GOAL_FACTOR x the counted peak + the process at rest.
+# The goal the harness is held to: resident <= GOAL_FACTOR x the counted peak + the process at rest.
 GOAL_FACTOR = 1.3
 
 # Tensors of at least this many bytes are mmapped by glibc and unmapped when freed (see pin_mmap_threshold).
@@ -89,7 +89,7 @@ _libc: Any = None
 
 
 def _glibc() -> Any:
-    """glibc through ctypes, or False where the C library is another (musl and macOS have no malloc_trim)."""
+    """Glibc through ctypes, or False where the C library is another (musl and macOS have no malloc_trim)."""
     global _libc
     if _libc is None:
         try:

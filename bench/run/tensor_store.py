@@ -1,6 +1,6 @@
 """Where the verification keeps its full tensors (gradients, stepped weights, outputs, buffers): in an unlinked
 temporary file, read back one tensor at a time, so that the baseline's snapshot kept for every strategy, and each
-strategy's own, cost the process no resident memory (issue 31 §3: they held 2-4x the model's size).
+strategy's own, cost the process no resident memory (they held 2-4x the model's size).
 
 Every value is kept whole and compared whole: a file is a place, not a summary. Fake tensors (the fake-CUDA run)
 hold no memory and have no bytes to write: they stay in memory (`MemoryStore`).
@@ -100,7 +100,7 @@ Store = MemoryStore | FileStore
 
 
 class StoredTensors(Mapping[str, Any]):
-    """name -> tensor (or None: no gradient) of one group of a store, read from it on each access."""
+    """Name -> tensor (or None: no gradient) of one group of a store, read from it on each access."""
 
     def __init__(self, store: Store, group: str, names: Sequence[str], missing: Sequence[str] = ()):
         self.store, self.group = store, group
