@@ -62,7 +62,7 @@ from bench.core.quiet_import import import_torchao
 from workloads import hf_checks, hf_moe, text_data
 from workloads.base import DeferredHead, Workload, register_workload
 from workloads.hf_config import (FILE_FORM, REMOTE_TASK_CLASSES, config_values, is_file_reference,  # noqa: F401
-                                 make_config, read_config_file, remote_class, resolve_config)
+                                 make_config, read_config_file, remote_class, remote_tasks, resolve_config)
 from workloads.hf_presets import MASK_TOKEN_IDS, PRESETS
 
 INSTALL_HINT = "pip install 'membench[hf]' (in a checkout: make install)"
@@ -167,12 +167,6 @@ def tasks_of(transformers, model_type: str) -> list[str]:
     if model_type in classes["masked_lm"][1]:  # an encoder (BERT also has a causal head, as a decoder: not ours)
         return [task for task in ("masked_lm", "seq_cls") if model_type in classes[task][1]]
     return ["causal_lm"] if model_type in classes["causal_lm"][1] else []
-
-
-def remote_tasks(values: dict[str, Any]) -> list[str]:
-    """The tasks a remote-code configuration's `auto_map` has a class for, in membench's order."""
-    auto_map = values.get("auto_map", {})
-    return [task for task, auto_name in REMOTE_TASK_CLASSES.items() if auto_name in auto_map]
 
 
 def token_windows(batch_size: int, tokens: int, vocab_size: int, seed: int) -> torch.Tensor:

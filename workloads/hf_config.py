@@ -198,6 +198,12 @@ def config_values(model: str) -> dict[str, Any]:
     return resolve_config(model).values
 
 
+def remote_tasks(values: dict[str, Any]) -> list[str]:
+    """The tasks a remote-code configuration's `auto_map` has a class for, in membench's order."""
+    auto_map = values.get("auto_map", {})
+    return [task for task, auto_name in REMOTE_TASK_CLASSES.items() if auto_name in auto_map]
+
+
 def remote_class(source: ConfigSource, auto_name: str):
     """The repository's own class that its `auto_map` names for `auto_name` (`AutoConfig`, `AutoModelForCausalLM`),
     imported through transformers' dynamic modules (the user trusted the code: `trust_remote_code=true`)."""

@@ -161,7 +161,8 @@ def job_from_trainer_objects(args: Any, peft_config: Any = None, quantization_co
     BitsAndBytesConfig, and the model's PretrainedConfig (or `model`, a workload model name) — what a dry run of a
     constructed Trainer reads (its `args`, its model's `config`, `peft_config`, `quantization_config`); `max_length`:
     the tokens of the longest row (a dry run's collated batch), where `args` has no max_length of its own."""
-    from bench.jobs.trainer import KIND_TRAINER, KIND_TRL, read_trainer
+    from bench.jobs.trainer import read_trainer
+    from bench.jobs.trainer_keys import KIND_TRAINER, KIND_TRL
 
     values = object_values(args)
     values.update(_beside(peft_config, quantization_config))

@@ -23,7 +23,7 @@ from bench.core.errors import UsageError
 from bench.jobs.job import (IGNORED, NOT_MODELLED, USED, DerivedJob, Key, Reading, hf_workload, packed_documents,
                             spec_of)
 from bench.jobs.models import model_workload
-from bench.jobs.trainer import OPTIM_NOTES, OPTIMS
+from bench.jobs.trainer_keys import OPTIM_NOTES, OPTIMS
 
 KIND = "axolotl"
 DEFAULT_OPTIMIZER = "adamw_torch_fused"  # axolotl PR #2425: the Trainer's fused AdamW where none is given

@@ -14,9 +14,9 @@ _BLOCK = re.compile(r"(<!-- keys: (\w+) -->\n)(.*?)(<!-- /keys -->)", re.S)
 
 def reader_keys() -> dict:
     """Each reader's declared keys, by the name of its block."""
-    from bench.jobs import axolotl, fsdp_qlora, torchtune, trainer
+    from bench.jobs import axolotl, fsdp_qlora, torchtune, trainer_keys
 
-    return {"trainer": trainer.KEYS, "torchtune": torchtune.KEYS, "axolotl": axolotl.KEYS,
+    return {"trainer": trainer_keys.KEYS, "torchtune": torchtune.KEYS, "axolotl": axolotl.KEYS,
             "fsdp_qlora": fsdp_qlora.KEYS}
 
 
