@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from bench.core import cell_checks
 from bench.core.anchors_table import ANCHORS
 from bench.core.check_tables import GPU_CHECK, PREDICTION_CHECK
 from bench.core.atomic import write_text_atomic
@@ -360,7 +361,7 @@ def read_results_file(path: Path | str, purpose: str, required: list[str] = RESU
         raise UsageError(f"{where}: not a membench results file (no column {missing[0]!r}{renamed})")
     if frame.empty:
         raise UsageError(f"{where}: the file has a header but no rows")
-    bad = _first_bad_cell(pd.read_csv(path, dtype=str))
+    bad = cell_checks.first_bad_cell(pd.read_csv(path, dtype=str), RESULTS)
     if bad:
         row, column, value, why = bad
         raise UsageError(f"{where}: row {row} (line {row + 1}), column {column!r}: {value!r} {why}; fix or empty "
@@ -374,56 +375,3 @@ def newer_schema_version(frame: pd.DataFrame, table: Table = RESULTS) -> int | N
     versions = pd.to_numeric(frame.get("schema_version", pd.Series(dtype=float)), errors="coerce").dropna()
     newest = versions.max() if len(versions) else None
     return int(newest) if newest is not None and newest > table.version and newest < float("inf") else None
-
-
-_KIND_WORDS = {"int": "a whole number", "float": "a number", "bool": "True or False"}
-_BOOL_TEXT = {"true", "false", "1", "0", "1.0", "0.0", "yes", "no"}
-
-
-def never_negative(column: str) -> bool:
-    """Whether `column` of the results table holds a figure that is never below 0: a size (`_bytes`), a time (`_ms`,
-    `_s`), a rate, a batch, a ratio to the baseline; not the harness's share of resident memory, which the process
-    at rest can exceed, nor the memory growth per step, which a step that frees can make negative."""
-    if column in SIGNED_COLUMNS or RESULTS.kinds.get(column) not in ("int", "float"):
-        return False
-    return (column.endswith(("_bytes", "_s")) or "_ms" in column
-            or column in ("batch_size", "samples_per_s", "mem_vs_baseline", "time_vs_baseline"))
-
-
-SIGNED_COLUMNS = ("harness_rss_bytes", "mem_growth_bytes_per_step")
-
-
-def _first_bad_cell(raw: pd.DataFrame) -> tuple[int, str, str, str] | None:
-    """The first cell (by row, then column order) whose value is not of its declared column's kind -- text in a
-    number column, a fraction in a whole-number one, a word in a True/False one, a number that overflows (`1e400`),
-    a negative size or time -- as (row number counted from 1 after the header, column, the cell's text as written,
-    what is wrong with it); None when every cell is right. `raw`: the file's cells as text, so that a value is
-    quoted as the user wrote it, not as a parser made it (`inf`). Empty cells are allowed (a figure that does not
-    apply), and columns the table does not declare (an older file's) are not checked."""
-    worst = None
-    for column in raw.columns:
-        kind = RESULTS.kinds.get(column)
-        if kind not in _KIND_WORDS:
-            continue
-        cells = raw[column]
-        present = cells.notna()
-        if kind == "bool":
-            checks = [(present & ~cells.astype(str).str.strip().str.lower().isin(_BOOL_TEXT),
-                       f"is not {_KIND_WORDS[kind]}")]
-        else:
-            numbers = pd.to_numeric(cells, errors="coerce")
-            finite = numbers.abs() < float("inf")
-            # `inf` as membench writes it (a relative difference to a baseline of 0) is a value; `1e400` is not
-            spelled_infinite = cells.astype(str).str.strip().str.lower().str.lstrip("+-").isin(("inf", "infinity"))
-            checks = [(present & numbers.isna(), f"is not {_KIND_WORDS[kind]}"),
-                      (numbers.notna() & ~finite & ~spelled_infinite, "overflows: it is not a finite number")]
-            if kind == "int":
-                checks.append((numbers.notna() & ((numbers % 1 != 0) | ~finite), f"is not {_KIND_WORDS[kind]}"))
-            if never_negative(column):
-                checks.append((finite & (numbers < 0), f"is negative, which a figure of {column!r} never is"))
-        for bad, why in checks:
-            if bad.any():
-                index = int(bad.to_numpy().argmax())
-                if worst is None or index < worst[0]:
-                    worst = (index, column, str(cells.iloc[index]), why)
-    return None if worst is None else (worst[0] + 1, *worst[1:])

@@ -28,7 +28,7 @@ import re
 from typing import Any
 
 from bench.core.errors import UsageError
-from bench.jobs.files import COMPONENT, resolve_interpolations
+from bench.jobs.files import resolve_interpolations
 from bench.jobs.job import (IGNORED, NOT_MODELLED, USED, DerivedJob, Key, Reading, hf_workload, packed_documents,
                             spec_of)
 from bench.jobs.models import model_workload
