@@ -42,6 +42,27 @@ def _start(args: list, tmp_path: Path, sleep_s: float, **variables: str) -> tupl
     return proc, temporary
 
 
+def _command_line(process: psutil.Process) -> str:
+    """The process's command line; "" for one that has ended or is a zombie not yet reaped (a short-lived child, such
+    as a probe of the machine, can be either between listing and reading)."""
+    try:
+        return " ".join(process.cmdline())
+    except psutil.Error:
+        return ""
+
+
+def _outlived(processes: list) -> list:
+    """Those of `processes` still running (a zombie has ended, its parent not yet reaped it)."""
+    alive = []
+    for process in processes:
+        try:
+            if process.status() != psutil.STATUS_ZOMBIE:
+                alive.append(f"{process.pid} {_command_line(process)[:200]}")
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
 def _wait_for(condition, proc: subprocess.Popen, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -59,7 +80,7 @@ def _stop_and_check(proc: subprocess.Popen, signum: int, temporary: Path, worker
     try:
         _, stderr = proc.communicate(timeout=60)
         _, alive = psutil.wait_procs(children, timeout=15)
-        survivors = [f"{p.pid} {' '.join(p.cmdline())[:200]}" for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+        survivors = _outlived(alive)
         assert not survivors, f"{signal.Signals(signum).name}: these outlived the command: {survivors}"
         assert proc.returncode == 128 + signum, stderr[-2000:]
         assert sorted(p.name for p in temporary.iterdir()) == [], stderr[-2000:]
@@ -100,7 +121,7 @@ def test_a_sharded_run_ends_its_ranks_and_removes_their_folder(tmp_path, signum)
                              tmp_path, sleep_s=30, MEMBENCH_TEST_SLEEP_IN_RANKS_ONLY="1")
 
     def ranks_running() -> bool:
-        ranks = [p for p in psutil.Process(proc.pid).children() if "bench.run._worker" in " ".join(p.cmdline())]
+        ranks = [p for p in psutil.Process(proc.pid).children() if "bench.run._worker" in _command_line(p)]
         return len(ranks) == 2 and any(p.name.startswith("membench-ranks-") for p in temporary.iterdir())
 
     _wait_for(ranks_running, proc)
@@ -122,7 +143,7 @@ def test_workers_die_with_a_parent_killed_outright(tmp_path):
     proc.communicate(timeout=60)
     try:
         _, alive = psutil.wait_procs(children, timeout=15)
-        assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+        assert not _outlived(alive)
     finally:
         for child in children:
             if child.is_running():
