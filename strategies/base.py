@@ -31,7 +31,8 @@ A strategy is applied only to the stage it concerns (the pyperf hook pattern):
 
 What the registry-wide tests expect of a strategy is declared on its class too (tests/conformance.py reads it, as
 do the docs' strategy table and `list`): `expected` (`MATCHES`, `differs(why)` or `unsupported(why)`) on any
-workload, `expected_on` where a built-in workload gives another outcome, `memory_effect` (its peak against the
+workload, `expected_with` where a workload with a trait gives another outcome (a trait of the workload's model,
+`workloads.base.Trait`, by its value: `batch_norm`, `dropout`, `output_head`...), `memory_effect` (its peak against the
 baseline's on captcha_resnet18), `refusals` (the reasons it refuses a case on any device) and `test_spec` (the
 spec the tests run it as, where its defaults are too slow for them).
 
@@ -48,7 +49,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, fields
-from typing import Any, Callable, ContextManager, Hashable
+from typing import Any, Callable, Collection, ContextManager, Hashable
 
 import torch
 from torch import nn
@@ -185,13 +186,14 @@ class Strategy:
     prediction_note: str | None = None
     # the option settings `python -m bench plan` tries ({} is the defaults; see `plan_settings()`)
     plan_options: tuple[dict[str, Any], ...] = ({},)
-    # What the tests expect of it on the CPU (tests/conformance.py): its outcome on a workload that `expected_on`
-    # does not name; workload name -> its outcome there; phase -> the band (low, high) of its measured peak over
+    # What the tests expect of it on the CPU (tests/conformance.py): its outcome on a workload none of whose traits
+    # `expected_with` names; trait -> its outcome on a workload with that trait (the first trait listed that the
+    # workload has; `workloads.base.Trait`'s values); phase -> the band (low, high) of its measured peak over
     # the baseline's on captcha_resnet18 at batch 8 (a phase left out is pinned elsewhere, or not at all);
     # the reasons (regular expressions) its check() refuses a case with on any device (the phase refusal of
     # `phases` and the device refusal of `devices` go without saying); the spec the tests run it as.
     expected: Expected = MATCHES
-    expected_on: dict[str, Expected] = {}
+    expected_with: dict[str, Expected] = {}
     memory_effect: dict[str, tuple[float, float]] = {}
     refusals: tuple[str, ...] = ()
     test_spec: str | None = None
@@ -209,9 +211,10 @@ class Strategy:
         return [dict(options) for options in cls.plan_options]
 
     @classmethod
-    def expected_outcome(cls, workload: str) -> Expected:
-        """What its row is on the workload registered as `workload`, on the CPU (`expected_on`, else `expected`)."""
-        return cls.expected_on.get(workload, cls.expected)
+    def expected_outcome(cls, traits: Collection[str]) -> Expected:
+        """What its row is, on the CPU, on a workload whose model has `traits` (`Workload.traits()`): that of the
+        first trait of `expected_with` among them, else `expected`."""
+        return next((expected for trait, expected in cls.expected_with.items() if trait in traits), cls.expected)
 
     @classmethod
     def cpu_phases(cls) -> tuple[str, ...]:

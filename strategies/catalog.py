@@ -24,11 +24,11 @@ def outcome(expected: Expected) -> str:
 
 
 def result(cls: type[Strategy]) -> str:
-    """Its declared result on any workload, then on the built-in workloads where it is another one."""
+    """Its declared result on any workload, then on a workload with a trait where it is another one."""
     by_outcome: dict[Expected, list[str]] = {}
-    for workload, expected in cls.expected_on.items():
-        by_outcome.setdefault(expected, []).append(workload)
-    others = [f"on {', '.join(workloads)}: {outcome(expected)}" for expected, workloads in by_outcome.items()]
+    for trait, expected in cls.expected_with.items():
+        by_outcome.setdefault(expected, []).append(trait)
+    others = [f"with {' or '.join(traits)}: {outcome(expected)}" for expected, traits in by_outcome.items()]
     return "; ".join([outcome(cls.expected), *others])
 
 

@@ -107,7 +107,7 @@ class ChunkedLoss(Strategy):
     priority = 70  # wraps the model last: the other transforms (checkpointing its layers) apply to the model inside
     # run and its memory pinned on gpt_mini and hf:tiny-gpt2 in tests/test_chunked_loss.py
     expected = unsupported("has no separable output head")
-    expected_on = {"gpt_mini": MATCHES, "hf": MATCHES}
+    expected_with = {"output_head": MATCHES}
     refusals = (r"has no separable output head",)
 
     def __init__(self, **options):

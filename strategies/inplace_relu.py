@@ -47,7 +47,7 @@ class InplaceReLU(Strategy):
     # not at the peak (in backward). Eval 143,910,368 -> 143,591,904 (0.998).
     memory_effect = {"train": (0.99, 1.0), "eval": (0.99, 1.0)}
     expected = unsupported("no ReLU-like activation")  # SiLU (llama), GELU (gpt_mini, gpt2, bert), deep_mlp's Tanh
-    expected_on = {"captcha_resnet18": MATCHES, "unet": MATCHES, "timm": unsupported("in place already")}
+    expected_with = {"relu_like": MATCHES, "relu_like_in_place": unsupported("in place already")}
     refusals = (r"has no ReLU-like activation module", r"every ReLU-like activation of .* is in place already")
 
     def prepare_model(self, model, units):

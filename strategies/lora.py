@@ -86,7 +86,7 @@ class Lora(Strategy):
     priority = 15
     # run and its memory pinned on hf:tiny-gpt2 and hf:tiny-llama in tests/test_llm_strategies.py
     expected = unsupported("is not an hf: architecture")
-    expected_on = {"hf": differs("the base weights are frozen")}
+    expected_with = {"transformers_model": differs("the base weights are frozen")}
     refusals = (r"is not an hf: architecture peft has default targets for",)
 
     def __init__(self, **options):

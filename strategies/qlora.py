@@ -149,7 +149,7 @@ class Qlora(Lora):
     # targets=all-linear: peft leaves a transformers head out, so a model that is no hf: architecture has nothing to
     # adapt (tests/test_qlora.py runs it on hf:tiny-llama and hf:tiny-gpt2, bytes pinned)
     expected = unsupported("is not an hf: architecture")
-    expected_on = {"hf": differs("are stored in 4-bit NF4")}
+    expected_with = {"transformers_model": differs("are stored in 4-bit NF4")}
     refusals = (r"targets=all-linear has nothing to adapt in (train|eval): .* is not an hf: architecture",)
     # torchao's NF4 needs 256 blocks of 64 per weight scale: hf:tiny-llama's weights have 8 to 32
     test_spec = "qlora:scaler_block=8"

@@ -1,6 +1,6 @@
 """The registry-wide checks of one strategy or one workload, read from what its class declares (`strategies.base`:
-`expected`, `expected_on`, `memory_effect`, `refusals`, `test_spec`, `plan_options`; `workloads.base`: `small`,
-`small_for`, `requires`). The tests parametrized over the registries and the proof that a new plug-in is one file
+`expected`, `expected_with`, `memory_effect`, `refusals`, `test_spec`, `plan_options`; `workloads.base`: `small`,
+`small_for`, `requires`, and the traits of its model, `traits()`). The tests parametrized over the registries and the proof that a new plug-in is one file
 (tests/test_plugins.py) call these same functions.
 
 Strategies are checked on captcha_resnet18 (verified at batch 4, or 2 under bf16 autocast, which this CPU runs
@@ -25,7 +25,8 @@ from bench.run.runner import Case, bind_case, memory_pass, run_case, seed_everyt
 from bench.run.passes import MEMORY_WARMUP_STEPS
 from strategies import PHASES, STRATEGIES, Strategy, StrategySpec
 from strategies.base import Expected
-from workloads import WORKLOADS, get_workload, workload_names
+from workloads import WORKLOADS, get_workload
+from workloads.base import Trait
 
 WORKLOAD = "captcha_resnet18"  # the workload a strategy's own expectations (`memory_effect`, its phases) are of
 BATCH = 8      # memory comparisons: the train peak falls in backward, where activations count
@@ -50,10 +51,10 @@ def check_strategy_declarations(name: str) -> None:
 
     cls = STRATEGIES.get(name)
     assert set(cls.phases) <= set(PHASES), cls.phases
-    for workload, expected in [(None, cls.expected), *cls.expected_on.items()]:
-        assert isinstance(expected, Expected) and expected.outcome in OUTCOMES, (name, workload, expected)
-        assert expected.outcome == "matches" or expected.why, f"{name}: say why it {expected.outcome} on {workload}"
-    assert not set(cls.expected_on) - set(workload_names()), f"{name}: expected_on names no registered workload"
+    for trait, expected in [(None, cls.expected), *cls.expected_with.items()]:
+        assert isinstance(expected, Expected) and expected.outcome in OUTCOMES, (name, trait, expected)
+        assert expected.outcome == "matches" or expected.why, f"{name}: say why it {expected.outcome} with {trait}"
+    assert not set(cls.expected_with) - {trait.value for trait in Trait}, f"{name}: expected_with names no Trait"
     assert set(cls.memory_effect) <= set(captcha_phases(name)), f"{name}: memory_effect of a phase it cannot run"
     assert all(0 < low <= high for low, high in cls.memory_effect.values()), cls.memory_effect
     for pattern in cls.refusals:
@@ -76,6 +77,7 @@ def check_workload_declarations(name: str) -> None:
     assert cls.description and cls.default_batch_size > 0 and cls.data_sources, name
     assert cls.small is not None, f"{name}: declare `small`, the (spec, batch) the registry-wide tests run it at"
     assert not set(cls.small_for) - set(PURPOSES), f"{name}: small_for keys are {PURPOSES}"
+    assert all(isinstance(trait, Trait) for trait in cls.declared_traits), f"{name}: declared_traits are Traits"
     for purpose in (None, *PURPOSES):
         size = cls.small_case(purpose)
         if size is None:
@@ -84,6 +86,16 @@ def check_workload_declarations(name: str) -> None:
         assert spec.split(":")[0] == name and batch > 0, (name, purpose, size)
         if cls.requires is None or importlib.util.find_spec(cls.requires) is not None:
             get_workload(spec)  # its options parse
+
+
+def small_traits(workload: str) -> frozenset[str]:
+    """The traits of workload `workload`'s model at the size the registry-wide tests run it at (`small`)."""
+    return get_workload(WORKLOADS.get(workload).small_case()[0]).traits()
+
+
+def expected_on(strategy: str, workload: str) -> Expected:
+    """What strategy `strategy` declares of its row on workload `workload` at its `small` size, by its traits."""
+    return STRATEGIES.get(strategy).expected_outcome(small_traits(workload))
 
 
 def skip_without_requirement(workload: str) -> None:
@@ -102,7 +114,7 @@ def skip_without_requirement(workload: str) -> None:
 def captcha_phases(name: str) -> tuple[str, ...]:
     """The phases strategy `name` runs in on the CPU on captcha_resnet18 (none where it is unsupported there)."""
     cls = STRATEGIES.get(name)
-    return () if cls.expected_outcome(WORKLOAD).outcome == "unsupported" else cls.cpu_phases()
+    return () if expected_on(name, WORKLOAD).outcome == "unsupported" else cls.cpu_phases()
 
 
 def strategy_cases(kind: str, names: list[str] | None = None) -> list[tuple[str, str]]:
@@ -144,7 +156,7 @@ def peak(spec: str, phase: str, batch: int = BATCH) -> int:
 
 def check_matches_baseline(name: str, phase: str) -> None:
     """Verified against the baseline on captcha_resnet18: the same result, or a difference it declares (and why)."""
-    expected = STRATEGIES.get(name).expected_outcome(WORKLOAD)
+    expected = expected_on(name, WORKLOAD)
     result = verified(spec_for_tests(name), phase)
     assert result["params_without_grad"] == 0
     assert result["matches_baseline"] is (expected.outcome == "matches"), result
@@ -164,7 +176,7 @@ def check_unsupported_row(name: str, phase: str) -> None:
         assert "cuda" in row["message"]
     else:
         assert phase in row["message"]
-    expected = cls.expected_outcome(WORKLOAD)
+    expected = expected_on(name, WORKLOAD)
     if expected.outcome == "unsupported":
         assert expected.why in row["message"], row
 
@@ -188,7 +200,7 @@ def check_strategy_on_workload(workload: str, strategy: str, phase: str) -> None
     differs by design and why, or unsupported and why), or an unsupported row in a phase it does not run in."""
     skip_without_requirement(workload)
     cls = STRATEGIES.get(strategy)
-    expected = cls.expected_outcome(workload)
+    expected = expected_on(strategy, workload)
     row = run_case(small_case(workload, spec_for_tests(strategy), phase), env={})
     if expected.outcome == "unsupported":
         assert row["status"] == "unsupported" and expected.why in row["message"], row

@@ -9,6 +9,7 @@ import pandas as pd
 import pytest
 import torch
 
+import conformance
 from bench.analysis import plan, plan_candidates, plan_cost, plan_search
 from bench.cli.main import main
 from bench.core import gpus
@@ -371,5 +372,6 @@ def test_a_full_size_presets_candidates_are_listed_and_checked_without_building_
     assert accepted >= 5 and pairs >= 5
     # refused: no BatchNorm, found on meta (the strategies that declare that refusal on an hf: model)
     no_batchnorm = [name for name in STRATEGIES.names()
-                    if STRATEGIES.get(name).expected_outcome("hf").why == "has no BatchNorm layer"]
+                    if STRATEGIES.get(name).expected_outcome(conformance.small_traits("hf")).why
+                    == "has no BatchNorm layer"]
     assert no_batchnorm and all(name in done.stdout for name in no_batchnorm), no_batchnorm

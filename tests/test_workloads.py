@@ -3,7 +3,8 @@
 
 Workloads run at the small size their class declares (`small`) so that the whole grid stays within seconds; what
 each strategy gives on each workload (matches, differs by design and why, unsupported and why) is declared on the
-strategy's class (`expected`, `expected_on`). tests/conformance.py holds the checks.
+strategy's class (`expected`, and `expected_with` per trait of the workload's model, `Workload.traits()`).
+tests/conformance.py holds the checks.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import csv
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -83,6 +84,17 @@ def _span(values: list[float], fmt: str) -> str:
     return low if low == high else f"{low}–{high}"
 
 
+def _convolutional(workload: str) -> bool:
+    """Whether the model of `workload` (a row's spec) has convolution layers: its trait, read from its modules on a
+    model that holds no memory (`workloads.base.Workload.traits`)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from workloads import get_workload  # torch and the workloads: only for the blocks that need a model's traits
+    from workloads.base import Trait
+
+    return Trait.CONVOLUTIONAL.value in get_workload(workload).traits()
+
+
 def _claim(holds: bool, claim: str, source: Path) -> None:
     if not holds:
         raise ValueError(f"{source.name} no longer supports the claim {claim!r}: rewrite its words "
@@ -95,7 +107,7 @@ def models_findings(source: Path, page: Path) -> str:
     rows = [r for r in read_rows(source) if r["status"] == "ok"]
     get = {(r["workload"], r["strategy"], r["phase"]): r for r in rows}
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
-    convolutional = [w for w in workloads if "resnet" in w or "unet" in w]
+    convolutional = [w for w in workloads if _convolutional(w)]
     mem = lambda w, s, p: float(get[w, s, p]["mem_vs_baseline"])  # noqa: E731
     time = lambda w, s, p: float(get[w, s, p]["time_vs_baseline"])  # noqa: E731
     saving = lambda values: _span([(1 - v) * 100 for v in values], "{:.0f}")  # noqa: E731

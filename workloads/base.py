@@ -15,12 +15,19 @@ workload only says *what* to train:
   separable head: the final Linear to the vocabulary and what feeds it, for strategies that compute the head and
   the loss by chunks of tokens (`strategies.chunked_loss`); `loss` then takes a `DeferredHead` for the logits too.
 
+What its model is made of, as far as a strategy's outcome depends on it, is its `traits()` (`Trait`): read from the
+model's modules (BatchNorm, ReLU-like activations and whether they run in place, dropout, convolutions), from
+`has_output_head()`, and from `declared_traits` for what the modules cannot show. Strategies state their expected
+outcome per trait (`strategies.base.Strategy.expected_with`), so a new workload needs no strategy to name it.
+
 Options work as for strategies: `options = {"layers": 1000}` declares `deep_mlp:layers=100`; the values the
 instance runs with are in `self.settings`.
 """
 
 from __future__ import annotations
 
+import inspect
+from enum import Enum
 from typing import Any, Callable
 
 import torch
@@ -38,6 +45,44 @@ Batch = Any  # a tensor, a tuple of tensors or a dict of tensors (and a target t
 
 
 _UNIT_COUNTS: dict[str, int] = {}  # workload spec -> checkpoint units (Workload.checkpoint_unit_count)
+_TRAITS: dict[str, frozenset[str]] = {}  # workload spec -> its traits' values (Workload.traits)
+
+
+class Trait(str, Enum):
+    """What a workload's model is made of, where a strategy's outcome depends on it; strategies name a trait by its
+    value in `expected_with` (they do not import workloads: the two are one layer)."""
+
+    BATCH_NORM = "batch_norm"  # a BatchNorm layer (normalises by the batch's statistics in training)
+    # an activation that can run in place (a module with an `inplace` switch: ReLU, LeakyReLU, ReLU6, SiLU, ELU,
+    # Hardswish...; or a module's `inplace_relu` flag, read where its forward calls the functional form) ...
+    RELU_LIKE = "relu_like"  # ... computed out of place, into a new tensor
+    RELU_LIKE_IN_PLACE = "relu_like_in_place"  # ... computed in place already, over its input
+    DROPOUT = "dropout"  # a dropout module with p > 0 (random masks in training)
+    CONVOLUTIONAL = "convolutional"  # a convolution layer (nn.Conv*d or nn.ConvTranspose*d)
+    OUTPUT_HEAD = "output_head"  # a separable output head (`Workload.has_output_head`)
+    TRANSFORMERS_MODEL = "transformers_model"  # a transformers architecture (its `model_type`), declared
+
+
+# torch's activation modules with an `inplace` switch (ReLU, LeakyReLU, ReLU6, SiLU, ELU, Hardswish...)
+IN_PLACE_ACTIVATIONS = tuple(kind for kind in vars(nn.modules.activation).values() if isinstance(kind, type)
+                             and issubclass(kind, nn.Module) and "inplace" in inspect.signature(kind).parameters)
+
+
+def inspected_traits(model: nn.Module) -> frozenset[Trait]:
+    """The traits `model`'s modules show (every trait but the output head and the declared ones)."""
+    found = set()
+    for module in model.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            found.add(Trait.BATCH_NORM)
+        elif isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+            found.add(Trait.DROPOUT)
+        elif isinstance(module, nn.modules.conv._ConvNd):
+            found.add(Trait.CONVOLUTIONAL)
+        in_place = [module.inplace] if isinstance(module, IN_PLACE_ACTIVATIONS) else []
+        if hasattr(module, "inplace_relu"):
+            in_place.append(module.inplace_relu)
+        found.update(Trait.RELU_LIKE_IN_PLACE if flag else Trait.RELU_LIKE for flag in in_place)
+    return frozenset(found)
 
 
 class Workload:
@@ -64,6 +109,8 @@ class Workload:
     small: tuple[str, int] | None = None
     small_for: dict[str, tuple[str, int] | None] = {}
     requires: str | None = None
+    # traits its model has that its modules do not show (`Trait.TRANSFORMERS_MODEL`); see `traits()`
+    declared_traits: frozenset[Trait] = frozenset()
 
     def __init__(self, **options):
         check_option_names("workload", self.name or type(self).__name__, options, self.options)
@@ -134,6 +181,18 @@ class Workload:
                     return self.build_model()
             except Exception:  # noqa: BLE001 - nor fake tensors: the real model, as the runner builds it
                 return self.build_model()
+
+    def traits(self) -> frozenset[str]:
+        """What its model is made of (the values of `Trait`): the traits its modules show, read on a model that holds
+        no memory (`model_structure`), the output head if it has one, and its `declared_traits`; once per workload
+        spec in this process."""
+        spec = self.spec()
+        if spec not in _TRAITS:
+            found = {*inspected_traits(self.model_structure()), *self.declared_traits}
+            if self.has_output_head():
+                found.add(Trait.OUTPUT_HEAD)
+            _TRAITS[spec] = frozenset(trait.value for trait in found)
+        return _TRAITS[spec]
 
     def has_output_head(self) -> bool:
         """Whether the model has a separable output head (`output_head`), known without building it."""

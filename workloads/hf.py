@@ -60,7 +60,7 @@ from torch.nn import functional as F
 from bench.core.errors import UsageError
 from bench.core.quiet_import import import_torchao
 from workloads import hf_checks, hf_moe, text_data
-from workloads.base import DeferredHead, Workload, register_workload
+from workloads.base import DeferredHead, Trait, Workload, register_workload
 from workloads.hf_config import (FILE_FORM, REMOTE_TASK_CLASSES, config_values, is_file_reference,  # noqa: F401
                                  make_config, read_config_file, remote_class, remote_tasks, resolve_config)
 from workloads.hf_presets import MASK_TOKEN_IDS, PRESETS
@@ -201,6 +201,7 @@ class HfWorkload(Workload):
     small_for = {"peak_in_backward": ("hf:tiny-llama:seq_len=16", 4), "emulated16": ("hf:tiny-llama:seq_len=16", 1),
                  "fake_cuda": None}
     requires = "transformers"
+    declared_traits = frozenset({Trait.TRANSFORMERS_MODEL})  # every model it builds is a transformers architecture
 
     def configure(self) -> None:
         s = self.settings
