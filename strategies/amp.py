@@ -30,6 +30,11 @@ class Amp(Strategy):
     mis-scaled gradient (a factor of the GradScaler's 65536, or zeros), not bf16 rounding. The weights after one
     step are not compared: Adam's first step is about `lr * sign(g)` for every element, and bf16 rounding flips
     the sign of the tiniest gradients (deep_mlp's zero-initialised biases: 0.71 of their norm at batch 8).
+
+    Limitations: verification is weak for it (the tolerances above): it cannot tell a wrong rounding from bf16's.
+    On the CPU `auto` is bfloat16, so a CPU row says nothing of float16's range. With float16 the GradScaler skips
+    the optimizer step of a step whose gradients hold an inf or NaN; bfloat16 runs with the scaler disabled, so no
+    step is skipped.
     """
 
     name = "amp"

@@ -228,6 +228,14 @@ class Checkpoint(Strategy):
       get no gradient (verification shows params_without_grad > 0); `bn_fix=false` lets the recompute update the
       BatchNorm statistics a second time (verification shows bn_stats_match False).
     Exact: the recompute repeats the same fp32 arithmetic.
+
+    Limitations: it recomputes only the workload's checkpoint units (`Workload.checkpoint_units`): a model
+    that names fewer than 2 (1 with `segments=all`), or fewer than `segments`, is an `unsupported` row, and what lies
+    outside the units (an embedding, a head the model does not list) is never recomputed. Units that do not chain (a
+    UNet's blocks, an `hf:` model's layers) are each their own checkpoint: no segment spans several. In eval, or with
+    autograd off, the units run plainly: nothing is saved for a backward, so nothing changes. `budget` plans only where
+    a command plans before running the case (`compare`, `run`, `explain`; elsewhere the row is `unsupported`), and a
+    budget no candidate plan fits is an `unsupported` row giving the smallest peak it reached.
     """
 
     name = "checkpoint"

@@ -76,6 +76,14 @@ class Compile(Strategy):
     level whose sign the reordering flips moves its weight by twice that (0.3 relative norm on timm's
     zero-initialised BatchNorm weights, 2.6e-3 on the captcha ResNet at batch 2). A model with dropout cannot
     match: compiled dropout draws its masks from another random stream than eager dropout (the row says so).
+
+    Limitations: on the CPU its memory is counted at the allocator (profiler events), not by the exact
+    live-tensor tracker the other strategies' CPU rows use. A prediction of `inductor` counts the buffers of its
+    generated code, not its kernels' own work areas, and runs a graph whose kernel allocates its own output
+    (attention) as its partition on eager kernels (its `prediction_note`). A model with dropout differs by
+    design; the weights after one step are not compared. `inductor` on the CPU without a C++ compiler is an
+    `unsupported` row. `compile_time_ms` is a difference of step times, smaller where inductor's on-disk cache already
+    held the kernels. The planner never tries it (`plan_excluded`).
     """
 
     name = "compile"

@@ -13,6 +13,11 @@ class CudnnBenchmark(Strategy):
 
     CUDA only: on the CPU the row is `unsupported`. Exact to float tolerance (algorithms differ only in the order of
     float sums). The previous flag value is restored when the session ends, even on an exception.
+
+    Limitations: CUDA only. Its cost in memory is cuDNN's convolution workspaces, which `predict` does
+    not model: the measured `max_memory_allocated` can exceed a prediction by the workspace of the convolution running
+    at the peak, and the autotuning's trial workspaces in the warm-up steps can stay in reserved memory
+    (`bench.analysis.predict_assumptions`). The planner never tries it (`plan_excluded`).
     """
 
     name = "cudnn_benchmark"

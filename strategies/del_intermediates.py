@@ -14,6 +14,10 @@ class DelIntermediates(Strategy):
     peak. In eval with autograd on (the article's validation), `pred` holds the previous batch's whole autograd
     graph with every saved activation, alive while the next batch's forward builds its own: the peak, at the end of
     that forward, holds two graphs. Exact.
+
+    Limitations: it frees only what the loop itself keeps between steps (the previous output and loss, and
+    the gradients): in training the backward has freed the graph by then, so where the peak falls in backward the
+    train peak is the baseline's (1.000 on captcha_resnet18).
     """
 
     name = "del_intermediates"

@@ -13,6 +13,10 @@ class EmptyCache(Strategy):
     `nvidia-smi` shows) can fall, and it falls only between steps; the next step takes the blocks back from the
     driver with cudaMalloc, which costs time. Useful only to hand memory to another process. Exact; CUDA only (the
     CPU has no caching allocator): `unsupported` on the CPU.
+
+    Limitations: `peak_mem_bytes` cannot fall; the re-allocation it causes costs time, which the planner does
+    not model (`plan_excluded`), and `predict`'s model of the caching allocator assumes no `empty_cache`, so a
+    prediction does not show the memory it gives back between steps.
     """
 
     name = "empty_cache"

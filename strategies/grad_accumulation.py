@@ -32,6 +32,12 @@ class GradAccumulation(Strategy):
     order). BatchNorm normalises each micro-batch by that micro-batch's statistics, and updates its running
     statistics K times; dropout draws other masks: the row then says it does not match the baseline, and why.
     A batch that K does not divide is an `unsupported` row (a sweep over batch sizes goes on).
+
+    Limitations: BatchNorm and dropout make it differ by design (above). The 1/K scaling is the full batch's
+    gradient only for a loss that is a mean over the batch's samples: a loss averaged over another count that varies
+    between micro-batches (tokens whose targets are ignored) weighs the micro-batches equally, not by that count. A
+    batch that K does not divide, or whose tensors do not all have the batch as their first dimension, is an
+    `unsupported` row.
     """
 
     name = "grad_accumulation"

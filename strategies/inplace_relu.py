@@ -37,6 +37,12 @@ class InplaceReLU(Strategy):
 
     A model without a ReLU-like activation module (GELU transformers, a purely linear MLP), or whose activations
     are all in place already (most timm CNNs), is an `unsupported` row that says so.
+
+    Limitations: it sees only activation modules with an `inplace` switch and modules with an `inplace_relu`
+    flag: a functional `F.relu` in a model's forward without such a flag is left as it is. Where the tensor it
+    overwrites is saved for backward by the operation that made it (a ReLU after a sigmoid), autograd's version check
+    raises in backward and the row is an `error`. In training it removes a transient, not a saved activation, so the
+    train peak barely moves (above).
     """
 
     name = "inplace_relu"

@@ -9,6 +9,9 @@ class KeepGrads(Strategy):
     the zeroed buffers, so the result is the baseline's exactly; the cost is memory wherever the baseline holds no
     gradient: through the forward, a buffer the size of the weights stays allocated. Where the peak is at the end
     of backward or in the step, every gradient exists in both, and it costs nothing. Training only.
+
+    Limitations: it never saves memory, so the planner never tries it (`plan_excluded`); its cost shows only where
+    the baseline's peak holds no gradient (above), so it declares no band on captcha_resnet18 (pinned on deep_mlp).
     """
 
     name = "keep_grads"

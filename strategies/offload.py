@@ -59,7 +59,11 @@ def counted_save_on_cpu(host: HostBytes, pin_memory: bool) -> torch.autograd.gra
 class Offload(Strategy):
     """`save_on_cpu(pin_memory=True)` around the forward; the row's `offload_host_peak_bytes` is the most host
     memory its copies held at once (in the measured step of the memory pass, or the last step that ran).
-    Exact: the saved values come back unchanged."""
+    Exact: the saved values come back unchanged.
+
+    Limitations: CUDA only. `save_on_cpu` moves every saved tensor, parameters included: a weight that a Linear
+    saves comes back in backward as a second device copy (`offload_activations` leaves parameters where they are).
+    The host copies are not in `peak_mem_bytes` (device memory): they are `offload_host_peak_bytes`."""
 
     name = "offload"
     row_columns = ("offload_host_peak_bytes",)

@@ -109,7 +109,12 @@ class OffloadActivations(Strategy):
     """torchtune's activation offloading (see the module docstring).
 
     Options, torchtune's names and defaults: `min_offload_size` (1024 bytes: smaller saved tensors stay),
-    `use_streams` (true: the stashes of the second stream's copies), `max_fwd_stash_size` (5)."""
+    `use_streams` (true: the stashes of the second stream's copies), `max_fwd_stash_size` (5).
+
+    Limitations: CUDA only. Saved tensors under `min_offload_size` bytes, parameters and the output head's saved
+    tensors stay on the device, and with `use_streams` the stashes keep offloaded tensors on the device longer than
+    their copy needs (the module docstring). The host copies are not in `peak_mem_bytes` (device memory): they are
+    `offload_host_peak_bytes`. Composed with `checkpoint`, only what autograd saves outside the checkpoints moves."""
 
     name = "offload_activations"
     row_columns = ("offload_host_peak_bytes",)

@@ -25,6 +25,9 @@ class PinnedLoader(Strategy):
     loop from ordinary pageable memory, which the driver first copies into a pinned staging buffer: the
     comparison the technique is measured against. Device memory holds one more batch while it is copied; the
     saving is time. Exact (the same values); CUDA only (pinning needs a GPU): `unsupported` on the CPU.
+
+    Limitations: the DataLoader collates in the training process (no worker processes), and its pinned host memory
+    is not in `peak_mem_bytes` (device memory). The planner never tries it (`plan_excluded`).
     """
 
     name = "pinned_loader"

@@ -17,6 +17,9 @@ class PitfallLossSum(Strategy):
     the saved tensors already: what grows is the chain of autograd nodes, host memory that the tensor count does
     not see, so its growth column reads 0. The fix: `total += loss.item()` (or `loss.detach()`). The same
     arithmetic: it matches the baseline.
+
+    Limitations: in training its growth is not counted: it is host memory of autograd nodes, which the tensor count
+    does not see, so `mem_growth_bytes_per_step` reads 0 there (above).
     """
 
     name = "pitfall_loss_sum"

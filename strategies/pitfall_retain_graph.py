@@ -10,6 +10,10 @@ class PitfallRetainGraph(Strategy):
     loop keeps `loss` until the next step's loss rebinds it, so the previous step's activations are alive through
     the next forward, until its loss exists: the peak holds two steps' activations where it fell in the forward
     (or at the loss). The same gradients: it matches the baseline. Training only.
+
+    Limitations: what it keeps into the next step depends on the loop's lifetimes, not on it alone: the kept
+    activations belong to the graph, freed when the loop drops the step's output and loss; a loop that drops them
+    at the end of its step (`del_intermediates`) carries no previous graph into the next forward.
     """
 
     name = "pitfall_retain_graph"

@@ -59,6 +59,11 @@ class SelectiveCheckpoint(Strategy):
     BatchNorm output the add mutates is recomputed, so it runs (a test pins it). A policy that saved that
     BatchNorm's output would fail that way; such a failure in a sweep is an `error` row, and the sweep goes on.
     BatchNorm statistics are restored after each recompute, as in `checkpoint`. Exact: the same fp32 arithmetic.
+
+    Limitations: it needs the workload's checkpoint units (a model naming none is an `unsupported` row),
+    and each is its own checkpoint (no segments). The policies know the operators listed in this module (matmul,
+    attention, convolution): any other operator's output is recomputed, however expensive. An output the policy saves
+    that a later operation mutates in place raises in PyTorch, and the row is an `error`. Train only.
     """
 
     name = "selective_checkpoint"

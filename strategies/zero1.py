@@ -10,7 +10,11 @@ from strategies.sharding import Sharded, data_parallel
 class Zero1(Sharded):
     """Each rank keeps the optimizer state of 1/N of the parameters and updates only those, then broadcasts them;
     weights and gradients stay replicated (DDP). Adam's two moments are 2x the parameters: sharding them is where
-    ZeRO-1 saves. Exact up to float summation order; BatchNorm models do not match (per-rank statistics)."""
+    ZeRO-1 saves. Exact up to float summation order; BatchNorm models do not match (per-rank statistics).
+
+    Limitations: it needs `--ranks 2` or more, and a BatchNorm model differs from the single process (per-rank
+    statistics). ZeroRedundancyOptimizer gives each rank whole parameters (never part of one), so the ranks' shares
+    of the optimizer state are as even as the parameters' sizes allow, not equal."""
 
     name = "zero1"
     description = "ZeRO-1: DDP with the optimizer state sharded across ranks (ZeroRedundancyOptimizer)"
