@@ -154,7 +154,14 @@ class FSDP(Sharded):
     on the root: each rank keeps 1/N of every parameter, gradient and optimizer state, and all-gathers a unit's
     parameters just before it runs (freeing them after), so the peak holds one unit's full weights at a time.
     Options: `replicate` (HSDP replica groups), `offload=cpu` (CUDA), `reshard_after_forward` (module docstring).
-    Composes with checkpoint, amp and lora. Exact up to float summation order; BatchNorm models do not match."""
+    Composes with checkpoint, amp and lora. Exact up to float summation order; BatchNorm models do not match.
+
+    Limitations: it needs `--ranks 2` or more, which `replicate` must divide, and a BatchNorm model differs from the
+    single process (per-rank statistics). It shards the workload's checkpoint units that own parameters, and the
+    root: a parameter outside those units is the root's, all-gathered with it. Parameters are split by rows (dim 0,
+    torch.chunk's split), so a parameter with fewer rows than shards leaves some ranks an empty chunk and ranks can
+    hold unequal shares. `offload=cpu` is CUDA only, and its host memory is not in `peak_mem_bytes`: it is
+    `offload_host_peak_bytes`, counted right after each optimizer step."""
 
     name = "fsdp"
     description = "FSDP2 fully_shard per checkpoint unit and root: parameters, gradients, optimizer state sharded"
