@@ -211,11 +211,11 @@ def dry_run(trainer, gpu: str | None = None, *, budget: int | str | None = None,
     changes that fit, those that keep the training result before an 8-bit optimizer. See the module's docstring.
 
     Example: `print(membench.dry_run(trainer, gpu="RTX 4090"))`; `.fits`, `.change_text`."""
-    from membench.planning import _size
+    from membench.planning import size_bytes
 
     if (gpu is None) == (budget is None):
         raise InputError("dry_run: give gpu= (a GPU's name) or budget= (bytes on this CPU), one of them")
-    limit = None if budget is None else _size(budget, "budget")
+    limit = None if budget is None else size_bytes(budget, "budget")
     objects = trainer_objects(trainer)
     batch_shape, notes = longest_batch(trainer)
     job = _job_at(objects, batch_shape, {})

@@ -21,7 +21,8 @@ from strategies.base import PHASES
 from workloads import Workload
 
 
-def _size(value: int | str, what: str) -> int:
+def size_bytes(value: int | str, what: str) -> int:
+    """`value` (bytes, or a size such as "24GiB") in bytes; an InputError naming `what` where it is none."""
     try:
         return parse_positive_size(value)
     except ValueError as error:
@@ -89,7 +90,7 @@ def plan(model: Callable[[], nn.Module] | nn.Module | Workload | str | None = No
         job = config_job(config, overrides, peft_config, quantization_config, model)
         model, batch_size = job.workload, batch_size or job.batch_size
     workload = as_workload(model, batch, loss_fn, optimizer, name, **workload_options)
-    limit = None if budget is None else _size(budget, "budget")
+    limit = None if budget is None else size_bytes(budget, "budget")
     size = batch_size_of(batch_size, workload)
     with process_state():  # the user's model is built and stepped here: its global changes do not outlive the call
         rows, answer, note = _engine.plan_search_rows(workload.spec(), workload.data_sources[0], size, gpu, limit,
@@ -120,7 +121,7 @@ def fit(model: Callable[[], nn.Module] | nn.Module | Workload | str | None = Non
     max_batch = parsed("max_batch", parse_batch_size, max_batch, "max_batch")
     time_steps = parsed("time_steps", non_negative_int, str(time_steps))
     parsed("time_steps", check_steps, time_steps, "time_steps", 0)
-    budget = _size(budget, "budget")
+    budget = size_bytes(budget, "budget")
     if config is not None:  # `estimate`'s config=: the configuration's model and strategy, the batch searched
         job = config_job(config, overrides, peft_config, quantization_config, model)
         model, strategies = job.workload, [job.strategy]

@@ -76,12 +76,12 @@ def test_fake_engine_applies_autocast():
 
 
 def test_fake_engine_leaves_the_batch_cache_real():
-    from bench.run.runner import _cpu_batch
+    from bench.run.case import cpu_batch
     from torch._subclasses.fake_tensor import FakeTensor
 
     c = case(MLP, "baseline", "eval", 3)
     fake_memory_pass(c, bind_case(c)[0])
-    inputs, target = _cpu_batch(c.workload, 3, c.data)
+    inputs, target = cpu_batch(c.workload, 3, c.data)
     assert not isinstance(inputs, FakeTensor) and not isinstance(target, FakeTensor)
 
 

@@ -6,6 +6,10 @@ Nothing here imports torch: `--help`, a usage error and `report` stay quick and 
 from __future__ import annotations
 
 import argparse
+import ast
+import functools
+import importlib.util
+from pathlib import Path
 from typing import Any, Callable
 
 from bench.core.errors import UsageError
@@ -23,6 +27,35 @@ EXECUTORS = ("local", "ray")
 # --case-timeout where cases run isolated and none is given: generous (a case's timing stops after
 # --max-time-per-case), so that only a case that never returns reaches it
 DEFAULT_ISOLATED_CASE_TIMEOUT_S = 3600.0
+
+
+@functools.lru_cache(maxsize=1)
+def sharded_strategy_names() -> tuple[str, ...]:
+    """The names of the strategies of the `strategies` package that run as several ranks of torch.distributed (whose
+    class declares `distributed = True` or inherits it), read from their source: the help texts name them, and
+    importing a strategy would import torch, which the parser must not."""
+    classes: dict[str, tuple[list[str], dict[str, Any]]] = {}  # class name -> (its bases' names, its constants)
+    for path in sorted(Path(importlib.util.find_spec("strategies").submodule_search_locations[0]).rglob("*.py")):
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.ClassDef):
+                bases = [base.id if isinstance(base, ast.Name) else base.attr for base in node.bases
+                         if isinstance(base, (ast.Name, ast.Attribute))]
+                constants = {target.id: statement.value.value for statement in node.body
+                             if isinstance(statement, (ast.Assign, ast.AnnAssign))
+                             and isinstance(statement.value, ast.Constant)
+                             for target in getattr(statement, "targets", [getattr(statement, "target", None)])
+                             if isinstance(target, ast.Name)}
+                classes[node.name] = (bases, constants)
+
+    def declared(name: str, attribute: str) -> Any:
+        bases, constants = classes.get(name, ([], {}))
+        if attribute in constants:
+            return constants[attribute]
+        return next((value for base in bases if base != name and (value := declared(base, attribute)) is not None),
+                    None)
+
+    return tuple(sorted(constants["name"] for name, (_, constants) in classes.items()
+                        if "name" in constants and declared(name, "distributed")))
 
 
 def number_type(convert: Callable[[str], Any], valid: Callable[[Any], bool], expected: str) -> Callable[[str], Any]:
@@ -193,9 +226,10 @@ def _add_sweep_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deterministic", action="store_true",
                    help="cudnn.deterministic and torch.use_deterministic_algorithms(True) for each case (default off)")
     p.add_argument("--ranks", type=positive_int, default=1,
-                   help="processes of torch.distributed for the sharded strategies ddp, zero1, fsdp (gloo on the CPU, "
-                        "NCCL and one GPU each on CUDA), each training on its own --batch-size, as torchrun's do (or "
-                        "on its share of --global-batch-size) (default 1)")
+                   help="processes of torch.distributed for the sharded strategies "
+                        f"{', '.join(sharded_strategy_names())} (gloo on the CPU, NCCL and one GPU each on CUDA), each "
+                        "training on its own --batch-size, as torchrun's do (or on its share of --global-batch-size) "
+                        "(default 1)")
     p.add_argument("--executor", default=None,
                    help="where the cases run: local (default: this machine, in order) or ray (each case and repeat a "
                         "task in a fresh Ray worker process; see --ray-address)")

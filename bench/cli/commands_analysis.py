@@ -65,7 +65,7 @@ def uses_threads(command: Callable[..., int]) -> Callable[..., int]:
     return with_threads
 
 
-def _workload_and_data(args) -> tuple[str, str]:
+def workload_and_data(args) -> tuple[str, str]:
     """The workload's canonical spec and the data source (default: synthetic where the workload has it, since
     memory does not depend on the values, else its first)."""
     workload = get_workload(args.workload or DEFAULT_WORKLOAD)
@@ -73,7 +73,7 @@ def _workload_and_data(args) -> tuple[str, str]:
     return workload.spec(), workload.check_data(args.data or default)
 
 
-def _batch_size_text(args) -> str:
+def batch_size_text(args) -> str:
     """--batch-size (or --global-batch-size) as given, else the workload's own default batch (as `run` and `compare`
     take it)."""
     return step_batch_text(args) or str(get_workload(args.workload or DEFAULT_WORKLOAD).default_batch_size)
@@ -81,10 +81,10 @@ def _batch_size_text(args) -> str:
 
 def _planned_case(args) -> tuple[Case, object]:
     """`explain`'s case and its bound strategy, checked and planned; a UsageError where it cannot run here."""
-    workload, data = _workload_and_data(args)
+    workload, data = workload_and_data(args)
     phase = check_choice("phase", args.phase, PHASES)
     device = check_choice("device", args.device, ("cpu",))  # the breakdown needs the exact CPU tracker
-    batch = one_batch_size(_batch_size_text(args))
+    batch = one_batch_size(batch_size_text(args))
     strategy, context = bind_case(Case(workload, args.strategy, phase, batch, device, data=data))
     try:
         strategy.check(context)
@@ -128,7 +128,7 @@ def cmd_explain(args) -> int:
 def cmd_predict(args) -> int:
     """Predicted torch.cuda.max_memory_allocated per case, without a GPU (assumptions printed); writes a CSV."""
     job = derived_job(args, "predict")  # --config: the case of the user's trainer configuration
-    workload, data = _workload_and_data(args)
+    workload, data = workload_and_data(args)
     gpu, device = _gpu_and_device(args, "cuda")
     engine = check_choice("engine", args.engine, predict.ENGINES)
     compute_capability = gpus.capability_for(args.capability, device, gpu)
@@ -138,7 +138,7 @@ def cmd_predict(args) -> int:
     if job is not None:  # the configuration's case alone: its baseline would be another job
         specs = [job.strategy]
     strategies = [parse_strategy(spec) for spec in specs]  # unknown names: exit 2 before any work
-    batches = step_batches(args, parse_batch_sizes(_batch_size_text(args), batch_option_name(args)), args.ranks)
+    batches = step_batches(args, parse_batch_sizes(batch_size_text(args), batch_option_name(args)), args.ranks)
     preflight.check_ranks_shard(args.ranks, strategies)
     out = check_output_dir(args.out, "--out")
     interrupt.set_note("interrupted: nothing was written (predict writes its table at the end)")
@@ -229,7 +229,7 @@ def cmd_fit(args) -> int:
                          "they would disturb each other's peaks); valid: --device cpu, or --over seq_len")
     executor, address = executor_options(args)
     budget = _fit_budget(args, gpu)
-    workload, data = _workload_and_data(args)
+    workload, data = workload_and_data(args)
     if over == "seq_len":
         return _fit_over_seq_len(args, gpu, device, budget, workload, data, executor, address)
     if args.batch_size is not None:

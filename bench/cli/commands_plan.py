@@ -13,7 +13,7 @@ from bench.analysis.fake_engine import has_gpu
 from bench.cli import interrupt
 from bench.cli.arguments import analysis_device, batch_option_name, one_batch_size, size_option, step_batch_text
 from bench.cli.analysis_console import batch_words, compare_command, mib_or_dash, ms_or_dash
-from bench.cli.commands_analysis import _batch_size_text, _workload_and_data, executor_options, uses_threads
+from bench.cli.commands_analysis import batch_size_text, executor_options, uses_threads, workload_and_data
 from bench.cli.commands_plan_context import check_over_seq_len, plan_context_command
 from bench.cli.commands_plan_ranks import plan_ranks_command
 from bench.cli.config_option import derived_job, with_config
@@ -58,8 +58,8 @@ def _request(args) -> tuple[plan.PlanRequest, str]:
     if (args.confirm or args.confirm_front) and device == "cuda" and not has_gpu():
         raise UsageError("--confirm measures on the planned device: this machine has no GPU (plan --device cpu "
                          "--budget SIZE confirms on the CPU)")
-    workload, data = _workload_and_data(args)
-    batch = one_batch_size(_batch_size_text(args), batch_option_name(args))
+    workload, data = workload_and_data(args)
+    batch = one_batch_size(batch_size_text(args), batch_option_name(args))
     per_rank = batch if args.global_batch_size is None else 0
     limit = gpus.limit_with_headroom(budget, args.headroom)
     context = gpus.CUDA_CONTEXT_BYTES if device == "cuda" else 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 from bench.analysis import fit, fit_context, plan, plan_context
 from bench.cli import interrupt
 from bench.cli.analysis_console import format_fit_seq_len
-from bench.cli.commands_analysis import _workload_and_data
+from bench.cli.commands_analysis import workload_and_data
 from bench.cli.config_option import with_config
 from bench.cli.console import status
 from bench.core.errors import UsageError
@@ -23,7 +23,7 @@ def check_over_seq_len(args) -> None:
     if args.confirm or args.confirm_front:
         raise UsageError("--over seq_len answers from predictions: measure its answer with the compare command it "
                          "prints (drop --confirm)")
-    fit_context.longest_tried(_workload_and_data(args)[0], args.seq_step, args.max_seq_len)  # before any work
+    fit_context.longest_tried(workload_and_data(args)[0], args.seq_step, args.max_seq_len)  # before any work
 
 
 def plan_context_command(args, request: plan.PlanRequest, how: str, executor: str = "local",

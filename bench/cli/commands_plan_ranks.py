@@ -7,6 +7,7 @@ import time
 from bench.analysis import plan, plan_ranks
 from bench.cli import interrupt
 from bench.cli.analysis_console import compare_command, mib_or_dash, ms_or_dash
+from bench.cli.arguments import sharded_strategy_names
 from bench.cli.config_option import with_config
 from bench.cli.console import status
 from bench.core.results import PLAN, new_run_id, write_table
@@ -48,7 +49,7 @@ def _per_rank_count(request: plan.PlanRequest, how: str, counts: list, seconds: 
     lines = [f"how many GPUs: {request.workload}, {batch}, training, on {request.target}",
              f"  limit per GPU {format_size(request.limit_bytes)} ({request.limit_bytes:,} B): {how}",
              f"  {sum(c.searched.tried for c in counts)} candidates in {seconds:.0f} s; at 2 ranks and more only "
-             "those with a sharded member (ddp, zero1, fsdp), each rank predicted in one process",
+             f"those with a sharded member ({', '.join(sharded_strategy_names())}), each rank predicted in one process",
              "",
              f"  {'ranks':>5} {'tried':>5}  {'smallest per GPU':<48} {'the front (judged MiB / est. ms)'}",
              "  " + "-" * 110]

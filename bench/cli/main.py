@@ -18,7 +18,7 @@ from bench.cli.config_option import add_config_option
 from bench.cli.arguments import (DEFAULT_OUT, WORKLOAD_HELP, add_case_options, add_executor_options,
                                  add_global_batch_option, add_memory_limit_option, add_snapshot_option,
                                  add_table_options, add_threads_option, headroom_fraction, non_negative_int,
-                                 positive_float, positive_int, refuse_blank_values)
+                                 positive_float, positive_int, refuse_blank_values, sharded_strategy_names)
 from bench.core import gpus
 from bench.core.errors import UsageError, shortened
 from bench.core.job_environment import check_job_environment
@@ -136,7 +136,8 @@ def _add_analysis_parsers(sub) -> None:
     p.add_argument("--phases", default=None, help="train,eval, train or eval (default train,eval; with --config, "
                                                   "train)")
     p.add_argument("--ranks", type=positive_int, default=1,
-                   help="for the sharded strategies (ddp, zero1, fsdp): the peak of the largest of N ranks, each "
+                   help=f"for the sharded strategies ({', '.join(sharded_strategy_names())}): the peak of the largest "
+                        "of N ranks, each "
                         "training on its own --batch-size (or its share of --global-batch-size), without starting N "
                         "processes (PyTorch's fake process group; default 1)")
     p.add_argument("--engine", default="auto",

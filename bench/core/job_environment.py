@@ -22,6 +22,8 @@ from bench.core.units import parse_positive_size
 LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                       "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
 LAUNCHER_PREFIXES = ("TORCHELASTIC_",)
+# MEMBENCH_PLUGINS: a comma list of modules every worker process imports first (e.g. to register strategies);
+# `plugin_modules` reads it
 PLUGINS_VARIABLE = "MEMBENCH_PLUGINS"
 # MEMBENCH_CPU_16BIT: how membench treats 16-bit autocast on this machine's CPU (bench.measure.cpu_16bit decides with
 # it). `auto` (or unset) asks the CPU; `emulated` treats every 16-bit type as emulated (the fast emulated path of
@@ -113,9 +115,15 @@ def clear_launcher_variables() -> None:
         del os.environ[name]
 
 
+def plugin_modules(environ=None) -> list[str]:
+    """The modules $MEMBENCH_PLUGINS names in `environ` (default this process's), in its order."""
+    environ = os.environ if environ is None else environ
+    return [module.strip() for module in environ.get(PLUGINS_VARIABLE, "").split(",") if module.strip()]
+
+
 def check_plugins() -> None:
     """Each module $MEMBENCH_PLUGINS names can be found (not imported: a worker imports it), or a UsageError."""
-    for module in filter(None, (m.strip() for m in os.environ.get(PLUGINS_VARIABLE, "").split(","))):
+    for module in plugin_modules():
         try:
             found = importlib.util.find_spec(module) is not None
         except (ImportError, ValueError):

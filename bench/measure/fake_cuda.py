@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from bench.core.job_environment import PLUGINS_VARIABLE, plugin_modules
+
 ROOT = Path(__file__).resolve().parents[2]
 VENV = ROOT / ".venv-cuda-fake"
 INSTALLED_STAMP = ".installed"  # written by the Makefile when the environment and its stubs are complete
@@ -56,7 +58,7 @@ def worker_environment(base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment variables under which `python -m bench ...` in that Python runs each isolated case on fake
     CUDA tensors (its workers import the fake-CUDA mode as a plugin): `python_environment(base)` plus those."""
     env = python_environment(base)
-    plugins = [p for p in env.get("MEMBENCH_PLUGINS", "").split(",") if p.strip()]
-    env["MEMBENCH_PLUGINS"] = ",".join(plugins + [WORKER_PLUGIN] if WORKER_PLUGIN not in plugins else plugins)
+    plugins = plugin_modules(env)
+    env[PLUGINS_VARIABLE] = ",".join(plugins if WORKER_PLUGIN in plugins else plugins + [WORKER_PLUGIN])
     env[WORKER_FLAG] = "1"
     return env

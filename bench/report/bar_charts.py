@@ -13,6 +13,7 @@ from matplotlib.patches import Patch
 from matplotlib.text import Text
 
 from bench.core.units import MiB
+from bench.core.results import Status
 from bench.report.data import MISMATCH_LABEL, Group, row_flag, strategy_order
 from bench.report.figures import PHASE_COLOR, new_figure, phases_in, save_figure, set_titles
 
@@ -59,7 +60,7 @@ class _BarCells:
                            color="#888888")
         row = hit.iloc[0]
         flag = row_flag(row)
-        if row["status"] != "ok" or pd.isna(self.value(row)):
+        if row["status"] != Status.OK or pd.isna(self.value(row)):
             stub = self.top * 0.06
             ax.bar(xi, stub, self.width * 0.92, color=NOT_MEASURED_COLOR, edgecolor=color, hatch="xx", zorder=2)
             return ax.text(xi, stub * 1.15, flag or "no value", rotation=90, ha="center", va="bottom", fontsize=8,
@@ -98,7 +99,7 @@ def _grouped_bars(fig: Figure, ax, rows: pd.DataFrame, order: list[str], value, 
     n = len(phases)
     width = 0.8 / n
     x = np.arange(len(order))
-    ok = rows[rows["status"] == "ok"]
+    ok = rows[rows["status"] == Status.OK]
     values = [value(r) for _, r in ok.iterrows()]
     top = max([v for v in values if not pd.isna(v)] or [1.0])
     cells = _BarCells(value, spread, change_column, width, top)
@@ -106,7 +107,7 @@ def _grouped_bars(fig: Figure, ax, rows: pd.DataFrame, order: list[str], value, 
     for k, phase in enumerate(phases):
         color = PHASE_COLOR.get(phase, "#7f7f7f")
         offset = (k - (n - 1) / 2) * width
-        base = rows[(rows["phase"] == phase) & (rows["strategy"] == "baseline") & (rows["status"] == "ok")]
+        base = rows[(rows["phase"] == phase) & (rows["strategy"] == "baseline") & (rows["status"] == Status.OK)]
         if not base.empty:
             base_value = value(base.iloc[0])
             ax.axhline(base_value, color=color, linestyle="--", linewidth=1.2, zorder=1,

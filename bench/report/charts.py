@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench.core.filenames import bounded_name
+from bench.core.results import Status
 from bench.report.bar_charts import chart_memory, chart_time
 from bench.report.data import Group, plan_rows
 from bench.report.line_charts import chart_batch, chart_timeline, load_timeline
@@ -41,7 +42,7 @@ def draw_all(group: Group, out_dir: Path, budget_bytes: int | None) -> None:
         return chart_path(group, out_dir, name)
 
     rows = group.at_batch()
-    measured = rows[rows["status"] == "ok"]
+    measured = rows[rows["status"] == Status.OK]
     if rows.empty:
         for name in ("memory", "time", "pareto"):
             group.skipped[name] = "no rows"

@@ -15,7 +15,7 @@ from pathlib import Path
 import pandas as pd
 
 from bench.core.filenames import bounded_name
-from bench.core.results import REPORT_COLUMNS, Role, add_relative_columns, read_results_file
+from bench.core.results import REPORT_COLUMNS, Role, Status, add_relative_columns, read_results_file
 from bench.core.units import format_size, parse_size  # noqa: F401 - the report's and the charts' size helpers
 
 DEFAULT_BATCH_SIZE = 100
@@ -25,8 +25,7 @@ DEFAULT_BATCH_SIZE = 100
 MAX_GROUPS = 20
 MAX_BATCH_SIZES = 12
 MAX_STRATEGIES = 40  # of a group, in `strategy_order` (baseline, techniques, compositions, pitfalls)
-NOT_OK = ("oom", "unsupported", "error")
-STATUS_LABEL = {"ok": "ok", "oom": "OOM", "unsupported": "unsupported", "error": "error"}
+STATUS_LABEL = {status.value: "OOM" if status is Status.OOM else status.value for status in Status}  # as shown
 MISMATCH_LABEL = "≠ baseline"
 
 def is_derived(path: Path) -> bool:
@@ -231,8 +230,9 @@ def strategy_order(frame: pd.DataFrame, pitfalls: set[str] | None = None) -> lis
 
 
 def row_flag(row) -> str | None:
-    """'OOM' / 'unsupported' / 'error' for rows without a measurement, '≠ baseline' for mismatches, else None."""
-    if row["status"] != "ok":
+    """The status's label ('OOM', 'unsupported', ...) for rows without a measurement, '≠ baseline' for mismatches,
+    else None."""
+    if row["status"] != Status.OK:
         return STATUS_LABEL.get(row["status"], row["status"])
     if row["matches_baseline"] is False:
         return MISMATCH_LABEL
@@ -265,7 +265,7 @@ def plan_label(row) -> str:
 
 def plan_rows(rows: pd.DataFrame) -> pd.DataFrame:
     """The ok training rows that are checkpointing plans, the baseline included, and that match the baseline."""
-    mask = is_checkpoint_plan(rows) & (rows["phase"] == "train") & (rows["status"] == "ok")
+    mask = is_checkpoint_plan(rows) & (rows["phase"] == "train") & (rows["status"] == Status.OK)
     mask &= rows["matches_baseline"].map(lambda v: v is not False)
     return rows[mask & rows["peak_mem_bytes"].notna() & rows["step_time_ms_median"].notna()]
 
@@ -273,7 +273,7 @@ def plan_rows(rows: pd.DataFrame) -> pd.DataFrame:
 def state_floor_bytes(rows: pd.DataFrame) -> int | None:
     """Weights + gradients + optimizer state of the baseline training row (the floor no activation technique can
     go below; gradients as large as the weights), from its breakdown columns; None without them."""
-    base = rows[(rows["strategy"] == "baseline") & (rows["phase"] == "train") & (rows["status"] == "ok")]
+    base = rows[(rows["strategy"] == "baseline") & (rows["phase"] == "train") & (rows["status"] == Status.OK)]
     if base.empty or not {"peak_params_bytes", "peak_optimizer_bytes"} <= set(base.columns):
         return None
     params = pd.to_numeric(base["peak_params_bytes"], errors="coerce").iloc[-1]

@@ -28,7 +28,7 @@ import pandas as pd
 
 from bench.core.atomic import write_text_atomic
 from bench.core.errors import UsageError
-from bench.core.results import read_results
+from bench.core.results import Status, read_results
 from bench.core.snapshots import (CATEGORIES, SNAPSHOT_SUFFIX, category_timeline, largest_live, read_snapshot,
                                   replay_peaks, reserved_series, snapshot_folder)
 from bench.report.data import format_size, load_results, pitfall_strategies, row_flag, strategy_order
@@ -134,7 +134,7 @@ def _row_json(row: pd.Series, pitfalls: set[str]) -> dict[str, Any]:
                   batch_size=int(row["batch_size"]) if _number(row.get("batch_size")) is not None else None,
                   flag=row_flag(row) or "", pitfall=row["strategy"] in pitfalls,
                   eval_baseline=row["strategy"] == "baseline" and row["phase"] == "eval",
-                  noisy=row.get("noisy") is True and row["status"] == "ok",
+                  noisy=row.get("noisy") is True and row["status"] == Status.OK,
                   mem_growth_bytes_per_step=_number(row.get("mem_growth_bytes_per_step")),
                   step_time_ms_ci95_low=low, step_time_ms_ci95_high=high)
     for column in ("peak_mem_bytes", "mem_vs_baseline", "step_time_ms_median", "time_vs_baseline"):
@@ -181,7 +181,8 @@ def _predict_rows(path: Path) -> list[dict[str, Any]]:
         values.update(peak_mem_bytes=_number(row.get("predicted_bytes")), run_id=path.stem,
                       predicted_reserved_bytes=_number(row.get("predicted_reserved_bytes")),
                       batch_size=int(row["batch_size"]) if _number(row.get("batch_size")) is not None else None,
-                      status=str(row.get("status") or "ok"), pitfall=False, eval_baseline=False, verified="-")
+                      status=str(row.get("status") or Status.OK.value), pitfall=False, eval_baseline=False,
+                      verified="-")
         rows.append(values)
     return rows
 
@@ -193,7 +194,7 @@ def verdicts(frame: pd.DataFrame, pitfalls: set[str]) -> list[str]:
     for key, rows in frame.groupby(["workload", "device", "batch_size", "phase"], sort=False, dropna=False):
         workload, device, batch, phase = key
         label = f"{workload} · {phase} · batch {int(batch) if _number(batch) is not None else batch} · {device}"
-        ok = rows[(rows["status"] == "ok") & rows["peak_mem_bytes"].notna()]
+        ok = rows[(rows["status"] == Status.OK) & rows["peak_mem_bytes"].notna()]
         base = ok[ok["strategy"] == "baseline"]
         matching = ok[(ok["strategy"] != "baseline") & ~ok["strategy"].isin(pitfalls)
                       & ok["matches_baseline"].map(lambda v: v is True)]

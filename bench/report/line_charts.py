@@ -12,6 +12,7 @@ from matplotlib.patches import Patch
 from matplotlib.transforms import Transform, blended_transform_factory
 
 from bench.core.units import MiB
+from bench.core.results import Status
 from bench.report.data import MISMATCH_LABEL, STATUS_LABEL, Group, format_size, pitfall_strategies, strategy_order
 from bench.report.figures import new_figure, note_below, phases_in, save_figure, set_titles, strategy_colors
 
@@ -65,8 +66,8 @@ def _batch_lines(ax, mine: pd.DataFrame, order: list[str], colors: dict[str, tup
         rows = mine[mine["strategy"] == strategy].sort_values("batch_size")
         if rows.empty:
             continue
-        ok = rows[(rows["status"] == "ok") & rows["peak_mem_bytes"].notna()]
-        bad = rows[rows["status"] != "ok"]
+        ok = rows[(rows["status"] == Status.OK) & rows["peak_mem_bytes"].notna()]
+        bad = rows[rows["status"] != Status.OK]
         if not ok.empty:
             ax.plot(ok["batch_size"], ok["peak_mem_bytes"] / MiB, color=colors[strategy],
                     marker=BATCH_MARKERS[i % len(BATCH_MARKERS)], linewidth=2.2 if strategy == "baseline" else 1.4,

@@ -14,6 +14,7 @@ import pandas as pd
 
 from bench.core.units import format_mib
 from bench.core.atomic import write_text_atomic
+from bench.core.results import Status
 from bench.report import charts
 from bench.report.data import (  # noqa: F401 - newest_csv and parse_size are part of this module's API
     Group, MAX_GROUPS, MAX_STRATEGIES, MISMATCH_LABEL, STATUS_LABEL, find_timeline, format_size, load_results,
@@ -59,7 +60,7 @@ def _cell(text: str) -> str:
 
 
 def _note(row) -> str:
-    if row["status"] != "ok":
+    if row["status"] != Status.OK:
         return row["message"] or "(no message)"
     if row["matches_baseline"] is False:
         parts = [f"{name} {row[col]:.2g}" for name, col in (("loss rel diff", "loss_rel_diff"),
@@ -80,7 +81,7 @@ def phase_table(rows: pd.DataFrame, order: list[str]) -> list[str]:
     for strategy in order:
         for _, row in rows[rows["strategy"] == strategy].iterrows():
             status = row["status"]
-            status_cell = "ok" if status == "ok" else f"**{STATUS_LABEL.get(status, status)}**"
+            status_cell = "ok" if status == Status.OK else f"**{STATUS_LABEL.get(status, status)}**"
             matches = row["matches_baseline"]
             matches_cell = {True: "yes", False: f"**no ({MISMATCH_LABEL})**", None: "—"}[matches]
             lines.append("| " + " | ".join(_cell(c) for c in (
@@ -110,7 +111,7 @@ def pitfall_table(rows: pd.DataFrame, order: list[str]) -> list[str]:
             status = row["status"]
             matches = {True: "yes", False: f"**no ({MISMATCH_LABEL})**", None: "—"}[row["matches_baseline"]]
             lines.append("| " + " | ".join(_cell(c) for c in (
-                f"`{strategy}`", "ok" if status == "ok" else f"**{STATUS_LABEL.get(status, status)}**",
+                f"`{strategy}`", "ok" if status == Status.OK else f"**{STATUS_LABEL.get(status, status)}**",
                 _mib(row["peak_mem_bytes"]), _pct(row["mem_vs_baseline"]),
                 _growth(row.get("mem_growth_bytes_per_step")), _pct(row["time_vs_baseline"]), matches,
                 note or _note(row))) + " |")
@@ -138,7 +139,7 @@ def batch_table(group: Group, phase: str, order: list[str], budget_bytes: int | 
                 continue
             row = rows.loc[last[(strategy, b)]]
             flag = row_flag(row)
-            if row["status"] != "ok":
+            if row["status"] != Status.OK:
                 cells.append(f"**{flag}**")
                 continue
             text = _mib(row["peak_mem_bytes"])
@@ -182,7 +183,7 @@ def plan_table(group: Group) -> list[str]:
                   "(`checkpoint.planning_s` in the CSV's `strategy_settings`)."]
     at_batch = group.at_batch()
     refused = at_batch[is_checkpoint_plan(at_batch) & (at_batch["phase"] == "train")
-                       & (at_batch["status"] == "unsupported")]
+                       & (at_batch["status"] == Status.UNSUPPORTED)]
     lines += [f"`{row['strategy']}`: unsupported, {row['message']}" for _, row in refused.iterrows()]
     return lines + [""]
 

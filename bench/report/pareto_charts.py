@@ -11,6 +11,7 @@ from matplotlib.lines import Line2D
 from matplotlib.transforms import Bbox
 
 from bench.core.units import MiB
+from bench.core.results import Status
 from bench.report.data import MISMATCH_LABEL, STATUS_LABEL, Group, plan_label, plan_rows, state_floor_bytes
 from bench.report.figures import PHASE_COLOR, new_figure, note_below, phases_in, save_figure, set_titles
 
@@ -81,7 +82,7 @@ def chart_pareto(group: Group, path: Path) -> Path:
     axes = fig.subplots(1, len(phases), squeeze=False)[0]
     for ax, phase in zip(axes, phases):
         mine = rows[rows["phase"] == phase]
-        ok = mine[(mine["status"] == "ok") & mine["peak_mem_bytes"].notna() & mine["step_time_ms_median"].notna()]
+        ok = mine[(mine["status"] == Status.OK) & mine["peak_mem_bytes"].notna() & mine["step_time_ms_median"].notna()]
         valid = ok[ok["matches_baseline"] != False]  # noqa: E712  (None: not verified, still a result)
         mismatched = ok[ok["matches_baseline"] == False]  # noqa: E712
         color = PHASE_COLOR.get(phase, "#7f7f7f")
@@ -107,7 +108,7 @@ def chart_pareto(group: Group, path: Path) -> Path:
         ax.set_ylabel("peak memory (MiB)")
         ax.grid(alpha=0.3)
         ax.margins(0.22, 0.18)
-        not_measured = mine[mine["status"] != "ok"]
+        not_measured = mine[mine["status"] != Status.OK]
         if len(not_measured):
             listing = "; ".join(f"{r['strategy']} ({STATUS_LABEL.get(r['status'], r['status'])})"
                                 for _, r in not_measured.sort_values("strategy").iterrows())
@@ -180,7 +181,7 @@ def chart_plan(frame, limit_bytes: int, path: Path, title: str, subtitle: str) -
     """`plan`'s candidates (a frame of the plan table): judged memory against estimated step time; the Pareto front
     of the eligible ones joined, the answer starred, candidates that change what is trained in grey, and the
     memory limit as a horizontal line. Only the front and the answer are labelled (the CSV names every point)."""
-    ok = frame[(frame["status"] == "ok") & frame["judged_bytes"].notna() & frame["est_step_time_ms"].notna()]
+    ok = frame[(frame["status"] == Status.OK) & frame["judged_bytes"].notna() & frame["est_step_time_ms"].notna()]
     fig = new_figure(12.0, 7.5)
     ax = fig.add_subplot()
     color = PHASE_COLOR["train"]

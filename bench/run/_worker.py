@@ -13,10 +13,12 @@ import json
 import os
 import sys
 
+from bench.core.job_environment import plugin_modules
+
 
 def import_plugins() -> None:
     """Imports the modules $MEMBENCH_PLUGINS names (a comma list), as the process that started this one did."""
-    for module in filter(None, (m.strip() for m in os.environ.get("MEMBENCH_PLUGINS", "").split(","))):
+    for module in plugin_modules():
         importlib.import_module(module)
 
 

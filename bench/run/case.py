@@ -71,11 +71,13 @@ def full_workload_spec(spec: str) -> str:
 
 
 @functools.lru_cache(maxsize=8)
-def _cpu_batch(workload_spec: str, batch_size: int, data: str):
+def cpu_batch(workload_spec: str, batch_size: int, data: str):
+    """The workload's `(inputs, target)` of `batch_size` from `data`, kept for the next cases of this process
+    (emptied when a fake-CUDA mode starts and ends: no tensor may outlive its fake mode)."""
     return get_workload(workload_spec).make_batch(batch_size, data)
 
 
-clear_on_fake_mode_change(_cpu_batch.cache_clear)
+clear_on_fake_mode_change(cpu_batch.cache_clear)
 
 
 def seed_everything(seed: int) -> None:

@@ -37,7 +37,6 @@ from bench.run.result import CaseResult
 ROOT = Path(__file__).resolve().parents[2]
 ROW_MARKER = "MEMBENCH_ROW "
 STAGE_MARKER = "MEMBENCH_STAGE "  # a worker's stderr line when a case enters a stage (verification, timing, ...)
-PLUGINS_ENV = "MEMBENCH_PLUGINS"  # comma list of modules a worker imports first (e.g. to register strategies)
 
 
 @dataclass(frozen=True)

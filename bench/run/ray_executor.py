@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from bench.core.errors import UsageError
+from bench.core.job_environment import CACHE_VARIABLE, PLUGINS_VARIABLE
 from bench.run._worker import run_job
 from bench.run.isolation import ROOT, RunOptions
 from bench.run.result import CaseResult
@@ -102,7 +103,7 @@ def workload_files(cases: list[Case]) -> dict[str, str]:
 def runtime_env(remote: bool) -> dict:
     """The workers' environment: membench's code, the data cache setting, and on a remote cluster its deps."""
     env = {"working_dir": str(ROOT), "excludes": EXCLUDES}
-    passed = {k: os.environ[k] for k in ("MEMBENCH_CACHE", "MEMBENCH_PLUGINS") if k in os.environ}
+    passed = {k: os.environ[k] for k in (CACHE_VARIABLE, PLUGINS_VARIABLE) if k in os.environ}
     if passed:
         env["env_vars"] = passed
     if remote:

@@ -24,7 +24,7 @@ from bench.measure.cpu_16bit import emulated_dtype
 from bench.measure.env import environment
 from bench.measure.resident import RESIDENT_COLUMNS, ResidentMeter, release_host_memory
 from bench.measure.stats import summarize_timing
-from bench.run.case import Case, _cpu_batch, bind_case, rule_of_thumb_bytes, seed_everything  # noqa: F401
+from bench.run.case import Case, bind_case, rule_of_thumb_bytes, seed_everything  # noqa: F401
 from bench.run.fake_pass import fake_memory_pass
 from bench.run.isolation import RunOptions, process_state, run_in_worker
 from bench.run.passes import (  # noqa: F401

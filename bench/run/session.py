@@ -9,7 +9,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from bench.measure.resident import trim_heap
-from bench.run.case import Case, _cpu_batch, seed_everything
+from bench.run.case import Case, cpu_batch, seed_everything
 from strategies import Strategy
 from workloads import get_workload
 from workloads.base import tensors_of, to_device, to_float32
@@ -90,7 +90,7 @@ class Session:
 
     def load_host_batch(self) -> Any:
         """The whole batch of the case in host memory, before the strategy shards it (a hook point)."""
-        return _cpu_batch(self.case.workload, self.case.batch_size, self.case.data)
+        return cpu_batch(self.case.workload, self.case.batch_size, self.case.data)
 
     def forward(self, inputs: Any = None) -> Any:
         """The model's output on `inputs` (default: the session's batch), inside the strategy's forward context."""
