@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from bench.analysis import layer_replay
 from bench.analysis.fake_cuda_worker import run_in_fake_cuda
 from bench.analysis.fake_engine import (
     PredictionMeter, TrackedStep, UsesAutocast, bound_device, cublas_workspace, device_capability, real_step_refusal,
@@ -101,7 +102,8 @@ def predict_case(case, engine: str = "auto", ranks: int = 1, capability: tuple[i
         row["message"] = "; ".join(notes)
         name, step = _first_engine_that_runs(case, row["strategy"], engines, planned, ranks, notes,
                                              record_events=case.device == "cuda" or snapshot_dir is not None,
-                                             capability=capability, auto=engine == "auto")
+                                             capability=capability, auto=engine == "auto",
+                                             snapshot=snapshot_dir is not None)
         if case.device == "cuda" and step.cpu_sdpa_calls:
             notes.append(CPU_ATTENTION_NOTE)
         if strategy.distributed and 0 < len(step.ranks_traced) < ranks:
@@ -168,10 +170,13 @@ def _notes_before_the_step(strategy, planned: dict, ranks: int) -> list[str]:
 
 def _first_engine_that_runs(case, spec: str, engines: list[str], planned: dict, ranks: int,
                             notes: list[str], record_events: bool = False,
-                            capability: tuple[int, int] | None = None, auto: bool = True
+                            capability: tuple[int, int] | None = None, auto: bool = True, snapshot: bool = False
                             ) -> tuple[str, TrackedStep]:
     """(engine, its tracked step) of the first of `engines` that runs the case, each failure before it added to
-    `notes`; _NoPrediction when the strategy does not fit the model (no engine can run it) or the last one fails."""
+    `notes`; _NoPrediction when the strategy does not fit the model (no engine can run it) or the last one fails.
+    A decoder stack whose layers are all alike is traced at a few layers and its step built by layer replay
+    (`bench.analysis.layer_replay`), proven equal to a real trace first; the row's message says so, or why the
+    full trace ran where layer replay applied but was refused."""
     cuda = case.device == "cuda"
     for name in engines:
         refusal = real_step_refusal(planned["cpu"].context.workload, case.phase) if name == "cpu" and auto else None
@@ -179,6 +184,9 @@ def _first_engine_that_runs(case, spec: str, engines: list[str], planned: dict, 
             raise _NoPrediction(Status.UNSUPPORTED, "; ".join(
                 [note.replace(": ran on the cpu", "") for note in notes] + [refusal]))
         try:
+            step = _replayed_step(case, spec, name, planned[bound_device(name)], ranks, notes, snapshot, capability)
+            if step is not None:
+                return name, step
             return name, tracked_step(case, spec, name, 1, cuda_autocast=cuda, ranks=ranks,
                                       record_events=record_events,
                                       warmup_steps=MEMORY_WARMUP_STEPS["cuda"] if cuda else None,
@@ -192,6 +200,20 @@ def _first_engine_that_runs(case, spec: str, engines: list[str], planned: dict, 
             why = "autocast" if isinstance(error, UsesAutocast) else type(error).__name__
             notes.append(f"{name} engine failed ({why}): ran on the {engines[engines.index(name) + 1]}")
     raise AssertionError("no engine to run")  # `_engines` never returns an empty list
+
+
+def _replayed_step(case, spec: str, engine: str, strategy, ranks: int, notes: list[str], snapshot: bool,
+                   capability: tuple[int, int] | None) -> TrackedStep | None:
+    """The case's step by layer replay where it applies and is proven (its note added to `notes`), else None (where
+    it applied but was refused, why, in `notes`)."""
+    if layer_replay.why_not_replayable(case, strategy, ranks, engine, snapshot) is not None:
+        return None
+    step, why = layer_replay.tracked_step_by_layers(case, spec, engine, MEMORY_WARMUP_STEPS["cuda"], capability)
+    if step is None:
+        notes.append(f"layer replay refused ({why}): every layer traced")
+        return None
+    notes.append(layer_replay.replay_note(layer_replay.layers_of_case(case)))
+    return step
 
 
 def ranks_traced_note(traced: tuple[int, ...], ranks: int) -> str:

@@ -1,0 +1,507 @@
+"""Layer replay: the event log of a step of an N-layer decoder stack built from the logs of the same step traced at
+a few layers (k and k+1), proven equal to a real trace at k+2 before it is trusted.
+
+A homogeneous stack's step repeats the same events once per layer in each of its stretches (the parameters' setup,
+each step's forward and backward, each of the optimizer's per-parameter operators). Aligning the log at k layers with
+the log at k+1 finds where one layer adds its events (`align`): at each such site a block that repeats the period
+before it. Each event is then named by where it sits in the log's template: a fixed event of the k+1 log, or
+(site, period, offset) in a site's run of periods. Every number in an event that changes with the layers (the storage
+an event frees or files, the layer index in its module's name) is an affine function of the period and the layer
+count, fitted exactly per template slot on the two logs (`LayerTemplate`); the log at N layers is the template with
+each run extended to its N-layer length and those numbers evaluated there (`LayerTemplate.events`), with fresh
+storage keys in the order allocated, as the tracker numbers them.
+
+Nothing is trusted unproven: the template must rebuild both logs it was made from, and the log it makes for k+2
+layers must equal a real trace at k+2 event for event and byte for byte (`tracked_step_by_layers`); otherwise the
+full trace runs and the row says why. MEMBENCH_FULL_TRACE=1 always runs the full trace.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Sequence
+
+from bench.measure.memory import MemoryEvent
+
+FULL_TRACE_ENV = "MEMBENCH_FULL_TRACE"  # "1": every prediction traces all its layers (no layer replay)
+SMALLEST_TRACE_LAYERS = 3  # the layers of the smallest trace: at 2 the first layer's backward has no period before it
+_MATCH_AHEAD = 8  # events after an inserted block that must match the smaller log again for the block to be taken
+# the numbers in a module's dotted name (a layer's index in its ModuleList, an expert's): they change with the layer
+_MODULE_INDEX = re.compile(r"(?:^|(?<=\.))\d+(?=\.|\s|$)")
+
+
+class NoReplay(Exception):
+    """Why the logs do not make a layer template (the full trace runs instead)."""
+
+
+def full_trace_forced() -> bool:
+    """Whether MEMBENCH_FULL_TRACE asks every prediction to trace all its layers."""
+    return os.environ.get(FULL_TRACE_ENV, "") not in ("", "0")
+
+
+# --- alignment of the logs at k and k+1 layers -------------------------------------------------------------------
+
+def _shape(event: MemoryEvent) -> tuple:
+    """What an event is, without the numbers that change with the layers (its key, a layer index in its module)."""
+    return event.kind, event.nbytes, event.stage, event.op, _MODULE_INDEX.sub("#", event.module), event.category
+
+
+def _tokens(events: Sequence[MemoryEvent], codes: dict) -> list[int]:
+    return [codes.setdefault(_shape(event), len(codes)) for event in events]
+
+
+def align(smaller: list[int], larger: list[int]) -> list[tuple[int, int]]:
+    """Where the larger log (one layer more) has events the smaller lacks: (position in the larger log, length) of
+    each inserted block, in order; each block repeats the block just before it (one period of a run). NoReplay when
+    the larger log is not the smaller one with such blocks inserted."""
+    i = j = 0
+    sites = []
+    while i < len(smaller):
+        if j >= len(larger):
+            raise NoReplay("the larger log ends first")
+        if smaller[i] == larger[j]:
+            i, j = i + 1, j + 1
+            continue
+        ahead = smaller[i:i + _MATCH_AHEAD]
+        for length in range(1, min(j, len(larger) - j) + 1):
+            if (larger[j:j + length] == larger[j - length:j]
+                    and larger[j + length:j + length + len(ahead)] == ahead):
+                break
+        else:
+            raise NoReplay(f"event {j} of the larger log repeats no period before it")
+        sites.append((j, length))
+        j += length
+    if j < len(larger):
+        length = len(larger) - j
+        if larger[j:] != larger[j - length:j]:
+            raise NoReplay("the larger log's last events repeat no period before them")
+        sites.append((j, length))
+    return sites
+
+
+# --- the template ------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Run:
+    """One site's run of periods in the larger log: `periods` blocks of `length` events from `start`; the block the
+    larger log inserted is period `inserted`."""
+
+    start: int
+    length: int
+    periods: int
+    inserted: int
+
+
+def _runs(tokens: list[int], sites: list[tuple[int, int]]) -> list[_Run]:
+    """Each site's whole run in the larger log: its inserted block extended backwards and forwards by the periods
+    of the same events around it."""
+    runs = []
+    for position, length in sites:
+        block = tokens[position:position + length]
+        start = position
+        while start - length >= 0 and tokens[start - length:start] == block:
+            start -= length
+        end = position + length
+        while tokens[end:end + length] == block:
+            end += length
+        if runs and start < runs[-1].start + runs[-1].length * runs[-1].periods:
+            raise NoReplay("two sites' runs overlap")
+        runs.append(_Run(start, length, (end - start) // length, (position - start) // length))
+    return runs
+
+
+def _solve(observations: list[tuple[int, int, int]]) -> tuple[Fraction, Fraction, Fraction] | None:
+    """(c, p, n) with value == c + p * period + n * layers for every (period, layers, value) observed, exactly; None
+    when no such affine function fits. Coefficients that the observations cannot tell apart are 0."""
+    distinct = list(dict.fromkeys(observations))
+    columns = [lambda period, layers: 1, lambda period, layers: period, lambda period, layers: layers]
+    # Gaussian elimination over the rationals on the observations, keeping only independent columns
+    rows = [[Fraction(f(period, layers)) for f in columns] + [Fraction(value)] for period, layers, value in distinct]
+    pivots: list[int] = []
+    rank = 0
+    for col in range(3):
+        pivot = next((r for r in range(rank, len(rows)) if rows[r][col] != 0), None)
+        if pivot is None:
+            continue
+        rows[rank], rows[pivot] = rows[pivot], rows[rank]
+        lead = rows[rank][col]
+        rows[rank] = [x / lead for x in rows[rank]]
+        for r in range(len(rows)):
+            if r != rank and rows[r][col] != 0:
+                factor = rows[r][col]
+                rows[r] = [x - factor * y for x, y in zip(rows[r], rows[rank])]
+        pivots.append(col)
+        rank += 1
+    if any(row[3] != 0 for row in rows[rank:]):
+        return None  # inconsistent: no affine function fits
+    solution = [Fraction(0)] * 3
+    for r, col in enumerate(pivots):
+        solution[col] = rows[r][3]
+    return solution[0], solution[1], solution[2]
+
+
+def _evaluate(coefficients, period: int, layers: int) -> int:
+    value = coefficients[0] + coefficients[1] * period + coefficients[2] * layers
+    if value.denominator != 1:
+        raise NoReplay("a fitted number is not whole at this layer count")
+    return int(value)
+
+
+class LayerTemplate:
+    """The log of a step at any layer count, made from its logs at `layers` and `layers + 1` (see the module)."""
+
+    def __init__(self, smaller: Sequence[MemoryEvent], larger: Sequence[MemoryEvent], layers: int):
+        self.layers = layers
+        codes: dict = {}
+        small_tokens, large_tokens = _tokens(smaller, codes), _tokens(larger, codes)
+        sites = align(small_tokens, large_tokens)
+        if not sites:
+            raise NoReplay("one more layer adds no event")
+        self.larger = list(larger)
+        self.runs = _runs(large_tokens, sites)
+        # each event of the larger log: its slot (a template position: a fixed event's, or a run's offset) and period
+        self._slot_of, self._period_of = self._places()
+        small_places = self._smaller_places(len(smaller), sites)
+        self._fit(((smaller, small_places, layers), (larger, list(zip(self._slot_of, self._period_of)), layers + 1)))
+
+    def _places(self) -> tuple[list[tuple], list[int]]:
+        slots: list[tuple] = [("fixed", position) for position in range(len(self.larger))]
+        periods = [0] * len(self.larger)
+        for index, run in enumerate(self.runs):
+            for offset in range(run.length * run.periods):
+                slots[run.start + offset] = ("run", index, offset % run.length)
+                periods[run.start + offset] = offset // run.length
+        return slots, periods
+
+    def _smaller_places(self, count: int, sites: list[tuple[int, int]]) -> list[tuple[tuple, int]]:
+        """The slot and period of each event of the smaller log: the larger log's event it aligns with, one period
+        less after the inserted block of its run."""
+        places = []
+        inserted = iter(sites)
+        position, length = next(inserted, (None, 0))
+        j = 0
+        for _ in range(count):
+            while position is not None and j == position:
+                j += length
+                position, length = next(inserted, (None, 0))
+            slot, period = self._slot_of[j], self._period_of[j]
+            if slot[0] == "run" and period > self.runs[slot[1]].inserted:
+                period -= 1
+            places.append((slot, period))
+            j += 1
+        return places
+
+    def _fit(self, logs) -> None:
+        """Per slot and quantity (the storage a free or category event names; each number in its module's name):
+        a model of it by the period and the layer count. A run's first or last period may differ from the others
+        (the first layer's backward, a category event filed before the next period's alloc): where one model does
+        not fit a quantity in every period, those periods get their own. A storage in a run is named by layer where
+        both runs' periods have layer indices (the same layer, the one before), else by an affine function."""
+        observed: dict[tuple, list] = {}
+        for events, places, layers in logs:
+            # a "category" event may come just before its storage's alloc (`breakdown.CategorizedTracker`)
+            alloc_place = {event.key: place for event, place in zip(events, places) if event.kind == "alloc"}
+            for event, (slot, period) in zip(events, places):
+                quantities: dict = {}
+                if event.kind in ("free", "category"):
+                    found = alloc_place.get(event.key)
+                    # a storage the log never allocated is named as is
+                    quantities["target"] = ("key", event.key, None) if found is None else (*found[0:1], found[1])
+                for place, number in enumerate(_MODULE_INDEX.findall(event.module)):
+                    quantities["index", place] = number
+                edge = self._edge(slot, period, layers)
+                for name, value in quantities.items():
+                    observed.setdefault((slot, name), []).append((edge, period, layers, value))
+        self._models: dict[tuple, tuple[tuple[str, ...], dict]] = {}
+        for (slot, name), observations in sorted(observed.items(), key=lambda item: item[0][1] == "target"):
+            if name == "target" and not hasattr(self, "_layer_of_run"):
+                self._layer_of_run = self._run_layers()
+            for edges in ((), ("first",), ("last",), ("first", "last")):
+                models = self._fit_groups(slot, name, observations, edges)
+                if models is not None:
+                    self._models[slot, name] = edges, models
+                    break
+            else:
+                raise NoReplay(f"no model of the period and layers fits the {name} of {slot}")
+        if not hasattr(self, "_layer_of_run"):
+            self._layer_of_run = self._run_layers()
+
+    def _run_layers(self) -> dict[int, tuple]:
+        """Per run whose periods carry a layer index: the affine function of (period, layers) that gives it (the
+        first number in the module name of its first slot that has one)."""
+        found = {}
+        for (slot, name), (edges, models) in self._models.items():
+            if slot[0] == "run" and name == ("index", 0) and not edges and models["middle"][1] != 0:
+                if slot[1] not in found or slot[2] < found[slot[1]][0]:
+                    found[slot[1]] = slot[2], models["middle"]
+        return {run: coefficients for run, (_, coefficients) in found.items()}
+
+    def _fit_groups(self, slot: tuple, name, observations: list, edges: tuple[str, ...]) -> dict | None:
+        """{group: model} for one quantity of a slot, its observations grouped by their edge ("first" and "last"
+        apart where `edges` names them, the rest "middle"); None where a group fits no model. A number's model is
+        its affine coefficients; a named storage's is (target slot, "layer", layer offset) or (target slot, "affine",
+        coefficients)."""
+        groups: dict[str, list] = {}
+        for edge, period, layers, value in observations:
+            groups.setdefault(edge if edge in edges else "middle", []).append((period, layers, value))
+        models = {}
+        for group, members in groups.items():
+            if name != "target":
+                models[group] = _solve([(period, layers, int(value)) for period, layers, value in members])
+            else:
+                targets = {value[:2] if value[0] == "key" else value[0] for _, _, value in members}
+                if len(targets) > 1:
+                    return None
+                target = targets.pop()
+                models[group] = (target, "key", None) if target[0] == "key" else self._target_model(slot, target,
+                                                                                                    members)
+            if models[group] is None:
+                return None
+        return models
+
+    def _target_model(self, slot: tuple, target: tuple, members: list) -> tuple | None:
+        """How a slot names its storage's period in `target`: by layer offset from its own period's layer where
+        both are runs with layer indices and one offset fits every observation, else by an affine function."""
+        source_layer, target_layer = self._layer_of_run.get(slot[1]) if slot[0] == "run" else None, None
+        if target[0] == "run":
+            target_layer = self._layer_of_run.get(target[1])
+        if source_layer is not None and target_layer is not None:
+            offsets = {_evaluate(target_layer, value[1], layers) - _evaluate(source_layer, period, layers)
+                       for period, layers, value in members}
+            if len(offsets) == 1:
+                return target, "layer", offsets.pop()
+        coefficients = _solve([(period, layers, value[1]) for period, layers, value in members])
+        return None if coefficients is None else (target, "affine", coefficients)
+
+    def _target_period(self, slot: tuple, model: tuple, period: int, layers: int) -> int:
+        """The period of the storage a slot's event names, at `period` and `layers` (see `_target_model`)."""
+        target, how, parameter = model
+        if how == "affine":
+            return _evaluate(parameter, period, layers)
+        source, goal = self._layer_of_run[slot[1]], self._layer_of_run[target[1]]
+        wanted = _evaluate(source, period, layers) + parameter  # the target's layer
+        found = (wanted - goal[0] - goal[2] * layers) / goal[1]
+        if found.denominator != 1:
+            raise NoReplay(f"{slot}: no period of its target's run has layer {wanted}")
+        return int(found)
+
+    def _edge(self, slot: tuple, period: int, layers: int) -> str:
+        """Where `period` sits in its run at `layers` layers: "first", "last" or "middle" (a fixed event: "middle")."""
+        if slot[0] != "run":
+            return "middle"
+        periods = self.runs[slot[1]].periods + layers - self.layers - 1
+        return "first" if period == 0 else "last" if period == periods - 1 else "middle"
+
+    def events(self, layers: int) -> list[MemoryEvent]:
+        """The step's log at `layers` layers (at least the smaller log's)."""
+        if layers < self.layers:
+            raise NoReplay(f"{layers} layers: fewer than the template's {self.layers}")
+        extra = layers - self.layers - 1  # periods each run gains over the larger log
+        out: list[MemoryEvent] = []
+        keys: dict[tuple, int] = {}  # (slot, period) -> the key its alloc got
+        pending: list[tuple[int, tuple]] = []  # (index in out, (slot, period)): an event before its storage's alloc
+        position = 0
+        runs = iter(self.runs)
+        run = next(runs, None)
+        while position < len(self.larger):
+            if run is not None and position == run.start:
+                for period in range(run.periods + extra):
+                    for offset in range(run.length):
+                        self._emit(out, keys, pending, self.larger[run.start + offset],
+                                   ("run", self.runs.index(run), offset), period, layers)
+                position = run.start + run.length * run.periods
+                run = next(runs, None)
+                continue
+            self._emit(out, keys, pending, self.larger[position], ("fixed", position), 0, layers)
+            position += 1
+        for index, target in pending:
+            if target not in keys:
+                raise NoReplay(f"an event at {layers} layers names a storage never allocated")
+            out[index] = out[index]._replace(key=keys[target])
+        return out
+
+    def _emit(self, out: list, keys: dict, pending: list, event: MemoryEvent, slot: tuple, period: int,
+              layers: int) -> None:
+        edge = self._edge(slot, period, layers)
+        key = event.key
+        if event.kind == "alloc":
+            key = keys[(slot, period)] = len(keys) + 1
+        elif event.kind in ("free", "category"):
+            model = self._model(slot, "target", edge)
+            if model[1] == "key":
+                key = model[0][1]
+            else:
+                target = (model[0], self._target_period(slot, model, period, layers))
+                key = keys.get(target, 0)
+                if not key:
+                    pending.append((len(out), target))
+        module = event.module
+        if module and _MODULE_INDEX.search(module):
+            numbers = iter(range(len(module)))
+            module = _MODULE_INDEX.sub(lambda match: str(_evaluate(
+                self._model(slot, ("index", next(numbers)), edge), period, layers)), module)
+        out.append(event._replace(key=key, module=module))
+
+    def _model(self, slot: tuple, name, edge: str):
+        edges, models = self._models[slot, name]
+        model = models.get(edge if edge in edges else "middle")
+        if model is None:
+            raise NoReplay(f"{slot}: no model of its {name} in its {edge} periods")
+        return model
+
+
+# --- a prediction's step by layer replay -------------------------------------------------------------------------
+
+# configuration keys that make some layers unlike the others where they are set (dense layers before the MoE ones,
+# MoE every other layer, sliding-window attention from some layer on)
+_UNEVEN_LAYER_KEYS = ("first_k_dense_replace", "mlp_only_layers", "max_window_layers", "moe_layer_freq",
+                      "decoder_sparse_step", "no_rope_layers", "cross_attention_layers")
+
+
+def layers_of(workload) -> int | None:
+    """How many decoder layers an `hf:` workload's model has (its `layers` option, else its configuration's); None
+    for a workload without that option."""
+    settings = getattr(workload, "settings", None)
+    if not isinstance(settings, dict) or "layers" not in settings or not hasattr(workload, "config"):
+        return None
+    return settings["layers"] or workload.config().num_hidden_layers
+
+
+def layers_of_case(case) -> int | None:
+    """`layers_of` the case's workload."""
+    from workloads import get_workload
+
+    return layers_of(get_workload(case.workload))
+
+
+def why_not_replayable(case, strategy, ranks: int, engine: str, snapshot: bool) -> str | None:
+    """Why layer replay does not apply to this prediction (None where it does): a CUDA case on the fake engines, one
+    rank, no snapshot, an `hf:` decoder whose layers are all alike by its configuration, and a strategy that treats
+    every layer alike (no checkpoint plan that checkpoints some layers and not others)."""
+    from strategies.composite import members_of
+    from workloads import get_workload
+
+    if full_trace_forced():
+        return f"{FULL_TRACE_ENV} is set"
+    if case.device != "cuda" or engine not in ("fake-cuda", "fake") or ranks != 1 or snapshot or case.phase != "train":
+        return "not a one-rank CUDA training step on fake tensors"
+    workload = get_workload(case.workload)
+    layers = layers_of(workload)
+    if layers is None or layers < SMALLEST_TRACE_LAYERS + 3:
+        return "not a decoder stack of more than 5 layers"
+    config = workload.config()
+    for key in _UNEVEN_LAYER_KEYS:
+        value = getattr(config, key, None)
+        if value not in (None, 0, 1, [], (), False) and not (key == "max_window_layers" and value >= layers):
+            return f"layers unlike one another ({key}={value})"
+    for key, value in vars(config).items():
+        if isinstance(value, (list, tuple)) and len(value) == layers and len(set(map(repr, value))) > 1:
+            return f"layers unlike one another ({key})"
+    for member in members_of(strategy):
+        if member.name == "checkpoint" and (str(member.settings.get("segments")) != "all"
+                                            or member.settings.get("budget")):
+            return "a checkpoint plan that leaves some layers unchecked (only checkpoint:segments=all replays)"
+        if member.distributed:
+            return "a sharded strategy"
+    return None
+
+
+def with_layers(workload_spec: str, layers: int) -> str:
+    """The workload's spec with `layers` decoder layers (its `layers` option set)."""
+    if re.search(r":layers=\d+", workload_spec):
+        return re.sub(r":layers=\d+", f":layers={layers}", workload_spec)
+    return f"{workload_spec}:layers={layers}"
+
+
+def _recompute_plan_at(plans: list[str], traced: list[int], layers: int) -> str | None:
+    """The recompute plan at `layers` from those of the traces: the same at every count, or every layer alone
+    (`0 1 2`); None otherwise."""
+    if len(set(plans)) == 1:
+        return plans[0]
+    if all(plan == " ".join(map(str, range(count))) for plan, count in zip(plans, traced)):
+        return " ".join(map(str, range(layers)))
+    return None
+
+
+def tracked_step_by_layers(case, spec: str, engine: str, warmup_steps: int | None,
+                           capability: tuple[int, int] | None):
+    """(the case's tracked step built by layer replay, or None, and why not): the step traced at
+    SMALLEST_TRACE_LAYERS layers and one more, the log at the case's layers made from them, used only where the
+    log it makes for two more layers equals a real trace of them event for event (see the module). The step
+    carries the replayed log; its `tracker` is None (no snapshot) and `peak_bytes` is the log's live-bytes peak."""
+    from dataclasses import replace
+
+    from bench.analysis.fake_engine import PredictionMeter, TrackedStep, bound_device, tracked_step
+    from bench.run.runner import bind_case
+    from workloads import get_workload
+
+    layers = layers_of(get_workload(case.workload))
+    traced = [SMALLEST_TRACE_LAYERS, SMALLEST_TRACE_LAYERS + 1, SMALLEST_TRACE_LAYERS + 2]
+    steps = []
+    for count in traced:
+        small = replace(case, workload=with_layers(case.workload, count))
+        planned = bind_case(replace(small, device=bound_device(engine)), 1)[0]
+        planned.plan(PredictionMeter(small))
+        steps.append(tracked_step(small, spec, engine, 1, cuda_autocast=True, ranks=1, record_events=True,
+                                  warmup_steps=warmup_steps, planned=planned, capability=capability))
+    if any(step.offload_host_peak_bytes is not None for step in steps):
+        return None, "an offloading strategy's host copies"
+    if len({step.sdpa_kernel for step in steps}) > 1:
+        return None, "attention kernels that differ by layer count"
+    plan = _recompute_plan_at([step.recompute_plan for step in steps], traced, layers)
+    if plan is None:
+        return None, "a recompute plan that differs by layer count"
+    calls = [step.cpu_sdpa_calls for step in steps]
+    if calls[2] - calls[1] != calls[1] - calls[0]:
+        return None, "attention calls not the same per layer"
+    try:
+        logs = [measured_log(step.events) for step in steps]
+        template = LayerTemplate(logs[0], logs[1], traced[0])
+        if template.events(traced[2]) != logs[2]:
+            return None, f"the log made for {traced[2]} layers differs from their trace"
+        events = template.events(layers)
+    except NoReplay as why:
+        return None, str(why)
+    return TrackedStep(_live_peak(events), events, engine, None, {}, steps[0].sdpa_kernel,
+                       calls[0] + (calls[1] - calls[0]) * (layers - traced[0]), plan, None), None
+
+
+def measured_log(events: list[MemoryEvent]) -> list[MemoryEvent]:
+    """A step's log up to the end of its measured window (its "end" event): what follows are the frees of the
+    session's teardown, in an order the garbage collector chooses, which move no figure of the replay (no storage is
+    allocated there and no matrix product runs: checked, NoReplay otherwise)."""
+    ends = [index for index, event in enumerate(events) if event.kind == "end"]
+    if len(ends) != 1:
+        raise NoReplay("a log without one end of its measured window")
+    from bench.measure.cuda_allocator import CUBLAS_OPS
+
+    for event in events[ends[0] + 1:]:
+        if event.kind == "alloc" or (event.kind == "op" and event.op.split(".")[0] in CUBLAS_OPS):
+            raise NoReplay("a storage allocated or a matrix product run after the measured window")
+    return list(events[:ends[0] + 1])
+
+
+def _live_peak(events: list[MemoryEvent]) -> int:
+    """The most bytes live at once after the log's last peak reset, counted event by event."""
+    sizes: dict[int, int] = {}
+    live = peak = 0
+    for event in events:
+        if event.kind == "alloc":
+            sizes[event.key] = event.nbytes
+            live += event.nbytes
+        elif event.kind == "free":
+            live -= sizes.pop(event.key, 0)
+        elif event.kind == "reset":
+            peak = live
+        peak = max(peak, live)
+    return peak
+
+
+def replay_note(layers: int) -> str:
+    """What a row predicted by layer replay says."""
+    return (f"layer replay: traced at {SMALLEST_TRACE_LAYERS}, {SMALLEST_TRACE_LAYERS + 1} and "
+            f"{SMALLEST_TRACE_LAYERS + 2} layers, the {layers}-layer log built from the first two "
+            f"(equal to the trace of {SMALLEST_TRACE_LAYERS + 2}; {FULL_TRACE_ENV}=1 traces every layer)")
