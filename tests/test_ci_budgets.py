@@ -1,0 +1,57 @@
+"""CI's step budgets (.ci/steps.sh, sourced by .ci/run): a step over its budget, or a run over its total budget,
+fails the run once every step has run; a failing step still stops the run with its own exit code; each step's
+duration is printed against its budget."""
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _ci(script: str, **variables: str) -> subprocess.CompletedProcess:
+    """Runs `script` after sourcing .ci/steps.sh as .ci/run does, in bash with .ci/run's options."""
+    return subprocess.run(["bash", "-c", f"set -euo pipefail; source .ci/steps.sh; {script}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin", **variables})
+
+
+def test_steps_within_their_budgets_pass_and_print_their_durations():
+    done = _ci('step "quick" 30 true; step "also quick" 30 true')
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"\[ci\]   quick: \d+ s \(budget 30 s\)", done.stdout), done.stdout
+    assert re.search(r"\[ci\] total: \d+ s \(budget 2700 s\)", done.stdout), done.stdout
+    assert "OVER BUDGET" not in done.stderr
+
+
+def test_a_step_over_its_budget_fails_the_run_after_the_later_steps_ran():
+    done = _ci('step "slow" 0 sleep 1.1; step "later" 30 true')
+    assert done.returncode == 1
+    assert "OVER BUDGET: slow took 1 s, over its budget of 0 s" in done.stderr, done.stderr
+    assert "[ci]   later:" in done.stdout, "the steps after the one over budget still run"
+
+
+def test_a_run_over_its_total_budget_fails():
+    done = _ci('step "one" 30 sleep 1.1', CI_TOTAL_BUDGET_S="0")
+    assert done.returncode == 1
+    assert "OVER BUDGET: the whole run took 1 s, over its budget of 0 s" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("code", [2, 3])
+def test_a_failing_step_stops_the_run_with_its_own_exit_code(code):
+    done = _ci(f'step "fails" 30 bash -c "exit {code}"; step "never" 30 true')
+    assert done.returncode == code
+    assert "never" not in done.stdout
+
+
+def test_ci_run_gives_every_step_a_budget():
+    """Every `step` line of .ci/run names a budget; make test's is its 10-minute goal at most."""
+    steps = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line.startswith("step ")]
+    budgets = {}
+    for line in steps:
+        match = re.match(r'step "([^"]+)" (\d+) ', line)
+        assert match, f"a step without a budget: {line}"
+        budgets[match.group(1)] = int(match.group(2))
+    assert budgets["make test"] <= 600, "make test's goal is 10 minutes"
+    assert {"set-up", "make test", "make test-cuda-fake", "anchors against the reference"} <= budgets.keys()
