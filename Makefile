@@ -82,56 +82,24 @@ gpu-check: $(STAMP)
 	$(PY) tools/gpu_check.py --out $(OUT)/gpu_check --layers $(GPU_CHECK_LAYERS) $(if $(ANCHORS),--only $(ANCHORS))
 
 # The fake-CUDA run (tests_cuda_fake/, docs/testing.md "The CUDA path without a GPU"): membench's CUDA code path on a machine
-# without a GPU, in its own environment. PyPI's CUDA build of exactly $(TORCH)'s version (`===` is an exact string
-# match: `==` would take the local `+cpu` build), installed without its dependencies so that pip fetches none of
-# the 2.5 GB of nvidia libraries: torch's pure-Python dependencies and the project's are listed here instead, and
-# the checkout is imported from its folder (pytest's pythonpath, the worker's PYTHONPATH), not installed. The CUDA
-# libraries torch loads are replaced by stubs compiled here from the symbols torch imports (make_stubs.py).
-# The `timm:` workload's cases need torchvision and timm there too: PyPI's CUDA build of $(TORCHVISION)'s version (the
-# one built for that torch; its operator library links against the CUDA runtime, so make_stubs.py reads it too) and
-# timm, both without dependencies. torchvision's (numpy, pillow) and timm's pyyaml are in FAKE_CUDA_DEPS; timm's
-# huggingface_hub and safetensors are left out: they only download and read pretrained weights, which membench never
-# loads, and timm imports without them. Where these two cannot be installed (no network) the timm cases skip, saying
-# why ($(FAKE_CUDA_TIMM_UNAVAILABLE)), and the rest run.
+# without a GPU, in its own environment, which `python -m bench cuda-env` builds (bench/measure/cuda_env.py says
+# what it installs: PyPI's CUDA build of exactly $(TORCH)'s version without its nvidia libraries, stub CUDA
+# libraries compiled from the symbols torch imports, torchvision's CUDA build of $(TORCHVISION)'s version and timm for
+# the `timm:` workload); the checkout is imported from its folder there (pytest's pythonpath, the worker's
+# PYTHONPATH), not installed. Run with the machine's Python: that command imports no torch and needs no .venv.
 FAKE_CUDA_VENV := .venv-cuda-fake
 FAKE_CUDA_PY := $(FAKE_CUDA_VENV)/bin/python
 FAKE_CUDA_STAMP := $(FAKE_CUDA_VENV)/.installed
-FAKE_CUDA_UNAVAILABLE := $(FAKE_CUDA_VENV)/fake-cuda-unavailable.txt
-FAKE_CUDA_TIMM_UNAVAILABLE := $(FAKE_CUDA_VENV)/timm-unavailable.txt
 TORCH_VERSION = $(lastword $(subst =, ,$(TORCH)))
 TORCHVISION_VERSION = $(lastword $(subst =, ,$(TORCHVISION)))
-# timm's release whose import-time dependencies the paragraph above lists (a newer one may need another)
-FAKE_CUDA_TIMM ?= timm==1.0.31
-FAKE_CUDA_DEPS = filelock "typing-extensions>=4.10.0" "sympy>=1.13.3" mpmath "networkx>=2.5.1" jinja2 markupsafe \
-	"fsspec>=0.8.5" numpy pandas matplotlib pyyaml captcha pillow pytest pytest-xdist \
-	"transformers>=5.0,<6" psutil
-# the `hf:` workload's peft (LoRA) and its accelerate ask for torch; torchao (qlora's NF4 weights, the low-bit AdamW
-# that the anchors of torchao, torchtune and transformers predict)
-# needs none: installed without dependencies, after torch (their others, psutil and what transformers brings, are
-# above), so that pip never fetches the CPU or CUDA build
-FAKE_CUDA_HF_NO_DEPS = "peft>=0.17" accelerate "torchao>=0.13"
 # the fake-CUDA tests' processes (pytest-xdist): a fake step is seconds of Python on one core
 FAKE_CUDA_JOBS ?= 2
 
 cuda-fake-env: $(FAKE_CUDA_STAMP)
 
-$(FAKE_CUDA_STAMP): Makefile tests_cuda_fake/make_stubs.py
-	test -x $(FAKE_CUDA_PY) || $(PYTHON) -m venv $(FAKE_CUDA_VENV)
-	$(FAKE_CUDA_PY) -m pip install --quiet --disable-pip-version-check $(FAKE_CUDA_DEPS) \
-		|| { echo "pip could not install torch's and the project's dependencies (no network?)" \
-			> $(FAKE_CUDA_UNAVAILABLE); exit 1; }
-	$(FAKE_CUDA_PY) -m pip install --quiet --disable-pip-version-check --no-deps "torch===$(TORCH_VERSION)" \
-		|| { echo "pip could not install torch===$(TORCH_VERSION), PyPI's CUDA build (no network?)" \
-			> $(FAKE_CUDA_UNAVAILABLE); exit 1; }
-	rm -f $(FAKE_CUDA_TIMM_UNAVAILABLE)
-	$(FAKE_CUDA_PY) -m pip install --quiet --disable-pip-version-check --no-deps \
-		"torchvision===$(TORCHVISION_VERSION)" "$(FAKE_CUDA_TIMM)" \
-		|| echo "pip could not install torchvision===$(TORCHVISION_VERSION) and $(FAKE_CUDA_TIMM) (no network?)" \
-			> $(FAKE_CUDA_TIMM_UNAVAILABLE)
-	$(FAKE_CUDA_PY) -m pip install --quiet --disable-pip-version-check --no-deps $(FAKE_CUDA_HF_NO_DEPS) \
-		|| echo "pip could not install $(FAKE_CUDA_HF_NO_DEPS): lora, qlora and the low-bit optimizers cannot run on fake CUDA"
-	$(FAKE_CUDA_PY) tests_cuda_fake/make_stubs.py --torch-version $(TORCH_VERSION)
-	touch $(FAKE_CUDA_STAMP)
+$(FAKE_CUDA_STAMP): Makefile bench/measure/cuda_env.py bench/measure/cuda_stubs.py
+	$(PYTHON) -m bench cuda-env --path $(FAKE_CUDA_VENV) --torch-version $(TORCH_VERSION) \
+		--torchvision-version $(TORCHVISION_VERSION)
 
 # the fake-CUDA tests (`make test` does not collect tests_cuda_fake/). Where the environment cannot be built (no
 # network, no C compiler, another torch) they still run, in .venv, where each is skipped with the reason.

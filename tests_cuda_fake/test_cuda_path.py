@@ -22,7 +22,7 @@ import pytest
 import torch
 import yaml
 
-from bench.measure.fake_cuda import worker_environment
+from bench.measure.fake_cuda import TIMM_UNAVAILABLE_FILE, worker_environment
 from bench.measure.fake_cuda_mode import FakeAllocator
 from bench.run import isolation
 from bench.run.isolation import RunOptions, run_in_worker
@@ -39,7 +39,6 @@ BATCH = 2
 # so the deep ones are made shallow); None leaves a workload out of it
 WORKLOADS = {name: WORKLOAD_CLASSES.get(name).small_case("fake_cuda")[0] for name in workload_names()
              if WORKLOAD_CLASSES.get(name).small_case("fake_cuda") is not None}
-TIMM_UNAVAILABLE_FILE = "timm-unavailable.txt"  # written by `make cuda-fake-env` where pip could not install timm
 
 
 def missing_timm_reason() -> str | None:
@@ -132,8 +131,9 @@ def test_case_runs_through_the_cuda_path(workload, spec, phase):
 
 
 def test_timm_imports_torchvision_with_its_compiled_operators():
-    """torchvision's operator library loads against the stubs (make_stubs.py reads what it imports), so timm imports
-    as it does beside a GPU, not through the workload's stand-ins for a torchvision whose operators did not load."""
+    """torchvision's operator library loads against the stubs (bench/measure/cuda_stubs.py reads what it imports), so
+    timm imports as it does beside a GPU, not through the workload's stand-ins for a torchvision whose operators did
+    not load."""
     if missing_timm_reason():
         pytest.skip(missing_timm_reason())
     from workloads import timm_models

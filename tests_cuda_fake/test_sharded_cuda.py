@@ -63,13 +63,13 @@ def sharded_cases() -> list[tuple[str, str]]:
 @lru_cache(maxsize=1)
 def streams_and_events_missing() -> str | None:
     """Why FSDP2 cannot run here (it all-gathers on CUDA streams of its own, synchronised by CUDA events), or None:
-    stubs built before make_stubs.py answered those calls refuse them. Asked in a fresh process, since a refused
-    stream would leave torch's stream pool half made in this one."""
+    stubs built before bench/measure/cuda_stubs.py answered those calls refuse them. Asked in a fresh process, since
+    a refused stream would leave torch's stream pool half made in this one."""
     probe = "import torch; torch.cuda.Event(enable_timing=True).record(torch.cuda.Stream(priority=-1))"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     if done.returncode == 0:
         return None
-    return ("the stub CUDA libraries do not answer CUDA streams and events (built before make_stubs.py did): "
+    return ("the stub CUDA libraries do not answer CUDA streams and events (built before cuda_stubs.py did): "
             "`make cuda-fake-env` rebuilds them")
 
 

@@ -3,7 +3,7 @@ interrupt into its one line and exit code.
 
 The CLI parses, checks every value before anything runs (bench.run.preflight), dispatches and prints; the commands
 live in bench.cli.commands_run (run, compare, list, env), commands_report, commands_analysis (explain, predict,
-fit) and commands_plan (plan).
+fit), commands_plan (plan), commands_anchors (anchors) and commands_cuda_env (cuda-env).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from bench.cli.arguments import (DEFAULT_OUT, WORKLOAD_HELP, add_case_options, a
                                  positive_float, positive_int, refuse_blank_values, sharded_strategy_names)
 from bench.core import gpus
 from bench.core.errors import UsageError, shortened
-from bench.core.job_environment import check_job_environment
+from bench.core.job_environment import CUDA_ENV_VARIABLE, check_job_environment
 from bench.core.processes import exit_status
 from bench.measure.resident import pin_mmap_threshold
 
@@ -42,6 +42,8 @@ COMMAND_HELP = {
     "plan": "find the fastest combination of techniques whose step fits a memory limit (--budget or --gpu), "
             "predicted, with --confirm measured",
     "anchors": "predict every published GPU measurement of bench/anchors/ on fake CUDA and print each error",
+    "cuda-env": "build the fake-CUDA environment in which CUDA predictions trace CUDA's own operators without a GPU "
+                "(PyPI's CUDA build of torch over stub CUDA libraries; needs the network and a C compiler)",
 }
 
 # Each command's function as (module, name), imported only when that command runs: `report` (drawn on any machine
@@ -57,6 +59,7 @@ COMMANDS = {
     "fit": ("bench.cli.commands_analysis", "cmd_fit"),
     "plan": ("bench.cli.commands_plan", "cmd_plan"),
     "anchors": ("bench.cli.commands_anchors", "cmd_anchors"),
+    "cuda-env": ("bench.cli.commands_cuda_env", "cmd_cuda_env"),
 }
 
 
@@ -142,8 +145,8 @@ def _add_analysis_parsers(sub) -> None:
                         "processes (PyTorch's fake process group; default 1)")
     p.add_argument("--engine", default="auto",
                    help="auto (fake tensors: for CUDA on CUDA's own operators where the fake-CUDA environment exists, "
-                        "`make cuda-fake-env`, else on the CPU's; a real CPU step where they cannot run a strategy), "
-                        "fake-cuda, fake, meta or cpu (default auto)")
+                        "`python -m bench cuda-env` builds it, else on the CPU's; a real CPU step where they cannot "
+                        "run a strategy), fake-cuda, fake, meta or cpu (default auto)")
     p.add_argument("--capability", default=None,
                    help="compute capability of the CUDA device predicted, e.g. 9.0 (sizes cuBLAS's workspace; "
                         "default: this machine's GPU, else a non-Hopper one)")
@@ -241,6 +244,20 @@ def _add_plan_parser(sub) -> None:
     add_executor_options(p, "candidates")
 
 
+def _add_cuda_env_parser(sub) -> None:
+    """cuda-env."""
+    p = _add_command(sub, "cuda-env")
+    p.add_argument("--path", default=None,
+                   help=f"the environment's folder (default: where `predict` looks for it, ${CUDA_ENV_VARIABLE} or, "
+                        "in a checkout, .venv-cuda-fake, else membench-cuda-env in the environment membench is "
+                        "installed in); run it again after upgrading membench")
+    p.add_argument("--torch-version", default=None,
+                   help="the torch release whose CUDA build is installed (default: the torch installed here)")
+    p.add_argument("--torchvision-version", default=None,
+                   help="the torchvision release built for it, for the `timm:` workload (default: the torchvision "
+                        "installed here; without one the `timm:` workload is left out)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser of `python -m bench` and its commands; `args.command` names the command given."""
     parser = _Parser(prog="python -m bench", description=DESCRIPTION)
@@ -256,6 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=positive_int, default=1,
                    help="anchors predicted at once, each in its own fake-CUDA process (their figures do not depend "
                         "on it; each process needs up to 2 GB resident) (default 1)")
+    _add_cuda_env_parser(sub)
     refuse_blank_values(parser)
     return parser
 

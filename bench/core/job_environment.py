@@ -38,6 +38,9 @@ MMAP_THRESHOLD_OFF = ("off", "none", "default", "0")
 ANCHOR_WORKER_BYTES_VARIABLE = "MEMBENCH_ANCHOR_WORKER_BYTES"
 # MEMBENCH_CACHE: the folder of generated data sets (workloads.captcha_data)
 CACHE_VARIABLE = "MEMBENCH_CACHE"
+# MEMBENCH_CUDA_ENV: the fake-CUDA environment `predict --device cuda` uses (bench.measure.fake_cuda), where
+# `python -m bench cuda-env --path` built it somewhere else than the default
+CUDA_ENV_VARIABLE = "MEMBENCH_CUDA_ENV"
 # Variables membench sets in the processes it starts, never a user's setting: set by hand, a torch without CUDA
 # would be made to act as a fake-CUDA worker on its first import
 INTERNAL_VARIABLES = ("MEMBENCH_FAKE_CUDA_WORKER",)
@@ -148,8 +151,9 @@ def check_cpu_16bit() -> None:
 
 
 def check_job_environment(command: str) -> None:
-    """Everything above, before `command` does anything; `report` draws from files and needs none of it."""
-    if command == "report":
+    """Everything above, before `command` does anything; `report` draws from files and `cuda-env` builds an
+    environment: they need none of it."""
+    if command in ("report", "cuda-env"):
         return
     check_internal_variables()
     check_cpu_16bit()

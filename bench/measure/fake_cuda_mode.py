@@ -1,6 +1,6 @@
 """The fake-CUDA mode: membench's CUDA code path on fake tensors, in the fake-CUDA environment (`measure.fake_cuda`).
 
-The stub libraries of that environment (tests_cuda_fake/make_stubs.py) make torch see one CUDA device; `fake_cuda()`
+The stub libraries of that environment (bench.measure.cuda_stubs) make torch see one CUDA device; `fake_cuda()`
 makes the tensors fake, so that no kernel runs and nothing is allocated, while CUDA's own operators decide what each
 step creates (CUDA's autocast lists, cuDNN's batch norm, the fused optimizers). Used by the fake-CUDA tests and by
 `predict`'s `fake-cuda` engine. What it changes in torch, and why, all undone on exit:
