@@ -22,7 +22,7 @@ def cmd_anchors(args) -> int:
     largest |error|, and writes `anchors-<run>.csv` to --out, in the anchors' order whatever order they finish in."""
     selected = anchors.load_anchors(only=csv_list(args.only) if args.only else None)
     if fake_cuda.environment_python() is None:
-        raise UsageError(f"anchors predicts on fake CUDA: {fake_cuda.unavailable_reason()} (make cuda-fake-env)")
+        raise UsageError(f"anchors predicts on fake CUDA: {fake_cuda.unavailable_reason()}")
     out = check_output_dir(args.out, "--out")
     path = out / f"anchors-{new_run_id('cuda')}.csv"
     interrupt.set_file_note(path, f"interrupted: the anchors predicted so far are in {path}",
