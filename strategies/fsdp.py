@@ -6,7 +6,13 @@ ranks of a replica group and replicated across the R groups, whose gradients an 
 in host memory and the optimizer steps there; the device holds only the units' unsharded parameters in flight;
 CUDA only, since on the CPU the host is the device), `reshard_after_forward=false` (each unit keeps its
 unsharded parameters from its forward to its backward instead of all-gathering them again: more memory, one
-all-gather fewer per unit).
+all-gather fewer per unit), and FSDP2's `MixedPrecisionPolicy`: `param_dtype` (the dtype of the unsharded
+parameters, so of the all-gather and of the forward and backward's compute; the sharded parameters, their
+gradients and the optimizer state keep the model's dtype), `reduce_dtype` (the dtype the gradients are
+reduce-scattered in; unset, `param_dtype`'s), `output_dtype` (the dtype each unit's floating outputs are cast to)
+and `cast_forward_inputs` (whether each unit's floating inputs are cast to `param_dtype`; default true), each dtype
+one of DTYPE_CHOICES (`none`: FSDP2's default, the model's own dtype). A row with any of them 16-bit is verified
+with 16-bit tolerances (`MIXED_PRECISION_TOLERANCE`).
 
 The buffers of its collectives are filed as communication in the breakdown (`bench.core.memory_categories`), where
 FSDP2 allocates them: the flat all-gather output (its `AllGather.allocate`), the flat reduce-scatter input and
@@ -24,6 +30,7 @@ from torch.utils._pytree import tree_flatten
 
 from bench.core.errors import Unsupported, UsageError
 from bench.core.memory_categories import COMMUNICATION, WEIGHTS, allocating, file_as, listening
+from strategies.amp import Amp
 from strategies.base import register_strategy
 from strategies.sharding import Sharded, rank_and_world
 
@@ -32,6 +39,14 @@ from strategies.sharding import Sharded, rank_and_world
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor", category=UserWarning)
 
 OFFLOAD_CHOICES = ("none", "cpu")
+DTYPE_CHOICES = ("none", "float32", "bfloat16", "float16")  # "none": FSDP2's default (the parameters' own dtype)
+DTYPE_OPTIONS = ("param_dtype", "reduce_dtype", "output_dtype")
+SIXTEEN_BIT = ("bfloat16", "float16")
+# A 16-bit param_dtype computes the forward and backward in 16 bits, as amp's autocast computes its matmuls (the
+# loss and the sharded gradients stay float32); a 16-bit reduce_dtype or output_dtype rounds the gradients or the
+# outputs to 16 bits once. amp's tolerances, measured for that rounding, apply (tests/test_ranks.py: the row
+# differs from the baseline by more than the exact tolerance, and within these).
+MIXED_PRECISION_TOLERANCE = Amp.tolerance
 
 
 def _communication_comms():
@@ -76,10 +91,12 @@ def _communication_comms():
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
             issue = lambda output, input: super(CommunicationReduceScatter, self).__call__(output, input, group,
                                                                                             op, async_op=True)
+            gloo_copy = _gloo_copy_of_input(input_tensor, group)
             released = Released(issue, (output_tensor, input_tensor), group)
             if async_op:
                 return released
             released.wait()
+            del gloo_copy  # gloo's own copy lives as long: until its wait() has copied the result out
             return None
 
     return CommunicationAllGather(), CommunicationReduceScatter()
@@ -140,6 +157,29 @@ def _issued_and_released(issue, tensors, group):
     return work, settle
 
 
+# how the tracker files a storage it first sees as an operator's input (bench.measure.memory): gloo's own buffers
+UNTRACKED = "untracked"
+
+
+def _gloo_copy_of_input(input_tensor, group):
+    """Under PyTorch's fake process group, on real host tensors (the CPU engine's prediction of gloo ranks): a buffer
+    of the reduce-scatter input's size and dtype, which the caller holds until the collective's wait() returns.
+
+    gloo's reduce-scatter works on a copy of its input of its own, which its wait() copies the rank's chunk out of
+    in the calling thread (where the tracker first sees it, as that copy's input: `untracked`, among the
+    temporaries) and which is freed by the end of the wait (`_issued_and_released`). The fake group allocates
+    nothing, so without it a CPU prediction misses these bytes where they are at the peak (a mixed-precision
+    step's, whose 16-bit activations sit lower: tests/test_ranks.py). Nothing on fake tensors (a prediction of
+    NCCL, which reduces in the buffers it is given) or under a real group (gloo allocates its own); None then."""
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import is_fake
+
+    if input_tensor.device.type != "cpu" or is_fake(input_tensor) or "fake" not in dist.get_backend(group):
+        return None
+    with allocating(UNTRACKED):
+        return torch.empty_like(input_tensor)
+
+
 def _file_unsharded_as_weights(module, args):
     """A forward pre-hook that runs after FSDP2's own (which all-gathers the unit): the unit's parameters are now
     its unsharded ones (each a view of its own all-gather output, a storage FSDP2 keeps and resizes to nothing
@@ -153,8 +193,10 @@ class FSDP(Sharded):
     """`torch.distributed.fsdp.fully_shard` on each of the workload's checkpoint units (that owns parameters) and
     on the root: each rank keeps 1/N of every parameter, gradient and optimizer state, and all-gathers a unit's
     parameters just before it runs (freeing them after), so the peak holds one unit's full weights at a time.
-    Options: `replicate` (HSDP replica groups), `offload=cpu` (CUDA), `reshard_after_forward` (module docstring).
-    Composes with checkpoint, amp and lora. Exact up to float summation order; BatchNorm models do not match.
+    Options: `replicate` (HSDP replica groups), `offload=cpu` (CUDA), `reshard_after_forward`, and the mixed
+    precision policy's `param_dtype`, `reduce_dtype`, `output_dtype`, `cast_forward_inputs` (module docstring).
+    Composes with checkpoint, amp and lora. Exact up to float summation order (with a 16-bit dtype option, within
+    16-bit tolerances); BatchNorm models do not match.
 
     Limitations: it needs `--ranks 2` or more, which `replicate` must divide, and a BatchNorm model differs from the
     single process (per-rank statistics). It shards the workload's checkpoint units that own parameters, and the
@@ -166,7 +208,8 @@ class FSDP(Sharded):
     name = "fsdp"
     description = "FSDP2 fully_shard per checkpoint unit and root: parameters, gradients, optimizer state sharded"
     priority = 70
-    options = {"replicate": 1, "offload": "none", "reshard_after_forward": True}
+    options = {"replicate": 1, "offload": "none", "reshard_after_forward": True, "param_dtype": "none",
+               "reduce_dtype": "none", "output_dtype": "none", "cast_forward_inputs": True}
     row_columns = ("offload_host_peak_bytes",)  # filled with offload=cpu only
     refusals = (*Sharded.refusals, r"fsdp:replicate=\d+ does not divide --ranks",
                 r"fsdp:offload=cpu needs device cuda")
@@ -184,6 +227,11 @@ class FSDP(Sharded):
             raise UsageError(f"fsdp:offload={self.settings['offload']!r}; valid choices: {', '.join(OFFLOAD_CHOICES)}")
         if self.settings["replicate"] < 1:
             raise UsageError(f"fsdp:replicate={self.settings['replicate']} must be at least 1 (1: no replica groups)")
+        for option in DTYPE_OPTIONS:
+            if self.settings[option] not in DTYPE_CHOICES:
+                raise UsageError(f"fsdp:{option}={self.settings[option]!r}; valid choices: {', '.join(DTYPE_CHOICES)}")
+        if any(self.settings[option] in SIXTEEN_BIT for option in DTYPE_OPTIONS):
+            self.tolerance = MIXED_PRECISION_TOLERANCE  # an instance's: plain fsdp stays exact
         self.optimizer = None
         self.host_peak_bytes = 0
 
@@ -216,13 +264,16 @@ class FSDP(Sharded):
         """`fully_shard` on each unit with parameters, then on the root, over `mesh()`; the collectives' buffers
         and the unsharded parameters filed for the breakdown (module docstring)."""
         # imported here: torch.distributed.fsdp pulls in DTensor, over a second of every CLI start
-        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         self.parameter_rows = [p.shape[0] if p.dim() else 1 for p in model.parameters()]
         mesh = self.mesh()
         offload = (CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.settings["offload"] == "cpu"
                    else OffloadPolicy())
-        options = {"mesh": mesh, "offload_policy": offload,
+        dtypes = {option: None if self.settings[option] == "none" else getattr(torch, self.settings[option])
+                  for option in DTYPE_OPTIONS}
+        precision = MixedPrecisionPolicy(**dtypes, cast_forward_inputs=self.settings["cast_forward_inputs"])
+        options = {"mesh": mesh, "offload_policy": offload, "mp_policy": precision,
                    "reshard_after_forward": self.settings["reshard_after_forward"]}
         sharded = [unit for unit in units if any(True for _ in unit.parameters())]
         for unit in sharded:
