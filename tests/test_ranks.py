@@ -82,8 +82,9 @@ TO_THE_BYTE = ["ddp", "zero1", "fsdp", "fsdp+checkpoint", "fsdp+amp",
                pytest.param("fsdp:replicate=2", marks=pytest.mark.slow),  # 2 replica groups of 1: HSDP's all-reduce
                pytest.param("fsdp:reshard_after_forward=false", marks=pytest.mark.slow),
                pytest.param(f"{MIXED}+checkpoint", marks=pytest.mark.slow),
-               pytest.param("fsdp:param_dtype=bfloat16", marks=pytest.mark.slow),  # reduced in bfloat16
-               pytest.param("fsdp:param_dtype=bfloat16:output_dtype=float32", marks=pytest.mark.slow)]
+               # accelerate's FSDP2 policy for mixed_precision="bf16": gradients reduced and outputs cast in bfloat16
+               pytest.param("fsdp:param_dtype=bfloat16:reduce_dtype=bfloat16:output_dtype=bfloat16",
+                            marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("strategy", TO_THE_BYTE)
