@@ -8,6 +8,7 @@ import math
 from bench.analysis.explain import ModuleRow, UnitRow
 from bench.analysis.fit import FitResult
 from bench.cli.arguments import batch_option_of
+from bench.core.results import Status
 from bench.core.units import MiB, format_mib, format_size
 from bench.measure.breakdown import BREAKDOWN_COLUMNS
 from bench.run.rule_of_thumb import RULE_OF_THUMB_CAVEATS
@@ -96,7 +97,7 @@ def format_predictions(rows: list[dict]) -> str:
                     (f"{workspace / MiB:>10.1f} " if workspace is not None else f"{'-':>10} ")
         extra += "".join(f"{r[column] / MiB:>8.0f} " if r.get(column) is not None else f"{'-':>8} "
                          for _, column in parts)
-        note = r["status"] if r["status"] != "ok" else ""
+        note = r["status"] if r["status"] != Status.OK else ""
         kernel = f"sdpa: {r['sdpa_kernel']}" if r.get("sdpa_kernel") else ""
         note = "; ".join(x for x in (note, kernel, r["message"]) if x)
         lines.append(f"{r['strategy']:<28} {r['phase']:<5} {r['batch_size']:>5} {b:>16} {m:>9} {extra}"

@@ -23,7 +23,7 @@ from bench.cli.config_option import derived_job, with_config
 from bench.cli.console import status
 from bench.core import gpus
 from bench.core.errors import Unsupported, UsageError
-from bench.core.results import FIT, PREDICT, new_run_id, write_table
+from bench.core.results import FIT, PREDICT, Status, new_run_id, write_table
 from bench.core.snapshots import snapshot_folder, writable_snapshot_folder
 from bench.core.units import format_size
 from bench.measure import env, fake_cuda, snapshot
@@ -169,7 +169,7 @@ def cmd_predict(args) -> int:
     print(f"\nwrote {path}")
     if snapshots is not None and snapshots.exists():
         print(f"memory snapshots in {snapshots} (open one at https://pytorch.org/memory_viz)")
-    if not any(row["status"] == "ok" for row in rows):  # as `run`: a table of refusals only is a failed command
+    if not any(row["status"] == Status.OK for row in rows):  # as `run`: a table of refusals only is a failed command
         counts = Counter(row["status"] for row in rows)
         print(f"error: no case was predicted ({', '.join(f'{n} {s}' for s, n in counts.items()) or 'no rows'}); "
               f"the message column of {path} says why", file=sys.stderr)

@@ -20,7 +20,7 @@ from bench.cli.config_option import derived_job, with_config
 from bench.cli.console import status
 from bench.core import gpus
 from bench.core.errors import UsageError
-from bench.core.results import PLAN, new_run_id, table_frame, write_table
+from bench.core.results import PLAN, Status, new_run_id, table_frame, write_table
 from bench.core.units import format_size
 from bench.measure import cpu_16bit, env
 from bench.measure.op_cost import measure_cpu_speed
@@ -180,7 +180,7 @@ def _front_table(rows: list) -> str:
         lines.append(f"  {r['strategy']:<44} {mib_or_dash(r['judged_bytes']):>10} "
                      f"{ms_or_dash(r['est_step_time_ms']):>12}  "
                      f"{'yes' if r['fits'] else 'no'}{mark}")
-    different = [r for r in rows if r["status"] == "ok" and r["differs_by_design"] and not r["eligible"]]
+    different = [r for r in rows if r["status"] == Status.OK and r["differs_by_design"] and not r["eligible"]]
     if different:
         lines.append(f"  ({len(different)} candidates that change what is trained kept out: "
                      f"{', '.join(r['strategy'] for r in different[:4])}{', ...' if len(different) > 4 else ''}; "

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from bench.core.results import Status
 from bench.core.units import MiB
 from bench.measure.stats import NOISE_THRESHOLD
 from bench.run.case import full_workload_spec
@@ -26,7 +27,7 @@ def finish_run(frame, path: Path) -> int:
     """Prints the table and the file; exit status 1 when no case succeeded (every row oom, unsupported, error)."""
     print(format_table(frame))
     print(f"\nwrote {path}")
-    if frame.empty or not (frame["status"] == "ok").any():
+    if frame.empty or not (frame["status"] == Status.OK).any():
         counts = ", ".join(f"{n} {status}" for status, n in frame["status"].value_counts().items())
         print(f"error: no case succeeded ({counts or 'no rows'}); the message column of {path} says why",
               file=sys.stderr)
@@ -69,7 +70,7 @@ def format_table(frame) -> str:
                      "not what 16-bit arithmetic costs")
     lines += _rank_lines(frame)
     if {"peak_mem_spread_bytes", "repeats"} <= set(frame.columns) and (pd_num(frame["repeats"]) > 1).any():
-        spread = pd_num(frame["peak_mem_spread_bytes"]).where(frame["status"] == "ok")
+        spread = pd_num(frame["peak_mem_spread_bytes"]).where(frame["status"] == Status.OK)
         differ = frame.loc[spread > 0, "strategy"].tolist()
         lines.append("peak bytes across repeats: " + (f"DIFFER for {', '.join(map(str, differ))}" if differ
                                                      else "identical in every ok row (spread 0 B)"))
@@ -86,7 +87,7 @@ def _rank_lines(frame) -> list[str]:
     header = (f"{'sharded case':<32} {'phase':<5} {'ranks':>5} {'max rank':>9} {'min rank':>9}  "
               + " ".join(f"{name:>11}" for name in RANK_BREAKDOWN))
     lines = ["", "per rank (MiB; the breakdown is the largest rank's):", header, "-" * len(header)]
-    for _, r in frame[(pd_num(frame["ranks"]) > 1) & (frame["status"] == "ok")].iterrows():
+    for _, r in frame[(pd_num(frame["ranks"]) > 1) & (frame["status"] == Status.OK)].iterrows():
         parts = [r.get(f"peak_{name}_bytes") for name in RANK_BREAKDOWN]
         lines.append(f"{r['strategy']:<32} {r['phase']:<5} {int(r['ranks']):>5} "
                      f"{r['rank_peak_max_bytes'] / MiB:>9.1f} {r['rank_peak_min_bytes'] / MiB:>9.1f}  "
@@ -98,11 +99,11 @@ def _table_line(r) -> tuple[str, bool]:
     """One case's line of the console table, and whether its step time is noisy."""
     def num(value, fmt):
         return fmt.format(value) if value == value and value is not None else "-"
-    mib = r["peak_mem_bytes"] / MiB if r["status"] == "ok" else float("nan")
+    mib = r["peak_mem_bytes"] / MiB if r["status"] == Status.OK else float("nan")
     match = {True: "yes", False: "NO"}.get(r["matches_baseline"], "-")
-    status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r['message']}"
+    status = r["status"] if r["status"] == Status.OK else f"{r['status']}: {r['message']}"
     noisy = r.get("noisy") is True or str(r.get("noisy")).lower() == "true"
-    noisy = noisy and r["status"] == "ok"
+    noisy = noisy and r["status"] == Status.OK
     step = num(r["step_time_ms_median"], "{:.1f}") + ("~" if noisy else "")
     return (f"{r['strategy']:<32} {r['phase']:<5} {r['batch_size']:>5} {num(mib, '{:.1f}'):>9} "
             f"{num(r['mem_vs_baseline'], RELATIVE_FORMAT):>7} {step:>9} "
@@ -121,7 +122,7 @@ def pd_num(column):
 
 def _ci(r) -> str:
     low, high = r.get("step_time_ms_ci95_low"), r.get("step_time_ms_ci95_high")
-    if low is None or high is None or low != low or high != high or r["status"] != "ok":
+    if low is None or high is None or low != low or high != high or r["status"] != Status.OK:
         return "-"
     return f"[{low:.1f}, {high:.1f}]"
 
@@ -192,7 +193,7 @@ class Progress:
         elapsed = now - self.started
         left = self._left(now, index, total) if total - index - 1 else None
         timing = f"  ({duration(elapsed)} elapsed" + (f", about {duration(left)} left)" if left else ")")
-        if row["status"] != "ok":
+        if row["status"] != Status.OK:
             self._print(f"{self.prefix}: {row['status']} {row['message']}{timing}")
             return
         mib = row["peak_mem_bytes"] / MiB
