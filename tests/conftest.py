@@ -50,8 +50,9 @@ def pytest_addoption(parser):
 # `make test` runs the tests in processes of pytest-xdist with --dist loadgroup: each file's tests go to one process
 # together (its module-scoped fixtures and cached runs are built once), except the files named here, whose hundreds
 # of cases share nothing and are spread across the processes one test at a time (test_workloads.py's grid is 40% of
-# the suite's time: as one unit, collected last, it would run alone in one process at the end).
-SPREAD_FILES = {"test_workloads.py"}
+# the suite's time: as one unit, collected last, it would run alone in one process at the end; test_one_file_cnn.py
+# runs that grid on one more workload, whose registration each process makes for itself).
+SPREAD_FILES = {"test_workloads.py", "test_one_file_cnn.py"}
 
 
 def pytest_xdist_make_scheduler(config, log):
