@@ -62,9 +62,11 @@ class OptimizerInBackward(Strategy):
     is in the forward (a large batch's activations) it saves nothing.
 
     The same update per parameter: must match the baseline (the weights after one step are compared). Training
-    only. It cannot accumulate gradients (each backward steps at once), clip them by their global norm, or unscale
-    them all together (GradScaler), so it refuses grad_accumulation, amp and keep_grads; its per-parameter steps
-    cannot use a multi-tensor (foreach/fused) path over all parameters.
+    only.
+
+    Limitations: it cannot accumulate gradients (each backward steps at once), clip them by their global norm, or
+    unscale them all together (GradScaler), so it refuses grad_accumulation, amp and keep_grads; its per-parameter
+    steps cannot use a multi-tensor (foreach/fused) path over all parameters.
     """
 
     name = "optimizer_in_backward"
