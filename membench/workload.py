@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_map
 from bench.core.errors import UsageError
 from bench.run import case as case_module
 from bench.run.isolation import process_state
-from workloads.base import _UNIT_COUNTS, Workload
+from workloads.base import Workload, forget_cached
 
 SPEC_PREFIX = "membench.workload"
 
@@ -251,9 +251,9 @@ def _copy_module(model: nn.Module) -> nn.Module:
 
 def _forget(spec: str) -> None:
     """Drops what this process cached for a workload spec now redefined (a notebook cell run again)."""
-    case_module._cpu_batch.cache_clear()
+    case_module.cpu_batch.cache_clear()
     case_module.full_workload_spec.cache_clear()
-    _UNIT_COUNTS.pop(spec, None)
+    forget_cached(spec)
 
 
 def check_inputs(workload: Workload, batch_size: int | None = None) -> None:

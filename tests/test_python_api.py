@@ -79,6 +79,21 @@ def test_a_workload_redefined_under_its_name_is_the_new_one():
     assert small.workload == large.workload == "membench.workload:cell"
 
 
+def test_a_workload_redefined_under_its_name_is_read_afresh():
+    """Its traits (what the strategies' expectations key on) are those of the new model, not the cached ones."""
+    from workloads import get_workload
+
+    def with_batch_norm():
+        return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(),
+                                   torch.nn.Linear(8, 3))
+
+    traits = []
+    for model in (_mlp, with_batch_norm):
+        estimate = membench.estimate(model, BATCH, torch.nn.functional.cross_entropy, name="cell_traits")
+        traits.append(get_workload(estimate.workload).traits())
+    assert "batch_norm" not in traits[0] and "batch_norm" in traits[1]
+
+
 def test_a_gpu_estimate_of_an_inline_model_says_how_it_was_predicted():
     """Without the fake-CUDA environment (or for a workload no other process can rebuild) the CUDA estimate runs
     here on the CPU's operators, and says so; `fits` judges reserved bytes plus the CUDA context."""

@@ -48,6 +48,13 @@ _UNIT_COUNTS: dict[str, int] = {}  # workload spec -> checkpoint units (Workload
 _TRAITS: dict[str, frozenset[str]] = {}  # workload spec -> its traits' values (Workload.traits)
 
 
+def forget_cached(spec: str) -> None:
+    """Drops what this process cached for workload `spec` (its checkpoint units, its traits): a workload redefined
+    under the same spec (a notebook cell run again) is read afresh."""
+    _UNIT_COUNTS.pop(spec, None)
+    _TRAITS.pop(spec, None)
+
+
 class Trait(str, Enum):
     """What a workload's model is made of, where a strategy's outcome depends on it; strategies name a trait by its
     value in `expected_with` (they do not import workloads: the two are one layer)."""
