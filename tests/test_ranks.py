@@ -119,6 +119,20 @@ def test_mixed_precision_changes_the_numerics_and_matches_within_16_bit_toleranc
     assert _row("fsdp")["max_grad_rel_diff"] <= EXACT.grad_rtol  # plain FSDP2: float summation order only
 
 
+@pytest.mark.slow
+def test_mixed_precision_composes_with_compile_on_real_ranks_and_in_the_prediction():
+    """Through torch.compile the 2 gloo ranks train and match the baseline, and predict traces each rank from
+    inductor's generated code; not to the byte: the measurement counts the allocator's events, the prediction
+    inductor's buffers (docs/sharding.md gives both figures)."""
+    spec = f"{MIXED}+compile"
+    row = _row(spec)
+    if row["status"] == "unsupported" and "compiler" in row["message"]:
+        pytest.skip(row["message"])
+    assert row["status"] == "ok" and row["matches_baseline"] is True, row["message"]
+    predicted = predict_case(_case(spec), engine="cpu", ranks=2)
+    assert predicted["status"] == "ok" and predicted["predicted_bytes"] > 0, predicted["message"]
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "zero1"])
 @pytest.mark.parametrize("workload", ["gpt_mini:layers=2:width=64:heads=2:seq_len=64", "hf:tiny-llama:seq_len=32"])
 def test_ddp_on_fake_tensors_counts_what_its_real_steps_do_to_the_byte(strategy, workload):
