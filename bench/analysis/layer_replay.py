@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Sequence
 
+from bench.measure.cuda_allocator import CUBLAS_OPS
 from bench.measure.memory import MemoryEvent
 
 FULL_TRACE_ENV = "MEMBENCH_FULL_TRACE"  # "1": every prediction traces all its layers (no layer replay)
@@ -440,33 +441,58 @@ def tracked_step_by_layers(case, spec: str, engine: str, warmup_steps: int | Non
 
     layers = layers_of(get_workload(case.workload))
     traced = [SMALLEST_TRACE_LAYERS, SMALLEST_TRACE_LAYERS + 1, SMALLEST_TRACE_LAYERS + 2]
-    steps = []
-    for count in traced:
+    tried = (re.sub(r":seq_len=\d+", "", case.workload), spec, engine)
+    if tried in _REFUSED:
+        return None, f"{_REFUSED[tried]}, found on an earlier case of this model and strategy"
+
+    def trace(count: int):
         small = replace(case, workload=with_layers(case.workload, count))
         planned = bind_case(replace(small, device=bound_device(engine)), 1)[0]
         planned.plan(PredictionMeter(small))
-        steps.append(tracked_step(small, spec, engine, 1, cuda_autocast=True, ranks=1, record_events=True,
-                                  warmup_steps=warmup_steps, planned=planned, capability=capability))
-    if any(step.offload_host_peak_bytes is not None for step in steps):
-        return None, "an offloading strategy's host copies"
-    if len({step.sdpa_kernel for step in steps}) > 1:
-        return None, "attention kernels that differ by layer count"
-    plan = _recompute_plan_at([step.recompute_plan for step in steps], traced, layers)
-    if plan is None:
-        return None, "a recompute plan that differs by layer count"
-    calls = [step.cpu_sdpa_calls for step in steps]
-    if calls[2] - calls[1] != calls[1] - calls[0]:
-        return None, "attention calls not the same per layer"
+        return tracked_step(small, spec, engine, 1, cuda_autocast=True, ranks=1, record_events=True,
+                            warmup_steps=warmup_steps, planned=planned, capability=capability)
+
     try:
-        logs = [measured_log(step.events) for step in steps]
-        template = LayerTemplate(logs[0], logs[1], traced[0])
-        if template.events(traced[2]) != logs[2]:
-            return None, f"the log made for {traced[2]} layers differs from their trace"
-        events = template.events(layers)
+        steps, events, plan = _replayed(trace, traced, layers)
     except NoReplay as why:
+        _REFUSED[tried] = str(why)
         return None, str(why)
+    calls = [step.cpu_sdpa_calls for step in steps]
     return TrackedStep(_live_peak(events), events, engine, None, {}, steps[0].sdpa_kernel,
                        calls[0] + (calls[1] - calls[0]) * (layers - traced[0]), plan, None), None
+
+
+def _replayed(trace, traced: list[int], layers: int) -> tuple[list, list[MemoryEvent], str]:
+    """(the small steps, the log at `layers`, its recompute plan), `trace(count)` tracing the step at `count`
+    layers; NoReplay where the log made for `traced[2]` layers is not their trace's. The template is made first:
+    where the two smaller logs make none, the third trace is not run."""
+    steps = [trace(traced[0]), trace(traced[1])]
+    _check_alike(steps)
+    template = LayerTemplate(measured_log(steps[0].events), measured_log(steps[1].events), traced[0])
+    steps.append(trace(traced[2]))
+    _check_alike(steps)
+    plan = _recompute_plan_at([step.recompute_plan for step in steps], traced, layers)
+    if plan is None:
+        raise NoReplay("a recompute plan that differs by layer count")
+    if template.events(traced[2]) != measured_log(steps[2].events):
+        raise NoReplay(f"the log made for {traced[2]} layers differs from their trace")
+    return steps, template.events(layers), plan
+
+
+# why layer replay was refused, by (workload spec without its length, strategy spec, engine): a search over lengths
+# (fit) does not trace the small layer counts again for a model and strategy whose layers were found unlike
+_REFUSED: dict[tuple, str] = {}
+
+
+def _check_alike(steps: list) -> None:
+    """NoReplay where the small traces cannot stand for the full one, beyond their logs."""
+    if any(step.offload_host_peak_bytes is not None for step in steps):
+        raise NoReplay("an offloading strategy's host copies")
+    if len({step.sdpa_kernel for step in steps}) > 1:
+        raise NoReplay("attention kernels that differ by layer count")
+    calls = [step.cpu_sdpa_calls for step in steps]
+    if len(calls) == 3 and calls[2] - calls[1] != calls[1] - calls[0]:
+        raise NoReplay("attention calls not the same per layer")
 
 
 def measured_log(events: list[MemoryEvent]) -> list[MemoryEvent]:
@@ -476,8 +502,6 @@ def measured_log(events: list[MemoryEvent]) -> list[MemoryEvent]:
     ends = [index for index, event in enumerate(events) if event.kind == "end"]
     if len(ends) != 1:
         raise NoReplay("a log without one end of its measured window")
-    from bench.measure.cuda_allocator import CUBLAS_OPS
-
     for event in events[ends[0] + 1:]:
         if event.kind == "alloc" or (event.kind == "op" and event.op.split(".")[0] in CUBLAS_OPS):
             raise NoReplay("a storage allocated or a matrix product run after the measured window")
