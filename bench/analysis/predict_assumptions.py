@@ -65,7 +65,10 @@ ASSUMPTIONS = [
     " optimizer state, activations: made in the forward; logits: tensors whose last dimension is the output head's"
     " output features, the vocabulary; other: the rest, cuBLAS's workspaces included); they sum to allocated",
     "full size: the model is built and stepped on fake tensors (its weights never exist, its initialisation"
-    " draws no number), every layer traced, nothing extrapolated from fewer layers",
+    " draws no number); a decoder whose layers are all alike is traced at 3, 4 and 5 layers and its step's log"
+    " built for all of them from the first two (layer replay), used only where the one built for 5 equals the"
+    " 5-layer trace event for event (the row says so; MEMBENCH_FULL_TRACE=1 traces every layer), nothing"
+    " extrapolated otherwise",
 ]
 
 
