@@ -28,7 +28,8 @@ def _full_trace(case: Case, engine: str = "fake"):
 
 
 def test_the_log_built_for_six_layers_is_the_six_layer_trace_event_for_event():
-    case = Case(SMALL, "lora+checkpoint:segments=all", "train", 2, "cuda")
+    # bf16_weights replaces the parameters on fake tensors: each must still have its gradient filed as one
+    case = Case(SMALL, "bf16_weights+lora+checkpoint:segments=all", "train", 2, "cuda")
     replayed, why = layer_replay.tracked_step_by_layers(case, case.strategy, "fake", MEMORY_WARMUP_STEPS["cuda"],
                                                         None)
     assert why is None, why

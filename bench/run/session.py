@@ -46,13 +46,16 @@ class Session:
                 for watcher in list(watchers.values()):
                     watcher(param)
 
-            watched: set[int] = set()
+            # the parameters hooked, by id, held so that no id is reused while this runs: a strategy that replaces
+            # parameters (bf16_weights on fake tensors) frees the old ones, and a new one at a freed one's id went
+            # unhooked (its gradient then filed as the backward's, a different parameter at each run)
+            watched: dict[int, torch.Tensor] = {}
 
             def watch_trainable() -> None:
                 for param in self.base_model.parameters():
                     if param.requires_grad and id(param) not in watched:
                         param.register_post_accumulate_grad_hook(grad_ready)
-                        watched.add(id(param))
+                        watched[id(param)] = param
 
             watch_trainable()  # before the strategy's hooks, so that the watchers see each gradient first
         self.model = strategy.prepare_model(self.base_model, workload.checkpoint_units(self.base_model))
