@@ -21,7 +21,7 @@ from bench.core import gpus
 from bench.measure import cpu_16bit, env, fake_cuda
 from bench.measure.op_cost import measure_cpu_speed
 from bench.run.isolation import process_state
-from bench.run.runner import Case
+from bench.run.case import Case
 
 LOCAL_NOTE = ("the workload lives in this process only (no importable_as): not predicted in the fake-CUDA "
               "environment")

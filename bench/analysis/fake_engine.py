@@ -22,7 +22,8 @@ from bench.measure.fake_cuda_mode import FakeAllocator, fake_cuda as fake_cuda_t
 from bench.measure.sdpa_kernel import SdpaCalls, SdpaKernelChoice
 from bench.run.fake_pass import FakeSession, fake_memory_pass
 from bench.run.ranks import fake_process_group, in_rank_process
-from bench.run.runner import CaseMeter, bind_case, forget_traceback, memory_pass
+from bench.run.case import bind_case
+from bench.run.runner import CaseMeter, forget_traceback, memory_pass
 from strategies.composite import recompute_plan_of
 
 __all__ = ["CUDA_BLOCK_BYTES", "FakeSession", "PredictionMeter", "TrackedStep", "UsesAutocast", "bound_device",

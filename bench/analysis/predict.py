@@ -32,7 +32,8 @@ from bench.core.schema import Row
 from bench.core.units import MiB
 from bench.measure import breakdown, cuda_allocator, fake_cuda, snapshot
 from bench.run.isolation import process_state
-from bench.run.runner import MEMORY_WARMUP_STEPS, bind_case, forget_traceback
+from bench.run.case import bind_case
+from bench.run.runner import MEMORY_WARMUP_STEPS, forget_traceback
 from strategies.composite import members_of
 
 ENGINES = ("auto", "fake-cuda", "fake", "meta", "cpu")
