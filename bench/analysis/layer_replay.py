@@ -45,13 +45,18 @@ def full_trace_forced() -> bool:
 
 # --- alignment of the logs at k and k+1 layers -------------------------------------------------------------------
 
-def _shape(event: MemoryEvent) -> tuple:
-    """What an event is, without the numbers that change with the layers (its key, a layer index in its module)."""
-    return event.kind, event.nbytes, event.stage, event.op, _MODULE_INDEX.sub("#", event.module), event.category
+def _shape(event: MemoryEvent, allocs: dict) -> tuple:
+    """What an event is, without the numbers that change with the layers (its key, a layer index in its module);
+    a free or category event also by what it names (its storage's bytes, stage and module), so that a stretch of
+    such events is cut where they start to name storages of another kind."""
+    named = allocs.get(event.key) if event.kind in ("free", "category") else None
+    target = (named.nbytes, named.stage, _MODULE_INDEX.sub("#", named.module)) if named is not None else None
+    return event.kind, event.nbytes, event.stage, event.op, _MODULE_INDEX.sub("#", event.module), event.category, target
 
 
 def _tokens(events: Sequence[MemoryEvent], codes: dict) -> list[int]:
-    return [codes.setdefault(_shape(event), len(codes)) for event in events]
+    allocs = {event.key: event for event in events if event.kind == "alloc"}
+    return [codes.setdefault(_shape(event, allocs), len(codes)) for event in events]
 
 
 def align(smaller: list[int], larger: list[int]) -> list[tuple[int, int]]:
