@@ -65,7 +65,7 @@ test: $(STAMP)
 # without it). The viewer comes from the pinned torch's tag on GitHub, or from MEMORY_VIZ_JS=path where GitHub cannot
 # be reached; d3 from the npm registry (npm needed). docs/measuring.md says what the test checks.
 memory-viz:
-	$(PYTHON) tools/memory_viz.py --torch-version $(TORCH_VERSION)
+	$(PYTHON) tools/viewer/memory_viz.py --torch-version $(TORCH_VERSION)
 
 # every published GPU measurement of bench/anchors/ predicted on fake CUDA, the error of each (docs/accuracy.md);
 # a full-size model each: tens of minutes on 2 cores, ANCHOR_JOBS at once. ANCHORS=torchao for one source.
@@ -75,11 +75,11 @@ anchors: $(STAMP) $(FAKE_CUDA_STAMP)
 	$(PY) -m bench anchors --out $(OUT) --jobs $(ANCHOR_JOBS) $(if $(ANCHORS),--only $(ANCHORS))
 
 # On a machine with a GPU: every single-GPU anchor's configuration measured there (max_memory_allocated and
-# reserved) beside membench's prediction for that GPU, each case in a fresh process (tools/gpu_check.py; results/
+# reserved) beside membench's prediction for that GPU, each case in a fresh process (tools/gpu/check.py; results/
 # reference/gpu/ holds the H200's). GPU_CHECK_LAYERS=0 for full size; ANCHORS=torchtune for one source.
 GPU_CHECK_LAYERS ?= 2
 gpu-check: $(STAMP)
-	$(PY) tools/gpu_check.py --out $(OUT)/gpu_check --layers $(GPU_CHECK_LAYERS) $(if $(ANCHORS),--only $(ANCHORS))
+	$(PY) tools/gpu/check.py --out $(OUT)/gpu_check --layers $(GPU_CHECK_LAYERS) $(if $(ANCHORS),--only $(ANCHORS))
 
 # The fake-CUDA run (tests_cuda_fake/, docs/testing.md "The CUDA path without a GPU"): membench's CUDA code path on a machine
 # without a GPU, in its own environment, which `python -m bench cuda-env` builds (bench/measure/cuda_env.py says

@@ -1,5 +1,5 @@
 """What a strategy's class declares, in words: where it runs, its result against the baseline, what `plan` tries of
-it. `python -m bench list` and the strategy table of docs/strategies.md (tools/strategy_table.py) print these."""
+it. `python -m bench list` and the strategy table of docs/strategies.md (tools/docs/strategy_table.py) print these."""
 
 from __future__ import annotations
 

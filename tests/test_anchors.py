@@ -202,7 +202,7 @@ def test_a_bad_anchor_file_names_what_is_missing(tmp_path):
 
 
 def test_the_accuracy_page_is_generated_from_the_csv_alone(tmp_path):
-    """docs/accuracy.md comes from an anchors CSV by tools/accuracy_table.py: every row, its error and the summary."""
+    """docs/accuracy.md comes from an anchors CSV by tools/docs/accuracy_table.py: every row, its error and the summary."""
     import importlib.util
     from pathlib import Path
 
@@ -211,7 +211,7 @@ def test_the_accuracy_page_is_generated_from_the_csv_alone(tmp_path):
     rows = [anchors.anchor_row(_anchor(name="a", figure=1.0), lambda *_: (_predict_row(allocated=int(1.1 * 2**30)), "")),
             anchors.anchor_row(_anchor(name="b", strategy="no_such_technique"), lambda *_: None)]
     write_table(ANCHORS, rows, tmp_path / "anchors-x.csv")
-    path = Path(__file__).resolve().parent.parent / "tools" / "accuracy_table.py"
+    path = Path(__file__).resolve().parent.parent / "tools" / "docs" / "accuracy_table.py"
     spec = importlib.util.spec_from_file_location("accuracy_table", path)
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)

@@ -70,5 +70,5 @@ def test_the_reference_anchor_run_is_what_the_code_predicts(tmp_path):
     reference = newest_reference()
     changed = changed_rows(pd.read_csv(reference, comment="#"), pd.read_csv(written, comment="#"))
     assert not changed, (f"the anchors' predictions moved from {reference.name}: re-run `python -m bench anchors`, "
-                         "commit its CSV under results/reference/anchors/ and run tools/figures.py\n"
+                         "commit its CSV under results/reference/anchors/ and run tools/docs/figures.py\n"
                          + "\n".join(changed))

@@ -1,4 +1,4 @@
-"""The figures README.md and docs/*.md show from results are the committed results files' own: tools/figures.py
+"""The figures README.md and docs/*.md show from results are the committed results files' own: tools/docs/figures.py
 regenerates every marked block in memory and any difference fails, naming the page, the block and its source."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _load(name: str):
-    sys.path.insert(0, str(ROOT / "tools"))
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    sys.path.insert(0, str(ROOT / "tools" / "docs"))
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / "docs" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -26,7 +26,7 @@ figures = _load("figures")
 
 def test_every_figure_block_equals_what_its_results_file_generates():
     drifted = figures.drifted()
-    assert not drifted, ("figures differ from their results files (run .venv/bin/python tools/figures.py):\n"
+    assert not drifted, ("figures differ from their results files (run .venv/bin/python tools/docs/figures.py):\n"
                          + "\n".join(drifted))
 
 

@@ -1,4 +1,4 @@
-"""tools/gpu_check.py without a GPU (`--device cpu`): each case measured in a fresh process beside its prediction,
+"""tools/gpu/check.py without a GPU (`--device cpu`): each case measured in a fresh process beside its prediction,
 the rows written as they come; on the CPU, where membench's count is exact, the two are equal to the byte."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_each_case_is_measured_and_predicted_in_its_own_process_and_an_unsupported_one_is_a_row(tmp_path):
-    done = subprocess.run([sys.executable, "tools/gpu_check.py", "--device", "cpu", "--no-anchors", "--out",
+    done = subprocess.run([sys.executable, "tools/gpu/check.py", "--device", "cpu", "--no-anchors", "--out",
                            str(tmp_path), "--jobs", "2", "--case", "captcha_resnet18,no_grad_eval,eval,2",
                            "--case", "captcha_resnet18,empty_cache,train,2"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -32,7 +32,7 @@ def test_each_case_is_measured_and_predicted_in_its_own_process_and_an_unsupport
 
 
 def test_without_a_gpu_it_says_so_in_one_line_and_exits_2(tmp_path):
-    done = subprocess.run([sys.executable, "tools/gpu_check.py", "--out", str(tmp_path)], cwd=ROOT,
+    done = subprocess.run([sys.executable, "tools/gpu/check.py", "--out", str(tmp_path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "needs a GPU" in done.stderr and "--device cpu" in done.stderr and not list(tmp_path.iterdir())

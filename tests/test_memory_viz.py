@@ -5,7 +5,7 @@ without a JavaScript error: the Active Memory Timeline peaking at the CSV's peak
 State History listing every event of the trace, each one clicked.
 
 The viewer is not shipped in torch's wheel and is other projects' code (it imports d3 from a CDN), so it is not in
-this repository: `make memory-viz` puts a local copy and its d3 modules in .cache/memory_viz/ (tools/memory_viz.py),
+this repository: `make memory-viz` puts a local copy and its d3 modules in .cache/memory_viz/ (tools/viewer/memory_viz.py),
 and these tests skip, saying so, without it. The page is served from 127.0.0.1 (the viewer is an ES module, which
 Chromium does not run from file://), with an import map from the viewer's CDN addresses to the local modules, so
 MemoryViz.js runs unchanged; the test page loads the files with the viewer's own `add_local_files` (what
@@ -34,7 +34,7 @@ from bench.core.snapshots import device_trace, read_snapshot, replay_peaks
 from test_html_report import BROWSER_FLAGS, chromium  # noqa: F401  (the fixture: Chromium, installed or skipped)
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT / "tools" / "viewer"))
 from memory_viz import CACHE  # noqa: E402  (.cache/memory_viz/, or $MEMORY_VIZ_DIR)
 MLP = "deep_mlp:layers=4:width=8"
 VIEWS = ("Active Memory Timeline", "Allocator State History", "Active Cached Segment Timeline")

@@ -1,4 +1,4 @@
-"""The peers' tools for sharded training (tools/peer_*.py): their arguments and the arithmetic of their comparison,
+"""The peers' tools for sharded training (tools/peers/*.py): their arguments and the arithmetic of their comparison,
 without running a peer (the runs themselves take minutes: results/reference/peers/sharded/)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def tool(name: str):
-    """tools/<name>.py as a module."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    """tools/peers/<name>.py as a module."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / "peers" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules.setdefault(name, module)
     spec.loader.exec_module(module)
@@ -22,7 +22,7 @@ def tool(name: str):
 
 
 def test_tracker_splits_the_global_batch_as_membench_does():
-    tracker = tool("peer_fsdp_mem_tracker")
+    tracker = tool("fsdp_mem_tracker")
     assert [tracker.local_batch(9, 4, rank) for rank in range(4)] == [3, 2, 2, 2]  # torch.tensor_split's split
     assert [tracker.local_batch(8, 8, rank) for rank in range(8)] == [1] * 8
     args = tracker.parse_args(["--ranks", "4", "--batch-size", "9", "--checkpoint"])
@@ -34,7 +34,7 @@ def test_tracker_splits_the_global_batch_as_membench_does():
 
 
 def test_tracker_compares_with_membench_s_row(tmp_path):
-    tracker = tool("peer_fsdp_mem_tracker")
+    tracker = tool("fsdp_mem_tracker")
     csv_file = tmp_path / "predict.csv"
     csv_file.write_text("strategy,phase,status,predicted_bytes,predicted_reserved_bytes\n"
                         "baseline,train,ok,100,200\nfsdp,train,ok,1100,1200\n"
@@ -49,7 +49,7 @@ def test_tracker_compares_with_membench_s_row(tmp_path):
 
 
 def test_deepspeed_formula_and_arguments():
-    ds = tool("peer_deepspeed_zero3")
+    ds = tool("deepspeed_zero3")
     # llama-3.2-1b's counts on 8 GPUs: 4 bytes per parameter of the largest layer + 18 per parameter / GPUs
     assert ds.zero3_gpu_bytes(1_235_814_400, 262_668_288, 8) == 4 * 262_668_288 + 18 * 1_235_814_400 // 8
     args = ds.parse_args(["--presets", "llama-3.2-1b", "--gpus", "2,8"])
@@ -57,7 +57,7 @@ def test_deepspeed_formula_and_arguments():
 
 
 def test_sharded_table_configurations():
-    table = tool("peer_sharded_table")
+    table = tool("sharded_table")
     args = table.parse_args(["--out", "x", "--configs", "llama-3.2-1b:2048:8:8,tiny-llama:16:2:4",
                              "--variants", "shipped"])
     assert args.configs[0] == {"preset": "llama-3.2-1b", "seq_len": 2048, "ranks": 8, "global_batch": 8}

@@ -139,12 +139,12 @@ def test_a_new_workload_is_one_file(drop_in):
 
 
 def test_the_docs_strategy_table_is_the_classes():
-    """docs/strategies.md's table is what tools/strategy_table.py writes from the registered classes (run it after
+    """docs/strategies.md's table is what tools/docs/strategy_table.py writes from the registered classes (run it after
     changing a strategy)."""
-    path = Path(__file__).resolve().parent.parent / "tools" / "strategy_table.py"
+    path = Path(__file__).resolve().parent.parent / "tools" / "docs" / "strategy_table.py"
     spec = importlib.util.spec_from_file_location("strategy_table", path)
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     text = tool.DOC.read_text(encoding="utf-8")
-    assert tool.with_table(text) == text, "the strategy table of docs/strategies.md is stale: run tools/strategy_table.py"
+    assert tool.with_table(text) == text, "the strategy table of docs/strategies.md is stale: run tools/docs/strategy_table.py"
     assert all(f"| `{name}` |" in text for name in STRATEGIES.names())

@@ -1,5 +1,5 @@
 """The tables that set membench's CUDA predictions beside measurements on a GPU, declared beside the other tables
-(`bench.core.results.TABLES`): the `cuda` tests' prediction check and tools/gpu_check.py's anchors on a GPU."""
+(`bench.core.results.TABLES`): the `cuda` tests' prediction check and tools/gpu/check.py's anchors on a GPU."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ PREDICTION_CHECK = Table("prediction-check", PREDICTION_CHECK_SCHEMA_VERSION, [
     *columns("int", "schema_version"),
 ])
 
-# tools/gpu_check.py on a machine with a GPU: the prediction check's columns for each anchor's configuration (or a
+# tools/gpu/check.py on a machine with a GPU: the prediction check's columns for each anchor's configuration (or a
 # named case), measured there in a fresh process, with the row's status and timings
 GPU_CHECK_SCHEMA_VERSION = 1
 GPU_CHECK = Table("gpu-check", GPU_CHECK_SCHEMA_VERSION, [

@@ -1,23 +1,23 @@
 """The sharded-training table of docs/peers.md: membench's per-rank prediction beside PyTorch's FSDPMemTracker (run
-the torchtitan way, tools/peer_fsdp_mem_tracker.py) and DeepSpeed's ZeRO-3 estimator (its own code,
-tools/peer_deepspeed_zero3.py), on the same configurations.
+the torchtitan way, tools/peers/fsdp_mem_tracker.py) and DeepSpeed's ZeRO-3 estimator (its own code,
+tools/peers/deepspeed_zero3.py), on the same configurations.
 
 Each configuration is `preset:seq_len:ranks:global_batch`. For each, in turn (one command at a time, each a
 subprocess whose output, wall time and load average are kept under --out):
 - `python -m bench predict --workload hf:<preset>:seq_len=<S> --device cuda --ranks <N> --global-batch-size <B>
   --strategies fsdp,fsdp+checkpoint:segments=all --phases train` (this Python; the fake-CUDA engine where
   `make cuda-fake-env` has made it);
-- tools/peer_fsdp_mem_tracker.py in the fake-CUDA environment's Python, for `fsdp` and `fsdp+checkpoint` (every
+- tools/peers/fsdp_mem_tracker.py in the fake-CUDA environment's Python, for `fsdp` and `fsdp+checkpoint` (every
   layer), in the variants of --variants: `shipped` (the tracker as torch 2.13.0 ships it, under membench's fake-CUDA
   mode), `plain` (the same under torch's plain FakeTensorMode, exactly as torchtitan enters it), `workaround`
   (DTensor's sharding propagation moved to its own fake mode, so that the tracker skips it as its comment intends);
-- tools/peer_deepspeed_zero3.py in --ds-python (an environment with DeepSpeed; skipped, and said, without one).
+- tools/peers/deepspeed_zero3.py in --ds-python (an environment with DeepSpeed; skipped, and said, without one).
 Then `sharded.csv` (one row per configuration and strategy, bytes) and `runs.csv` (every command, its wall time
 and load), and the table in markdown on stdout.
 
 Usage (from the repository root):
 
-    .venv/bin/python tools/peer_sharded_table.py --out results/reference/peers/sharded \\
+    .venv/bin/python tools/peers/sharded_table.py --out results/reference/peers/sharded \\
         --configs llama-3.2-1b:2048:8:8 --ds-python /tmp/ds-venv/bin/python
 """
 
@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 GIB = 1024 ** 3
 STRATEGIES = {"fsdp": False, "checkpoint:segments=all+fsdp": True}  # membench's row name -> checkpoint every layer
 VARIANTS = {"shipped": [], "plain": ["--fake-mode", "plain"], "workaround": ["--propagation-outside"]}
@@ -62,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", required=True, help="folder for every command's output and the CSVs")
     parser.add_argument("--cuda-python", default=str(ROOT / ".venv-cuda-fake" / "bin" / "python"))
     parser.add_argument("--ds-python", default="/tmp/ds-venv/bin/python",
-                        help="a Python with DeepSpeed importable (see tools/peer_deepspeed_zero3.py)")
+                        help="a Python with DeepSpeed importable (see tools/peers/deepspeed_zero3.py)")
     parser.add_argument("--reuse", action="store_true", help="keep outputs already in --out, run only what is missing")
     args = parser.parse_args(argv)
     try:
@@ -116,7 +116,7 @@ def tracker(config: dict, strategy: str, variant: str, folder: Path, args, runs:
     name = f"tracker-{'checkpoint' if STRATEGIES[strategy] else 'fsdp'}-{variant}"
     result = folder / f"{name}.json"
     if not (args.reuse and result.exists()):
-        command = [args.cuda_python, "tools/peer_fsdp_mem_tracker.py", "--workload",
+        command = [args.cuda_python, "tools/peers/fsdp_mem_tracker.py", "--workload",
                    f"hf:{config['preset']}:seq_len={config['seq_len']}", "--ranks", str(config["ranks"]),
                    "--batch-size", str(config["global_batch"]), "--json", str(result), *VARIANTS[variant]]
         if STRATEGIES[strategy]:
@@ -136,7 +136,7 @@ def deepspeed(configs: list[dict], folder: Path, args, runs: list[dict]) -> dict
         presets = sorted({c["preset"] for c in configs})
         gpus = sorted({c["ranks"] for c in configs})
         live = [p for p in presets if p == "llama-3.2-1b"]  # a real (bfloat16, uninitialised) model: 2.5 GB
-        command = [args.ds_python, "tools/peer_deepspeed_zero3.py", "--presets", ",".join(presets), "--gpus",
+        command = [args.ds_python, "tools/peers/deepspeed_zero3.py", "--presets", ",".join(presets), "--gpus",
                    ",".join(map(str, gpus)), "--json", str(result)] + (["--live", ",".join(live)] if live else [])
         env = {**os.environ, "DS_ACCELERATOR": "cpu"}
         if run(command, folder / "deepspeed-zero3.stdout.txt", runs, env=env) != 0:

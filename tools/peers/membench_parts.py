@@ -7,7 +7,7 @@ It runs `bench.analysis.predict.predict_case` as `predict --ranks N --engine fak
 and replays the step's allocations through `bench.measure.cuda_allocator` twice (workspace 0, then cuBLAS's). Run it
 in the fake-CUDA environment, with this checkout on the path:
 
-    PYTHONPATH=. .venv-cuda-fake/bin/python tools/peer_membench_parts.py \\
+    PYTHONPATH=. .venv-cuda-fake/bin/python tools/peers/membench_parts.py \\
         --workload hf:llama-3.2-1b:seq_len=2048 --ranks 8 --batch-size 8 --strategy fsdp [--json out.json]
 """
 
@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 

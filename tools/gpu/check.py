@@ -1,6 +1,6 @@
 """On a machine with an NVIDIA GPU: every single-GPU anchor's configuration measured there and predicted for that GPU.
 
-    python tools/gpu_check.py --out DIR [--layers 2] [--jobs 4] [--deadline-s 300] [--only NAME,...]
+    python tools/gpu/check.py --out DIR [--layers 2] [--jobs 4] [--deadline-s 300] [--only NAME,...]
 
 Each anchor of bench/anchors/ that runs on one GPU becomes a case (its workload at `--layers` decoder layers, 0: full
 size; its strategy, batch and sequence). A fresh process per case (so that each starts from an empty caching allocator
@@ -24,7 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 

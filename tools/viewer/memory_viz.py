@@ -17,7 +17,7 @@ torch's wheel does not ship MemoryViz.js, and the viewer imports d3 from a CDN (
 
 Nothing here is committed: the viewer and d3 are other projects' code. Usage (from the repository root):
 
-    .venv/bin/python tools/memory_viz.py [--torch-version 2.13.0] [--cache .cache/memory_viz]
+    .venv/bin/python tools/viewer/memory_viz.py [--torch-version 2.13.0] [--cache .cache/memory_viz]
     MEMORY_VIZ_JS=/path/to/MemoryViz.js make memory-viz     # where GitHub cannot be reached
     MEMORY_VIZ_DIR=/shared/memory_viz make memory-viz       # one copy for several checkouts (the test reads it too)
     MEMORY_VIZ_REF=main make memory-viz     # the viewer torch's own trace_plot pages import (PyTorch's main branch)
@@ -39,7 +39,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # where the copy goes (and where tests/test_memory_viz.py looks): $MEMORY_VIZ_DIR, else .cache/memory_viz/ here
 CACHE = Path(os.environ.get("MEMORY_VIZ_DIR") or ROOT / ".cache" / "memory_viz")
 URL = "https://raw.githubusercontent.com/pytorch/pytorch/{ref}/torch/utils/viz/MemoryViz.js"

@@ -11,17 +11,19 @@ table says which.
 
 Usage (from the repository root, with the project's virtual environment):
 
-    .venv/bin/python tools/peers_table.py [--presets gpt2,bert-base-uncased] [--out DIR] [--reuse] [--estimators CSV]
+    .venv/bin/python tools/peers/presets_table.py [--presets gpt2,bert-base-uncased] [--out DIR] [--reuse]
 
-The committed run (results/reference/peers/, whose tables tools/figures.py writes into docs/peers.md):
+It writes the peers' figures to DIR/estimators.csv beside the predict CSVs and prints the tables of docs/peers.md
+from that folder with tools/docs/figure_blocks.py's own generators (one table, one code). The committed run
+(results/reference/peers/, whose tables tools/docs/figures.py writes into docs/peers.md):
 
-    .venv/bin/python tools/peers_table.py --out results/reference/peers --estimators results/reference/peers/estimators.csv
+    .venv/bin/python tools/peers/presets_table.py --out results/reference/peers
 
 DeepSpeed need not be importable; to use its own code without building its ops (no GPU needed):
 
     .venv/bin/pip install --no-deps --no-build-isolation --target /tmp/ds deepspeed==0.19.8 \
         hjson einops ninja py-cpuinfo
-    PYTHONPATH=/tmp/ds .venv/bin/python tools/peers_table.py
+    PYTHONPATH=/tmp/ds .venv/bin/python tools/peers/presets_table.py
 """
 
 from __future__ import annotations
@@ -36,10 +38,12 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools" / "docs"))
 
-GIB = 1024 ** 3
+import figure_blocks  # noqa: E402  (the tables of docs/peers.md, printed here as figures.py writes them there)
+
 BIG = ("llama-3.1-8b", "mistral-7b", "qwen2.5-7b")
 # Sequence length per preset: bert's position table ends at 512, gpt2's at 1024; the decoders at a common 4096
 SEQ_LEN = {"gpt2": 1024, "bert-base-uncased": 512, "llama-3.2-1b": 4096, "llama-3.1-8b": 4096, "mistral-7b": 4096,
@@ -126,23 +130,6 @@ def deepspeed_estimates(params: int, largest_layer: int) -> dict:
     return {"source": f"DeepSpeed {deepspeed.__version__}'s own functions", "zero2": zero2, "zero3": zero3}
 
 
-def gib(value) -> str:
-    return f"{int(value) / GIB:,.1f}"
-
-
-def row_of(rows: list[dict], strategy: str) -> dict | None:
-    return next((r for r in rows if r["strategy"] == strategy and r["phase"] == "train"), None)
-
-
-def cell(row: dict | None) -> str:
-    """Allocated / reserved GiB of a predict row, or its status."""
-    if row is None:
-        return "-"
-    if row["status"] != "ok":
-        return row["status"]
-    return f"{gib(row['predicted_bytes'])} / {gib(row['predicted_reserved_bytes'])}"
-
-
 ESTIMATOR_COLUMNS = ("preset", "seq_len", "params", "largest_layer_params", "accelerate_version", "accelerate_params",
                      "accelerate_weights_fp32_bytes", "accelerate_train_fp32_bytes", "accelerate_train_mixed_bytes",
                      "deepspeed_source", "deepspeed_zero2_bytes", "deepspeed_zero3_bytes")
@@ -168,11 +155,9 @@ def write_estimators(path: Path, results: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--presets", default=",".join(SEQ_LEN), help="comma list of hf presets")
-    parser.add_argument("--out", default=None, help="folder for the predict CSVs (default: a temporary one)")
+    parser.add_argument("--out", default=None, help="folder for the predict CSVs and estimators.csv "
+                                                    "(default: a temporary one)")
     parser.add_argument("--reuse", action="store_true", help="read the CSVs already in --out instead of predicting")
-    parser.add_argument("--estimators", default=None,
-                        help="also write the peers' figures per preset to this CSV (default: none), which "
-                             "tools/figures.py reads beside the predict CSVs in --out")
     args = parser.parse_args()
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="peers-"))
     presets = args.presets.split(",")
@@ -184,50 +169,32 @@ def main() -> None:
         walls[preset] = wall
         sizes = model_sizes(preset)
         results[preset] = (rows, sizes, deepspeed_estimates(sizes["params"], sizes["largest_layer_params"]))
+    write_estimators(out / "estimators.csv", results)
 
     first = next(iter(results.values()))
-    print(f"membench predict (engine {row_of(first[0], 'baseline')['engine']}, capability "
+    print(f"membench predict (engine {figure_blocks.row_of(first[0], 'baseline')['engine']}, capability "
           f"{', '.join(sorted(capabilities)) or '?'}), batch 1, train; accelerate {first[1]['accelerate_version']}; "
           f"{first[2]['source']}. GiB (2^30 bytes).\n")
+    page = ROOT / "docs" / "peers.md"
     print("Full fine-tune with AdamW, float32, batch 1, train:\n")
-    print("| model (seq) | parameters | membench: allocated / reserved | "
-          "of which not model states (activations, logits, temporaries) | accelerate: fp32 / mixed | "
-          "DeepSpeed ZeRO-2 / ZeRO-3, 1 GPU |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for preset, (rows, sizes, ds) in results.items():
-        base = row_of(rows, "baseline")
-        rest = sum(int(base[f"predicted_{k}_bytes"]) for k in ("activations", "logits", "other"))
-        print(f"| {preset} ({SEQ_LEN[preset]}) | {sizes['params'] / 1e9:.3f} B | {cell(base)} | {gib(rest)} | "
-              f"{gib(sizes['accelerate_train_fp32'])} / {gib(sizes['accelerate_train_mixed'])} | "
-              f"{gib(ds['zero2'])} / {gib(ds['zero3'])} |")
-
+    print(figure_blocks.peers_estimators(out, page))
     print("\nmembench by technique (allocated / reserved GiB, predicted, fake CUDA; neither peer has a figure for "
           "these):\n")
-    print("| model (seq) | baseline (AdamW) | lora | lora+checkpoint | lora+checkpoint+chunked_loss | amp | "
-          "SDPA kernel | predict wall time |")
-    print("|---|---:|---:|---:|---:|---:|---|---:|")
-    for preset, (rows, sizes, ds) in results.items():
-        amp = {r["sdpa_kernel"] for r in rows if r["strategy"] == "amp" and r.get("sdpa_kernel")}
-        kernels = [f"{k} (amp)" for k in sorted(amp)] + sorted(
-            {r["sdpa_kernel"] for r in rows if r["strategy"] != "amp" and r.get("sdpa_kernel")})
-        wall = f"{walls[preset]:.0f} s" if walls[preset] is not None else "reused"
-        print(f"| {preset} ({SEQ_LEN[preset]}) | {cell(row_of(rows, 'baseline'))} | {cell(row_of(rows, 'lora'))} | "
-              f"{cell(row_of(rows, 'lora+checkpoint'))} | {cell(row_of(rows, 'lora+checkpoint+chunked_loss'))} | "
-              f"{cell(row_of(rows, 'amp'))} | {', '.join(kernels)} | {wall} |")
+    print(figure_blocks.peers_techniques(out, page))
+    print("\npredict wall time: " + ", ".join(
+        f"{preset} {walls[preset]:.0f} s" if walls[preset] is not None else f"{preset} reused" for preset in results))
 
     print("\nParameters: membench's model, counted (a tied weight once); accelerate's model; DeepSpeed's largest "
           "layer:\n")
     for preset, (rows, sizes, ds) in results.items():
-        base = row_of(rows, "baseline")
+        base = figure_blocks.row_of(rows, "baseline")
         left_out = sizes["params"] - sizes["accelerate_params"]
         print(f"- {preset}: {sizes['params']:,} parameters (membench's weights category / 4: "
               f"{int(base['predicted_weights_bytes']) // 4:,}); accelerate's AutoModel: "
               f"{sizes['accelerate_params']:,} parameters ({left_out:,} fewer than membench's), "
               f"{sizes['accelerate_weights_fp32']:,} B with its buffers; "
               f"DeepSpeed's largest layer: {sizes['largest_layer_params']:,} parameters")
-    if args.estimators:
-        write_estimators(Path(args.estimators), results)
-    print(f"\npredict CSVs in {out}", file=sys.stderr)
+    print(f"\npredict CSVs and estimators.csv in {out}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -10,8 +10,8 @@ A source with a `*` is a pattern inside one folder: the newest match (by name, t
 so that a new reference run (say `results/reference/anchors/anchors-<time>-cuda-<id>.csv`) updates every block that
 names the pattern when this script is re-run. Usage (from the repository root):
 
-    .venv/bin/python tools/figures.py            # rewrite every block in place
-    .venv/bin/python tools/figures.py --check    # exit 1 and name each block that differs from its source
+    .venv/bin/python tools/docs/figures.py            # rewrite every block in place
+    .venv/bin/python tools/docs/figures.py --check    # exit 1 and name each block that differs from its source
 
 tests/test_docs_figures.py runs the check, so a figure that disagrees with its results file fails the suite.
 """
@@ -23,8 +23,8 @@ import re
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools" / "docs"))
 
 BLOCK = re.compile(r"(?P<open><!-- figures:(?P<name>[\w-]+) source=(?P<source>\S+) -->\n)(?P<body>.*?)"
                    r"(?P<close><!-- /figures -->)", re.S)

@@ -1,9 +1,9 @@
 #!/bin/bash
 # One lease of a GPU machine, prepared: its environment, the CUDA context, the `cuda`-marked tests, and every
-# single-GPU anchor measured there beside its prediction (tools/gpu_check.py), at 2 layers and then a few at full size.
+# single-GPU anchor measured there beside its prediction (tools/gpu/check.py), at 2 layers and then a few at full size.
 # Everything is written as it goes under $WORK/w and packed into $OUT/gpu.tgz at the end (one file comes back).
-#   OUT=/tmp/out bash tools/gpu_session.sh      (wheels of missing packages in .whl/ are installed first)
-source tools/gpu_lease_setup.sh  # $OUT, $W, elapsed, the wheels in .whl/
+#   OUT=/tmp/out bash tools/gpu/session.sh      (wheels of missing packages in .whl/ are installed first)
+source tools/gpu/lease_setup.sh  # $OUT, $W, elapsed, the wheels in .whl/
 {
   nvidia-smi
   python3 -c "import torch, transformers, peft; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version(), torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0), 'transformers', transformers.__version__, 'peft', peft.__version__)"
@@ -37,12 +37,12 @@ echo "env done at $(elapsed) s" >> "$W/timeline.txt"
 ( timeout 420 python3 -m pytest -m cuda tests -q -o addopts="" -n 8 --dist load -p no:cacheprovider -rA \
     --junitxml="$W/cuda-tests.xml" > "$W/cuda-tests.log" 2>&1; echo "rc=$? at $(elapsed) s" >> "$W/cuda-tests.log" ) &
 TESTS=$!
-timeout 270 python3 tools/gpu_check.py --out "$W" --layers 2 --jobs 3 --deadline-s 230 --case-timeout-s 200 \
+timeout 270 python3 tools/gpu/check.py --out "$W" --layers 2 --jobs 3 --deadline-s 230 --case-timeout-s 200 \
   > "$W/gpu-check-layers2.log" 2>&1
 echo "layers=2 done at $(elapsed) s" >> "$W/timeline.txt"
 LEFT=$(( 470 - $(elapsed) ))
 if [ "$LEFT" -gt 60 ]; then
-  timeout $(( LEFT + 10 )) python3 tools/gpu_check.py --out "$W" --layers 0 --jobs 2 --deadline-s $(( LEFT - 40 )) \
+  timeout $(( LEFT + 10 )) python3 tools/gpu/check.py --out "$W" --layers 0 --jobs 2 --deadline-s $(( LEFT - 40 )) \
     --case-timeout-s $(( LEFT - 5 )) \
     --only transformers-vanilla,transformers-fp16,torchtune-baseline,torchtune-activation-checkpointing,torchtune-chunked-ce,torchao-adamw-fused,transformers-adafactor \
     > "$W/gpu-check-full.log" 2>&1

@@ -4,7 +4,7 @@ result against the baseline on the CPU and what `python -m bench plan` tries of 
 
 Usage (from the repository root):
 
-    .venv/bin/python tools/strategy_table.py [--check]
+    .venv/bin/python tools/docs/strategy_table.py [--check]
 """
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ import argparse
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from strategies import STRATEGIES  # noqa: E402
 from strategies import catalog  # noqa: E402
 
 DOC = ROOT / "docs" / "strategies.md"
-BEGIN = "<!-- strategy table: tools/strategy_table.py writes it from the strategy classes; edit those, then run it -->"
+BEGIN = "<!-- strategy table: tools/docs/strategy_table.py writes it from the strategy classes; edit those, then run it -->"
 END = "<!-- end of the strategy table -->"
 
 

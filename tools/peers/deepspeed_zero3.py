@@ -23,7 +23,7 @@ transformers (no CUDA, no compiled operators needed for these functions):
     echo "$PWD/.venv/lib/python3.11/site-packages" > /tmp/ds-venv/lib/python3.11/site-packages/zz_membench.pth
     /tmp/ds-venv/bin/pip install wheel setuptools
     DS_BUILD_OPS=0 /tmp/ds-venv/bin/pip install --no-build-isolation deepspeed==0.19.8
-    DS_ACCELERATOR=cpu /tmp/ds-venv/bin/python tools/peer_deepspeed_zero3.py \\
+    DS_ACCELERATOR=cpu /tmp/ds-venv/bin/python tools/peers/deepspeed_zero3.py \\
         --presets llama-3.2-1b,llama-3.1-8b --gpus 8 --json out.json
 """
 
@@ -38,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 GIB = 1024 ** 3

@@ -26,7 +26,7 @@ The peak is the tracker's (`get_tracker_snapshot("peak")`), in bytes per categor
 default 0: with `torch.tensor_split`'s batch split rank 0 holds the most samples, and with FSDP2's dim-0 chunks the
 largest shards). Usage (from the repository root):
 
-    .venv-cuda-fake/bin/python tools/peer_fsdp_mem_tracker.py --workload hf:llama-3.2-1b:seq_len=2048 \\
+    .venv-cuda-fake/bin/python tools/peers/fsdp_mem_tracker.py --workload hf:llama-3.2-1b:seq_len=2048 \\
         --ranks 8 --batch-size 8 [--checkpoint] [--json out.json]
 
 `--compare PREDICT_CSV` puts membench's row for the same strategy (allocated and reserved) beside the tracker's peak.
@@ -45,7 +45,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 GIB = 1024 ** 3

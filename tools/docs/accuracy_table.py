@@ -1,10 +1,10 @@
 """The anchors' figures from an anchors CSV (`python -m bench anchors`): docs/accuracy.md's summary, table and notes,
-and the README's median and largest |error|, each a block that tools/figures.py regenerates.
+and the README's median and largest |error|, each a block that tools/docs/figures.py regenerates.
 
 Usage (from the repository root):
 
-    .venv/bin/python tools/accuracy_table.py               # = tools/figures.py: every block, the newest anchors CSV
-    .venv/bin/python tools/accuracy_table.py CSV --out F   # a stand-alone page of one CSV (a run of your own)
+    .venv/bin/python tools/docs/accuracy_table.py               # = tools/docs/figures.py: every block, the newest anchors CSV
+    .venv/bin/python tools/docs/accuracy_table.py CSV --out F   # a stand-alone page of one CSV (a run of your own)
 
 The blocks name `results/reference/anchors/anchors-*.csv`: the newest reference CSV there (by name, its UTC time
 first) is read, so a new reference run needs only a re-run of this script. Nothing is typed by hand: every figure
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pandas as pd
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.analysis.anchors import summary  # noqa: E402
@@ -64,7 +64,7 @@ def _records(frame: pd.DataFrame) -> list[dict]:
 def render_body(frame: pd.DataFrame, csv_name: str) -> str:
     """The summary, the table, then what each row does not model."""
     rows = _records(frame)
-    out = [f"Generated from `{csv_name}` by `tools/figures.py`; do not edit by hand.", "", "## Summary", "",
+    out = [f"Generated from `{csv_name}` by `tools/docs/figures.py`; do not edit by hand.", "", "## Summary", "",
            *_summary_lines(rows),
            "- goal: median |error| <= 5% and every row within 15% over at least 15 rows",
            f"- its predictions took {frame['duration_s'].fillna(0).sum():.0f} s, the anchors' durations summed "

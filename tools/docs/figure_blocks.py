@@ -1,4 +1,4 @@
-"""The blocks tools/figures.py writes from the reference runs (models, captcha, llm, fit, peers): each a function
+"""The blocks tools/docs/figures.py writes from the reference runs (models, captcha, llm, fit, peers): each a function
 (results file or folder, page) -> markdown registered under its block's name; the anchors' are in accuracy_table.py."""
 
 from __future__ import annotations
@@ -8,10 +8,9 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-import peers_table  # its cell and GiB formats: docs/peers.md's tables look as that tool prints them
-
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MiB = 2**20
+GiB = 2**30
 GENERATORS: dict[str, Callable[[Path, Path], str]] = {}
 
 
@@ -98,7 +97,7 @@ def _convolutional(workload: str) -> bool:
 def _claim(holds: bool, claim: str, source: Path) -> None:
     if not holds:
         raise ValueError(f"{source.name} no longer supports the claim {claim!r}: rewrite its words "
-                         "in tools/figures.py")
+                         "in tools/docs/figures.py")
 
 
 @generator("models-findings")
@@ -229,8 +228,26 @@ def fit_readme(source: Path, page: Path) -> str:
             f"[docs/prediction.md]({link(ROOT / 'docs' / 'prediction.md', page)}#fit-the-largest-batch-under-a-budget)).")
 
 
+def gib(value) -> str:
+    return f"{int(value) / GiB:,.1f}"
+
+
+def row_of(rows: list[dict], strategy: str) -> dict | None:
+    """The train row of `strategy` in a predict CSV's rows, or None."""
+    return next((r for r in rows if r["strategy"] == strategy and r["phase"] == "train"), None)
+
+
+def cell(row: dict | None) -> str:
+    """Allocated / reserved GiB of a predict row, or its status."""
+    if row is None:
+        return "-"
+    if row["status"] != "ok":
+        return row["status"]
+    return f"{gib(row['predicted_bytes'])} / {gib(row['predicted_reserved_bytes'])}"
+
+
 def _peers(folder: Path) -> tuple[list[dict], dict[str, list[dict]]]:
-    """The estimators' CSV and, per preset, its newest predict CSV (tools/peers_table.py's layout)."""
+    """The estimators' CSV and, per preset, its newest predict CSV (tools/peers/presets_table.py's layout)."""
     estimators = read_rows(folder / "estimators.csv")
     return estimators, {e["preset"]: read_rows(sorted((folder / e["preset"]).glob("predict-*.csv"))[-1])
                         for e in estimators}
@@ -238,18 +255,18 @@ def _peers(folder: Path) -> tuple[list[dict], dict[str, list[dict]]]:
 
 @generator("peers-estimators")
 def peers_estimators(source: Path, page: Path) -> str:
-    """membench's predicted peak of each preset beside accelerate's and DeepSpeed's estimates (peers_table's table)."""
+    """membench's predicted peak of each preset beside accelerate's and DeepSpeed's estimates ."""
     estimators, predicted = _peers(source)
     lines = ["| model (seq) | parameters | membench: allocated / reserved | of which not model states (activations, "
              "logits, temporaries) | accelerate: fp32 / mixed | DeepSpeed ZeRO-2 / ZeRO-3, 1 GPU |",
              "|---|---:|---:|---:|---:|---:|"]
     for e in estimators:
-        base = peers_table.row_of(predicted[e["preset"]], "baseline")
+        base = row_of(predicted[e["preset"]], "baseline")
         rest = sum(int(base[f"predicted_{k}_bytes"]) for k in ("activations", "logits", "other"))
-        lines.append(f"| {e['preset']} ({e['seq_len']}) | {int(e['params']) / 1e9:.3f} B | {peers_table.cell(base)} | "
-                     f"{peers_table.gib(rest)} | {peers_table.gib(e['accelerate_train_fp32_bytes'])} / "
-                     f"{peers_table.gib(e['accelerate_train_mixed_bytes'])} | "
-                     f"{peers_table.gib(e['deepspeed_zero2_bytes'])} / {peers_table.gib(e['deepspeed_zero3_bytes'])} |")
+        lines.append(f"| {e['preset']} ({e['seq_len']}) | {int(e['params']) / 1e9:.3f} B | {cell(base)} | "
+                     f"{gib(rest)} | {gib(e['accelerate_train_fp32_bytes'])} / "
+                     f"{gib(e['accelerate_train_mixed_bytes'])} | "
+                     f"{gib(e['deepspeed_zero2_bytes'])} / {gib(e['deepspeed_zero3_bytes'])} |")
     return "\n".join(lines)
 
 
@@ -266,7 +283,7 @@ def peers_techniques(source: Path, page: Path) -> str:
         rows = predicted[e["preset"]]
         amp = sorted({r["sdpa_kernel"] for r in rows if r["strategy"] == "amp" and r["sdpa_kernel"]})
         other = sorted({r["sdpa_kernel"] for r in rows if r["strategy"] != "amp" and r["sdpa_kernel"]})
-        cells = [peers_table.cell(peers_table.row_of(rows, s)) for s in PEER_TECHNIQUES]
+        cells = [cell(row_of(rows, s)) for s in PEER_TECHNIQUES]
         lines.append(f"| {e['preset']} ({e['seq_len']}) | " + " | ".join(cells) + " | "
                      + ", ".join([f"{k} (amp)" for k in amp] + other) + " |")
     return "\n".join(lines)
@@ -278,13 +295,13 @@ def peers_readme(source: Path, page: Path, preset: str = "llama-3.1-8b") -> str:
     estimators, predicted = _peers(source)
     e = next(e for e in estimators if e["preset"] == preset)
     rows = predicted[preset]
-    each = "; ".join(f"`{s}` {peers_table.cell(peers_table.row_of(rows, s))}" for s in PEER_TECHNIQUES
-                     if peers_table.row_of(rows, s))
+    each = "; ".join(f"`{s}` {cell(row_of(rows, s))}" for s in PEER_TECHNIQUES
+                     if row_of(rows, s))
     return (f"`predict --device cuda` for `hf:{preset}:seq_len={e['seq_len']}` at batch 1, training, allocated / "
             f"reserved GiB on fake CUDA: {each}. For the same model accelerate's `estimate-memory` says "
-            f"{peers_table.gib(e['accelerate_train_fp32_bytes'])} GiB (float32) or "
-            f"{peers_table.gib(e['accelerate_train_mixed_bytes'])} GiB (mixed), DeepSpeed's ZeRO-2 model states "
-            f"{peers_table.gib(e['deepspeed_zero2_bytes'])} GiB on one GPU: neither counts activations or logits "
+            f"{gib(e['accelerate_train_fp32_bytes'])} GiB (float32) or "
+            f"{gib(e['accelerate_train_mixed_bytes'])} GiB (mixed), DeepSpeed's ZeRO-2 model states "
+            f"{gib(e['deepspeed_zero2_bytes'])} GiB on one GPU: neither counts activations or logits "
             f"([`{source.relative_to(ROOT).as_posix()}/`]({link(source, page)}/README.md), "
             f"[docs/peers.md]({link(ROOT / 'docs' / 'peers.md', page)}), every preset).")
 
