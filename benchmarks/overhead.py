@@ -26,7 +26,8 @@ import torch
 
 from bench.measure.memory import LiveTensorTracker
 from bench.measure.timing import median_ci, synchronize
-from bench.run.runner import Case, Session, bind_case
+from bench.run.case import Case, bind_case
+from bench.run.runner import Session
 from workloads import get_workload
 
 WORKLOAD = "captcha_resnet18"

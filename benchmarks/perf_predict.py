@@ -61,7 +61,7 @@ GOALS = (
 WARM_SCRIPT = """
 import sys, time
 from bench.analysis import predict
-from bench.run.runner import Case
+from bench.run.case import Case
 times, figures = [], []
 for seq_len in (4096, 2048):
     case = Case(f"hf:llama-3.1-8b:seq_len={seq_len}", "lora+checkpoint", "train", 1, "cuda")

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from bench.core.errors import Unsupported
-from bench.run.runner import Case, Session, bind_case, memory_pass
+from bench.run.case import Case, bind_case
+from bench.run.runner import Session, memory_pass
 from strategies import STRATEGIES
 
 BATCH_SIZE = 8

@@ -19,9 +19,9 @@ import warnings
 import pytest
 import torch
 
-from bench.run import runner
 from bench.run.fake_pass import fake_memory_pass
-from bench.run.runner import Case, bind_case, memory_pass, run_case, seed_everything, verify
+from bench.run.case import Case, bind_case, seed_everything
+from bench.run.runner import memory_pass, run_case, verify
 from bench.run.passes import MEMORY_WARMUP_STEPS
 from strategies import PHASES, STRATEGIES, Strategy, StrategySpec
 from strategies.base import Expected
@@ -135,7 +135,7 @@ def captcha_case(spec: str, phase: str, batch: int = BATCH, **kw) -> Case:
 
 
 def bound(spec: str, phase: str) -> Strategy:
-    strategy, context = runner.bind_case(captcha_case(spec, phase))
+    strategy, context = bind_case(captcha_case(spec, phase))
     strategy.check(context)
     return strategy
 

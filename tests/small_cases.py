@@ -3,7 +3,8 @@ checked, verified against the baseline or measured for memory."""
 
 from __future__ import annotations
 
-from bench.run.runner import Case, MemoryResult, bind_case, memory_pass, verify
+from bench.run.case import Case, bind_case
+from bench.run.runner import MemoryResult, memory_pass, verify
 from strategies import Strategy
 
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from bench.core.errors import UsageError
-from bench.run.runner import (Case, CaseMeter, allocator_memory_pass, bind_case, memory_pass, run_case, timing_pass,
-                          verify)
+from bench.run.case import Case, bind_case
+from bench.run.runner import CaseMeter, allocator_memory_pass, memory_pass, run_case, timing_pass, verify
 from strategies import parse_strategy
 from strategies.checkpoint import (candidate_plans, every_unit_plan, format_plan, parse_budget, segment_plan,
                                    sqrt_segments)

@@ -9,7 +9,8 @@ from bench.cli.commands_run import cpu_16bit_lines
 from bench.cli.console import Progress
 from bench.measure import cpu_16bit
 from bench.run import eta
-from bench.run.runner import Case, run_case
+from bench.run.case import Case
+from bench.run.runner import run_case
 
 TINY = "deep_mlp:layers=4:width=8"
 

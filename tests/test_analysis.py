@@ -19,7 +19,8 @@ from bench.measure import breakdown
 from bench.measure.breakdown import BREAKDOWN_COLUMNS
 from bench.measure.memory import LiveTensorTracker
 from bench.run.rule_of_thumb import rule_of_thumb
-from bench.run.runner import Case, bind_case, memory_pass, run_case
+from bench.run.case import Case, bind_case
+from bench.run.runner import memory_pass, run_case
 from strategies import STRATEGIES
 
 WL = "captcha_resnet18"

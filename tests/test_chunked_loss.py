@@ -13,7 +13,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from bench.core.errors import UsageError
-from bench.run.runner import Case, bind_case, run_case
+from bench.run.case import Case, bind_case
+from bench.run.runner import run_case
 from bench.run.session import Session
 from strategies import parse_strategy
 from small_cases import measured as _memory, small_case as _case, verified as _verify

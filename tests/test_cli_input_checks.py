@@ -105,7 +105,7 @@ def test_an_option_value_that_fits_no_case_stops_before_the_first(tmp_path):
 
 def test_an_option_value_that_fits_some_cases_is_an_unsupported_row_for_the_others():
     from bench.run.preflight import check_cases
-    from bench.run.runner import Case, bind_case
+    from bench.run.case import Case, bind_case
 
     small, large = "deep_mlp:layers=4:width=8", "deep_mlp:layers=12:width=8"
     cases = [Case(workload, "checkpoint:segments=8", "train", 2, "cpu") for workload in (small, large)]

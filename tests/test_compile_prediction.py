@@ -13,7 +13,8 @@ import pytest
 
 from bench.analysis.predict import predict_case
 from bench.run.isolation import RunOptions
-from bench.run.runner import Case, run_case
+from bench.run.case import Case
+from bench.run.runner import run_case
 from strategies.compile import cpu_compiler
 from strategies.inductor_plan import wrapper_plan
 

@@ -15,7 +15,8 @@ from bench.core.errors import UsageError
 from bench.measure import cpu_16bit, env
 from bench.run import eta, runner
 from bench.run.fake_pass import fake_memory_pass
-from bench.run.runner import Case, bind_case, memory_pass, run_case
+from bench.run.case import Case, bind_case
+from bench.run.runner import memory_pass, run_case
 from workloads import workload_names
 
 MLP = "deep_mlp:layers=24:width=8"

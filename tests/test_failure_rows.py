@@ -17,7 +17,8 @@ from bench.cli.analysis_console import format_fit
 from bench.core import results
 from bench.core.errors import UsageError
 from bench.run.isolation import RunOptions
-from bench.run.runner import Case, run_cases
+from bench.run.case import Case
+from bench.run.runner import run_cases
 from cli_helpers import TINY, cli as _cli, main_in_process as _main, results_csv
 
 
@@ -120,7 +121,8 @@ def test_fit_when_nothing_fits_names_the_smallest_peak_and_exits_1(budget, tmp_p
     assert not list(tmp_path.iterdir())
     assert "Traceback" not in done.stderr
     [line] = done.stdout.splitlines()
-    from bench.run.runner import Case, bind_case, memory_pass
+    from bench.run.case import Case, bind_case
+    from bench.run.runner import memory_pass
 
     case = Case(workload, "baseline", "train", 1, "cpu", data="synthetic", warmup=0, steps=1)
     peak = memory_pass(case, bind_case(case)[0], growth_steps=0)["peak_mem_bytes"]

@@ -14,7 +14,7 @@ from bench.analysis import fit_context, predict
 from bench.analysis.fit_context import Probe
 from bench.cli.main import main
 from bench.core.results import FIT
-from bench.run.runner import Case
+from bench.run.case import Case
 
 pytest.importorskip("transformers")
 

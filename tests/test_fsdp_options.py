@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from bench.analysis.predict import predict_case
-from bench.run.runner import Case
+from bench.run.case import Case
 from cli_helpers import main_in_process, one_line_exit_2
 
 UNIFORM = "deep_mlp:layers=24:width=8"  # equal layers: every rank's shard of every parameter is the same size

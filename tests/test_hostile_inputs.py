@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from bench.run.isolation import RunOptions, STAGE_MARKER, _flags, crash_message
-from bench.run.runner import Case, measure_case
+from bench.run.case import Case
+from bench.run.runner import measure_case
 from cli_helpers import cli as _cli, main_in_process as _main, one_line_exit_2 as _one_line_exit_2
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -363,7 +363,7 @@ def test_the_preflight_estimate_of_a_dtype_changing_workload_leaves_the_next_wor
     """The pre-flight memory estimate of a sweep over several workloads runs each one's model in this process: the
     first one's default dtype doubled the next one's estimate."""
     from bench.cli.preflight_steps import _meta_baseline_peak
-    from bench.run.runner import Case
+    from bench.run.case import Case
 
     hostile = ROOT / "tests" / "fixtures" / "hostile_workload.py"
     clean = Case(f"{hostile}:Tiny:mode=none", "baseline", "train", 2, "cpu")

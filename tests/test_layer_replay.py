@@ -13,7 +13,8 @@ from bench.analysis import layer_replay, predict
 from bench.analysis.fake_engine import PredictionMeter, bound_device, tracked_step
 from bench.measure import cuda_allocator
 from bench.run.case import Case
-from bench.run.runner import MEMORY_WARMUP_STEPS, bind_case
+from bench.run.case import bind_case
+from bench.run.runner import MEMORY_WARMUP_STEPS
 
 # a Llama decoder cut to 6 layers (fake tensors: the width costs no time), short sequences
 SMALL = "hf:llama-3.2-1b:seq_len=32:layers=6"

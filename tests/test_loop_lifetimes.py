@@ -20,7 +20,8 @@ import weakref
 import pytest
 
 import conformance
-from bench.run.runner import Case, Session, bind_case
+from bench.run.case import Case, bind_case
+from bench.run.runner import Session
 from conformance import MEASURED_STEP, literal_loop_peak, membench_peak
 from workloads import WORKLOADS, workload_names
 

@@ -19,7 +19,8 @@ from bench.analysis import fake_engine, predict
 from bench.analysis.explain import explain
 from bench.core.memory_categories import MOE_DISPATCH, MOE_ROUTER
 from bench.measure import breakdown
-from bench.run.runner import Case, bind_case, memory_pass
+from bench.run.case import Case, bind_case
+from bench.run.runner import memory_pass
 from conformance import MEASURED_STEP, literal_loop_peak
 from workloads import hf_moe
 from workloads.hf_presets import PRESETS, PUBLISHED_PARAMETERS

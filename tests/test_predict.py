@@ -18,7 +18,8 @@ from bench.core.schema import Row
 from bench.measure import breakdown, cuda_allocator, sdpa_kernel
 from bench.measure.cuda_allocator import CachingAllocatorModel, replay
 from bench.measure.memory import LiveTensorTracker, MemoryEvent
-from bench.run.runner import Case, bind_case, memory_pass
+from bench.run.case import Case, bind_case
+from bench.run.runner import memory_pass
 
 MIB = 2**20
 MLP = "deep_mlp:layers=4:width=8"

@@ -8,7 +8,8 @@ import pytest
 from bench.cli.console import Progress
 from bench.core import progress
 from bench.run.isolation import RunOptions
-from bench.run.runner import Case, run_cases
+from bench.run.case import Case
+from bench.run.runner import run_cases
 from cli_helpers import TINY, cli_many, main_in_process as _main
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from bench.analysis.fake_engine import tracked_step
 from bench.analysis.predict import predict_case
-from bench.run.runner import Case
+from bench.run.case import Case
 
 EVEN = "gpt_mini:layers=2:width=32:heads=2:seq_len=16:dropout=0.0"
 # 3 ranks: width 20 and the vocabulary's rows split 7/7/6 and the like, a batch of 4 as 2/1/1

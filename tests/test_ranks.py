@@ -15,7 +15,8 @@ from bench.run.isolation import RunOptions
 from bench.core.results import new_row
 from bench.run.ranks import fake_process_group, merge_rank_rows
 from bench.run.result import CaseResult
-from bench.run.runner import Case, run_case
+from bench.run.case import Case
+from bench.run.runner import run_case
 
 WORKLOAD = "gpt_mini:layers=2:width=32:heads=2:seq_len=16:dropout=0.0"  # no BatchNorm: sharding must match
 # equal layers: ZeRO's greedy partition of the parameters gives each rank exactly half of them

@@ -11,7 +11,8 @@ from bench.analysis import fit as fitting
 from bench.analysis import plan, plan_search
 from bench.cli.main import main
 from bench.run.isolation import RunOptions
-from bench.run.runner import Case, local_executor, run_cases
+from bench.run.case import Case
+from bench.run.runner import local_executor, run_cases
 
 ray = pytest.importorskip("ray")
 

@@ -16,7 +16,7 @@ from bench.core.errors import UsageError
 from bench.core.results import RESIDENT_COLUMNS, RESULTS
 from bench.measure import resident
 from bench.run import preflight
-from bench.run.runner import Case
+from bench.run.case import Case
 from bench.run.tensor_store import FileStore, StoredTensors
 
 # 4 x Linear(1536, 1536): 36 MiB of weights, a counted training peak of about 4x that (weights, gradients, Adam's
@@ -38,7 +38,8 @@ def test_the_resident_columns_are_declared_after_the_role_and_before_the_sweep_c
 
 _TWO_CASES = """
 import json
-from bench.run.runner import Case, run_case
+from bench.run.case import Case
+from bench.run.runner import run_case
 rows = [run_case(Case({workload!r}, strategy, "train", 4, "cpu", warmup=0, steps=1)) for strategy in ("baseline", "checkpoint")]
 print(json.dumps([{{key: row[key] for key in ("status", "message", "process_rss_method", "peak_mem_bytes",
     "process_peak_rss_bytes", "process_rest_rss_bytes", "harness_rss_bytes")}} for row in rows]))

@@ -18,7 +18,8 @@ import pytest
 from bench.core import progress, results
 from bench.run import preflight
 from bench.run.isolation import RunOptions
-from bench.run.runner import Case, run_cases
+from bench.run.case import Case
+from bench.run.runner import run_cases
 from workloads import captcha_data
 from cli_helpers import REFERENCE_CSV, ROOT, TINY, cli as _cli, main_in_process as _main, one_line_exit_2 as _one_line_exit_2
 

@@ -9,7 +9,8 @@ import torch
 
 from bench.core import results
 from bench.core.errors import Unsupported
-from bench.run.runner import Case, bind_case, memory_pass, run_case, run_cases
+from bench.run.case import Case, bind_case
+from bench.run.runner import memory_pass, run_case, run_cases
 from bench.run.verify import _baseline_snapshot
 from strategies import STRATEGIES, Strategy, parse_strategy
 

@@ -13,7 +13,7 @@ from bench.analysis.fit_search import largest_under
 from bench.core.gpus import CUDA_CONTEXT_BYTES
 from bench.measure import fake_cuda
 from bench.run import eta
-from bench.run.runner import Case
+from bench.run.case import Case
 
 
 def test_the_baseline_is_searched_only_when_asked_for_or_alone():

@@ -22,7 +22,8 @@ from bench.report.html import report_data
 from bench.core.results import write_rows
 from bench.core.snapshots import CATEGORIES, category_timeline, read_snapshot, replay_peaks, snapshot_folder
 from bench.run.isolation import RunOptions
-from bench.run.runner import Case, run_case
+from bench.run.case import Case
+from bench.run.runner import run_case
 
 MLP = "deep_mlp:layers=4:width=8"
 UNIFORM = "deep_mlp:layers=24:width=8"  # as tests/test_ranks.py: zero1 halves its optimizer state exactly

@@ -19,7 +19,8 @@ from bench.core import results
 from bench.core.errors import UsageError
 from bench.core.schema import UndeclaredColumn
 from bench.run import runner
-from bench.run.runner import Case, run_case
+from bench.run.case import Case
+from bench.run.runner import run_case
 from conformance import WORKLOAD, bound as _bound, captcha_case as _case, measured as _memory, peak as _peak
 from conformance import verified as _verify
 from strategies import Composite, STRATEGIES, Strategy, StrategySpec, parse_strategy

@@ -24,7 +24,8 @@ from bench.core.errors import UsageError
 from bench.measure.stats import bootstrap_median_ci, summarize_timing
 from bench.run.isolation import RunOptions, process_state
 from bench.run.resume import load_resume
-from bench.run.runner import Case, run_case, run_cases
+from bench.run.case import Case
+from bench.run.runner import run_case, run_cases
 from strategies import STRATEGIES, Strategy
 from strategies.cudnn_benchmark import CudnnBenchmark
 

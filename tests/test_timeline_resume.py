@@ -10,7 +10,8 @@ from bench.core.atomic import WriteFailed
 from bench.run import runner
 from bench.run.isolation import RunOptions
 from bench.run.resume import load_resume
-from bench.run.runner import Case, run_cases
+from bench.run.case import Case
+from bench.run.runner import run_cases
 
 CASES = [Case("deep_mlp:layers=4:width=8", strategy, "train", 2, "cpu", warmup=0, steps=1)
          for strategy in ("baseline", "del_intermediates")]

@@ -16,7 +16,8 @@ from bench.core.errors import UsageError
 from bench.core.results import to_frame
 from bench.measure import memory
 from bench.report.markdown import pitfall_table
-from bench.run.runner import Case, Session, bind_case, memory_pass, release_cuda_memory, run_case, verify
+from bench.run.case import Case, bind_case
+from bench.run.runner import Session, memory_pass, release_cuda_memory, run_case, verify
 from strategies import STRATEGIES, Strategy, StrategySpec, parse_strategy
 from workloads import get_workload
 

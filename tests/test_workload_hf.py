@@ -18,7 +18,8 @@ import torch
 from bench.analysis import fake_engine
 from bench.cli.main import main
 from bench.core.errors import UsageError
-from bench.run.runner import Case, bind_case, memory_pass, run_case
+from bench.run.case import Case, bind_case
+from bench.run.runner import memory_pass, run_case
 from strategies.checkpoint import UnitCheckpointer
 from workloads.hf_presets import PRESETS, PUBLISHED_PARAMETERS
 from workloads.loader import resolve_workload

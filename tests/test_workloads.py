@@ -15,7 +15,8 @@ import torch
 
 import conformance
 from bench.core.errors import UsageError
-from bench.run.runner import Case, run_case
+from bench.run.case import Case
+from bench.run.runner import run_case
 from strategies import STRATEGIES, Strategy
 from workloads import WORKLOADS, Workload, get_workload, workload_names
 from workloads.loader import resolve_workload

@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 from bench.analysis import predict
 from bench.measure.fake_cuda_mode import FakeAllocator, fake_cuda
 from bench.measure.sdpa_kernel import SdpaKernelChoice
-from bench.run.runner import Case
+from bench.run.case import Case
 from strategies.offload import HostBytes
 from strategies.offload_activations import OffloadedActivations
 

@@ -14,7 +14,7 @@ from bench.analysis import anchors, nvidia_smi
 from bench.analysis import predict
 from bench.measure.fake_cuda_mode import FakeAllocator, fake_cuda
 from bench.measure.sdpa_kernel import SdpaKernelChoice
-from bench.run.runner import Case
+from bench.run.case import Case
 
 
 def test_a_checkpoints_recomputation_runs_the_forwards_attention_kernel():

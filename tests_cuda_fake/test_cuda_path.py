@@ -26,7 +26,8 @@ from bench.measure.fake_cuda import TIMM_UNAVAILABLE_FILE, worker_environment
 from bench.measure.fake_cuda_mode import FakeAllocator
 from bench.run import isolation
 from bench.run.isolation import RunOptions, run_in_worker
-from bench.run.runner import Case, run_case, run_cases
+from bench.run.case import Case
+from bench.run.runner import run_case, run_cases
 from strategies import STRATEGIES
 from strategies.base import PHASE_REFUSAL
 from tests_cuda_fake.fake_mode import fake_cuda

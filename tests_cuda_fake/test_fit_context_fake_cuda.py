@@ -9,7 +9,7 @@ import pytest
 from bench.analysis import fit_context, predict
 from bench.cli.main import main
 from bench.core.gpus import CUDA_CONTEXT_BYTES, find_gpu
-from bench.run.runner import Case
+from bench.run.case import Case
 
 pytest.importorskip("transformers")
 

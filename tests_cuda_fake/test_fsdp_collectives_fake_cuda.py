@@ -11,7 +11,7 @@ import strategies.fsdp as fsdp_strategy
 from bench.analysis.fake_engine import tracked_step
 from bench.core.memory_categories import COMMUNICATION
 from bench.measure import cuda_allocator
-from bench.run.runner import Case
+from bench.run.case import Case
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs the fake-CUDA environment's torch")
 

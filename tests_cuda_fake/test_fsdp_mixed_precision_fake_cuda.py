@@ -11,7 +11,7 @@ import torch
 
 from bench.analysis.fake_engine import tracked_step
 from bench.core.memory_categories import COMMUNICATION
-from bench.run.runner import Case
+from bench.run.case import Case
 from workloads import get_workload
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs the fake-CUDA environment's torch")

@@ -19,7 +19,7 @@ from bench.cli.analysis_console import format_predictions
 from bench.measure.fake_cuda_mode import FakeAllocator, fake_cuda
 from bench.measure.memory import LiveTensorTracker
 from bench.measure.sdpa_kernel import SdpaKernelChoice, chosen_kernel
-from bench.run.runner import Case
+from bench.run.case import Case
 
 CUDNN = 92000  # cuDNN 9.20.0: newer than 9.15, so preferred on sm90
 
@@ -91,7 +91,7 @@ def test_a_checkpointed_first_case_runs_on_fake_cuda_in_a_fresh_process():
 
     from tests_cuda_fake.test_predict_fake_cuda import ROOT
 
-    code = ("from bench.analysis import predict; from bench.run.runner import Case; "
+    code = ("from bench.analysis import predict; from bench.run.case import Case; "
             "(row,) = predict.predict_cases([Case('hf:tiny-llama:seq_len=16', 'checkpoint', 'train', 1, 'cuda', "
             "data='synthetic')]); print(row['engine'], row['message'])")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)

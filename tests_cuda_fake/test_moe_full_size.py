@@ -17,7 +17,7 @@ import pytest
 
 from bench.analysis import predict
 from bench.measure import cuda_allocator
-from bench.run.runner import Case
+from bench.run.case import Case
 from workloads.hf_presets import PUBLISHED_PARAMETERS
 from workloads.loader import resolve_workload
 

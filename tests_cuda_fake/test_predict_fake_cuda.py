@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from bench.analysis import predict
-from bench.run.runner import Case
+from bench.run.case import Case
 from strategies import STRATEGIES
 from tests_cuda_fake.test_cuda_path import DEVICE_INDEPENDENT_REASONS, WORKLOADS
 

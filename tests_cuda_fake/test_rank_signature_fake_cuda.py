@@ -9,7 +9,7 @@ import torch
 from bench.analysis.fake_engine import tracked_step
 from bench.measure import cuda_allocator
 from bench.run.ranks import fake_process_group
-from bench.run.runner import Case
+from bench.run.case import Case
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs the fake-CUDA environment's torch")
 

@@ -28,7 +28,8 @@ from torch.distributed.tensor import DTensor
 from bench.run import isolation
 from bench.run.isolation import RunOptions
 from bench.run.ranks import fake_process_group
-from bench.run.runner import Case, Session, bind_case, run_case
+from bench.run.case import Case, bind_case
+from bench.run.runner import Session, run_case
 from strategies import STRATEGIES
 from tests_cuda_fake.fake_mode import fake_cuda
 from tests_cuda_fake.test_cuda_path import FP32_UNDER_AUTOCAST, MATMULS, WORKLOADS, components

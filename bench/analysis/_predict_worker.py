@@ -15,7 +15,7 @@ from bench.analysis.fake_cuda_worker import serve
 
 def predict_all(request: dict) -> list[dict]:
     from bench.analysis import predict
-    from bench.run.runner import Case
+    from bench.run.case import Case
 
     cases = [Case(**case) for case in request["cases"]]
     capability = tuple(request["capability"]) if request["capability"] else None

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from bench.run.runner import CaseMeter, bind_case, memory_pass
+from bench.run.case import bind_case
+from bench.run.runner import CaseMeter, memory_pass
 from strategies.composite import members_of
 
 

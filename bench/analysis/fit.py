@@ -21,9 +21,8 @@ from bench.core.schema import Row
 from bench.core.units import format_mib
 from bench.measure import timing
 from bench.measure.cpu_16bit import emulated_dtype
-from bench.run.runner import (
-    EMULATED_VERIFY_BATCH, Case, Session, bind_case, forget_traceback, is_oom, memory_pass, timing_pass,
-)
+from bench.run.case import Case, bind_case
+from bench.run.runner import EMULATED_VERIFY_BATCH, Session, forget_traceback, is_oom, memory_pass, timing_pass
 
 
 @dataclass

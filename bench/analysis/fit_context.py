@@ -27,7 +27,7 @@ from bench.core.units import format_size
 from bench.measure import fake_cuda
 from bench.run.eta import left_text
 from bench.run.preflight import check_seq_len_bounds
-from bench.run.runner import Case, bind_case
+from bench.run.case import Case, bind_case
 from workloads import get_workload
 
 DEFAULT_SEQ_STEP = 256

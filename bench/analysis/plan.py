@@ -33,7 +33,8 @@ from bench.core.units import format_size
 from bench.measure import cuda_allocator
 from bench.measure.op_cost import OperatorCostCounter, step_totals
 from bench.run.isolation import RunOptions
-from bench.run.runner import MEMORY_WARMUP_STEPS, Case, bind_case, forget_traceback, run_case
+from bench.run.case import Case, bind_case
+from bench.run.runner import MEMORY_WARMUP_STEPS, forget_traceback, run_case
 
 # what fake tensors cannot run but a real step can (an output whose shape depends on the values): the fallback to a
 # real CPU step is for these only

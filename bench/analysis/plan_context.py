@@ -25,7 +25,7 @@ from typing import Callable
 from bench.analysis import fit_context, plan, plan_candidates, pools
 from bench.analysis.fit import FitResult
 from bench.analysis.plan_search import COUNT, TIME
-from bench.run.runner import Case
+from bench.run.case import Case
 from strategies.base import PlanSpace
 
 SEARCH_START = 2048  # the baseline's search brackets from here; the others' from their first probe

@@ -31,7 +31,8 @@ from bench.run import preflight
 from bench.run.isolation import process_state
 from bench.run.preflight import check_choice, check_output_dir, parse_batch_sizes
 from bench.run.rule_of_thumb import rule_of_thumb
-from bench.run.runner import Case, CaseMeter, bind_case
+from bench.run.case import Case, bind_case
+from bench.run.runner import CaseMeter
 from strategies import parse_strategy
 from workloads import get_workload
 

@@ -25,7 +25,8 @@ from bench.run.eta import EMULATED_SLOWDOWN, sweep_estimate
 from bench.run.isolation import RunOptions
 from bench.run.ray_executor import RayExecutor, check_address, import_ray, probe_address
 from bench.run.resume import load_resume
-from bench.run.runner import bind_case, local_executor, run_cases
+from bench.run.case import bind_case
+from bench.run.runner import local_executor, run_cases
 from bench.run.suite import Suite, SuiteOverrides, suite_for_command_line
 from strategies import STRATEGIES, catalog
 from workloads import WORKLOADS, workload_names

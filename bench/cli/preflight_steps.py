@@ -150,7 +150,7 @@ def _warn(message: str) -> None:
 
 
 def main() -> int:
-    from bench.run.runner import Case
+    from bench.run.case import Case
 
     job = json.loads(sys.stdin.read())
     if "resolve" in job:

@@ -31,7 +31,8 @@ def run_job(job: dict) -> dict:
     import_plugins()
 
     from bench.run.isolation import RunOptions
-    from bench.run.runner import Case, measure_case
+    from bench.run.case import Case
+    from bench.run.runner import measure_case
     from workloads.loader import ship_file
 
     for path, source in (job.get("workload_files") or {}).items():

@@ -20,10 +20,8 @@ import torch
 
 from bench.measure import cpu_16bit
 from bench.run.passes import step_times
-from bench.run.runner import (
-    EMULATED_VERIFY_BATCH, Case, MEMORY_GROWTH_STEPS, MEMORY_WARMUP_STEPS, bind_case,
-    emulated_timing_case,
-)
+from bench.run.case import Case, bind_case
+from bench.run.runner import EMULATED_VERIFY_BATCH, MEMORY_GROWTH_STEPS, MEMORY_WARMUP_STEPS, emulated_timing_case
 
 # bfloat16 autocast emulated on a CPU without bfloat16 instructions, against the float32 baseline, 2 threads, AMD
 # EPYC (results/reference/captcha_no_bf16): amp 14.6x (train, batch 100) to 23.0x (eval, batch 100),

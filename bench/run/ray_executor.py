@@ -30,7 +30,8 @@ from bench.core.job_environment import CACHE_VARIABLE, PLUGINS_VARIABLE
 from bench.run._worker import run_job
 from bench.run.isolation import ROOT, RunOptions
 from bench.run.result import CaseResult
-from bench.run.runner import Case, pool_repeats, with_base_row
+from bench.run.case import Case
+from bench.run.runner import pool_repeats, with_base_row
 from workloads.loader import file_reference
 
 INSTALL_HINT = "pip install 'membench[ray]' (in a checkout: make install)"

@@ -3,8 +3,8 @@ sweeps of cases through an executor (here, in worker processes, on Ray), each ro
 
 The pieces live by concern: `bench.run.case` (Case, binding, seeding), `bench.run.session` (the training loop),
 `bench.run.verify` (the comparison with the baseline), `bench.run.passes` (timing and memory), `bench.run.rows`
-and `bench.run.result` (a case's row and side data). Their names that the rest of membench uses are importable
-from here too.
+and `bench.run.result` (a case's row and side data). The names of the passes, rows, session and verification that
+the rest of membench uses are importable from here too; a case and its binding are imported from `bench.run.case`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from bench.measure.cpu_16bit import emulated_dtype
 from bench.measure.env import environment
 from bench.measure.resident import RESIDENT_COLUMNS, ResidentMeter, release_host_memory
 from bench.measure.stats import summarize_timing
-from bench.run.case import Case, bind_case, rule_of_thumb_bytes, seed_everything  # noqa: F401
+from bench.run.case import Case, bind_case, rule_of_thumb_bytes
 from bench.run.fake_pass import fake_memory_pass
 from bench.run.isolation import RunOptions, process_state, run_in_worker
 from bench.run.passes import (  # noqa: F401

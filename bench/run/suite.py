@@ -14,7 +14,7 @@ import yaml
 from bench.core.errors import UsageError
 from bench.run.preflight import (DEFAULT_MAX_TIME_PER_CASE_S, DEFAULT_MIN_STEPS, DEFAULT_TARGET_CI,
                                  DEFAULT_WARMUP_STEPS, check_choice, check_steps, parse_batch_sizes)
-from bench.run.runner import Case
+from bench.run.case import Case
 from strategies import PHASES, parse_strategy
 from workloads import get_workload
 
