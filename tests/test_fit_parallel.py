@@ -1,7 +1,7 @@
 """Fit's probes several at once (`--jobs`, local worker processes; Ray in tests/test_ray.py).
 
 Asserted: with jobs > 1 both searches (the largest batch, `fit_search.largest_under`; the longest sequence,
-`fit_context.longest_under`) answer what the serial search answers, on peaks of several shapes, always having probed
+`fit_seq_len.longest_under`) answer what the serial search answers, on peaks of several shapes, always having probed
 the step past the answer, in fewer rounds than the serial search makes probes; the serial search's probes are
 those it made before (the committed reference results were made with them); and a real fit on the CPU, its probes
 in forked worker processes, gives the rows the serial fit gives, for the batch (fake-tensor probes, then tracked
@@ -17,7 +17,7 @@ import math
 import pytest
 
 from bench.analysis import fit as fitting
-from bench.analysis import fit_context, pools
+from bench.analysis import fit_seq_len, pools
 from bench.analysis.fit_search import Probes, largest_under
 from bench.cli.main import main
 
@@ -90,9 +90,9 @@ def test_the_sequence_search_in_rounds_answers_what_the_serial_search_answers(sh
     judged = SEQ_PEAKS[shape]
     for budget in (5_000, 40_000, 1_000_000, 1_300_000, 9_000_000, 2 * 10**9):
         for start, max_seq in ((2048, 131072), (256, 8192), (2048, 1024)):
-            serial = fit_context.longest_under(judged, budget, 256, max_seq, start)
+            serial = fit_seq_len.longest_under(judged, budget, 256, max_seq, start)
             rounds = Rounds()
-            parallel = fit_context.longest_under(judged, budget, 256, max_seq, start, rounds, jobs)
+            parallel = fit_seq_len.longest_under(judged, budget, 256, max_seq, start, rounds, jobs)
             assert parallel == serial, (shape, budget, start, max_seq)
             if parallel + 256 <= max_seq:
                 assert parallel + 256 in rounds.probed()
@@ -102,11 +102,11 @@ def test_the_serial_searches_probe_as_they_did():
     """Jobs=1 keeps the probes of the searches that made results/reference/fit and results/reference/longest_context
     (recorded from the code of commit 8849a95, before probes ran several at once), in their order."""
     probes = []
-    assert fit_context.longest_under(lambda n: probes.append(n) or 10_000 + 7 * n, 10_000 + 7 * 5000, 256,
+    assert fit_seq_len.longest_under(lambda n: probes.append(n) or 10_000 + 7 * n, 10_000 + 7 * 5000, 256,
                                      131072) == 4864
     assert probes == [2048, 4096, 8192, 4864, 6400, 5120]
     probes.clear()
-    assert fit_context.longest_under(lambda n: probes.append(n) or n * n, 3000**2, 256, 131072) == 2816
+    assert fit_seq_len.longest_under(lambda n: probes.append(n) or n * n, 3000**2, 256, 131072) == 2816
     assert probes == [2048, 4096, 2816, 3328, 3072]
     probes.clear()
     assert largest_under(lambda b: probes.append(b) or BATCH_PEAKS["curved"](b), 1_000_000, 16, 32, 4096) == 288
@@ -135,18 +135,18 @@ def test_a_probe_whose_worker_died_is_over_the_budget_and_the_search_goes_on():
             future.set_exception(Lost("worker killed"))
             return future
 
-    probes = Probes(SEQ_PEAKS["linear"], lambda n: (n,), Dying(2), lost=fit_context._lost_probe)
+    probes = Probes(SEQ_PEAKS["linear"], lambda n: (n,), Dying(2), lost=fit_seq_len._lost_probe)
     probes.prefetch([2048, 4096])
     assert probes.values[2048] == SEQ_PEAKS["linear"](2048)
     assert probes.values[4096].judged_bytes is None and "worker killed" in probes.values[4096].message
-    result = fit_context.fit_seq_len("baseline", 10_000 + 7 * 6000, "train", "cpu", "hf:tiny-llama", "synthetic",
+    result = fit_seq_len.fit_seq_len("baseline", 10_000 + 7 * 6000, "train", "cpu", "hf:tiny-llama", "synthetic",
                                      1, max_seq=131072, judged_at=_linear_probe, pool=Dying(2))
     assert result.seq_len == 3840 and result.next_judged_bytes is None  # 4096 tokens: its worker died
 
 
-def _linear_probe(seq_len: int) -> fit_context.Probe:
+def _linear_probe(seq_len: int) -> fit_seq_len.Probe:
     value = SEQ_PEAKS["linear"](seq_len)
-    return fit_context.Probe(seq_len, value, value, "", "")
+    return fit_seq_len.Probe(seq_len, value, value, "", "")
 
 
 # --- real fits on the CPU, probes in forked worker processes ---------------------------------------------------
@@ -176,8 +176,8 @@ def test_the_longest_sequence_with_its_predictions_in_two_processes_is_the_seria
     pytest.importorskip("transformers")
     budget = 1_700_000  # between the predicted peaks at 8 and at 128 tokens of hf:tiny-llama
     args = (["baseline"], budget, "train", "cpu", "hf:tiny-llama", "synthetic", 1, 8)
-    serial = fit_context.fit_over_seq_len(*args)
-    parallel = fit_context.fit_over_seq_len(*args, jobs=2)
+    serial = fit_seq_len.fit_over_seq_len(*args)
+    parallel = fit_seq_len.fit_over_seq_len(*args, jobs=2)
     keys = ("seq_len", "peak_bytes", "judged_bytes", "next_batch_peak_bytes", "next_judged_bytes", "peak_by", "note")
     assert [[getattr(r, k) for k in keys] for r in parallel] == [[getattr(r, k) for k in keys] for r in serial]
     assert 8 <= serial[0].seq_len < 128 and serial[0].judged_bytes <= budget < serial[0].next_judged_bytes

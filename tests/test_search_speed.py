@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.analysis import fit_context, predict
+from bench.analysis import fit_seq_len, predict
 from bench.analysis.fit_search import largest_under
 from bench.core.gpus import CUDA_CONTEXT_BYTES
 from bench.measure import fake_cuda
@@ -17,9 +17,9 @@ from bench.run.case import Case
 
 
 def test_the_baseline_is_searched_only_when_asked_for_or_alone():
-    assert fit_context.searched_specs(["lora", "qlora"]) == ["lora", "qlora"]
-    assert fit_context.searched_specs(["lora", "baseline", "lora"]) == ["baseline", "lora"]
-    assert fit_context.searched_specs([]) == ["baseline"]
+    assert fit_seq_len.searched_specs(["lora", "qlora"]) == ["lora", "qlora"]
+    assert fit_seq_len.searched_specs(["lora", "baseline", "lora"]) == ["baseline", "lora"]
+    assert fit_seq_len.searched_specs([]) == ["baseline"]
 
 
 class Rounds:
@@ -36,7 +36,7 @@ def test_a_search_in_rounds_where_nothing_fits_ends_in_its_second_round(jobs):
     three rounds and five probes for a baseline that fits at no length."""
     judged = lambda n: 150 * 2**30 + n  # noqa: E731 - a full-size baseline: over 24 GiB at any length
     rounds = Rounds()
-    assert fit_context.longest_under(judged, 24 * 2**30, 256, 131072, 2048, rounds, jobs) == 0
+    assert fit_seq_len.longest_under(judged, 24 * 2**30, 256, 131072, 2048, rounds, jobs) == 0
     assert len(rounds.rounds) == 2 and rounds.rounds[1][0] == 256
     rounds = Rounds()
     assert largest_under(lambda b: 10**9 * b, 100, 16, 32, 4096, rounds, jobs) == 0
@@ -45,11 +45,11 @@ def test_a_search_in_rounds_where_nothing_fits_ends_in_its_second_round(jobs):
 
 def test_the_probes_left_shrink_to_none_once_the_answer_and_the_step_past_it_are_known():
     budget, step, limit = 1000, 256, 131072
-    assert fit_context.probes_left({2048: 500}, budget, step, limit) == 8  # doublings to 131072, then two
-    assert fit_context.probes_left({2048: 500, 4096: 2000}, budget, step, limit) == 3  # 8 steps: bisection's 3
-    assert fit_context.probes_left({2048: 500, 4096: 2000, 3072: 900, 3328: 1100}, budget, step, limit) == 0
-    assert fit_context.probes_left({2048: 5000, 256: None}, budget, step, limit) == 0  # nothing fits
-    assert fit_context.probes_left({131072: 10}, budget, step, limit) == 0  # the longest fits
+    assert fit_seq_len.probes_left({2048: 500}, budget, step, limit) == 8  # doublings to 131072, then two
+    assert fit_seq_len.probes_left({2048: 500, 4096: 2000}, budget, step, limit) == 3  # 8 steps: bisection's 3
+    assert fit_seq_len.probes_left({2048: 500, 4096: 2000, 3072: 900, 3328: 1100}, budget, step, limit) == 0
+    assert fit_seq_len.probes_left({2048: 5000, 256: None}, budget, step, limit) == 0  # nothing fits
+    assert fit_seq_len.probes_left({131072: 10}, budget, step, limit) == 0  # the longest fits
 
 
 def test_the_time_left_is_the_mean_of_those_done_times_those_left():
@@ -61,8 +61,8 @@ def test_the_time_left_is_the_mean_of_those_done_times_those_left():
 
 def test_each_probe_line_says_what_is_left():
     lines = []
-    fit_context.fit_seq_len("baseline", 10_000 + 7 * 5000, "train", "cpu", "hf:tiny-llama", "synthetic", 1,
-                            step=8, judged_at=lambda n: fit_context.Probe(n, 10_000 + 7 * n, 10_000 + 7 * n, "", ""),
+    fit_seq_len.fit_seq_len("baseline", 10_000 + 7 * 5000, "train", "cpu", "hf:tiny-llama", "synthetic", 1,
+                            step=8, judged_at=lambda n: fit_seq_len.Probe(n, 10_000 + 7 * n, 10_000 + 7 * n, "", ""),
                             progress=lines.append)
     assert lines and all("probes made;" in line for line in lines)
     assert lines[-1].endswith("no probes left]")
@@ -75,7 +75,7 @@ def test_a_cuda_search_in_one_fake_cuda_process_judges_the_predictions_of_predic
     monkeypatch.setattr(fake_cuda, "VENV", fake_cuda.ROOT / ".venv-cuda-fake")  # tests/conftest.py hides it
 
     def judged(lengths: list[int]) -> list[int]:
-        rows = predict.predict_cases([Case(fit_context.seq_len_spec("hf:tiny-llama", n), "lora", "train", 1, "cuda",
+        rows = predict.predict_cases([Case(fit_seq_len.seq_len_spec("hf:tiny-llama", n), "lora", "train", 1, "cuda",
                                            data="synthetic") for n in lengths], capability=(8, 9))
         assert [r["engine"] for r in rows] == ["fake-cuda"] * len(lengths), rows[0]["message"]
         return [r["predicted_reserved_bytes"] + CUDA_CONTEXT_BYTES for r in rows]
@@ -83,7 +83,7 @@ def test_a_cuda_search_in_one_fake_cuda_process_judges_the_predictions_of_predic
     shortest, longest = judged([8, 128])
     assert shortest < longest
     budget = (shortest + longest) // 2
-    (row,) = fit_context.fit_over_seq_len(["lora"], budget, "train", "cuda", "hf:tiny-llama", "synthetic", 1, step=8,
+    (row,) = fit_seq_len.fit_over_seq_len(["lora"], budget, "train", "cuda", "hf:tiny-llama", "synthetic", 1, step=8,
                                           capability=(8, 9))
     assert row.strategy == "lora" and 8 <= row.seq_len < 128  # the baseline was not asked for
     assert judged([row.seq_len, row.seq_len + 8]) == [row.judged_bytes, row.next_judged_bytes]

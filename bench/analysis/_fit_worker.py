@@ -1,5 +1,5 @@
 """`python -m bench.analysis._fit_worker REQUEST ROWS`: a CUDA `fit --over seq_len` search on CUDA's own operators,
-run by `bench.analysis.fit_context.fit_over_seq_len` in the fake-CUDA environment's Python (bench.measure.fake_cuda),
+run by `bench.analysis.fit_seq_len.fit_over_seq_len` in the fake-CUDA environment's Python (bench.measure.fake_cuda),
 so that its probes are predictions in this one process (or its forked workers), not a new process per probe.
 
 REQUEST is a JSON file of `fit_over_seq_len`'s arguments; ROWS is written as {"rows": [...]}, one `FitResult` as a
@@ -16,11 +16,11 @@ from bench.analysis.fake_cuda_worker import serve
 
 
 def search(request: dict) -> list[dict]:
-    from bench.analysis import fit_context
+    from bench.analysis import fit_seq_len
 
     capability = tuple(request.pop("capability")) if request.get("capability") else None
     specs = request.pop("specs")
-    results = fit_context.fit_over_seq_len(specs, capability=capability,
+    results = fit_seq_len.fit_over_seq_len(specs, capability=capability,
                                            progress=lambda text: print(text, file=sys.stderr, flush=True),
                                            **request)
     return [asdict(result) for result in results]

@@ -42,7 +42,7 @@ class FitResult:
     time_per_sample_ms: float | None
     note: str
     runs: int  # actual tracked (or CUDA) runs made
-    # the axis searched: batch (batch_size is the answer) or seq_len (`bench.analysis.fit_context`: seq_len is the
+    # the axis searched: batch (batch_size is the answer) or seq_len (`bench.analysis.fit_seq_len`: seq_len is the
     # answer at the given batch_size, on predictions; the next_* figures are then at seq_len + seq_len_step)
     over: str = "batch"
     seq_len: int | None = None

@@ -272,7 +272,7 @@ def cmd_fit(args) -> int:
 def _fit_over_seq_len(args, gpu, device: str, budget: int, workload: str, data: str, executor: str,
                       address: str | None) -> int:
     """`fit --over seq_len`: the longest sequence per strategy at --batch-size, on predictions (no run)."""
-    from bench.analysis import fit_context
+    from bench.analysis import fit_seq_len
 
     phase = check_choice("phase", args.phase, PHASES)
     batch = one_batch_size(args.batch_size or "1")
@@ -281,7 +281,7 @@ def _fit_over_seq_len(args, gpu, device: str, budget: int, workload: str, data: 
         parse_strategy(spec)
     out = check_output_dir(args.out, "--out")
     interrupt.set_note("interrupted: nothing was written (fit writes its table when every strategy is done)")
-    results = fit_context.fit_over_seq_len(specs, budget, phase, device, workload, data, batch, args.seq_step,
+    results = fit_seq_len.fit_over_seq_len(specs, budget, phase, device, workload, data, batch, args.seq_step,
                                            args.max_seq_len, gpu.capability if gpu else None, progress=status,
                                            jobs=_fit_jobs(args, executor), executor=executor, ray_address=address)
     where = f"{gpu.name} ({format_size(budget)})" if gpu else f"{device}, budget {format_size(budget)}"

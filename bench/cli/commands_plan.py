@@ -14,7 +14,7 @@ from bench.cli import interrupt
 from bench.cli.arguments import analysis_device, batch_option_name, one_batch_size, size_option, step_batch_text
 from bench.cli.analysis_console import batch_words, compare_command, mib_or_dash, ms_or_dash
 from bench.cli.commands_analysis import batch_size_text, executor_options, uses_threads, workload_and_data
-from bench.cli.commands_plan_context import check_over_seq_len, plan_context_command
+from bench.cli.commands_plan_seq_len import check_over_seq_len, plan_seq_len_command
 from bench.cli.commands_plan_ranks import plan_ranks_command
 from bench.cli.config_option import derived_job, with_config
 from bench.cli.console import status
@@ -111,7 +111,7 @@ def cmd_plan(args) -> int:
     if executor == "ray":
         request = dataclasses.replace(request, jobs=args.jobs or 0)  # 0: the cluster's CPUs
     if args.over == "seq_len":
-        return plan_context_command(args, request, how, executor, address)
+        return plan_seq_len_command(args, request, how, executor, address)
     if args.max_ranks is not None:
         return plan_ranks_command(args, request, how, executor, address)
     out = check_output_dir(args.out, "--out")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.analysis import fit_context, predict
+from bench.analysis import fit_seq_len, predict
 from bench.cli.main import main
 from bench.core.gpus import CUDA_CONTEXT_BYTES, find_gpu
 from bench.run.case import Case
@@ -17,7 +17,7 @@ TINY = "hf:tiny-llama"  # 128 positions
 
 
 def reserved_plus_context(seq_len: int, capability) -> int:
-    (row,) = predict.predict_cases([Case(fit_context.seq_len_spec(TINY, seq_len), "baseline", "train", 1, "cuda",
+    (row,) = predict.predict_cases([Case(fit_seq_len.seq_len_spec(TINY, seq_len), "baseline", "train", 1, "cuda",
                                          data="synthetic")], capability=capability)
     assert row["engine"] == "fake-cuda"
     return row["predicted_reserved_bytes"] + CUDA_CONTEXT_BYTES
@@ -27,7 +27,7 @@ def test_the_longest_sequence_on_cuda_is_judged_by_reserved_memory_and_the_conte
     capability = find_gpu("RTX 4090").capability
     at_most = reserved_plus_context(128, capability)
     budget = at_most - 1  # 128 tokens do not fit by one byte
-    result = fit_context.fit_seq_len("baseline", budget, "train", "cuda", TINY, "synthetic", 1, step=32,
+    result = fit_seq_len.fit_seq_len("baseline", budget, "train", "cuda", TINY, "synthetic", 1, step=32,
                                      capability=capability)
     assert result.seq_len < 128 and result.seq_len % 32 == 0
     if result.seq_len:

@@ -1,4 +1,4 @@
-"""`fit --over seq_len` (bench.analysis.fit_context): the longest sequence under a budget, on predictions.
+"""`fit --over seq_len` (bench.analysis.fit_seq_len): the longest sequence under a budget, on predictions.
 
 Asserted: the answer fits and one step longer does not, by the same predictions (`predict`, fake engine on the
 CPU); the search's assumption (the peak never falls as the sequence grows) is checked on its probes and a fall is
@@ -10,8 +10,8 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from bench.analysis import fit_context, predict
-from bench.analysis.fit_context import Probe
+from bench.analysis import fit_seq_len, predict
+from bench.analysis.fit_seq_len import Probe
 from bench.cli.main import main
 from bench.core.results import FIT
 from bench.run.case import Case
@@ -34,13 +34,13 @@ def test_the_search_lands_on_the_boundary_of_a_linear_peak():
         return 10_000 + 7 * seq_len
 
     budget = 10_000 + 7 * 5000  # 5000 tokens fit, so 4864 (19 x 256) is the longest multiple of 256
-    assert fit_context.longest_under(judged, budget, 256, 131072) == 4864
+    assert fit_seq_len.longest_under(judged, budget, 256, 131072) == 4864
     assert 4864 + 256 in probes  # the step beyond the answer was predicted, over the budget
     assert len(probes) == len(set(probes)) <= 6  # a bracket by doubling from 2048, then two interpolations
     probes.clear()
-    assert fit_context.longest_under(lambda n: probes.append(n) or n * n, 3000**2, 256, 131072) == 2816
+    assert fit_seq_len.longest_under(lambda n: probes.append(n) or n * n, 3000**2, 256, 131072) == 2816
     assert len(probes) <= 8  # a curved peak: the bisection safeguard keeps it short
-    assert fit_context.longest_under(judged, 9_000, 256, 131072) == 0  # not even one step
+    assert fit_seq_len.longest_under(judged, 9_000, 256, 131072) == 0  # not even one step
 
 
 def test_a_peak_that_falls_as_the_sequence_grows_is_reported():
@@ -48,10 +48,10 @@ def test_a_peak_that_falls_as_the_sequence_grows_is_reported():
         value = 10_000 * seq_len - (6_000_000 if seq_len >= 1024 else 0)
         return Probe(seq_len, value, value, "", "")
 
-    result = fit_context.fit_seq_len("baseline", 30_000_000, "train", "cpu", TINY, "synthetic", 1, step=256,
+    result = fit_seq_len.fit_seq_len("baseline", 30_000_000, "train", "cpu", TINY, "synthetic", 1, step=256,
                                      max_seq=8192, start=512, judged_at=dips)
     assert result.monotonic_check.startswith("VIOLATED: ") and "fell by" in result.monotonic_check
-    fine = fit_context.fit_seq_len("baseline", 30_000_000, "train", "cpu", TINY, "synthetic", 1, step=256,
+    fine = fit_seq_len.fit_seq_len("baseline", 30_000_000, "train", "cpu", TINY, "synthetic", 1, step=256,
                                    max_seq=8192, judged_at=linear(0, 10_000))
     assert fine.monotonic_check.startswith("non-decreasing over ")
     assert fine.seq_len == 2816 and fine.judged_bytes <= 30_000_000 < fine.next_judged_bytes
@@ -68,7 +68,7 @@ def test_the_longest_sequence_fits_and_one_step_more_does_not_by_the_same_predic
     assert 8 <= row["seq_len"] < 128 and row["seq_len"] % 8 == 0
     assert row["judged_bytes"] <= BUDGET < row["next_judged_bytes"]
     assert row["monotonic_check"].startswith("non-decreasing") and isinstance(row["peak_by"], str)
-    again = predict.predict_cases([Case(fit_context.seq_len_spec(TINY, n), "baseline", "train", 1, "cpu",
+    again = predict.predict_cases([Case(fit_seq_len.seq_len_spec(TINY, n), "baseline", "train", 1, "cpu",
                                         data="synthetic") for n in (row["seq_len"], row["seq_len"] + 8)])
     assert [r["predicted_bytes"] for r in again] == [row["judged_bytes"], row["next_judged_bytes"]]
 

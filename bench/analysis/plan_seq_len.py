@@ -1,13 +1,13 @@
 """Plan over the sequence length (`plan --over seq_len`): the combination of techniques that trains the longest
-sequence within a memory limit at a fixed batch, on predictions (`bench.analysis.fit_context`'s probes), never a run.
+sequence within a memory limit at a fixed batch, on predictions (`bench.analysis.fit_seq_len`'s probes), never a run.
 
 The candidates are plan's (`bench.analysis.plan_candidates`): the baseline, every declared setting alone, then pairs
 and triples of the settings that alone reached a longer sequence than the baseline (a triple once its three pairs
-ran). A step's memory does not fall as its tokens grow (fit_context's assumption, checked on the probes of every
+ran). A step's memory does not fall as its tokens grow (fit_seq_len's assumption, checked on the probes of every
 candidate searched), so one probe settles most candidates: one whose judged peak one step past the longest sequence
 found so far is over the limit cannot be the answer, and is not searched further (its row says so, with that
 probe). A setting alone is probed one step past the baseline's longest instead: that decides whether it enters the
-combinations. The others are searched to their own longest (`fit_context.fit_seq_len`, from the probe that fitted).
+combinations. The others are searched to their own longest (`fit_seq_len.fit_seq_len`, from the probe that fitted).
 
 The answer is the longest sequence among the candidates that train what the baseline trains (with
 `allow_different`, any); on a tie, the one with fewer techniques, then the smaller judged peak (no time is
@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from bench.analysis import fit_context, plan, plan_candidates, pools
+from bench.analysis import fit_seq_len, plan, plan_candidates, pools
 from bench.analysis.fit import FitResult
 from bench.analysis.plan_search import COUNT, TIME
 from bench.run.case import Case
@@ -32,7 +32,7 @@ SEARCH_START = 2048  # the baseline's search brackets from here; the others' fro
 
 
 @dataclass
-class ContextSearch:
+class SeqLenSearch:
     """Every candidate's row (the baseline first, in the order tried), the answer, why the search stopped early
     (None, `time` or `count`) and what it then did not try, and why each candidate kept out of the answer differs."""
 
@@ -49,31 +49,31 @@ def _members(spec: str) -> int:
     return 0 if spec == "baseline" else spec.count("+") + 1
 
 
-def longest_plan(request: plan.PlanRequest, step: int = fit_context.DEFAULT_SEQ_STEP, max_seq: int | None = None,
+def longest_plan(request: plan.PlanRequest, step: int = fit_seq_len.DEFAULT_SEQ_STEP, max_seq: int | None = None,
                  progress: Callable[[str], None] = lambda text: None, jobs: int = 1, executor: str = pools.LOCAL,
-                 ray_address: str | None = None, probe: Callable[[Case], fit_context.Probe] | None = None
-                 ) -> ContextSearch:
+                 ray_address: str | None = None, probe: Callable[[Case], fit_seq_len.Probe] | None = None
+                 ) -> SeqLenSearch:
     """The search above for `request` (its batch, device, capability, limit and strategies; one rank). Each
     searched candidate's probes run `jobs` at once (`bench.analysis.pools.probe_pool`); `probe` replaces the
     prediction of one case (a test's peaks), and then every probe is made here."""
     workload, budget = request.workload, request.limit_bytes
     # a workload without seq_len, or a step or bound that conflict: a UsageError before any prediction
-    longest_known = fit_context.longest_tried(workload, step, max_seq)
+    longest_known = fit_seq_len.longest_tried(workload, step, max_seq)
     context = plan.bind_for_plan(request.case("baseline"), 1)[1]
     accepted, _ = plan_candidates.settings(PlanSpace(context, max(1, budget - request.context_bytes)))
     if request.strategies:
         accepted = [s for s in accepted if s.strategy in request.strategies]
     started = time.monotonic()
-    found = ContextSearch([], None)
+    found = SeqLenSearch([], None)
     by_spec: dict[str, FitResult] = {}
 
     def case_at(spec: str, seq_len: int) -> Case:
-        return Case(fit_context.seq_len_spec(workload, seq_len), spec, "train", request.batch_size, request.device,
+        return Case(fit_seq_len.seq_len_spec(workload, seq_len), spec, "train", request.batch_size, request.device,
                     data=request.data)
 
-    def probe_at(spec: str, seq_len: int) -> fit_context.Probe:
+    def probe_at(spec: str, seq_len: int) -> fit_seq_len.Probe:
         case = case_at(spec, seq_len)
-        made = probe(case) if probe else fit_context.predicted_probe(case, request.capability)
+        made = probe(case) if probe else fit_seq_len.predicted_probe(case, request.capability)
         progress(f"plan {spec}: seq_len {seq_len}: " + (made.message if made.judged_bytes is None else
                  f"judged {made.judged_bytes / 2**20:,.1f} MiB of {budget / 2**20:,.1f}"))
         return made
@@ -102,7 +102,7 @@ def longest_plan(request: plan.PlanRequest, step: int = fit_context.DEFAULT_SEQ_
                                next_judged_bytes=first.judged_bytes if first else None)
         else:
             kwargs = {"judged_at": lambda n: probe_at(spec, n)} if probe else {"pool": pool}
-            result = fit_context.fit_seq_len(spec, budget, "train", request.device, workload, request.data,
+            result = fit_seq_len.fit_seq_len(spec, budget, "train", request.device, workload, request.data,
                                              request.batch_size, step, longest_known, request.capability,
                                              start=SEARCH_START if floor == step else floor, progress=progress,
                                              known={floor: first}, **kwargs)
@@ -118,7 +118,7 @@ def longest_plan(request: plan.PlanRequest, step: int = fit_context.DEFAULT_SEQ_
         return found.stopped is None
 
     pool_jobs = 1 if probe else jobs
-    with pools.opened(pools.probe_pool(pool_jobs, executor, ray_address, fit_context.__name__, workload)) as pool:
+    with pools.opened(pools.probe_pool(pool_jobs, executor, ray_address, fit_seq_len.__name__, workload)) as pool:
         base = consider("baseline", step, pool)
         base_longest = base.seq_len or 0
         useful = []

@@ -1,4 +1,4 @@
-"""`plan --over seq_len` (bench.analysis.plan_context): the plan that trains the longest sequence under a limit.
+"""`plan --over seq_len` (bench.analysis.plan_seq_len): the plan that trains the longest sequence under a limit.
 
 Asserted over synthetic peaks (each technique a factor on the tokens' share, the weights fixed): the answer is the
 longest of every candidate the search considers, computed exhaustively, so pruning never loses it; a candidate ruled
@@ -15,8 +15,8 @@ import math
 import pandas as pd
 import pytest
 
-from bench.analysis import fit_context, plan, plan_context
-from bench.analysis.fit_context import Probe
+from bench.analysis import fit_seq_len, plan, plan_seq_len
+from bench.analysis.fit_seq_len import Probe
 from bench.cli.main import main
 from bench.core.results import FIT
 from workloads import get_workload
@@ -56,7 +56,7 @@ def search(limit: int, **changes):
         value = judged(case.strategy, seq_len)
         return Probe(seq_len, value, value, "", "")
 
-    found = plan_context.longest_plan(request(limit, **changes), STEP, LONGEST, probe=probe)
+    found = plan_seq_len.longest_plan(request(limit, **changes), STEP, LONGEST, probe=probe)
     return found, probes
 
 
@@ -149,4 +149,4 @@ def test_a_workload_without_a_sequence_is_refused(tmp_path, capsys):
                  "--out", str(tmp_path)])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "seq_len" in err and len(err.splitlines()) == 1, err
-    assert fit_context  # the refusal is fit_context.seq_len_spec's
+    assert fit_seq_len  # the refusal is fit_seq_len.seq_len_spec's

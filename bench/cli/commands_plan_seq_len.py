@@ -3,7 +3,7 @@ predictions, with every candidate's longest (or the probe that ruled it out) and
 
 from __future__ import annotations
 
-from bench.analysis import fit, fit_context, plan, plan_context
+from bench.analysis import fit, fit_seq_len, plan, plan_seq_len
 from bench.cli import interrupt
 from bench.cli.analysis_console import format_fit_seq_len
 from bench.cli.commands_analysis import workload_and_data
@@ -23,15 +23,15 @@ def check_over_seq_len(args) -> None:
     if args.confirm or args.confirm_front:
         raise UsageError("--over seq_len answers from predictions: measure its answer with the compare command it "
                          "prints (drop --confirm)")
-    fit_context.longest_tried(workload_and_data(args)[0], args.seq_step, args.max_seq_len)  # before any work
+    fit_seq_len.longest_tried(workload_and_data(args)[0], args.seq_step, args.max_seq_len)  # before any work
 
 
-def plan_context_command(args, request: plan.PlanRequest, how: str, executor: str = "local",
+def plan_seq_len_command(args, request: plan.PlanRequest, how: str, executor: str = "local",
                          address: str | None = None) -> int:
-    """The search (`bench.analysis.plan_context`), its table and answer, the CSV; exit 1 when nothing fits."""
+    """The search (`bench.analysis.plan_seq_len`), its table and answer, the CSV; exit 1 when nothing fits."""
     out = check_output_dir(args.out, "--out")
     interrupt.set_note("interrupted: nothing was written (plan --over seq_len writes its table when done)")
-    found = plan_context.longest_plan(request, args.seq_step, args.max_seq_len, status, request.jobs, executor,
+    found = plan_seq_len.longest_plan(request, args.seq_step, args.max_seq_len, status, request.jobs, executor,
                                       address)
     path = out / f"fit-{new_run_id(request.device)}.csv"
     write_table(FIT, with_config(fit.fit_rows(found.results), args), path)
@@ -57,14 +57,14 @@ def plan_context_command(args, request: plan.PlanRequest, how: str, executor: st
     return 0 if found.answer is not None else 1
 
 
-def _answer(request: plan.PlanRequest, found: plan_context.ContextSearch, args) -> str:
+def _answer(request: plan.PlanRequest, found: plan_seq_len.SeqLenSearch, args) -> str:
     answer = found.answer
     if answer is None:
         return (f"\nno candidate tried fits even {found.results[0].seq_len_step} tokens within "
                 f"{format_size(request.limit_bytes)}" + ("; the search was cut short" if found.stopped else ""))
     cut = "; the search was cut short: a candidate not tried may reach further" if found.stopped else ""
     gpu = f" --gpu \"{request.target}\"" if request.device == "cuda" else ""
-    workload = fit_context.seq_len_spec(request.workload, answer.seq_len)
+    workload = fit_seq_len.seq_len_spec(request.workload, answer.seq_len)
     target = f"--gpu \"{args.gpu}\"" if args.gpu else f"--budget {args.budget} --device {request.device}"
     tied = (f"\n  {len(found.tied)} other candidates reach {answer.seq_len:,} tokens too ({', '.join(found.tied[:4])}"
             f"{' ...' if len(found.tied) > 4 else ''}): chosen by fewer techniques, then the smaller peak; the fastest "
