@@ -266,3 +266,11 @@ def add_memory_limit_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-limit", default=None,
                    help="cap CUDA memory: bytes (2GiB, 512MiB, 1e9) or a fraction of the GPU (0.5); "
                         "on the CPU a warning and no effect (default: no cap)")
+
+
+def add_seq_len_options(p: argparse.ArgumentParser) -> None:
+    """The lengths `--over seq_len` tries (fit and plan)."""
+    p.add_argument("--seq-step", type=positive_int, default=256,
+                   help="--over seq_len: the answer is a multiple of this many tokens (default 256)")
+    p.add_argument("--max-seq-len", type=positive_int, default=None,
+                   help="--over seq_len: the longest sequence tried (default: the model's max_position_embeddings)")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from bench.cli.command import Command
 from bench.core.errors import UsageError
 from bench.core.job_environment import CUDA_ENV_VARIABLE
 from bench.measure import cuda_env, fake_cuda
@@ -17,7 +18,19 @@ def _progress(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def cmd_cuda_env(args) -> int:
+def add_arguments(parser) -> None:
+    parser.add_argument("--path", default=None,
+                        help=f"the environment's folder (default: where `predict` looks for it, ${CUDA_ENV_VARIABLE} "
+                             "or, in a checkout, .venv-cuda-fake, else membench-cuda-env in the environment membench "
+                             "is installed in); run it again after upgrading membench")
+    parser.add_argument("--torch-version", default=None,
+                        help="the torch release whose CUDA build is installed (default: the torch installed here)")
+    parser.add_argument("--torchvision-version", default=None,
+                        help="the torchvision release built for it, for the `timm:` workload (default: the "
+                             "torchvision installed here; without one the `timm:` workload is left out)")
+
+
+def run(args) -> int:
     """Builds the environment in --path (default: where `predict` looks, bench.measure.fake_cuda.VENV); exit 1
     with the reason where it cannot be built (no network, no C compiler, a torch without a CUDA 13 build)."""
     venv = cuda_env.checked_target(Path(args.path) if args.path else fake_cuda.VENV)
@@ -38,3 +51,8 @@ def cmd_cuda_env(args) -> int:
     if venv != fake_cuda.VENV:
         print(f"`predict` uses it where {CUDA_ENV_VARIABLE}={venv} is set (it looks in {fake_cuda.VENV} otherwise)")
     return 0
+
+
+COMMAND = Command("cuda-env", "build the fake-CUDA environment in which CUDA predictions trace CUDA's own operators "
+                              "without a GPU (PyPI's CUDA build of torch over stub CUDA libraries; needs the network "
+                              "and a C compiler)", add_arguments, run)
