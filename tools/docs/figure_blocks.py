@@ -468,3 +468,27 @@ def gpu_check_readme(source: Path, page: Path) -> str:
     return (f"The predictions met a real GPU once (an {s['first']['device_name'].removeprefix('NVIDIA ')}: allocated "
             f"within {s['largest']:.2f}% at 2 layers, {s['full_largest']:.2f}% at full size; "
             f"[`{source.relative_to(ROOT).as_posix()}/`]({link(source, page)}/README.md)), and")
+
+
+def _small(value: str) -> str:
+    """A relative difference as docs/strategies.md writes it: 0, 7.5e-5, 0.60."""
+    number = float(value or 0)
+    if number == 0:
+        return "0"
+    return f"{number:.1e}".replace("e-0", "e-") if abs(number) < 0.01 else f"{number:.2f}"
+
+
+@generator("strategy-verdicts")
+def strategy_verdicts(source: Path, page: Path) -> str:
+    """A compare run's training rows: peak, against the baseline, whether the step matched it, and by how much the
+    loss and the gradients differ."""
+    rows = [r for r in read_rows(source) if r["phase"] == "train" and r["status"] == "ok"]
+    lines = ["| strategy | peak (MiB) | vs base | matches | loss_rel_diff | max_grad_rel_diff |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        verdict = ("yes" if r["matches_baseline"] == "True" else "by design" if "by design" in r["message"]
+                   else "**no**")
+        lines.append(f"| `{r['strategy']}` | {float(r['peak_mem_bytes']) / MiB:,.1f} | "
+                     f"{float(r['mem_vs_baseline']):.2f}× | {verdict} | {_small(r['loss_rel_diff'])} | "
+                     f"{_small(r['max_grad_rel_diff'])} |")
+    return "\n".join(lines)
