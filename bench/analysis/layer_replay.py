@@ -441,7 +441,7 @@ def tracked_step_by_layers(case, spec: str, engine: str, warmup_steps: int | Non
     from dataclasses import replace
 
     from bench.analysis.fake_engine import PredictionMeter, TrackedStep, bound_device, tracked_step
-    from bench.run.runner import bind_case
+    from bench.run.case import bind_case
     from workloads import get_workload
 
     layers = layers_of(get_workload(case.workload))
