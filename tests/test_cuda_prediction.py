@@ -53,7 +53,8 @@ def _cuda_environment() -> dict:
                                       if not STRATEGIES.get(name).distributed])
 def test_predicted_allocated_within_10_percent_of_measured(strategy, phase, batch_size, comparison_rows):
     from bench.analysis import predict
-    from bench.run.runner import Case, bind_case, memory_pass, release_cuda_memory
+    from bench.run.case import Case, bind_case
+    from bench.run.runner import memory_pass, release_cuda_memory
 
     case = Case(WORKLOAD, strategy, phase, batch_size, "cuda", data="synthetic")
     bound, context = bind_case(case)
