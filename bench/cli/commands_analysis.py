@@ -1,4 +1,5 @@
-"""`explain`, `predict` and `fit`: the commands that analyse a case's memory rather than time a sweep."""
+"""What `explain`, `predict` and `fit` do: analyse a case's memory rather than time a sweep. Their names, help lines
+and options are in bench/cli/commands/, whose run functions import this module when they run."""
 
 from __future__ import annotations
 

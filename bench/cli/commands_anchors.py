@@ -1,5 +1,6 @@
 """`anchors`: every published GPU measurement of bench/anchors/ predicted on fake CUDA with its GPU, the error of
-each, written as an anchors table (bench.analysis.anchors)."""
+each, written as an anchors table (bench.analysis.anchors). Its options are in bench/cli/commands/anchors.py, whose
+run function imports this module when it runs."""
 
 from __future__ import annotations
 

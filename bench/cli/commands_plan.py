@@ -1,5 +1,6 @@
 """`plan`: the fastest combination of techniques that fits a memory limit (a --budget or a GPU's memory), from
-predictions, with the Pareto front, the CSV of every candidate, the chart, and --confirm's measurements."""
+predictions, with the Pareto front, the CSV of every candidate, the chart, and --confirm's measurements. Its
+options are in bench/cli/commands/plan.py, whose run function imports this module when it runs."""
 
 from __future__ import annotations
 

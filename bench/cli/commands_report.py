@@ -1,5 +1,6 @@
 """`report`: the charts and the run's REPORT.md (and REPORT.html) from results CSVs alone; this module, like
-bench.report, never imports torch."""
+bench.report, never imports torch. Its options are in bench/cli/commands/report.py, whose run function imports
+this module (pandas, matplotlib) when it runs."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""`run`, `compare`, `list` and `env`: the commands that run cases (one path for run and compare) or describe them."""
+"""What `run`, `compare`, `list` and `env` do: run cases (one path for run and compare) or describe them. Their
+names, help lines and options are in bench/cli/commands/, whose run functions import this module when they run."""
 
 from __future__ import annotations
 
