@@ -492,3 +492,30 @@ def strategy_verdicts(source: Path, page: Path) -> str:
                      f"{float(r['mem_vs_baseline']):.2f}× | {verdict} | {_small(r['loss_rel_diff'])} | "
                      f"{_small(r['max_grad_rel_diff'])} |")
     return "\n".join(lines)
+
+
+BREAKDOWN = (("params", "weights"), ("grads", "gradients"), ("optimizer", "optimizer state"),
+             ("activations", "activations"), ("temp", "temporaries"), ("batch", "batch"))
+
+
+@generator("peak-moves")
+def peak_moves(source: Path, page: Path) -> str:
+    """A compare run's training rows: each peak against the baseline's, and every part of the peak's breakdown that
+    moved by 0.1 MiB or more (the parts `peak_*_bytes` of the results table)."""
+    rows = [r for r in read_rows(source) if r["phase"] == "train" and r["status"] == "ok"]
+    base = next(r for r in rows if r["strategy"] == "baseline")
+    lines = ["| strategy | train peak MiB | what moved at the peak | matches baseline |", "|---|---:|---|---|"]
+    for r in rows:
+        peak, difference = float(r["peak_mem_bytes"]), float(r["peak_mem_bytes"]) - float(base["peak_mem_bytes"])
+        shown = (f"{peak / MiB:,.1f} ({difference:+,.0f} bytes)" if 0 < abs(difference) < 0.05 * MiB
+                 else f"{peak / MiB:,.1f} ({float(r['mem_vs_baseline']):.2f}×)")
+        moved = [f"{name} {float(base[f'peak_{key}_bytes'] or 0) / MiB:,.1f} → "
+                 f"{float(r[f'peak_{key}_bytes'] or 0) / MiB:,.1f} MiB" for key, name in BREAKDOWN
+                 if abs(float(r[f"peak_{key}_bytes"] or 0) - float(base[f"peak_{key}_bytes"] or 0)) >= 0.1 * MiB]
+        if r["peak_stage"] != base["peak_stage"]:
+            moved.append(f"peak in the {r['peak_stage']} (the baseline's: {base['peak_stage']})")
+        verdict = ("yes" if r["matches_baseline"] == "True" else "**no, by design**" if "by design" in r["message"]
+                   else "**no**")
+        name = f"pitfall `{r['strategy']}`" if r["strategy_role"] == "pitfall" else f"`{r['strategy']}`"
+        lines.append(f"| {name} | {shown} | {'; '.join(moved)} | {verdict} |")
+    return "\n".join(lines)
