@@ -146,14 +146,17 @@ def _solve(observations: list[tuple[int, int, int]]) -> tuple[Fraction, Fraction
     solution = [Fraction(0)] * 3
     for r, col in enumerate(pivots):
         solution[col] = rows[r][3]
-    return solution[0], solution[1], solution[2]
+    # whole coefficients as ints: evaluating them is most of making a log
+    return tuple(int(x) if x.denominator == 1 else x for x in solution)
 
 
 def _evaluate(coefficients, period: int, layers: int) -> int:
     value = coefficients[0] + coefficients[1] * period + coefficients[2] * layers
-    if value.denominator != 1:
-        raise NoReplay("a fitted number is not whole at this layer count")
-    return int(value)
+    if type(value) is not int:
+        if value.denominator != 1:
+            raise NoReplay("a fitted number is not whole at this layer count")
+        value = int(value)
+    return value
 
 
 class LayerTemplate:
@@ -172,6 +175,7 @@ class LayerTemplate:
         self._slot_of, self._period_of = self._places()
         small_places = self._smaller_places(len(smaller), sites)
         self._fit(((smaller, small_places, layers), (larger, list(zip(self._slot_of, self._period_of)), layers + 1)))
+        self._programs: dict[tuple, tuple] = {}  # (slot, edge) -> what `_emit` needs (`_program`)
 
     def _places(self) -> tuple[list[tuple], list[int]]:
         slots: list[tuple] = [("fixed", position) for position in range(len(self.larger))]
@@ -282,18 +286,6 @@ class LayerTemplate:
         coefficients = _solve([(period, layers, value[1]) for period, layers, value in members])
         return None if coefficients is None else (target, "affine", coefficients)
 
-    def _target_period(self, slot: tuple, model: tuple, period: int, layers: int) -> int:
-        """The period of the storage a slot's event names, at `period` and `layers` (see `_target_model`)."""
-        target, how, parameter = model
-        if how == "affine":
-            return _evaluate(parameter, period, layers)
-        source, goal = self._layer_of_run[slot[1]], self._layer_of_run[target[1]]
-        wanted = _evaluate(source, period, layers) + parameter  # the target's layer
-        found = (wanted - goal[0] - goal[2] * layers) / goal[1]
-        if found.denominator != 1:
-            raise NoReplay(f"{slot}: no period of its target's run has layer {wanted}")
-        return int(found)
-
     def _edge(self, slot: tuple, period: int, layers: int) -> str:
         """Where `period` sits in its run at `layers` layers: "first", "last" or "middle" (a fixed event: "middle")."""
         if slot[0] != "run":
@@ -310,46 +302,65 @@ class LayerTemplate:
         keys: dict[tuple, int] = {}  # (slot, period) -> the key its alloc got
         pending: list[tuple[int, tuple]] = []  # (index in out, (slot, period)): an event before its storage's alloc
         position = 0
-        runs = iter(self.runs)
-        run = next(runs, None)
-        while position < len(self.larger):
-            if run is not None and position == run.start:
-                for period in range(run.periods + extra):
-                    for offset in range(run.length):
-                        self._emit(out, keys, pending, self.larger[run.start + offset],
-                                   ("run", self.runs.index(run), offset), period, layers)
-                position = run.start + run.length * run.periods
-                run = next(runs, None)
-                continue
-            self._emit(out, keys, pending, self.larger[position], ("fixed", position), 0, layers)
-            position += 1
+        for index, run in enumerate(self.runs):
+            for fixed in range(position, run.start):
+                self._emit(out, keys, pending, ("fixed", fixed), 0, layers, "middle")
+            periods = run.periods + extra
+            for period in range(periods):
+                edge = "first" if period == 0 else "last" if period == periods - 1 else "middle"
+                for offset in range(run.length):
+                    self._emit(out, keys, pending, ("run", index, offset), period, layers, edge)
+            position = run.start + run.length * run.periods
+        for fixed in range(position, len(self.larger)):
+            self._emit(out, keys, pending, ("fixed", fixed), 0, layers, "middle")
         for index, target in pending:
             if target not in keys:
                 raise NoReplay(f"an event at {layers} layers names a storage never allocated")
             out[index] = out[index]._replace(key=keys[target])
         return out
 
-    def _emit(self, out: list, keys: dict, pending: list, event: MemoryEvent, slot: tuple, period: int,
-              layers: int) -> None:
-        edge = self._edge(slot, period, layers)
+    def _emit(self, out: list, keys: dict, pending: list, slot: tuple, period: int, layers: int, edge: str) -> None:
+        program = self._programs.get((slot, edge))
+        if program is None:
+            program = self._programs[slot, edge] = self._program(slot, edge)
+        event, target, parts, numbers = program
         key = event.key
         if event.kind == "alloc":
             key = keys[(slot, period)] = len(keys) + 1
-        elif event.kind in ("free", "category"):
-            model = self._model(slot, "target", edge)
-            if model[1] == "key":
-                key = model[0][1]
+        elif target is not None:
+            if target[0] == "key":
+                key = target[1]
             else:
-                target = (model[0], self._target_period(slot, model, period, layers))
-                key = keys.get(target, 0)
+                named = (target[1], _target_period(target, period, layers))
+                key = keys.get(named, 0)
                 if not key:
-                    pending.append((len(out), target))
+                    pending.append((len(out), named))
         module = event.module
-        if module and _MODULE_INDEX.search(module):
-            numbers = iter(range(len(module)))
-            module = _MODULE_INDEX.sub(lambda match: str(_evaluate(
-                self._model(slot, ("index", next(numbers)), edge), period, layers)), module)
-        out.append(event._replace(key=key, module=module))
+        if numbers:
+            pieces = [parts[0]]
+            for coefficients, part in zip(numbers, parts[1:]):
+                pieces.append(str(_evaluate(coefficients, period, layers)))
+                pieces.append(part)
+            module = "".join(pieces)
+        out.append(MemoryEvent(event.kind, key, event.nbytes, event.stage, event.op, module, event.category))
+
+    def _program(self, slot: tuple, edge: str) -> tuple:
+        """What `_emit` needs for a slot in periods at `edge`: its event in the larger log, how it names its storage
+        (None, ("key", key), ("affine", slot, coefficients) or ("layer", slot, source layer, target layer, offset)),
+        its module name cut around its numbers, and each number's coefficients."""
+        event = self.larger[slot[1] if slot[0] == "fixed" else self.runs[slot[1]].start + slot[2]]
+        target = None
+        if event.kind in ("free", "category"):
+            named, how, parameter = self._model(slot, "target", edge)
+            if how == "key":
+                target = ("key", named[1])
+            elif how == "affine":
+                target = ("affine", named, parameter)
+            else:
+                target = ("layer", named, self._layer_of_run[slot[1]], self._layer_of_run[named[1]], parameter)
+        parts = _MODULE_INDEX.split(event.module) if event.module else [event.module]
+        numbers = [self._model(slot, ("index", place), edge) for place in range(len(parts) - 1)]
+        return event, target, parts, numbers
 
     def _model(self, slot: tuple, name, edge: str):
         edges, models = self._models[slot, name]
@@ -357,6 +368,18 @@ class LayerTemplate:
         if model is None:
             raise NoReplay(f"{slot}: no model of its {name} in its {edge} periods")
         return model
+
+
+def _target_period(target: tuple, period: int, layers: int) -> int:
+    """The period of the storage an event names (see `LayerTemplate._program`), at `period` and `layers`."""
+    if target[0] == "affine":
+        return _evaluate(target[2], period, layers)
+    _, _, source, goal, offset = target
+    wanted = _evaluate(source, period, layers) + offset  # the layer of the storage named
+    found = Fraction(wanted - goal[0] - goal[2] * layers) / goal[1]
+    if found.denominator != 1:
+        raise NoReplay(f"no period of a run has layer {wanted}")
+    return int(found)
 
 
 # --- a prediction's step by layer replay -------------------------------------------------------------------------
