@@ -202,7 +202,8 @@ def test_a_bad_anchor_file_names_what_is_missing(tmp_path):
 
 
 def test_the_accuracy_page_is_generated_from_the_csv_alone(tmp_path):
-    """docs/accuracy.md comes from an anchors CSV by tools/docs/accuracy_table.py: every row, its error and the summary."""
+    """docs/accuracy.md comes from an anchors CSV by tools/docs/accuracy_table.py: every row, its error and the
+    summary."""
     import importlib.util
     from pathlib import Path
 

@@ -34,7 +34,8 @@ def comparison_rows():
 
 # Cases whose measured peak holds memory predict does not model, each with what it is. On an H200 (cuDNN 9.19)
 # grad_accumulation at batch 32 held, at its peak, one 137 MiB block made without Python frames in the backward of a
-# later micro-batch (results/reference/gpu/h200-20261127/peak_snapshots_and_missed_rows/captcha_resnet18_grad_accumulation_train_32.peak.json):
+# later micro-batch (results/reference/gpu/h200-20261127/peak_snapshots_and_missed_rows/
+# captcha_resnet18_grad_accumulation_train_32.peak.json):
 # a cuDNN convolution workspace, which the caching allocator counts and predict leaves out (-20.7%).
 UNMODELLED = {("grad_accumulation", "train", 32): "cuDNN's convolution workspace in backward (137 MiB on an H200)"}
 

@@ -5,8 +5,8 @@ without a JavaScript error: the Active Memory Timeline peaking at the CSV's peak
 State History listing every event of the trace, each one clicked.
 
 The viewer is not shipped in torch's wheel and is other projects' code (it imports d3 from a CDN), so it is not in
-this repository: `make memory-viz` puts a local copy and its d3 modules in .cache/memory_viz/ (tools/viewer/memory_viz.py),
-and these tests skip, saying so, without it. The page is served from 127.0.0.1 (the viewer is an ES module, which
+this repository: `make memory-viz` puts a local copy and its d3 modules in .cache/memory_viz/
+(tools/viewer/memory_viz.py), and these tests skip, saying so, without it. The page is served from 127.0.0.1 (the viewer is an ES module, which
 Chromium does not run from file://), with an import map from the viewer's CDN addresses to the local modules, so
 MemoryViz.js runs unchanged; the test page loads the files with the viewer's own `add_local_files` (what
 `torch.cuda._memory_viz.trace_plot` pages do) and picks each view with the viewer's own menus.
