@@ -3,7 +3,7 @@ and the README's median and largest |error|, each a block that tools/docs/figure
 
 Usage (from the repository root):
 
-    .venv/bin/python tools/docs/accuracy_table.py               # = tools/docs/figures.py: every block, the newest anchors CSV
+    .venv/bin/python tools/docs/accuracy_table.py          # = tools/docs/figures.py: every block, the newest anchors CSV
     .venv/bin/python tools/docs/accuracy_table.py CSV --out F   # a stand-alone page of one CSV (a run of your own)
 
 The blocks name `results/reference/anchors/anchors-*.csv`: the newest reference CSV there (by name, its UTC time

@@ -1,4 +1,4 @@
-# Sourced by the scripts that run on a leased GPU machine (tools/gpu/session.sh, the scripts in results/reference/gpu/*/):
+# Sourced by the scripts that run on a leased GPU machine (tools/gpu/session.sh, those in results/reference/gpu/*/):
 # $OUT (what comes back), $W (where the run writes as it goes), `elapsed`, unbuffered Python, and the wheels of
 # missing packages in .whl/ installed into /tmp/site.
 set -u
