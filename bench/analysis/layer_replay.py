@@ -410,7 +410,6 @@ def why_not_replayable(case, strategy, ranks: int, engine: str, snapshot: bool) 
     """Why layer replay does not apply to this prediction (None where it does): a CUDA case on the fake engines, one
     rank, no snapshot, an `hf:` decoder whose layers are all alike by its configuration, and a strategy that treats
     every layer alike (no checkpoint plan that checkpoints some layers and not others)."""
-    from strategies.composite import members_of
     from workloads import get_workload
 
     if full_trace_forced():
@@ -429,7 +428,7 @@ def why_not_replayable(case, strategy, ranks: int, engine: str, snapshot: bool) 
     for key, value in vars(config).items():
         if isinstance(value, (list, tuple)) and len(value) == layers and len(set(map(repr, value))) > 1:
             return f"layers unlike one another ({key})"
-    for member in members_of(strategy):
+    for member in getattr(strategy, "members", [strategy]):  # a composite's members, else the strategy itself
         if member.name == "checkpoint" and (str(member.settings.get("segments")) != "all"
                                             or member.settings.get("budget")):
             return "a checkpoint plan that leaves some layers unchecked (only checkpoint:segments=all replays)"
