@@ -396,7 +396,7 @@ def layers_of(workload) -> int | None:
     settings = getattr(workload, "settings", None)
     if not isinstance(settings, dict) or "layers" not in settings or not hasattr(workload, "config"):
         return None
-    return settings["layers"] or workload.config().num_hidden_layers
+    return settings["layers"] or getattr(workload.config(), "num_hidden_layers", None)
 
 
 def layers_of_case(case) -> int | None:
