@@ -178,6 +178,7 @@ class LayerTemplate:
         self._programs: dict[tuple, tuple] = {}  # (slot, edge) -> what `_emit` needs (`_program`)
 
     def _places(self) -> tuple[list[tuple], list[int]]:
+        """The slot and period of each event of the larger log (a fixed event: its position, period 0)."""
         slots: list[tuple] = [("fixed", position) for position in range(len(self.larger))]
         periods = [0] * len(self.larger)
         for index, run in enumerate(self.runs):
@@ -226,18 +227,20 @@ class LayerTemplate:
                 for name, value in quantities.items():
                     observed.setdefault((slot, name), []).append((edge, period, layers, value))
         self._models: dict[tuple, tuple[tuple[str, ...], dict]] = {}
-        for (slot, name), observations in sorted(observed.items(), key=lambda item: item[0][1] == "target"):
-            if name == "target" and not hasattr(self, "_layer_of_run"):
+        self._layer_of_run: dict[int, tuple] = {}
+        numbers = [item for item in observed.items() if item[0][1] != "target"]
+        storages = [item for item in observed.items() if item[0][1] == "target"]
+        for items in (numbers, storages):
+            if items is storages:  # a storage is named by layer: the runs' layer indices first
                 self._layer_of_run = self._run_layers()
-            for edges in ((), ("first",), ("last",), ("first", "last")):
-                models = self._fit_groups(slot, name, observations, edges)
-                if models is not None:
-                    self._models[slot, name] = edges, models
-                    break
-            else:
-                raise NoReplay(f"no model of the period and layers fits the {name} of {slot}")
-        if not hasattr(self, "_layer_of_run"):
-            self._layer_of_run = self._run_layers()
+            for (slot, name), observations in items:
+                for edges in ((), ("first",), ("last",), ("first", "last")):
+                    models = self._fit_groups(slot, name, observations, edges)
+                    if models is not None:
+                        self._models[slot, name] = edges, models
+                        break
+                else:
+                    raise NoReplay(f"no model of the period and layers fits the {name} of {slot}")
 
     def _run_layers(self) -> dict[int, tuple]:
         """Per run whose periods carry a layer index: the affine function of (period, layers) that gives it (the
