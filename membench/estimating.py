@@ -16,8 +16,7 @@ from bench.run.isolation import process_state
 from bench.run.preflight import check_choice, check_output_dir, parse_batch_size
 from membench import _engine
 from membench.workload import InputError, check_inputs, parsed, workload_from_callables
-from strategies import parse_strategy
-from strategies.base import PHASES
+from strategies import PHASES, parse_strategy
 from workloads import Workload, get_workload
 
 DEVICES = ("cpu", "cuda")

@@ -17,7 +17,7 @@ from bench.run.preflight import check_choice, check_steps, parse_batch_size
 from membench import _engine
 from membench.estimating import DEVICES, as_workload, batch_size_of, config_job, strategy_specs
 from membench.workload import InputError, parsed
-from strategies.base import PHASES
+from strategies import PHASES
 from workloads import Workload
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from bench.core.errors import UsageError
-from strategies.base import Strategy, Tolerance, register_strategy
+from strategies import Strategy, Tolerance, register_strategy
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -1,7 +1,7 @@
 """The article's training and validation code as it is."""
 
 from bench.core.results import Role
-from strategies.base import Strategy, register_strategy
+from strategies import Strategy, register_strategy
 
 
 @register_strategy

@@ -25,7 +25,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_map
 
-from strategies.base import Strategy, differs, register_strategy
+from strategies import Strategy, differs, register_strategy
 
 DTYPE = torch.bfloat16
 

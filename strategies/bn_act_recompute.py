@@ -10,8 +10,10 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from bench.core.errors import Unsupported
-from strategies.base import MATCHES, Strategy, register_strategy, unsupported
-from strategies.bn_act_pairs import FusedPairs, Pair, find_pairs, pair_summary, require_batchnorm, require_pairs
+from strategies import MATCHES, Strategy, register_strategy, unsupported
+from strategies.framework.bn_act_pairs import (
+    FusedPairs, Pair, find_pairs, pair_summary, require_batchnorm, require_pairs,
+)
 from strategies.checkpoint import preserved
 
 
@@ -97,7 +99,7 @@ class BNActRecompute(Strategy):
     that needs it. The running statistics are updated once per step, by the forward: every recompute restores them
     (`strategies.checkpoint.preserved`). Exact: the recompute repeats the same arithmetic on the same input.
 
-    Pairs are found by tracing the model with torch.fx (`strategies.bn_act_pairs`): a BatchNorm whose only
+    Pairs are found by tracing the model with torch.fx (`strategies.framework.bn_act_pairs`): a BatchNorm whose only
     consumer is an activation, module or function. The row's settings say how many. Train only: without a backward
     nothing is recomputed.
 

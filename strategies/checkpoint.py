@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 from bench.core.errors import Unsupported, UnsupportedValue, UsageError
 from bench.core.units import format_size, fraction_or_size, parse_positive_size
-from strategies.base import PlanMeter, Strategy, register_strategy
+from strategies import PlanMeter, Strategy, register_strategy
 
 
 def batchnorm_buffers(model: nn.Module) -> list[torch.Tensor]:

@@ -27,7 +27,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from bench.core.errors import Unsupported, UsageError
-from strategies.base import MATCHES, Strategy, Tolerance, register_strategy, unsupported
+from strategies import MATCHES, Strategy, Tolerance, register_strategy, unsupported
 
 
 IGNORE_INDEX = -100  # the target of a token without a loss (F.cross_entropy's default, transformers' label)

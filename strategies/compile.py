@@ -15,9 +15,9 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from bench.core.errors import Unsupported, UsageError, choices_error
-from strategies.base import Strategy, Tolerance, differs, register_strategy
+from strategies import Strategy, Tolerance, differs, register_strategy
 from strategies.grad_accumulation import batch_statistics_modules
-from strategies.inductor_plan import predicted_inductor
+from strategies.framework.inductor_plan import predicted_inductor
 
 # Backends whose graphs go through the min-cut partitioner (where the budget applies): inductor, and
 # aot_eager_decomp_partition (the same partition run by eager kernels: no C++ compiler, cheap to test with).
@@ -60,7 +60,7 @@ class Compile(Strategy):
 
     Prediction (`predict`, on fake tensors): the model compiles under the fake tensors as it would for real, and its
     compiled graphs run on them. Inductor's kernels cannot (they read and write real memory), so inductor is
-    predicted from its own generated code (`strategies.inductor_plan`): inductor's partition, then each graph
+    predicted from its own generated code (`strategies.framework.inductor_plan`): inductor's partition, then each graph
     compiled by inductor for the CPU from fake inputs of its shapes, and its wrapper's buffers made and freed in their
     order while the graph's arithmetic counts as one kernel; a graph with a kernel that allocates its own output
     (attention) runs as its partition on eager kernels. On the CPU both predictions equal their measurements
@@ -152,8 +152,8 @@ class Compile(Strategy):
 
     def backend_for(self, model):
         """The backend the model compiles with: the setting's, but on fake or meta parameters (predict) inductor's
-        memory plan read from its generated code (`strategies.inductor_plan`), since its kernels read and write real
-        memory."""
+        memory plan read from its generated code (`strategies.framework.inductor_plan`), since its kernels read and
+        write real memory."""
         backend = self.settings["backend"]
         if backend == "inductor" and any(is_fake(p) or p.is_meta for p in model.parameters()):
             return predicted_inductor()

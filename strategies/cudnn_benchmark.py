@@ -4,7 +4,7 @@ import contextlib
 
 import torch
 
-from strategies.base import Strategy, register_strategy
+from strategies import Strategy, register_strategy
 
 
 @register_strategy

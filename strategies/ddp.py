@@ -1,7 +1,7 @@
 """DistributedDataParallel: every rank holds the whole model and optimizer; gradients are averaged across ranks."""
 
-from strategies.base import register_strategy
-from strategies.sharding import Sharded, data_parallel
+from strategies import register_strategy
+from strategies.framework.sharding import Sharded, data_parallel
 
 
 @register_strategy

@@ -1,6 +1,6 @@
 """Frees every reference the loop no longer needs at the end of each step: its output and loss, and the gradients."""
 
-from strategies.base import Strategy, register_strategy
+from strategies import Strategy, register_strategy
 
 
 @register_strategy

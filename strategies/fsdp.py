@@ -31,8 +31,8 @@ from torch.utils._pytree import tree_flatten
 from bench.core.errors import Unsupported, UsageError
 from bench.core.memory_categories import COMMUNICATION, WEIGHTS, allocating, file_as, listening
 from strategies.amp import Amp
-from strategies.base import register_strategy
-from strategies.sharding import Sharded, rank_and_world
+from strategies import register_strategy
+from strategies.framework.sharding import Sharded, rank_and_world
 
 # FSDP2 warns when a wrapped model returns a view (the captcha ResNet's reshaped softmax) that an in-place op could
 # break; the runner never modifies a model's output in place, so the warning would only be noise in every run.

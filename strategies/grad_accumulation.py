@@ -7,7 +7,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from bench.core.errors import Unsupported, UsageError
-from strategies.base import Strategy, differs, register_strategy
+from strategies import Strategy, differs, register_strategy
 
 
 def batch_statistics_modules(model: nn.Module) -> list[str]:

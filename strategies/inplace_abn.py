@@ -8,8 +8,10 @@ import torch
 from torch import nn
 
 from bench.core.errors import Unsupported, UsageError
-from strategies.base import Strategy, Tolerance, differs, register_strategy, unsupported
-from strategies.bn_act_pairs import FusedPairs, Pair, find_pairs, pair_summary, require_batchnorm, require_pairs
+from strategies import Strategy, Tolerance, differs, register_strategy, unsupported
+from strategies.framework.bn_act_pairs import (
+    FusedPairs, Pair, find_pairs, pair_summary, require_batchnorm, require_pairs,
+)
 
 DEFAULT_SLOPE = 0.01
 TINY_WEIGHT = 1e-12  # |gamma| below this is taken as this (sign kept) when the affine transform is inverted
@@ -114,8 +116,8 @@ class InPlaceABN(Strategy):
 
     Limitations: the inversion divides by BatchNorm's weight gamma (|gamma| < 1e-12 is taken as 1e-12); mapillary
     trains with |gamma| + eps for that reason, this strategy keeps the model's gamma. Pairs found by torch.fx
-    (`strategies.bn_act_pairs`): a model it cannot trace, or without a BatchNorm feeding a ReLU or leaky ReLU, is
-    an `unsupported` row with the reason.
+    (`strategies.framework.bn_act_pairs`): a model it cannot trace, or without a BatchNorm feeding a ReLU or leaky
+    ReLU, is an `unsupported` row with the reason.
     """
 
     name = "inplace_abn"

@@ -3,7 +3,7 @@
 from torch import nn
 
 from bench.core.errors import Unsupported
-from strategies.base import MATCHES, Strategy, register_strategy, unsupported
+from strategies import MATCHES, Strategy, register_strategy, unsupported
 
 # activation modules with an `inplace` switch (nn.Dropout has one too, but it is no activation)
 RELU_LIKE = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.CELU, nn.SELU, nn.RReLU, nn.Hardtanh, nn.Threshold,

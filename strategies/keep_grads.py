@@ -1,6 +1,6 @@
 """`zero_grad(set_to_none=False)`: the old default, which keeps every gradient buffer alive between steps."""
 
-from strategies.base import Strategy, register_strategy
+from strategies import Strategy, register_strategy
 
 
 @register_strategy

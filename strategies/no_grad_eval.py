@@ -2,7 +2,7 @@
 
 import torch
 
-from strategies.base import Strategy, register_strategy
+from strategies import Strategy, register_strategy
 
 
 @register_strategy

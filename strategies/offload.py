@@ -14,7 +14,7 @@ import contextlib
 import torch
 
 from bench.core.errors import Unsupported
-from strategies.base import Strategy, register_strategy
+from strategies import Strategy, register_strategy
 
 
 class HostBytes:

@@ -30,7 +30,7 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
 from bench.core.errors import Unsupported, UsageError
-from strategies.base import Strategy, register_strategy
+from strategies import Strategy, register_strategy
 from strategies.offload import HostBytes
 
 

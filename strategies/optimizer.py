@@ -13,8 +13,8 @@ from torch.utils._python_dispatch import _disable_current_modes, _get_current_di
 from bench.core.errors import Unsupported, UsageError
 from bench.core.memory_categories import UNIFIED_MEMORY, allocating, one_fused_kernel
 from bench.core.quiet_import import import_torchao
-from strategies import bitsandbytes_adamw, compiled_update
-from strategies.base import Strategy, register_strategy
+from strategies.framework import bitsandbytes_adamw, compiled_update
+from strategies import Strategy, register_strategy
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "adafactor": torch.optim.Adafactor,
@@ -67,12 +67,12 @@ class Optimizer(Strategy):
     refuses to run under one), so the optimizer stage's peak counts the state, updated in place, and not the
     compiled kernel's own buffers; on fake tensors (predict) it cannot be compiled, so each update counts the buffers
     inductor's generated code for it allocates (read from that code compiled on the CPU at a small size:
-    `strategies.compiled_update`; an H200 measured the same blocks) and runs in place as one kernel. The state counts
-    by its real storage (uint8 codes and scales), not its float32 face.
+    `strategies.framework.compiled_update`; an H200 measured the same blocks) and runs in place as one kernel. The
+    state counts by its real storage (uint8 codes and scales), not its float32 face.
 
     `impl=bitsandbytes` (with `name=adamw8bit`): bitsandbytes' `AdamW8bit` in place of torchao's, as
-    `strategies.bitsandbytes_adamw` emulates it from bitsandbytes' source: its state as bitsandbytes lays it out
-    (uint8 codes made with `torch.zeros_like` in the caching allocator, one float32 block maximum per 2048 values,
+    `strategies.framework.bitsandbytes_adamw` emulates it from bitsandbytes' source: its state as bitsandbytes lays it
+    out (uint8 codes made with `torch.zeros_like` in the caching allocator, one float32 block maximum per 2048 values,
     the last block ragged; float32 moments for a parameter under 4096 values; the instance's two 256-value maps) and
     its update as its one in-place kernel (`optimizer_update_8bit_blockwise`: no temporaries counted,
     `memory_categories.one_fused_kernel`). Exact on the CPU and predicted on fake CUDA (PyTorch arithmetic;

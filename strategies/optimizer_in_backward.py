@@ -6,7 +6,7 @@ import weakref
 
 import torch
 
-from strategies.base import Strategy, register_strategy
+from strategies import Strategy, register_strategy
 
 
 class StepsInBackward:

@@ -8,7 +8,7 @@ import torch
 from torch.utils._pytree import tree_map
 from torch.utils.data import DataLoader
 
-from strategies.base import Strategy, register_strategy
+from strategies import Strategy, register_strategy
 
 
 def _samples(inputs: Any, target: torch.Tensor) -> list[tuple[Any, torch.Tensor]]:

@@ -1,6 +1,6 @@
 """Pitfall: `backward(retain_graph=True)` where nothing calls backward on the graph a second time."""
 
-from strategies.base import Strategy, register_strategy
+from strategies import Strategy, register_strategy
 
 
 @register_strategy

@@ -48,7 +48,7 @@ from torch import nn
 
 from bench.core.errors import Unsupported, UsageError
 from bench.core.quiet_import import import_torchao
-from strategies.base import differs, register_strategy, unsupported
+from strategies import differs, register_strategy, unsupported
 from strategies.lora import ALL_LINEAR, INSTALL_HINT, Lora
 
 NF4_LEVELS = 16  # the NormalFloat table every NF4Tensor holds, in its weight's dtype

@@ -13,7 +13,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from bench.core.errors import Unsupported, choices_error
-from strategies.base import Strategy, register_strategy
+from strategies import Strategy, register_strategy
 from strategies.checkpoint import UnitCheckpointer
 
 aten = torch.ops.aten

@@ -2,8 +2,8 @@
 
 import inspect
 
-from strategies.base import register_strategy
-from strategies.sharding import Sharded, data_parallel
+from strategies import register_strategy
+from strategies.framework.sharding import Sharded, data_parallel
 
 
 @register_strategy

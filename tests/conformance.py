@@ -1,5 +1,5 @@
-"""The registry-wide checks of one strategy or one workload, read from what its class declares (`strategies.base`:
-`expected`, `expected_with`, `memory_effect`, `refusals`, `test_spec`, `plan_options`; `workloads.base`: `small`,
+"""The registry-wide checks of one strategy or one workload, read from what its class declares
+(`strategies.framework.base`: `expected`, `expected_with`, `memory_effect`, `refusals`, `test_spec`, `plan_options`; `workloads.base`: `small`,
 `small_for`, `requires`, and the traits of its model, `traits()`). The tests parametrized over the registries and the proof that a new plug-in is one file
 (tests/test_plugins.py) call these same functions.
 
@@ -23,8 +23,7 @@ from bench.run.fake_pass import fake_memory_pass
 from bench.run.case import Case, bind_case, seed_everything
 from bench.run.runner import memory_pass, run_case, verify
 from bench.run.passes import MEMORY_WARMUP_STEPS
-from strategies import PHASES, STRATEGIES, Strategy, StrategySpec
-from strategies.base import Expected
+from strategies import PHASES, STRATEGIES, Expected, Strategy, StrategySpec
 from workloads import WORKLOADS, get_workload
 from workloads.base import Trait
 
@@ -47,7 +46,7 @@ def check_strategy_declarations(name: str) -> None:
     """Strategy `name` declares its expectations in a form the checks can use, and every setting the planner may
     try of it (`plan_settings`, on the CPU and CUDA, one rank and two) is a valid spec of it."""
     from bench.analysis.plan_candidates import excluded_strategies
-    from strategies.base import PlanSpace
+    from strategies import PlanSpace
 
     cls = STRATEGIES.get(name)
     assert set(cls.phases) <= set(PHASES), cls.phases

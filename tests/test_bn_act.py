@@ -13,7 +13,7 @@ from torch import nn
 
 from bench.run.runner import run_case
 from strategies import parse_strategy
-from strategies.bn_act_pairs import find_pairs
+from strategies.framework.bn_act_pairs import find_pairs
 from strategies.inplace_abn import InPlaceABNFunction, inplace_abn
 from workloads import get_workload
 from small_cases import measured as _memory, small_case as _case, verified as _verify

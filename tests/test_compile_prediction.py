@@ -1,8 +1,9 @@
 """Predicting a compiled step: under membench's dispatch modes torch.compile compiles for real
 (`ignore_compile_internals`), and on fake tensors the compiled graphs run as they would on real ones. For
 `compile:backend=aot_eager_decomp_partition` (inductor's partition on eager kernels) the prediction is the CPU's
-measurement at the allocator; inductor is predicted from its own generated code (strategies/inductor_plan.py), each
-graph's wrapper read and replayed, and equals inductor's measurement on the CPU."""
+measurement at the allocator; inductor is predicted from its own generated code
+(strategies/framework/inductor_plan.py), each graph's wrapper read and replayed, and equals inductor's measurement on
+the CPU."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from bench.run.isolation import RunOptions
 from bench.run.case import Case
 from bench.run.runner import run_case
 from strategies.compile import cpu_compiler
-from strategies.inductor_plan import wrapper_plan
+from strategies.framework.inductor_plan import wrapper_plan
 
 WORKLOAD = "gpt_mini:layers=2:width=64:heads=2:seq_len=32:dropout=0.0"  # no dropout: compiled masks differ
 PARTITION = "compile:backend=aot_eager_decomp_partition"

@@ -68,8 +68,8 @@ def test_keeping_units_unsharded_after_forward_holds_more_weights():
                                               ("fsdp:param_dtype=bfloat16+checkpoint", True)])
 def test_a_16_bit_dtype_is_verified_with_amps_tolerance_and_plain_fsdp_stays_exact(spec, sixteen_bit):
     from strategies.amp import Amp
-    from strategies.base import EXACT
-    from strategies.spec import parse_strategy
+    from strategies import EXACT
+    from strategies import parse_strategy
 
     assert parse_strategy(spec).tolerance == (Amp.tolerance if sixteen_bit else EXACT)
 

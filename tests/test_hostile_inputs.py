@@ -280,7 +280,7 @@ def test_lora_without_default_targets_lists_the_models_linear_module_names():
 
 
 def test_the_linear_names_are_read_on_a_model_that_holds_no_memory(monkeypatch):
-    from strategies import module_names
+    from strategies.framework import module_names
     from workloads import get_workload
 
     workload = get_workload("deep_mlp:layers=3:width=8")

@@ -166,10 +166,10 @@ def test_low_bit_optimizer_has_no_other_implementation():
 
 
 def test_the_compiled_wrappers_buffers_are_replayed_in_order_with_reuse_and_frees():
-    """strategies.compiled_update reads inductor's generated wrapper: its empty_strided allocations (any device),
-    `# reuse` hand-overs (the storage keeps its first name), `del`s (a view's ignored), and at the return the frees
-    of what is left, in the order it was made."""
-    from strategies.compiled_update import peak_bytes, wrapper_events
+    """strategies.framework.compiled_update reads inductor's generated wrapper: its empty_strided allocations (any
+    device), `# reuse` hand-overs (the storage keeps its first name), `del`s (a view's ignored), and at the return
+    the frees of what is left, in the order it was made."""
+    from strategies.framework.compiled_update import peak_bytes, wrapper_events
 
     code = """def call(args):
     arg0_1, = args
@@ -201,7 +201,7 @@ def test_torchaos_compiled_update_holds_its_float32_moments_by_hand(name, bytes_
     (8-bit), 2 x 1,048,576,000 + 2 x 524,288,000 + 2 x 4,096,000 B (4-bit): results/reference/gpu/h200-20261127."""
     import torchao.optim
 
-    from strategies.compiled_update import compiled_buffer_plan, peak_bytes
+    from strategies.framework.compiled_update import compiled_buffer_plan, peak_bytes
 
     plan = compiled_buffer_plan(getattr(torchao.optim, name), torch.bfloat16, True)
     for values in (131_072_000, 4096 * 512):
@@ -217,7 +217,7 @@ def test_without_inductor_on_the_cpu_the_update_is_predicted_eagerly_and_says_so
     eager update.)"""
     import torchao.optim
 
-    from strategies import compiled_update
+    from strategies.framework import compiled_update
 
     def no_compiler(*args):
         raise RuntimeError("InvalidCxxCompiler: no working C++ compiler found")
@@ -241,7 +241,7 @@ def test_bitsandbytes_adamw8bit_state_is_its_layout_to_the_byte_and_its_update_m
     quantise it at all); an 80-value bias (< 4096) two float32 moments; the instance two 256-value float32 maps. Its
     update is one in-place kernel: the step's peak is the state it leaves."""
     from bench.measure import memory
-    from strategies.bitsandbytes_adamw import state_bytes
+    from strategies.framework.bitsandbytes_adamw import state_bytes
     from strategies.optimizer import Optimizer
 
     weight, bias = torch.randn(64, 80, requires_grad=True), torch.randn(80, requires_grad=True)

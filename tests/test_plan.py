@@ -17,8 +17,7 @@ from bench.core.errors import UsageError
 from bench.core.results import PLAN, Status
 from bench.measure.op_cost import CONV, MATMUL, CpuSpeed, OperatorCostCounter, step_totals
 from bench.run.case import Case, bind_case
-from strategies import STRATEGIES, Strategy, StrategySpec
-from strategies.base import PlanSpace
+from strategies import STRATEGIES, PlanSpace, Strategy, StrategySpec
 
 WORKLOAD = "deep_mlp:layers=32:width=32"  # Adam: another optimizer (sgd) or bfloat16 weights differ by design
 BATCH = 256  # activations dominate the peak
@@ -348,7 +347,7 @@ limit = int(sys.argv[1])
 resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 from bench.analysis import plan_candidates
 from bench.run.case import Case, bind_case
-from strategies.base import PlanSpace
+from strategies import PlanSpace
 context = bind_case(Case("hf:llama-3.1-8b:seq_len=4096", "baseline", "train", 1, "cuda"))[1]
 accepted, refused = plan_candidates.settings(PlanSpace(context, 76 * 2**30))
 pairs = plan_candidates.combinations(accepted, 2, context)

@@ -23,7 +23,7 @@ NEW_STRATEGY = '''"""Validation under torch.inference_mode(): no autograd graph,
 
 import torch
 
-from strategies.base import Strategy, register_strategy
+from strategies import Strategy, register_strategy
 
 
 @register_strategy

@@ -112,7 +112,7 @@ def test_mixed_precision_changes_the_numerics_and_matches_within_16_bit_toleranc
     """bfloat16 compute differs from the float32 baseline by more than the exact tolerance allows (so the row would
     say `False` under it), and by less than amp's 16-bit tolerance, which the row is verified with."""
     from strategies.amp import Amp
-    from strategies.base import EXACT
+    from strategies import EXACT
 
     row = _row(MIXED)
     assert row["matches_baseline"] is True, row["message"]
@@ -138,8 +138,8 @@ def test_mixed_precision_composes_with_compile_on_real_ranks_and_in_the_predicti
 @pytest.mark.parametrize("workload", ["gpt_mini:layers=2:width=64:heads=2:seq_len=64", "hf:tiny-llama:seq_len=32"])
 def test_ddp_on_fake_tensors_counts_what_its_real_steps_do_to_the_byte(strategy, workload):
     """DistributedDataParallel on fake tensors (what `predict --device cuda --ranks N` runs at full size): its C++
-    cross-rank check skipped and its bucket rebuild emulated (strategies/sharding.py), each rank's peak and breakdown
-    equal to the same rank's step on real CPU tensors, whose reducer rebuilds its buckets for real."""
+    cross-rank check skipped and its bucket rebuild emulated (strategies/framework/sharding.py), each rank's peak and
+    breakdown equal to the same rank's step on real CPU tensors, whose reducer rebuilds its buckets for real."""
     case = Case(workload, strategy, "train", 4, "cpu", data="synthetic")
     for rank in range(RANKS.ranks):
         with fake_process_group(RANKS.ranks, rank):

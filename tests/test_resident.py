@@ -161,7 +161,7 @@ def test_preflight_warns_naming_the_resident_need_and_the_free_memory(monkeypatc
 def test_a_stored_comparison_reads_pieces_and_agrees_with_the_whole_tensors(tmp_path, monkeypatch):
     from bench.run import tensor_store
     from bench.run.verify import Snapshot, compare
-    from strategies.base import Tolerance
+    from strategies import Tolerance
 
     class Strict:
         tolerance = Tolerance()

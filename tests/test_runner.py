@@ -150,7 +150,7 @@ def test_a_mismatch_names_each_failed_check_its_measured_difference_and_its_tole
     import torch
 
     from bench.run.verify import Snapshot, compare
-    from strategies.base import Tolerance
+    from strategies import Tolerance
 
     class Strict:
         tolerance = Tolerance(loss_rtol=1e-3)
@@ -174,7 +174,7 @@ def test_on_a_nondeterministic_device_the_verdict_allows_ten_times_the_baselines
 
     from bench.run import verify as verify_module
     from bench.run.verify import DeviceNoise, Snapshot, compare, device_noise
-    from strategies.base import Tolerance
+    from strategies import Tolerance
 
     class Exact:
         tolerance = Tolerance()

@@ -29,7 +29,7 @@ from bench.run.isolation import RunOptions, run_in_worker
 from bench.run.case import Case
 from bench.run.runner import run_case, run_cases
 from strategies import STRATEGIES
-from strategies.base import PHASE_REFUSAL
+from strategies.framework.base import PHASE_REFUSAL
 from tests_cuda_fake.fake_mode import fake_cuda
 from workloads import WORKLOADS as WORKLOAD_CLASSES, workload_names
 

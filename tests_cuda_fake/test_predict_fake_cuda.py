@@ -56,7 +56,7 @@ def test_a_prediction_may_exceed_the_device_that_torch_sees():
 
 def test_sharded_strategies_are_predicted_per_rank_on_fake_cuda():
     """FSDP2, DDP and ZeRO-1 (which trains a DDP model) run on fake CUDA tensors, each rank in turn in the fake process
-    group (DDP past its host bookkeeping: strategies/sharding.py)."""
+    group (DDP past its host bookkeeping: strategies/framework/sharding.py)."""
     rows = predict.predict_cases([cuda_case(spec, workload="gpt_mini") for spec in ("fsdp", "fsdp+amp", "ddp", "zero1")],
                                  ranks=2)
     assert [(row["status"], row["engine"], row["ranks"]) for row in rows] == [

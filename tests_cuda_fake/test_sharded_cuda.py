@@ -44,8 +44,8 @@ SHARDED = [name for name in STRATEGIES.names() if STRATEGIES.get(name).distribut
 # fake and have no storage. torch/csrc/distributed/c10d/reducer.cpp: `verify_params_across_processes` (called by
 # DistributedDataParallel.__init__ through `_verify_param_shape_across_processes`) fills `metadata.accessor<>()`, and
 # `Reducer::sync_bucket_indices` (from `_rebuild_buckets`, before the second step's forward) fills
-# `indices_tensor.accessor<>()`. strategies/sharding.py goes around both on fake tensors: the cross-rank check is
-# skipped (in one process every rank is this one) and the rebuild files the first buckets as the new ones.
+# `indices_tensor.accessor<>()`. strategies/framework/sharding.py goes around both on fake tensors: the cross-rank
+# check is skipped (in one process every rank is this one) and the rebuild files the first buckets as the new ones.
 NO_STORAGE = "its data is not allocated yet"
 # this file's per-rank checks look at FSDP's shards (DTensors); DDP and ZeRO-1 replicate the model
 CANNOT_RUN = {"ddp": "replicates the model: no shards to check", "zero1": "trains a DDP model: no shards to check"}

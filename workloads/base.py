@@ -18,7 +18,7 @@ workload only says *what* to train:
 What its model is made of, as far as a strategy's outcome depends on it, is its `traits()` (`Trait`): read from the
 model's modules (BatchNorm, ReLU-like activations and whether they run in place, dropout, convolutions), from
 `has_output_head()`, and from `declared_traits` for what the modules cannot show. Strategies state their expected
-outcome per trait (`strategies.base.Strategy.expected_with`), so a new workload needs no strategy to name it.
+outcome per trait (`strategies.Strategy.expected_with`), so a new workload needs no strategy to name it.
 
 Options work as for strategies: `options = {"layers": 1000}` declares `deep_mlp:layers=100`; the values the
 instance runs with are in `self.settings`.

@@ -15,7 +15,7 @@ from torch import nn
 
 from bench.run.case import bind_case
 from bench.run.runner import CaseMeter, memory_pass
-from strategies.composite import members_of
+from strategies.framework.composite import members_of
 
 
 # --- explain: per-module table -----------------------------------------------------------------------------

@@ -12,9 +12,7 @@ import itertools
 from dataclasses import dataclass
 
 from bench.core.errors import Unsupported, UsageError
-from strategies import STRATEGIES, Composite
-from strategies.base import PlanSpace, StepContext, Strategy
-from strategies.spec import StrategySpec
+from strategies import STRATEGIES, Composite, PlanSpace, StepContext, Strategy, StrategySpec
 
 
 @dataclass(frozen=True)

@@ -42,8 +42,7 @@ from bench.core.results import PLAN, Status
 from bench.core.schema import Row
 from bench.measure import fake_cuda
 from bench.run import eta
-from strategies import STRATEGIES
-from strategies.base import PlanSpace
+from strategies import STRATEGIES, PlanSpace
 
 # a combination is tried when each of its members, alone, saved memory (1%) or time (0.5%) against the baseline: a
 # saving of time alone (a faster optimizer implementation) still combines with one of memory

@@ -26,7 +26,7 @@ from bench.analysis import fit_seq_len, plan, plan_candidates, pools
 from bench.analysis.fit import FitResult
 from bench.analysis.plan_search import COUNT, TIME
 from bench.run.case import Case
-from strategies.base import PlanSpace
+from strategies import PlanSpace
 
 SEARCH_START = 2048  # the baseline's search brackets from here; the others' from their first probe
 

@@ -29,7 +29,8 @@ from bench.run.resume import load_resume
 from bench.run.case import bind_case
 from bench.run.runner import local_executor, run_cases
 from bench.run.suite import Suite, SuiteOverrides, suite_for_command_line
-from strategies import STRATEGIES, catalog
+from strategies import STRATEGIES
+from strategies.framework import catalog
 from workloads import WORKLOADS, workload_names
 
 # The most the pre-flight's memory estimate of one workload may take under --case-timeout (it only decides whether

@@ -83,7 +83,8 @@ def one_fused_kernel() -> Iterator[None]:
 
 def made_now(tensors: Iterable) -> None:
     """Every listening tracker counts `tensors` from now on, as what an operator just made: the outputs of a fused
-    kernel whose arithmetic ran inside `one_fused_kernel()` (a compiled graph's, `strategies/inductor_plan.py`)."""
+    kernel whose arithmetic ran inside `one_fused_kernel()` (a compiled graph's,
+    `strategies/framework/inductor_plan.py`)."""
     tensors = list(tensors)
     for listener in list(_LISTENERS):
         listener.made_now(tensors)

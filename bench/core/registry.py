@@ -52,13 +52,19 @@ class Registry(Generic[T]):
         self._items.pop(name, None)
 
 
+# The subpackage of a plug-in package (strategies/, workloads/) that holds the plug-ins' framework and helpers, so that
+# the package's folder lists plug-ins only; discovery leaves it out (the package's __init__ imports what it needs).
+FRAMEWORK = "framework"
+
+
 def import_modules_of(package: str) -> list[str]:
-    """Imports every module of the package named `package` (each module file and subpackage in the folders of its
-    `__path__`, in name order, those named `_private` left out) and returns their names: importing a plug-in module
-    registers what it defines, so a new module in the folder needs no list to be added to. A module that registers
-    nothing (helpers) is imported all the same."""
+    """Imports every plug-in module of the package named `package` (each module file and subpackage in the folders of
+    its `__path__`, in name order; those named `_private` and its `framework` subpackage left out) and returns their
+    names: importing a plug-in module registers what it defines, so a new module in the folder needs no list to be
+    added to."""
     found = pkgutil.iter_modules(sys.modules[package].__path__, prefix=f"{package}.")
-    names = sorted(info.name for info in found if not info.name.rpartition(".")[2].startswith("_"))
+    names = sorted(info.name for info in found
+                   if not info.name.rpartition(".")[2].startswith("_") and info.name != f"{package}.{FRAMEWORK}")
     for name in names:
         importlib.import_module(name)
     return names

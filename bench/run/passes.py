@@ -24,8 +24,7 @@ from bench.measure.stats import summarize_timing
 from bench.run.case import Case, bind_case
 from bench.run.session import Session
 from bench.run.verify import non_finite_loss
-from strategies import Strategy
-from strategies.base import PlanMeter
+from strategies import PlanMeter, Strategy
 from workloads.base import tensors_of
 
 # Steps before the measured one: one makes Adam's state and the previous step's output and loss exist; CUDA

@@ -423,7 +423,7 @@ def _gpu_check_rows(folder: Path, layers: str) -> list[dict]:
 
 def _compiled_low_bit(row: dict) -> bool:
     """A torchao low-bit AdamW (8- or 4-bit), whose update torch.compile fuses: predicted on the H200 before
-    strategies/compiled_update.py read inductor's buffers."""
+    strategies/framework/compiled_update.py read inductor's buffers."""
     return any(f"optimizer:name=adamw{bits}bit" in row["strategy"] for bits in (8, 4))
 
 

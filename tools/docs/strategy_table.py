@@ -1,6 +1,6 @@
 """Regenerate the strategy table of docs/strategies.md from the strategy classes: what each does, where it runs, its
 result against the baseline on the CPU and what `python -m bench plan` tries of it, as each class declares them
-(`strategies.catalog`). A test fails when the committed table is not this script's.
+(`strategies.framework.catalog`). A test fails when the committed table is not this script's.
 
 Usage (from the repository root):
 
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from strategies import STRATEGIES  # noqa: E402
-from strategies import catalog  # noqa: E402
+from strategies.framework import catalog  # noqa: E402
 
 DOC = ROOT / "docs" / "strategies.md"
 BEGIN = "<!-- strategy table: tools/docs/strategy_table.py writes it from the strategy classes; edit those, then run it -->"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 
 from bench.core.errors import UsageError
-from strategies.base import EXACT, PlanMeter, StepContext, Strategy
+from strategies.framework.base import EXACT, PlanMeter, StepContext, Strategy
 
 
 def _overrides(strategy: Strategy, hook: str) -> bool:

@@ -41,8 +41,8 @@ What the report needs to know of a strategy it reads from the row, where the str
 apart) gives the row's `strategy_role`, and a checkpointing plan declares `recompute_plan_kind` and says what it
 recomputes in `recompute_plan()`.
 
-Strategies compose with `+` (`strategies.composite.Composite`); a spec (`checkpoint:segments=4+amp`) is parsed once
-into a `StrategySpec` (`strategies.spec`), which builds fresh instances.
+Strategies compose with `+` (`strategies.framework.composite.Composite`); a spec (`checkpoint:segments=4+amp`) is
+parsed once into a `StrategySpec` (`strategies.framework.spec`), which builds fresh instances.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ it. `python -m bench list` and the strategy table of docs/strategies.md (tools/d
 
 from __future__ import annotations
 
-from strategies.base import STRATEGIES, Expected, Strategy
+from strategies.framework.base import STRATEGIES, Expected, Strategy
 
 
 def runs_in(cls: type[Strategy]) -> str:

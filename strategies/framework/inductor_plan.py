@@ -8,7 +8,7 @@ inductor's decompositions and partition (its joint-graph passes, then the min-cu
 backward is inductor's choice), each forward and backward graph compiled by inductor for the CPU on fake inputs of
 the same shapes (a graph traced for CUDA is moved to the CPU first: CUDA's code generator needs triton; its wrapper's
 buffers are taken to be the CPU's, as the H200 found them for torchao's compiled update,
-strategies/compiled_update.py, not checked on a GPU for a model's graphs). When the
+strategies/framework/compiled_update.py, not checked on a GPU for a model's graphs). When the
 graph runs, its wrapper's buffers are made and freed in their order, the graph's arithmetic runs inside
 `one_fused_kernel()` (counted as nothing), its inputs are released where the wrapper releases them, and its outputs
 are counted from its return. A graph whose wrapper gets a buffer another way (a kernel that allocates its own output,
@@ -30,7 +30,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from bench.core.memory_categories import made_now, one_fused_kernel
-from strategies.compiled_update import DELETE, read_buffer_line
+from strategies.framework.compiled_update import DELETE, read_buffer_line
 
 ASSIGNED = re.compile(r"^\s*(\w+) = (.*)$")
 INPUTS = re.compile(r"^\s*([\w, ]+?),? = args\s*$")

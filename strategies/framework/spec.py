@@ -8,8 +8,8 @@ from typing import Any
 
 from bench.core.errors import UsageError, choices_error
 from bench.core.options import parse_option_parts
-from strategies.base import STRATEGIES, StepContext, Strategy
-from strategies.composite import Composite
+from strategies.framework.base import STRATEGIES, StepContext, Strategy
+from strategies.framework.composite import Composite
 
 
 def _parse_member(text: str) -> tuple[type[Strategy], tuple[tuple[str, Any], ...]]:

@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_map
 
 from bench.core.errors import Unsupported
 from bench.core.memory_categories import COMMUNICATION, allocating, file_as
-from strategies.base import Strategy
+from strategies.framework.base import Strategy
 
 
 def rank_and_world() -> tuple[int, int]:
