@@ -24,7 +24,7 @@ from bench.run.fake_pass import FakeSession, fake_memory_pass
 from bench.run.ranks import fake_process_group, in_rank_process
 from bench.run.case import bind_case
 from bench.run.runner import CaseMeter, forget_traceback, memory_pass
-from strategies.composite import recompute_plan_of
+from strategies.framework.composite import recompute_plan_of
 
 __all__ = ["CUDA_BLOCK_BYTES", "FakeSession", "PredictionMeter", "TrackedStep", "UsesAutocast", "bound_device",
            "cublas_workspace", "device_capability", "fake_memory_pass", "has_gpu", "tracked_peak", "tracked_step"]

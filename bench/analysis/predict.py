@@ -34,7 +34,7 @@ from bench.measure import breakdown, cuda_allocator, fake_cuda, snapshot
 from bench.run.isolation import process_state
 from bench.run.case import bind_case
 from bench.run.runner import MEMORY_WARMUP_STEPS, forget_traceback
-from strategies.composite import members_of
+from strategies.framework.composite import members_of
 
 ENGINES = ("auto", "fake-cuda", "fake", "meta", "cpu")
 CUDA_ONLY_ENGINES = ("fake-cuda",)
