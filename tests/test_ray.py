@@ -36,6 +36,9 @@ def _cases(*specs: str) -> list[Case]:
             for workload in specs for strategy in ("baseline", "checkpoint")]
 
 
+# The tests that start a Ray cluster run in CI's slow step (.ci/run), not in `make test`: the local cluster's start and
+# a fresh worker importing torch per case took about a minute of `make test`'s 2 cores
+@pytest.mark.slow
 def test_a_ray_sweep_finds_the_same_rows_as_the_in_process_runner(local_ray, tmp_path):
     cases = _cases("deep_mlp:layers=24:width=8")  # each case on Ray is a worker's start: two show the equality
     options = RunOptions(threads=1)
@@ -75,6 +78,7 @@ class Killer(Workload):
 '''
 
 
+@pytest.mark.slow
 def test_a_killed_worker_is_an_error_row_and_the_sweep_goes_on(local_ray, tmp_path, monkeypatch):
     (tmp_path / "killer.py").write_text(KILLER)
     monkeypatch.chdir(tmp_path)  # the spec is relative to here; the Ray workers get the file's source
