@@ -281,6 +281,9 @@ def fake_cuda(allocator: FakeAllocator | None = None, inner: Iterable[ContextMan
         _clear_tensor_caches()
 
 
-if os.environ.get(WORKER_FLAG) == "1":  # an isolated worker, which imports this as a plugin
+# an isolated worker of the fake-CUDA environment, which imports this as a plugin; in a torch built without CUDA the
+# variable can only have been set by hand, and is refused by the CLI (bench.core.job_environment) rather than failing
+# every import of this module (`import membench` included) with torch's assertion
+if os.environ.get(WORKER_FLAG) == "1" and torch.version.cuda is not None:
     _worker_context = fake_cuda()
     _worker_context.__enter__()
