@@ -16,7 +16,7 @@ SUITE ?= bench/suites/default.yaml
 # your own runs (git-ignored in results/); the committed reference runs are under results/reference/, where no
 # target writes
 OUT ?= results
-# the generated data sets (bench: workloads/captcha_data.py), and where they go when that folder is unusable
+# the generated data sets (bench: workloads/framework/captcha_data.py), and where they go when that folder is unusable
 DATA_CACHE ?= $(or $(MEMBENCH_CACHE),$(HOME)/.cache/membench)
 DATA_CACHE_FALLBACK = $${TMPDIR:-/tmp}/membench-cache-$$(id -u)
 VENV := .venv

@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_map
 from bench.core.errors import UsageError
 from bench.run import case as case_module
 from bench.run.isolation import process_state
-from workloads.base import Workload, forget_cached
+from workloads.framework.base import Workload, forget_cached
 
 SPEC_PREFIX = "membench.workload"
 

@@ -41,8 +41,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from bench.core.errors import Unsupported, UsageError
-from strategies.framework import module_names
 from strategies import Strategy, differs, register_strategy, unsupported
+from strategies.framework import module_names
 
 INSTALL_HINT = "pip install 'membench[hf]' (in a checkout: make install)"
 TARGET_SEPARATOR = "/"  # `,` separates the strategies of --strategies, `+` members, `:` options

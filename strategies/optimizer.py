@@ -13,8 +13,8 @@ from torch.utils._python_dispatch import _disable_current_modes, _get_current_di
 from bench.core.errors import Unsupported, UsageError
 from bench.core.memory_categories import UNIFIED_MEMORY, allocating, one_fused_kernel
 from bench.core.quiet_import import import_torchao
-from strategies.framework import bitsandbytes_adamw, compiled_update
 from strategies import Strategy, register_strategy
+from strategies.framework import bitsandbytes_adamw, compiled_update
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "adafactor": torch.optim.Adafactor,

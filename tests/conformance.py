@@ -1,7 +1,8 @@
 """The registry-wide checks of one strategy or one workload, read from what its class declares
-(`strategies.framework.base`: `expected`, `expected_with`, `memory_effect`, `refusals`, `test_spec`, `plan_options`; `workloads.base`: `small`,
-`small_for`, `requires`, and the traits of its model, `traits()`). The tests parametrized over the registries and the proof that a new plug-in is one file
-(tests/test_plugins.py) call these same functions.
+(`strategies.Strategy`: `expected`, `expected_with`, `memory_effect`, `refusals`, `test_spec`, `plan_options`;
+`workloads.Workload`: `small`, `small_for`, `requires`, and the traits of its model, `traits()`). The tests
+parametrized over the registries and the proof that a new plug-in is one file (tests/test_plugins.py) call these same
+functions.
 
 Strategies are checked on captcha_resnet18 (verified at batch 4, or 2 under bf16 autocast, which this CPU runs
 ~8x slower than fp32; memory bands at batch 8, where the train peak falls in backward) and on every workload at
@@ -24,8 +25,7 @@ from bench.run.case import Case, bind_case, seed_everything
 from bench.run.runner import memory_pass, run_case, verify
 from bench.run.passes import MEMORY_WARMUP_STEPS
 from strategies import PHASES, STRATEGIES, Expected, Strategy, StrategySpec
-from workloads import WORKLOADS, get_workload
-from workloads.base import Trait
+from workloads import WORKLOADS, Trait, get_workload
 
 WORKLOAD = "captcha_resnet18"  # the workload a strategy's own expectations (`memory_effect`, its phases) are of
 BATCH = 8      # memory comparisons: the train peak falls in backward, where activations count

@@ -9,7 +9,7 @@ import torch
 
 import membench
 from membench.dry_run import TrainerChange, change_tiers, trainer_changes
-from workloads.hf_presets import PRESETS
+from workloads.framework.hf_presets import PRESETS
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from workloads.loader import resolve_workload
+from workloads.framework.loader import resolve_workload
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = "examples/my_workload.py:MyWorkload"

@@ -99,7 +99,7 @@ def test_a_workload_whose_factory_or_init_raises_is_one_line(name, error, tmp_pa
 def _config(tmp_path, **changes) -> Path:
     import json
 
-    from workloads.hf_presets import PRESETS
+    from workloads.framework.hf_presets import PRESETS
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**PRESETS["tiny-llama"], **changes}).replace("Infinity", "1e400"))
@@ -126,7 +126,7 @@ def test_a_config_value_of_the_wrong_type_or_range_is_one_line_naming_the_field(
 
 
 def test_a_gpt2_style_config_is_checked_under_its_own_field_names(tmp_path):
-    from workloads.hf_presets import PRESETS
+    from workloads.framework.hf_presets import PRESETS
 
     path = tmp_path / "gpt2.json"
     path.write_text(__import__("json").dumps({**PRESETS["gpt2"], "n_layer": "12"}))
@@ -144,7 +144,8 @@ def test_a_config_whose_model_needs_petabytes_is_refused_with_the_figure_before_
 def test_the_parameter_count_on_meta_is_the_models_own():
     """One and two layers counted on meta, extrapolated to three: the real three-layer model's count (tied heads
     counted once)."""
-    from workloads import get_workload, hf, hf_checks
+    from workloads import get_workload, hf
+    from workloads.framework import hf_checks
 
     model = get_workload("hf:tiny-llama").build_model()  # two layers
     values = {**hf.config_values("tiny-llama"), "num_hidden_layers": 3}

@@ -112,7 +112,7 @@ def test_a_meaningless_environment_variable_is_one_line_before_anything_runs(mon
 
 
 def test_the_environment_readers_take_blank_as_unset_and_sizes_as_sizes(monkeypatch):
-    from workloads import captcha_data
+    from workloads.framework import captcha_data
 
     monkeypatch.setenv("MEMBENCH_CACHE", "  ")  # was Path(""): the data set generated into the working folder
     assert captcha_data.cache_dir() == Path.home() / ".cache" / "membench"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import hub_cache
-from workloads.hf_presets import PRESETS
+from workloads.framework.hf_presets import PRESETS
 
 pytest.importorskip("transformers")
 
@@ -120,7 +120,7 @@ def test_remote_code_runs_when_the_user_trusts_it(hub_home, tmp_path):
 
 
 def test_hub_ids_and_local_paths_are_told_apart(tmp_path, monkeypatch):
-    from workloads.hf_config import is_file_reference, is_hub_id
+    from workloads.framework.hf_config import is_file_reference, is_hub_id
 
     assert is_hub_id("Qwen/Qwen2.5-7B-Instruct") and is_hub_id("mistralai/Mixtral-8x7B-v0.1@main")
     assert not is_hub_id("gpt2") and not is_hub_id("path/to/config.json") and not is_hub_id("a/b/c")

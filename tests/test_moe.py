@@ -1,5 +1,5 @@
-"""Mixture-of-experts decoders of the `hf:` workload (workloads/hf_moe.py): the presets' published numbers, the
-experts implementation the models run, the CPU count against the literal training loop and against the fake engine
+"""Mixture-of-experts decoders of the `hf:` workload (workloads/framework/hf_moe.py): the presets' published numbers,
+the experts implementation the models run, the CPU count against the literal training loop and against the fake engine
 to the byte, the memory's independence from the routing, and the router's and dispatch's own lines in the breakdown.
 
 Small: full-size models are built on the meta device only; the steps run tiny-mixtral, tiny-qwen3-moe and tiny-olmoe
@@ -22,9 +22,9 @@ from bench.measure import breakdown
 from bench.run.case import Case, bind_case
 from bench.run.runner import memory_pass
 from conformance import MEASURED_STEP, literal_loop_peak
-from workloads import hf_moe
-from workloads.hf_presets import PRESETS, PUBLISHED_PARAMETERS
-from workloads.loader import resolve_workload
+from workloads.framework import hf_moe
+from workloads.framework.hf_presets import PRESETS, PUBLISHED_PARAMETERS
+from workloads.framework.loader import resolve_workload
 
 pytestmark = [pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
                                  reason="transformers is not installed (make install installs membench[hf])"),

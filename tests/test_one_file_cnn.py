@@ -80,6 +80,6 @@ def test_the_relu_like_trait_is_what_inplace_relu_switches():
     """The trait reads the activations with an `inplace` switch from torch; in-place ReLU lists the ones it switches:
     the same classes, so the trait names what the strategy finds."""
     from strategies.inplace_relu import RELU_LIKE
-    from workloads.base import IN_PLACE_ACTIVATIONS
+    from workloads.framework.base import IN_PLACE_ACTIVATIONS
 
     assert set(IN_PLACE_ACTIVATIONS) == set(RELU_LIKE)

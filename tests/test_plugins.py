@@ -45,7 +45,7 @@ NEW_WORKLOAD = '''"""A deep narrow MLP of tanh layers regressing random targets:
 import torch
 from torch import nn
 
-from workloads.base import Workload, register_workload
+from workloads import Workload, register_workload
 
 
 @register_workload
@@ -148,3 +148,18 @@ def test_the_docs_strategy_table_is_the_classes():
     text = tool.DOC.read_text(encoding="utf-8")
     assert tool.with_table(text) == text, "the strategy table of docs/strategies.md is stale: run tools/docs/strategy_table.py"
     assert all(f"| `{name}` |" in text for name in STRATEGIES.names())
+
+
+@pytest.mark.parametrize("package, registry", [("strategies", STRATEGIES), ("workloads", WORKLOADS)])
+def test_the_folder_lists_plug_ins_only(package, registry):
+    """Every module at the top of strategies/ and workloads/ registers a plug-in: the API, the spec resolution and
+    the helpers several plug-ins share are in the package's `framework` subpackage, which discovery leaves out, so
+    the folder a plug-in author opens lists plug-ins (and a plug-in imports the API from the package itself)."""
+    folder = Path(sys.modules[package].__file__).parent
+    top_level = {f"{package}.{path.stem}" for path in folder.glob("*.py") if path.name != "__init__.py"}
+    registering = {registry.get(name).__module__ for name in registry.names()}
+    assert not top_level - registering, f"these register nothing; framework/ is their place: {top_level - registering}"
+    discovered = import_modules_of(package)
+    assert top_level <= set(discovered)
+    assert not [name for name in discovered if name.startswith(f"{package}.framework")]
+    assert all(hasattr(sys.modules[package], name) for name in sys.modules[package].__all__)

@@ -90,7 +90,7 @@ def small_architecture(preset: str) -> dict:
     """A preset's configuration with its architecture (model type, grouped-query heads' ratio, rotary scaling,
     biases, tying, dropout, normalisation) and small sizes: 8 per head, a 256-token vocabulary, two layers' worth of
     heads a quarter of the preset's (at least the grouped-query ratio)."""
-    from workloads.hf_presets import PRESETS
+    from workloads.framework.hf_presets import PRESETS
 
     values = dict(PRESETS[preset])
     heads_key = "n_head" if "n_head" in values else "num_attention_heads"

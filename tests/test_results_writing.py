@@ -20,7 +20,7 @@ from bench.run import preflight
 from bench.run.isolation import RunOptions
 from bench.run.case import Case
 from bench.run.runner import run_cases
-from workloads import captcha_data
+from workloads.framework import captcha_data
 from cli_helpers import REFERENCE_CSV, ROOT, TINY, cli as _cli, main_in_process as _main, one_line_exit_2 as _one_line_exit_2
 
 

@@ -2,7 +2,9 @@
 
 import torch
 
-from workloads import captcha_data, get_workload
+from workloads import get_workload
+
+from workloads.framework import captcha_data
 from workloads.captcha_resnet18 import BasicBlock, CaptchaResNet18
 
 

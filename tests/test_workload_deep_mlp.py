@@ -6,7 +6,7 @@ from torch import nn
 
 from bench.core.errors import UsageError
 from bench.measure.memory import LiveTensorTracker
-from workloads.loader import resolve_workload
+from workloads.framework.loader import resolve_workload
 
 SMALL = "deep_mlp:layers=50"
 

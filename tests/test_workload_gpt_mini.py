@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from bench.core.errors import UsageError
-from workloads import text_data
+from workloads.framework import text_data
 from workloads.gpt_mini import Block, VOCAB_SIZE
-from workloads.loader import resolve_workload
+from workloads.framework.loader import resolve_workload
 
 SMALL = "gpt_mini:layers=2:width=64:heads=2:seq_len=32"
 

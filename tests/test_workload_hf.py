@@ -21,8 +21,8 @@ from bench.core.errors import UsageError
 from bench.run.case import Case, bind_case
 from bench.run.runner import memory_pass, run_case
 from strategies.checkpoint import UnitCheckpointer
-from workloads.hf_presets import PRESETS, PUBLISHED_PARAMETERS
-from workloads.loader import resolve_workload
+from workloads.framework.hf_presets import PRESETS, PUBLISHED_PARAMETERS
+from workloads.framework.loader import resolve_workload
 
 needs_hf = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
                               reason="transformers is not installed (make install installs membench[hf])")
@@ -188,7 +188,8 @@ def test_causal_batches_are_deterministic_next_token_pairs(data):
 
 @needs_hf
 def test_text_tokens_are_pairs_of_source_bytes():
-    from workloads import hf, text_data
+    from workloads import hf
+    from workloads.framework import text_data
 
     ids = hf.token_windows(2, 8, vocab_size=65536, seed=0)  # a vocabulary as large as every pair: no wrap-around
     text = b"".join(int(i).to_bytes(2, "big") for i in ids[0])
@@ -337,7 +338,7 @@ def test_without_transformers_the_workload_names_the_extra(monkeypatch, capsys):
 
 def test_the_module_imports_without_transformers():
     code = ("import sys; sys.modules['transformers'] = None; import workloads.hf; "
-            "from workloads.base import WORKLOADS; assert 'hf' in WORKLOADS")
+            "from workloads import WORKLOADS; assert 'hf' in WORKLOADS")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 

@@ -17,7 +17,7 @@ from torch import nn
 from bench.core.errors import UsageError
 from strategies.checkpoint import UnitCheckpointer, segment_plan
 from workloads import timm_models
-from workloads.loader import resolve_workload
+from workloads.framework.loader import resolve_workload
 
 needs_timm = pytest.mark.skipif(importlib.util.find_spec("timm") is None,
                                 reason="timm is not installed (make install installs it)")
@@ -188,7 +188,7 @@ def test_without_timm_the_workload_says_how_to_install_it(monkeypatch):
 
 def test_the_module_imports_without_timm():
     code = ("import sys; sys.modules['timm'] = None; import workloads.timm_models; "
-            "from workloads.base import WORKLOADS; assert 'timm' in WORKLOADS")
+            "from workloads import WORKLOADS; assert 'timm' in WORKLOADS")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 

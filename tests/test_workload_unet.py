@@ -6,8 +6,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from bench.core.errors import UsageError
-from workloads import unet_data
-from workloads.loader import resolve_workload
+from workloads.framework import unet_data
+from workloads.framework.loader import resolve_workload
 from workloads.unet import DecoderBlock, EncoderBlock
 
 SMALL = "unet:depth=2:base_channels=4"  # at the default 128x48 images

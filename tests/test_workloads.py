@@ -19,7 +19,7 @@ from bench.run.case import Case
 from bench.run.runner import run_case
 from strategies import STRATEGIES, Strategy
 from workloads import WORKLOADS, Workload, get_workload, workload_names
-from workloads.loader import resolve_workload
+from workloads.framework.loader import resolve_workload
 
 
 def _grid():
@@ -142,7 +142,7 @@ def test_bad_workload_references_are_one_line_errors(tmp_path, monkeypatch, spec
 def test_entry_point_workloads_are_registered(monkeypatch):
     import importlib.metadata
 
-    from workloads import loader
+    from workloads.framework import loader
 
     class Plugged(Workload):
         name = "plugged_in"

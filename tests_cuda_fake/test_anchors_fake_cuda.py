@@ -41,7 +41,7 @@ def test_bf16_weights_with_checkpoint_is_predicted_on_fake_cuda_with_flash():
 
 
 def test_an_nvidia_smi_anchor_is_reserved_plus_the_context_through_the_worker(tmp_path):
-    config = dict(__import__("workloads.hf_presets", fromlist=["PRESETS"]).PRESETS["tiny-llama"])
+    config = dict(__import__("workloads.framework.hf_presets", fromlist=["PRESETS"]).PRESETS["tiny-llama"])
     (tmp_path / "tiny.json").write_text(json.dumps(config))
     anchor = anchors.Anchor(name="tiny", source="test", source_ref="a/b/c@" + "0" * 40, label="tiny", figure=100.0,
                             unit="MiB", kind="nvidia_smi", gpu="A100 80GB", model=str(tmp_path / "tiny.json"),

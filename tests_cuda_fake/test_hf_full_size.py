@@ -117,7 +117,7 @@ def test_llama_8b_at_full_size_is_predicted_without_its_memory():
     # by far less than their 32 GB
     import resource
 
-    from workloads.hf_presets import PUBLISHED_PARAMETERS
+    from workloads.framework.hf_presets import PUBLISHED_PARAMETERS
 
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     (row,) = predict.predict_cases([Case("hf:llama-3.1-8b:seq_len=64", "baseline", "eval", 1, "cuda",

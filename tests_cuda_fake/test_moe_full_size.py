@@ -1,7 +1,7 @@
 """predict on fake CUDA for mixture-of-experts decoders at full size: Mixtral 8x7B (46.7B parameters) and
 Qwen3-30B-A3B (30.5B) from their presets, OLMoE-1B-7B from a config.json (the third family, read as a user's file).
 Their weights never exist (187 GB of float32 for Mixtral), every layer is traced, the experts run transformers'
-grouped_mm on fake tensors (workloads/hf_moe.py: no routing needed, none assumed), and the router's and the
+grouped_mm on fake tensors (workloads/framework/hf_moe.py: no routing needed, none assumed), and the router's and the
 dispatch's bytes at the peak are named in the row.
 
 Short sequences keep each case to seconds; the whole-step checks (weights, gradients, AdamW's state) are the same at
@@ -18,8 +18,8 @@ import pytest
 from bench.analysis import predict
 from bench.measure import cuda_allocator
 from bench.run.case import Case
-from workloads.hf_presets import PUBLISHED_PARAMETERS
-from workloads.loader import resolve_workload
+from workloads.framework.hf_presets import PUBLISHED_PARAMETERS
+from workloads.framework.loader import resolve_workload
 
 # OLMoE-1B-7B-0924's shape fields (its config.json, https://huggingface.co/allenai/OLMoE-1B-7B-0924, as other projects'
 # test fixtures quote it: the file itself was not read here), the rest OlmoeConfig's defaults; the 6,919,161,856

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from workloads import captcha_data
-from workloads.base import Workload, register_workload
+from workloads import Workload, register_workload
+from workloads.framework import captcha_data
 
 DIGITS = captcha_data.DIGITS
 SYMBOLS = len(captcha_data.ALPHA_NUMS)

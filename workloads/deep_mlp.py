@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from workloads.base import Workload, register_workload
+from workloads import Workload, register_workload
 
 
 @register_workload

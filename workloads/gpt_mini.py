@@ -7,7 +7,8 @@ to each residual branch, so verification exercises a model whose forward draws r
 
 Parameters at the defaults (layers 6, width 384, heads 6, seq_len 256, vocabulary 256 bytes): 10,844,160
 = 6 blocks x 1,774,464 + token embedding 98,304 + position embedding 98,304 + final LayerNorm 768; the head
-adds none (it is the token embedding). The text batch depends on the Python version (see `workloads.text_data`).
+adds none (it is the token embedding). The text batch depends on the Python version (see
+`workloads.framework.text_data`).
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from bench.core.errors import UsageError
-from workloads import text_data
-from workloads.base import DeferredHead, Workload, register_workload
+from workloads import DeferredHead, Workload, register_workload
+from workloads.framework import text_data
 
 VOCAB_SIZE = 256  # bytes
 INIT_STD = 0.02  # GPT-2

@@ -1,10 +1,10 @@
 """`hf:<preset>`, `hf:path/to/config.json`, `hf:org/name`: a Hugging Face transformers model, random weights.
 
 The model is built from transformers' configuration classes: from a preset's published numbers
-(`workloads.hf_presets`: gpt2, bert-base-uncased, llama-3.2-1b, llama-3.1-8b, mistral-7b, qwen2.5-7b, and small
-`tiny-*` shapes), from the `config.json` of a model folder the user has, read locally, or from a Hub model's
+(`workloads.framework.hf_presets`: gpt2, bert-base-uncased, llama-3.2-1b, llama-3.1-8b, mistral-7b, qwen2.5-7b, and
+small `tiny-*` shapes), from the `config.json` of a model folder the user has, read locally, or from a Hub model's
 `config.json` by its id (`hf:Qwen/Qwen2.5-7B-Instruct`, `@revision` after it), read through huggingface_hub from the
-user's cache or the Hub (`workloads.hf_config`). Weights come from the model's own initialisation, seeded; no
+user's cache or the Hub (`workloads.framework.hf_config`). Weights come from the model's own initialisation, seeded; no
 tokenizer and no weights are ever needed, and a preset or a local file needs no Hub access.
 
 Options (`hf:llama-3.2-1b:layers=2:seq_len=256:attn=eager`):
@@ -27,7 +27,7 @@ Options (`hf:llama-3.2-1b:layers=2:seq_len=256:attn=eager`):
   step drops its logits there, as the Trainer's `compute_loss` does. The loss is the same cross-entropy, but for a
   causal LM over one position fewer per row (the last predicts nothing: its next token is not in the row).
 
-Data: `text`, the standard library's source (`workloads.text_data`) mapped into the vocabulary without a
+Data: `text`, the standard library's source (`workloads.framework.text_data`) mapped into the vocabulary without a
 tokenizer: each token is two consecutive bytes, `(256 * first + second) % vocab_size`, deterministic; or
 `synthetic`, token ids drawn uniformly from the vocabulary with the workload's seed. The loss is computed here
 (unless `loss=model`), not by transformers, so that `loss(output, target)` gets the logits like any workload: causal
@@ -59,11 +59,13 @@ from torch.nn import functional as F
 
 from bench.core.errors import UsageError
 from bench.core.quiet_import import import_torchao
-from workloads import hf_checks, hf_moe, text_data
-from workloads.base import DeferredHead, Trait, Workload, register_workload
-from workloads.hf_config import (FILE_FORM, REMOTE_TASK_CLASSES, config_values, is_file_reference,  # noqa: F401
-                                 make_config, read_config_file, remote_class, remote_tasks, resolve_config)
-from workloads.hf_presets import MASK_TOKEN_IDS, PRESETS
+from workloads import DeferredHead, Trait, Workload, register_workload
+from workloads.framework import hf_checks, hf_moe, text_data
+from workloads.framework.hf_config import (  # noqa: F401
+    FILE_FORM, REMOTE_TASK_CLASSES, config_values, is_file_reference, make_config, read_config_file, remote_class,
+    remote_tasks, resolve_config,
+)
+from workloads.framework.hf_presets import MASK_TOKEN_IDS, PRESETS
 
 INSTALL_HINT = "pip install 'membench[hf]' (in a checkout: make install)"
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -228,7 +230,7 @@ class HfWorkload(Workload):
                              f"{', '.join(['auto', *tasks])}")
         self.task = tasks[0] if s["task"] == "auto" else s["task"]
         self._values = values
-        if hf_moe.is_moe(full):  # its experts' grouped products on meta and fake tensors (workloads.hf_moe)
+        if hf_moe.is_moe(full):  # its experts' grouped products on meta and fake tensors (workloads.framework.hf_moe)
             hf_moe.register_grouped_mm_meta_kernel()
         hf_checks.check_size(values, self.task, s["layers"] or full.num_hidden_layers, source, lambda layers: (
             self._model_builder()(make_config(transformers, values, layers, source, self.config_source),

@@ -29,7 +29,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _disable_current_modes
 
 from bench.core.errors import UsageError
-from workloads.base import Workload, register_workload, tensors_of
+from workloads import Workload, register_workload, tensors_of
 
 INSTALL_HINT = "pip install 'membench[timm]' (in a checkout: make install)"
 TRUNK_NAMES = ("blocks", "stages", "layers", "features")  # timm's names for the container of a model's blocks

@@ -22,8 +22,8 @@ outweigh the weights, gradients and Adam state (~31 MB together), as in the arti
 torch 2.13 CPU.
 
 Data: "captcha" (default) are 4-character captchas drawn locally with the `captcha` package
-(`workloads.unet_data`), RGB in [0, 1], with a mask of the characters as target; "synthetic" are uniform random
-images and a random binary mask. Loss: binary cross-entropy with logits, per pixel.
+(`workloads.framework.unet_data`), RGB in [0, 1], with a mask of the characters as target; "synthetic" are uniform
+random images and a random binary mask. Loss: binary cross-entropy with logits, per pixel.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ import torch
 from torch import nn
 
 from bench.core.errors import UsageError
-from workloads import unet_data
-from workloads.base import Workload, register_workload
+from workloads import Workload, register_workload
+from workloads.framework import unet_data
 
 
 class DoubleConv(nn.Sequential):

@@ -94,7 +94,7 @@ def workloads_resolve_in_child(specs: list[str]) -> None:
 
 def user_workload_specs(specs: list[str]) -> list[str]:
     """The specs among `specs` that name the user's code (a file or a module), not a registered workload."""
-    from workloads.base import WORKLOADS
+    from workloads import WORKLOADS
 
     return [spec for spec in specs if str(spec).strip().split(":")[0] not in WORKLOADS]
 

@@ -36,7 +36,7 @@ MMAP_THRESHOLD_VARIABLE = "MEMBENCH_MMAP_THRESHOLD"
 MMAP_THRESHOLD_OFF = ("off", "none", "default", "0")
 # MEMBENCH_ANCHOR_WORKER_BYTES: the address space of each `anchors` fake-CUDA worker (bench.analysis.anchors)
 ANCHOR_WORKER_BYTES_VARIABLE = "MEMBENCH_ANCHOR_WORKER_BYTES"
-# MEMBENCH_CACHE: the folder of generated data sets (workloads.captcha_data)
+# MEMBENCH_CACHE: the folder of generated data sets (workloads.framework.captcha_data)
 CACHE_VARIABLE = "MEMBENCH_CACHE"
 # MEMBENCH_CUDA_ENV: the fake-CUDA environment `predict --device cuda` uses (bench.measure.fake_cuda), where
 # `python -m bench cuda-env --path` built it somewhere else than the default

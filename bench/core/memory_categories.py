@@ -22,9 +22,10 @@ WEIGHTS = "params"  # the tracker's category of the model's weights
 UNIFIED_MEMORY = "unified_memory"  # CUDA unified memory (cudaMallocManaged): bitsandbytes' paged optimizer state
 # categories whose storages CUDA's caching allocator never serves: its statistics (and its model) leave them out
 OUTSIDE_ALLOCATOR = frozenset({UNIFIED_MEMORY})
-# a mixture-of-experts layer's own activations, declared by the workload that builds it (workloads/hf_moe.py): what
-# its router makes (logits, probabilities, top-k choices) and what its experts' dispatch makes (the tokens' copies
-# sorted by expert, the grouped products, the results put back in token order); both are activations
+# a mixture-of-experts layer's own activations, declared by the workload that builds it
+# (workloads/framework/hf_moe.py): what its router makes (logits, probabilities, top-k choices) and what its experts'
+# dispatch makes (the tokens' copies sorted by expert, the grouped products, the results put back in token order);
+# both are activations
 MOE_ROUTER = "moe_router"
 MOE_DISPATCH = "moe_dispatch"
 FUSED_KERNEL = "fused_kernel"  # not a category of storage: inside, operators are one kernel's arithmetic (see above)

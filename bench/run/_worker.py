@@ -33,7 +33,7 @@ def run_job(job: dict) -> dict:
     from bench.run.isolation import RunOptions
     from bench.run.case import Case
     from bench.run.runner import measure_case
-    from workloads.loader import ship_file
+    from workloads.framework.loader import ship_file
 
     for path, source in (job.get("workload_files") or {}).items():
         ship_file(path, source)

@@ -62,7 +62,7 @@ class Case:
 
 @functools.lru_cache(maxsize=64)
 def full_workload_spec(spec: str) -> str:
-    """`spec` with every option of its workload spelled out, defaults included (`workloads.base.Workload.full_spec`);
+    """`spec` with every option of its workload spelled out, defaults included (`workloads.Workload.full_spec`);
     `spec` itself where it does not resolve here."""
     try:
         return get_workload(spec).full_spec()

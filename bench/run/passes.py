@@ -25,7 +25,7 @@ from bench.run.case import Case, bind_case
 from bench.run.session import Session
 from bench.run.verify import non_finite_loss
 from strategies import PlanMeter, Strategy
-from workloads.base import tensors_of
+from workloads import tensors_of
 
 # Steps before the measured one: one makes Adam's state and the previous step's output and loss exist; CUDA
 # gets a second so that cuDNN's autotuning and the allocator's first-step behaviour are behind it.

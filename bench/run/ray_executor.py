@@ -32,7 +32,7 @@ from bench.run.isolation import ROOT, RunOptions
 from bench.run.result import CaseResult
 from bench.run.case import Case
 from bench.run.runner import pool_repeats, with_base_row
-from workloads.loader import file_reference
+from workloads.framework.loader import file_reference
 
 INSTALL_HINT = "pip install 'membench[ray]' (in a checkout: make install)"
 # what the workers do not need of the checkout (the runtime environment uploads the rest)
@@ -151,7 +151,7 @@ def _call_in_worker(files: dict[str, str], function, *args):
     import torch
 
     from bench.run._worker import import_plugins
-    from workloads.loader import ship_file
+    from workloads.framework.loader import ship_file
 
     import_plugins()
     for path, source in files.items():

@@ -8,8 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from workloads import get_workload
-from workloads.base import tensors_of, to_device
+from workloads import get_workload, tensors_of, to_device
 
 OPTIMIZER_STATE_FACTOR = {"Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "Adagrad": 1, "RMSprop": 1}
 

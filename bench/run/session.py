@@ -11,8 +11,7 @@ from torch.utils.hooks import RemovableHandle
 from bench.measure.resident import trim_heap
 from bench.run.case import Case, cpu_batch, seed_everything
 from strategies import Strategy
-from workloads import get_workload
-from workloads.base import tensors_of, to_device, to_float32
+from workloads import get_workload, tensors_of, to_device, to_float32
 
 
 def _no_mark(stage: str) -> None:

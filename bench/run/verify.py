@@ -21,7 +21,7 @@ from bench.run.tensor_store import (
     FileStore, MemoryStore, Store, StoredList, StoredTensors, difference_norms, store_for, tensor_norm,
 )
 from strategies import Strategy
-from workloads.base import tensors_of
+from workloads import tensors_of
 
 
 class NonFiniteLoss(Exception):

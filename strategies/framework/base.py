@@ -32,7 +32,7 @@ A strategy is applied only to the stage it concerns (the pyperf hook pattern):
 What the registry-wide tests expect of a strategy is declared on its class too (tests/conformance.py reads it, as
 do the docs' strategy table and `list`): `expected` (`MATCHES`, `differs(why)` or `unsupported(why)`) on any
 workload, `expected_with` where a workload with a trait gives another outcome (a trait of the workload's model,
-`workloads.base.Trait`, by its value: `batch_norm`, `dropout`, `output_head`...), `memory_effect` (its peak against the
+`workloads.Trait`, by its value: `batch_norm`, `dropout`, `output_head`...), `memory_effect` (its peak against the
 baseline's on captcha_resnet18), `refusals` (the reasons it refuses a case on any device) and `test_spec` (the
 spec the tests run it as, where its defaults are too slow for them).
 
@@ -188,7 +188,7 @@ class Strategy:
     plan_options: tuple[dict[str, Any], ...] = ({},)
     # What the tests expect of it on the CPU (tests/conformance.py): its outcome on a workload none of whose traits
     # `expected_with` names; trait -> its outcome on a workload with that trait (the first trait listed that the
-    # workload has; `workloads.base.Trait`'s values); phase -> the band (low, high) of its measured peak over
+    # workload has; `workloads.Trait`'s values); phase -> the band (low, high) of its measured peak over
     # the baseline's on captcha_resnet18 at batch 8 (a phase left out is pinned elsewhere, or not at all);
     # the reasons (regular expressions) its check() refuses a case with on any device (the phase refusal of
     # `phases` and the device refusal of `devices` go without saying); the spec the tests run it as.

@@ -87,11 +87,11 @@ def _span(values: list[float], fmt: str) -> str:
 
 def _convolutional(workload: str) -> bool:
     """Whether the model of `workload` (a row's spec) has convolution layers: its trait, read from its modules on a
-    model that holds no memory (`workloads.base.Workload.traits`)."""
+    model that holds no memory (`workloads.Workload.traits`)."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
     from workloads import get_workload  # torch and the workloads: only for the blocks that need a model's traits
-    from workloads.base import Trait
+    from workloads import Trait
 
     return Trait.CONVOLUTIONAL.value in get_workload(workload).traits()
 

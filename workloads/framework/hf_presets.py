@@ -87,7 +87,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "sliding_window": 131072, "use_sliding_window": False, "max_window_layers": 80, "attention_dropout": 0.0,
         "tie_word_embeddings": False, "initializer_range": 0.02, "bos_token_id": 151643, "eos_token_id": 151643,
     },
-    # Mixture-of-experts decoders (workloads.hf_moe: how their tokens reach the experts)
+    # Mixture-of-experts decoders (workloads.framework.hf_moe: how their tokens reach the experts)
     # https://huggingface.co/mistralai/Mixtral-8x7B-v0.1/blob/main/config.json (sliding_window null: full attention)
     "mixtral-8x7b": {
         "model_type": "mixtral", "architectures": ["MixtralForCausalLM"],

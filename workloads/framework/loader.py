@@ -24,7 +24,7 @@ from pathlib import Path
 
 from bench.core.errors import UsageError, WorkloadCodeError, choices_error
 from bench.core.options import parse_option_parts
-from workloads.base import WORKLOADS, Workload
+from workloads.framework.base import WORKLOADS, Workload
 
 ENTRY_POINT_GROUP = "membench.workloads"
 USER_FORMS = "path/to/file.py:NAME or package.module:NAME"

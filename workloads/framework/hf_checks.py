@@ -16,7 +16,7 @@ import torch
 
 from bench.core.errors import UsageError
 from bench.core.units import MAX_SIZE_BYTES, format_size
-from workloads.hf_moe import EXPERT_COUNT_KEYS
+from workloads.framework.hf_moe import EXPERT_COUNT_KEYS
 
 # The integer sizes membench reads from a configuration, or that size the model it builds (transformers' names;
 # a model type's own spelling, gpt2's `n_layer`, is mapped through its config class's `attribute_map`). None is

@@ -14,7 +14,7 @@ from unittest import mock
 import numpy
 import torch
 
-from workloads import captcha_data
+from workloads.framework import captcha_data
 
 CACHE_VERSION = 1
 FONT_SIZES_AT_60_PX = (42, 50, 56)  # the `captcha` package's defaults, for its default height of 60

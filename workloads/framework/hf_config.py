@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.core.errors import UsageError
-from workloads import hf_checks
-from workloads.hf_presets import PRESETS
+from workloads.framework import hf_checks
+from workloads.framework.hf_presets import PRESETS
 
 FILE_FORM = "path/to/config.json"
 HUB_FORM = "org/name[@revision] (a Hugging Face Hub id)"
