@@ -47,7 +47,7 @@ class TrackedStep:
     sdpa_kernel: str | None = None
     # the other engines: how many calls of scaled_dot_product_attention ran the CPU's kernel
     cpu_sdpa_calls: int = 0
-    # what the step's backward recomputed (`strategies.composite.recompute_plan_of`); none without a backward
+    # what the step's backward recomputed (`strategies.framework.composite.recompute_plan_of`); none without a backward
     recompute_plan: str = "none"
     offload_host_peak_bytes: int | None = None  # host memory an offloading strategy's copies held at most
     # a sharded step: each rank's `rank_signature` (known once one rank ran), and the ranks actually traced
@@ -91,9 +91,9 @@ def tracked_step(case, spec: str, engine: str = "fake", block_bytes: int = 1, cu
     """One steady-state step of `case` tracked on `engine` (fake-cuda, fake, meta or cpu: the case's device is
     ignored but by fake-cuda, which needs a fake CUDA device in this process); for a sharded strategy, the rank with
     the largest peak of its `ranks` ranks, each run in turn in this process as that rank of PyTorch's fake process
-    group, on `engine` (cpu, or fake-cuda: FSDP2 runs on fake tensors, DDP with strategies/sharding.py's help; shards
-    of the batch and of parameters differ by rank). `planned`: the strategy bound to the
-    engine's device whose `plan()` has run (a checkpoint budget's plan), used as it is. On fake-cuda each call of
+    group, on `engine` (cpu, or fake-cuda: FSDP2 runs on fake tensors, DDP with strategies/framework/sharding.py's
+    help; shards of the batch and of parameters differ by rank). `planned`: the strategy bound to the engine's device
+    whose `plan()` has run (a checkpoint budget's plan), used as it is. On fake-cuda each call of
     scaled_dot_product_attention runs the kernel CUDA would choose on a device of `capability` (default: the device
     torch sees; `bench.measure.sdpa_kernel`), named in the step's `sdpa_kernel`.
 
