@@ -19,8 +19,8 @@ the last `reset_peak()`, as `torch.cuda.max_memory_allocated`/`max_memory_reserv
 
 `replay` runs the event log of `bench.measure.memory.LiveTensorTracker(record_events=True)` through the model, adding
 cuBLAS's workspace (allocated through the caching allocator the first time a thread runs a cuBLAS operator on a
-stream, and kept: PyTorch issue 95668) for the main thread and for autograd's device thread, which runs the backward
-on CUDA. Where the log says each storage's category ("category" events of
+stream, and kept: https://github.com/pytorch/pytorch/issues/95668) for the main thread and for autograd's device
+thread, which runs the backward on CUDA. Where the log says each storage's category ("category" events of
 `bench.measure.breakdown.CategorizedTracker`), the replay also says what the allocated peak is made of: the blocks
 handed out at that moment by their storage's category (`CUBLAS_WORKSPACE` for the workspaces, `UNCATEGORIZED` for a
 storage the log gave none), which sum to it. A storage made in a category the caching allocator never serves

@@ -165,7 +165,8 @@ _warmed: set[str] = set()
 
 def warm_libraries(device: str = "cpu") -> None:
     """One tiny training step on `device`, once per process: the libraries' lazy state (oneDNN's and the autograd
-    engine's first use: about 35 MiB on the CPU) is part of the process at rest, not of the first case's harness."""
+    engine's first use: about 80 MiB on a CPU, results/reference/library_lazy_state/) is part of the process at
+    rest, not of the first case's harness."""
     if device in _warmed or device not in ("cpu", "cuda"):
         return
     _warmed.add(device)
