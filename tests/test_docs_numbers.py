@@ -63,8 +63,6 @@ NOT_MEASURED_HERE = {
 NOT_YET_SOURCED = {
     "docs/prediction.md": 1,  # the speed of one full-size prediction
     "docs/python-api.md": 3,  # the Trainer against compare, bytes of a run whose CSV was not kept
-    "docs/sharding.md": 11,  # per-rank figures predicted and measured on gloo ranks (tests/test_ranks.py asserts
-    #                          their equality, not these bytes)
     "docs/workloads.md": 1,  # the MoE breakdown's example message
 }
 
