@@ -21,9 +21,8 @@ The rule, as this test applies it:
 - Settings, goals, specifications and figures quoted from others' publications that carry a unit are named, page by
   page and by their words, in NOT_MEASURED_HERE (a statistic's 95% interval, a dtype's bytes and a card's size as
   sold are left out by NOT_FIGURES for every page).
-- A figure that is none of these fails, with its page and line, except as many as NOT_YET_SOURCED counts for its
-  page (figures from runs not committed, outside a declared section: the count may only fall). docs/testing.md and
-  docs/timing.md are reported but not failed yet (PAGES_THE_LEAD_FIXES, the lead's pages this session).
+- A figure that is none of these fails, with its page and line. docs/testing.md and docs/timing.md are reported
+  but not failed yet (PAGES_THE_LEAD_FIXES, the lead's pages this session).
 """
 
 from __future__ import annotations
@@ -55,13 +54,6 @@ NOT_MEASURED_HERE = {
     "docs/measuring.md": ["resident at most 1.3x the counted peak", "(1.3x its baseline's", "(4 MiB pieces",
                           "2-4x the model", "over 231 bytes", "the limit is 255 bytes", "2x params",
                           "(x2 in training)"],
-}
-
-# Pages with figures typed from runs whose results files were not committed, outside any section that says so, as
-# many as this test found when it was written: the count may only fall (a new figure must come with its source),
-# and is lowered here as each is given its file or generated. Not a licence: each is a figure nobody can check.
-NOT_YET_SOURCED = {
-    "docs/workloads.md": 1,  # the MoE breakdown's example message
 }
 
 FIGURE = re.compile(
@@ -223,13 +215,9 @@ def test_every_figure_is_generated_or_links_its_source(page):
         print(f"{page}: {len(found)} figures without their source (the lead's page, not failed yet):\n"
               + "\n".join(found))
         return
-    allowed = NOT_YET_SOURCED.get(page, 0)
-    assert len(found) <= allowed, (
+    assert not found, (
         f"{len(found)} units of figures in {page} neither in a generated block nor linked to the committed file they "
-        f"are read from ({allowed} known): link the file, or generate them (docs/reference-results.md):\n"
-        + "\n".join(found))
-    assert len(found) == allowed, (f"{page} has {len(found)} unsourced units now, fewer than the {allowed} that "
-                                   "NOT_YET_SOURCED allows: lower it")
+        "are read from: link the file, or generate them (docs/reference-results.md):\n" + "\n".join(found))
 
 
 def test_a_figure_without_its_source_is_found_and_a_linked_or_generated_one_is_not(tmp_path, monkeypatch):
@@ -240,7 +228,7 @@ def test_a_figure_without_its_source_is_found_and_a_linked_or_generated_one_is_n
     (tmp_path / "page.md").write_text(
         "The peak was 305.0 MiB at batch 25.\n\n"
         "The peak was 305.0 MiB ([the run](results/reference/models/x.csv)).\n\n"
-        "Run `fit --budget 1GiB` with `r=8`, torch 2.13.0, on 2026-11-27, issue 47 section 3.\n\n"
+        "Run `fit --budget 1GiB` with `r=8`, torch 2.13.0, on 2026-11-27, item 47 of section 3.\n\n"
         "<!-- figures:models-train source=results/reference/models/x.csv -->\n| a | 1.00× |\n<!-- /figures -->\n\n"
         "```\npeak 12 MiB\n```\n\n"
         "- a list item: 0.59× the baseline\n  continued\n- another, linked: 0.60× ([csv](../results/a.csv))\n\n"
