@@ -89,7 +89,7 @@ class RecomputedPairs(FusedPairs):
 class BNActRecompute(Strategy):
     """Every BatchNorm -> activation pair recomputed in backward from BatchNorm's input, so that of a
     conv -> BN -> act -> conv chain only the convolution's output is kept (efficient DenseNet, Pleiss et al. 2017;
-    article 002 §5.3).
+    the memory-saving article).
 
     In the baseline a pair keeps two activation-sized tensors for backward: BatchNorm's input (the convolution's
     output, which BatchNorm's backward needs) and the activation's output (which ReLU's backward and the next

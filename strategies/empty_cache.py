@@ -7,7 +7,7 @@ from strategies import Strategy, register_strategy
 
 @register_strategy
 class EmptyCache(Strategy):
-    """Releases the allocator's cached, unused blocks at the end of each step (article 002 §5.6).
+    """Releases the allocator's cached, unused blocks at the end of each step (the memory-saving article).
 
     Allocated memory, and so `peak_mem_bytes`, is the baseline's: only reserved memory (`peak_reserved_bytes`, what
     `nvidia-smi` shows) can fall, and it falls only between steps; the next step takes the blocks back from the

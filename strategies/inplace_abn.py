@@ -98,7 +98,7 @@ class InPlacePairs(FusedPairs):
 
 @register_strategy
 class InPlaceABN(Strategy):
-    """InPlace-ABN (Rota Bulò, Porzi, Kontschieder, CVPR 2018; mapillary/inplace_abn; article 002 §5.3): each
+    """InPlace-ABN (Rota Bulò, Porzi, Kontschieder, CVPR 2018; mapillary/inplace_abn; the memory-saving article): each
     BatchNorm -> leaky ReLU pair is one autograd function computed in place over BatchNorm's input, which stores
     only its output and recovers what backward needs by inverting the leaky ReLU and the affine transform.
 

@@ -19,7 +19,7 @@ def _samples(inputs: Any, target: torch.Tensor) -> list[tuple[Any, torch.Tensor]
 
 @register_strategy
 class PinnedLoader(Strategy):
-    """The batch comes from a `DataLoader` over host memory every step (article 002 §4.3), as in a real loop,
+    """The batch comes from a `DataLoader` over host memory every step (the memory-saving article), as in a real loop,
     instead of sitting on the GPU from the start: collated in pinned (page-locked) memory and copied with
     `non_blocking=True`, so the copy is one DMA transfer the host need not wait for. `pin_memory=false` is the same
     loop from ordinary pageable memory, which the driver first copies into a pinned staging buffer: the

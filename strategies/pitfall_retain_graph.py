@@ -5,11 +5,11 @@ from strategies import Strategy, register_strategy
 
 @register_strategy
 class PitfallRetainGraph(Strategy):
-    """`loss.backward(retain_graph=True)` without a second backward (article 004 §7): autograd keeps every saved
-    activation after backward instead of freeing it, for as long as something references the graph. The article's
-    loop keeps `loss` until the next step's loss rebinds it, so the previous step's activations are alive through
-    the next forward, until its loss exists: the peak holds two steps' activations where it fell in the forward
-    (or at the loss). The same gradients: it matches the baseline. Training only.
+    """`loss.backward(retain_graph=True)` without a second backward (the training-pitfalls article): autograd keeps
+    every saved activation after backward instead of freeing it, for as long as something references the graph. The
+    article's loop keeps `loss` until the next step's loss rebinds it, so the previous step's activations are alive
+    through the next forward, until its loss exists: the peak holds two steps' activations where it fell in the
+    forward (or at the loss). The same gradients: it matches the baseline. Training only.
 
     Limitations: what it keeps into the next step depends on the loop's lifetimes, not on it alone: the kept
     activations belong to the graph, freed when the loop drops the step's output and loss; a loop that drops them

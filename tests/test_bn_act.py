@@ -1,4 +1,4 @@
-"""BatchNorm -> activation strategies (article 002 §5.3): bn_act_recompute is the baseline's result exactly,
+"""BatchNorm -> activation strategies (the memory-saving article): bn_act_recompute is the baseline's result exactly,
 inplace_abn's backward is the derivative of BN + leaky ReLU, both lower the train peak, models without pairs are
 `unsupported` with the reason. Tiny cases; figures quoted were measured here (torch 2.13 CPU, exact tracker)."""
 

@@ -1,4 +1,5 @@
-"""The deep MLP of article 002 §2.3: options, data, a gradient in every layer, and activations linear in depth."""
+"""The deep MLP of the memory-saving article: options, data, a gradient in every layer, and activations linear in
+depth."""
 
 import pytest
 import torch

@@ -1,4 +1,5 @@
-"""The UNet of article 002 §4.2 and its captcha masks: options, real data, gradients, blocks checkpointable alone."""
+"""The UNet of the memory-saving article and its captcha masks: options, real data, gradients, blocks checkpointable
+alone."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""The very deep MLP of article 002 §2.3: `layers` Linear(width, width) in one nn.Sequential, no activation.
+"""The very deep MLP of the memory-saving article: `layers` Linear(width, width) in one nn.Sequential, no activation.
 
 The article builds `nn.Sequential(*[nn.Linear(10, 10) for _ in range(1000)])` to show that checkpointing a model
 of many small layers trades recompute for the activations each layer saves. Here:

@@ -1,4 +1,4 @@
-"""A small UNet that segments captcha characters (article 002 §4.2): encoder feature maps kept for the decoder.
+"""A small UNet that segments captcha characters (the memory-saving article): encoder feature maps kept for the decoder.
 
 Article 002 §4.2 points at UNet-style networks, whose forward must keep every encoder level's feature map until
 the decoder level that concatenates it, and suggests `del`-ing each one as soon as it is used. This is the plain

@@ -90,8 +90,8 @@ def phase_table(rows: pd.DataFrame, order: list[str]) -> list[str]:
     return lines
 
 
-# The baseline's eval is the article's validation with autograd left on (article 004 §6): a pitfall too.
-EVAL_BASELINE_PITFALL = "autograd left on during validation (article 004 §6); the fix is `no_grad_eval`"
+# The baseline's eval is the article's validation with autograd left on (the training-pitfalls article): a pitfall too.
+EVAL_BASELINE_PITFALL = "autograd left on during validation (the training-pitfalls article); the fix is `no_grad_eval`"
 
 
 def _growth(n_bytes) -> str:
