@@ -51,6 +51,8 @@ NOT_MEASURED_HERE = {
     "docs/prediction.md": ["the CUDA context (500 MiB)"],
     "docs/peers.md": ["4x the float32 size for", "2x for", "roughly 4x the model for Adam and up to 20% more",
                       "rounded up to 512 bytes"],
+    "docs/testing.md": ["(0 ms between two)", "80 GiB)"],
+    "docs/timing.md": ["keeps this at 95% or more", "= 96.9%", "at most 10 s of them"],
     "docs/measuring.md": ["resident at most 1.3x the counted peak", "(1.3x its baseline's", "(4 MiB pieces",
                           "2-4x the model", "over 231 bytes", "the limit is 255 bytes", "2x params",
                           "(x2 in training)"],
