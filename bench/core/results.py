@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import secrets
 from datetime import datetime, timezone
-from enum import Enum
 from pathlib import Path
 
 import pandas as pd
@@ -13,6 +12,7 @@ from bench.core import cell_checks
 from bench.core.anchors_table import ANCHORS
 from bench.core.check_tables import GPU_CHECK, PREDICTION_CHECK
 from bench.core.atomic import write_text_atomic
+from bench.core.text_enum import TextEnum
 from bench.core.errors import UsageError
 from bench.core.schema import Row, Table, columns
 
@@ -36,7 +36,7 @@ from bench.core.schema import Row, Table, columns
 SCHEMA_VERSION = 9
 
 
-class Status(str, Enum):
+class Status(TextEnum):
     """How a case ended: measured, out of memory, not applicable to the case, failed, or stopped at its time limit."""
 
     OK = "ok"
@@ -49,7 +49,7 @@ class Status(str, Enum):
 STATUSES = tuple(status.value for status in Status)
 
 
-class Role(str, Enum):
+class Role(TextEnum):
     """What a row's strategy is (`strategy_role`): the baseline, a technique, or a pitfall (a habit the articles
     warn about, measured to show its cost; a composition with a pitfall member is a pitfall)."""
 

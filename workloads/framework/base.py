@@ -27,7 +27,6 @@ instance runs with are in `self.settings`.
 from __future__ import annotations
 
 import inspect
-from enum import Enum
 from typing import Any, Callable
 
 import torch
@@ -37,6 +36,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from bench.core.errors import UsageError
 from bench.core.options import changed_options, check_option_names
 from bench.core.registry import Registry
+from bench.core.text_enum import TextEnum
 
 WORKLOADS: Registry[type["Workload"]] = Registry("workload")
 register_workload = WORKLOADS.register
@@ -55,7 +55,7 @@ def forget_cached(spec: str) -> None:
     _TRAITS.pop(spec, None)
 
 
-class Trait(str, Enum):
+class Trait(TextEnum):
     """What a workload's model is made of, where a strategy's outcome depends on it; strategies name a trait by its
     value in `expected_with` (they do not import workloads: the two are one layer)."""
 
