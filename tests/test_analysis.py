@@ -215,6 +215,7 @@ def test_fit_finds_the_largest_verified_batch():
     assert high > budget  # batch + 1 does not fit (measured above)
 
 
+@pytest.mark.slow  # among the longest of make test: CI runs it in its step of long tests (.ci/run)
 def test_fit_without_meta_uses_one_line_per_stage(monkeypatch):
     # Where meta cannot run a strategy (autocast), fit models each stage's peak as a line in the batch size and
     # takes the largest: at batches 2 and 3 the train peak is Adam's step, by batch 5 it is the backward.

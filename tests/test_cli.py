@@ -83,6 +83,7 @@ def test_subprocess_errors_have_no_traceback_and_list_and_env_print_their_tables
         assert key in env.stdout
 
 
+@pytest.mark.slow  # among the longest of make test: CI runs it in its step of long tests (.ci/run)
 def test_compare_end_to_end_on_cpu(tmp_path):
     proc = _cli("compare", "--strategies", "baseline", "--device", "cpu", "--batch-size", "2",
                 "--warmup", "0", "--steps", "1", "--out", str(tmp_path))

@@ -320,6 +320,7 @@ class Sleepy(Workload):
 '''
 
 
+@pytest.mark.slow  # among the longest of make test: CI runs it in its step of long tests (.ci/run)
 def test_a_model_that_never_returns_is_a_timeout_row_and_the_sweep_goes_on(tmp_path):
     """--case-timeout 20: the case whose forward never returns is killed at its deadline, its row says `timeout` and
     where it was, and the next case runs (the run hung with no output). The model hangs at the sweep's

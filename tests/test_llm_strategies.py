@@ -193,6 +193,7 @@ def test_the_compiled_wrappers_buffers_are_replayed_in_order_with_reuse_and_free
     ("AdamW8bit", 2 * 4 + 2 * 4 / 256),  # the new float32 moments; a float32 scale per block of 256, each
     ("AdamW4bit", 2 * 8 + 2 * 4 + 2 * 4 / 128),  # and their int64 codes before packing; blocks of 128
 ])
+@pytest.mark.slow  # among the longest of make test: CI runs it in its step of long tests (.ci/run)
 def test_torchaos_compiled_update_holds_its_float32_moments_by_hand(name, bytes_per_value):
     """torchao's update of a quantized bfloat16 parameter, compiled by inductor on the CPU, holds at its peak the new
     float32 moments (both read by the blockwise absmax reduction and by the weight's update) and their block scales;

@@ -355,6 +355,7 @@ print(len(accepted), len(refused), len(pairs), sorted(r.spec for r in refused))
 """
 
 
+@pytest.mark.slow  # among the longest of make test: CI runs it in its step of long tests (.ci/run)
 def test_a_full_size_presets_candidates_are_listed_and_checked_without_building_its_model():
     """Listing llama-3.1-8b's candidates runs every strategy's check() (the BatchNorm strategies' look
     for BatchNorm layers) on a model that holds no memory: the real one is 32 GB of float32

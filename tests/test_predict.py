@@ -505,6 +505,7 @@ def test_predict_says_cudnn_workspaces_are_not_modelled_and_reads_their_cap(monk
     assert mlp["cudnn_workspace_bound_bytes"] is None and "cuDNN" not in mlp["message"]  # no convolution
 
 
+@pytest.mark.slow  # among the longest of make test: CI runs it in its step of long tests (.ci/run)
 def test_predict_plans_a_checkpoint_budget_on_predictions_and_predicts_compile_on_fake_tensors():
     planned = predict.predict_case(Case(MLP, "checkpoint:budget=1.0", "train", 8, "cuda", data="synthetic"))
     assert planned["status"] == "ok" and "plan chosen on predicted peaks" in planned["message"], planned

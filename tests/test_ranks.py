@@ -108,6 +108,7 @@ def test_the_one_process_prediction_equals_the_real_ranks_to_the_byte(strategy):
     assert predicted["predicted_communication_bytes"] == measured["peak_communication_bytes"], predicted
 
 
+@pytest.mark.slow  # among the longest of make test: CI runs it in its step of long tests (.ci/run)
 def test_mixed_precision_changes_the_numerics_and_matches_within_16_bit_tolerances():
     """bfloat16 compute differs from the float32 baseline by more than the exact tolerance allows (so the row would
     say `False` under it), and by less than amp's 16-bit tolerance, which the row is verified with."""

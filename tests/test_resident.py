@@ -47,6 +47,7 @@ print(json.dumps([{{key: row[key] for key in ("status", "message", "process_rss_
 
 
 @linux_only
+@pytest.mark.slow  # among the longest of make test: CI runs it in its step of long tests (.ci/run)
 def test_a_case_records_its_resident_peak_and_the_harness_keeps_within_the_goal():
     # in a process of its own, as a user's run starts: inside the test suite's process the figures would also hold
     # what a thousand earlier tests left in the heap (787 MiB at rest, fragmented), which is not the harness's share

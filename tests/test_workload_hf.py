@@ -344,6 +344,7 @@ def test_the_module_imports_without_transformers():
 
 @needs_hf
 @pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao is not installed")
+@pytest.mark.slow  # among the longest of make test: CI runs it in its step of long tests (.ci/run)
 def test_building_an_hf_model_logs_nothing_of_torchao():
     # transformers imports torchao where installed; its import warned of each CUDA kernel a CPU build cannot load
     # and torch of its enum registrations, on every hf: run
