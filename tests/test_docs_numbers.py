@@ -21,8 +21,7 @@ The rule, as this test applies it:
 - Settings, goals, specifications and figures quoted from others' publications that carry a unit are named, page by
   page and by their words, in NOT_MEASURED_HERE (a statistic's 95% interval, a dtype's bytes and a card's size as
   sold are left out by NOT_FIGURES for every page).
-- A figure that is none of these fails, with its page and line. docs/testing.md and docs/timing.md are reported
-  but not failed yet (PAGES_THE_LEAD_FIXES, the lead's pages this session).
+- A figure that is none of these fails, with its page and line.
 """
 
 from __future__ import annotations
@@ -34,9 +33,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-
-# pages whose figures are being given their sources by the lead of this session: reported, not failed (to be emptied)
-PAGES_THE_LEAD_FIXES = {"docs/testing.md", "docs/timing.md"}
 
 # Settings, goals and specifications a page states with a unit, and figures it quotes from a publication named beside
 # them (not measured here), each by its exact words
@@ -213,10 +209,6 @@ def test_every_figure_is_generated_or_links_its_source(page):
     declared = unaccounted(page, not_reproduced=True)
     if declared:
         print(f"{page}: {len(declared)} units of figures in sections declared not reproduced:\n" + "\n".join(declared))
-    if page in PAGES_THE_LEAD_FIXES:
-        print(f"{page}: {len(found)} figures without their source (the lead's page, not failed yet):\n"
-              + "\n".join(found))
-        return
     assert not found, (
         f"{len(found)} units of figures in {page} neither in a generated block nor linked to the committed file they "
         "are read from: link the file, or generate them (docs/reference-results.md):\n" + "\n".join(found))
