@@ -97,7 +97,7 @@ FAKE_CUDA_JOBS ?= 2
 
 cuda-fake-env: $(FAKE_CUDA_STAMP)
 
-$(FAKE_CUDA_STAMP): Makefile bench/measure/cuda_env.py bench/measure/cuda_stubs.py
+$(FAKE_CUDA_STAMP): Makefile bench/measure/cuda_env.py bench/measure/cuda_stubs.py bench/measure/cuda_stub_source.py
 	$(PYTHON) -m bench cuda-env --path $(FAKE_CUDA_VENV) --torch-version $(TORCH_VERSION) \
 		--torchvision-version $(TORCHVISION_VERSION)
 
