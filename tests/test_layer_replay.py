@@ -10,6 +10,8 @@ from dataclasses import replace
 import pytest
 
 from bench.analysis import layer_replay, predict
+from bench.measure import layer_template
+from bench.measure.memory import MemoryEvent
 from bench.analysis.fake_engine import PredictionMeter, bound_device, tracked_step
 from bench.measure import cuda_allocator
 from bench.run.case import Case
@@ -74,17 +76,17 @@ def test_the_full_trace_is_forced_by_the_environment(monkeypatch):
 
 def test_a_log_that_does_not_grow_by_whole_layers_makes_no_template():
     def log(layers: int, extra: int = 0) -> list:
-        events = [layer_replay.MemoryEvent("alloc", 1, 100, "setup")]
+        events = [MemoryEvent("alloc", 1, 100, "setup")]
         for layer in range(layers):
-            events += [layer_replay.MemoryEvent("op", stage="forward", op="mm.default"),
-                       layer_replay.MemoryEvent("alloc", layer + 2, 64, "forward", module=f"model.layers.{layer}")]
-        events += [layer_replay.MemoryEvent("alloc", layers + 2 + i, 8 * (i + 1), "forward") for i in range(extra)]
-        return events + [layer_replay.MemoryEvent("end")]
+            events += [MemoryEvent("op", stage="forward", op="mm.default"),
+                       MemoryEvent("alloc", layer + 2, 64, "forward", module=f"model.layers.{layer}")]
+        events += [MemoryEvent("alloc", layers + 2 + i, 8 * (i + 1), "forward") for i in range(extra)]
+        return events + [MemoryEvent("end")]
 
-    template = layer_replay.LayerTemplate(log(3), log(4), 3)
+    template = layer_template.LayerTemplate(log(3), log(4), 3)
     assert template.events(9) == log(9)
-    with pytest.raises(layer_replay.NoReplay):
-        layer_replay.LayerTemplate(log(3), log(4, extra=3), 3)
+    with pytest.raises(layer_template.NoReplay):
+        layer_template.LayerTemplate(log(3), log(4, extra=3), 3)
 
 
 @pytest.mark.slow
