@@ -12,7 +12,7 @@ from bench.cli import interrupt  # noqa: E402 - the signals are ours before the 
 from bench.cli.main import main  # noqa: E402
 
 try:
-    status = main()
+    status = main(may_hand_over=True)
 except Exception as error:
     stopped = stopped_by(error)  # a cleanup that failed while a signal stopped the command: still that signal's stop
     if stopped is None:

@@ -1,5 +1,6 @@
 """predict's fake-cuda engine: CUDA's own operators on fake tensors, every strategy, and the route to it from the
-CPU-only environment (`python -m bench predict --device cuda` in .venv hands its cases to this environment).
+CPU-only environment (`python -m bench predict --device cuda` in .venv hands the whole command to this environment,
+or with MEMBENCH_FAKE_CUDA_HANDED_OVER set its cases: the same bytes).
 
 Asserted: every registered strategy is predicted on CUDA's operators (no silent fall-back to the CPU's), what those
 operators change against the fake engine's CPU operators (cuDNN's batch norm, GradScaler's unscaling, Adam's
@@ -10,6 +11,7 @@ cuda-marked tests/test_cuda_prediction.py does that on a real one).
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 from collections import Counter
@@ -20,6 +22,7 @@ import pytest
 import torch
 
 from bench.analysis import predict
+from bench.cli.fake_cuda_handover import HANDED_OVER_VARIABLE
 from bench.run.case import Case
 from strategies import STRATEGIES
 from tests_cuda_fake.test_cuda_path import DEVICE_INDEPENDENT_REASONS, WORKLOADS
@@ -85,19 +88,33 @@ def test_the_fake_cuda_engine_runs_what_cuda_runs_where_the_fake_engine_runs_the
     assert 0 < cuda_peak - cpu_peak < parameter_bytes, (cuda_peak, cpu_peak, parameter_bytes)
 
 
-def test_predict_from_the_cpu_only_environment_runs_its_cuda_cases_here(tmp_path):
-    """`python -m bench predict --device cuda` in .venv (CPU torch) hands its cases to this environment."""
+def test_predict_from_the_cpu_only_environment_runs_its_cuda_cases_here_with_the_workers_bytes(tmp_path):
+    """`python -m bench predict --device cuda` in .venv (CPU torch) hands the whole command to this environment's
+    Python before importing torch (bench.cli.fake_cuda_handover): one process, whose CSV is the worker path's
+    (the command kept in .venv, its cases sent to `bench.analysis._predict_worker` here) to the byte."""
     cpu_python = ROOT / ".venv" / "bin" / "python"
     if not cpu_python.exists():
         pytest.skip("no .venv in this checkout (`make install` builds it)")
-    done = subprocess.run([str(cpu_python), "-m", "bench", "predict", "--device", "cuda", "--workload",
-                           WORKLOADS["gpt_mini"], "--batch-size", str(BATCH), "--strategies", "amp", "--phases",
-                           "train", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    frame = pd.read_csv(next(tmp_path.glob("predict-*.csv")))
+    env = {name: value for name, value in os.environ.items() if name != HANDED_OVER_VARIABLE}
+
+    def predict_from_cpu_python(out: Path, **extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(cpu_python), "-m", "bench", "predict", "--device", "cuda", "--workload",
+                               WORKLOADS["gpt_mini"], "--batch-size", str(BATCH), "--strategies", "amp", "--phases",
+                               "train", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                              env={**env, **extra})
+
+    handed = predict_from_cpu_python(tmp_path / "handed")
+    worker = predict_from_cpu_python(tmp_path / "worker", **{HANDED_OVER_VARIABLE: "kept in .venv"})
+    for done in (handed, worker):
+        assert done.returncode == 0, done.stderr[-2000:]
+    assert "on fake CUDA" in worker.stderr  # the worker's progress: its cases went to a second Python
+    assert "on fake CUDA" not in handed.stderr and "predicting amp train" in handed.stderr  # the command's own
+    (handed_csv,), (worker_csv,) = (list((tmp_path / kind).glob("predict-*.csv")) for kind in ("handed", "worker"))
+    assert handed_csv.read_bytes() == worker_csv.read_bytes()
+    frame = pd.read_csv(handed_csv)
     assert list(frame["engine"]) == ["fake-cuda", "fake-cuda"] and list(frame["status"]) == ["ok", "ok"]
-    assert "on fake CUDA" in done.stderr  # the subprocess's progress
-    assumptions = done.stdout.split("assumptions:")[1]
+    assert handed.stdout.replace(str(handed_csv), "") == worker.stdout.replace(str(worker_csv), "")
+    assumptions = handed.stdout.split("assumptions:")[1]
     assert "engine fake-cuda" in assumptions and "engine fake:" not in assumptions
 
 

@@ -12,7 +12,7 @@ import argparse
 import sys
 from typing import Callable, Sequence
 
-from bench.cli import interrupt
+from bench.cli import fake_cuda_handover, interrupt
 from bench.cli.arguments import DEFAULT_OUT, refuse_blank_values
 from bench.cli.command import Command
 from bench.cli.commands import anchors, compare, cuda_env, env, explain, fit, list_, plan, predict, report, run
@@ -56,14 +56,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, may_hand_over: bool = False) -> int:
     """Runs one command; exit code 2 for a usage error (one line on stderr), 130 for an interrupt (143 SIGTERM, 129
-    SIGHUP)."""
-    interrupt.start(sys.argv[1:] if argv is None else argv)
+    SIGHUP). With `may_hand_over` (`python -m bench`, whose process this is), a CUDA prediction whose work would go
+    to the fake-CUDA environment's Python replaces this process by that Python first (bench.cli.fake_cuda_handover)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    interrupt.start(argv)
     try:
         pin_mmap_threshold()  # before anything grows the heap (bench.measure.resident)
         args = build_parser().parse_args(argv)  # --help ends here with argparse's SystemExit(0), as it should
         check_job_environment(args.command)
+        python = fake_cuda_handover.handover_python(args) if may_hand_over else None
+        if python is not None:  # before torch is imported here: that Python imports it once, for everything
+            fake_cuda_handover.hand_over(python, argv)
         try:
             return command_function(args.command)(args)
         except SystemExit as error:  # no command of ours exits: a user's workload code called sys.exit
