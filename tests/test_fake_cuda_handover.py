@@ -107,3 +107,23 @@ def test_the_handed_over_process_keeps_the_command_line_folder_and_exit_status(t
 def test_a_python_that_cannot_be_executed_leaves_the_command_here(tmp_path):
     missing = tmp_path / "no-python"
     assert fake_cuda_handover.hand_over(missing, ["predict"]) is None  # returned: the command runs in this process
+
+
+def test_the_handed_over_process_imports_the_plugins_as_the_worker_did(tmp_path, monkeypatch):
+    (tmp_path / "membench_handover_plugin.py").write_text("import builtins\nbuiltins.handover_plugin_imported = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("MEMBENCH_PLUGINS", "membench_handover_plugin")
+    import builtins
+
+    monkeypatch.setattr(fake_cuda, "environment_python", lambda venv=None: Path(sys.prefix) / "bin" / "python")
+    monkeypatch.delenv(fake_cuda_handover.HANDED_OVER_VARIABLE, raising=False)
+    fake_cuda_handover.import_plugins_on_arrival()  # not handed over: the CLI leaves plugins to its workers
+    assert not hasattr(builtins, "handover_plugin_imported")
+    monkeypatch.setenv(fake_cuda_handover.HANDED_OVER_VARIABLE, "/some/python")
+    try:
+        fake_cuda_handover.import_plugins_on_arrival()
+        assert builtins.handover_plugin_imported
+    finally:
+        monkeypatch.delitem(sys.modules, "membench_handover_plugin", raising=False)
+        if hasattr(builtins, "handover_plugin_imported"):
+            del builtins.handover_plugin_imported

@@ -15,7 +15,8 @@ ROCm here (read from its version.py, not imported; a CUDA build decides for itse
 environment built (else the command runs here, predicting on the CPU's operators as before), no `--config` (a
 trainer's configuration may need TRL's or torchtune's files, which that environment lacks), the local executor
 (Ray is not installed there), no `--memory-limit` and no `--confirm` (they act on a device). Everything else runs
-here, the old way, with its worker processes. HANDED_OVER_VARIABLE, set in the handed-over process, keeps it (and
+here, the old way, with its worker processes. The handed-over process imports the modules $MEMBENCH_PLUGINS names
+before the command runs, as the worker did before predicting. HANDED_OVER_VARIABLE, set in the handed-over process, keeps it (and
 anything it starts) from handing over again; set by hand it keeps a command in this Python.
 """
 
@@ -80,9 +81,22 @@ def handover_python(args: argparse.Namespace) -> Path | None:
             or _needs_this_python(args)):
         return None
     python = fake_cuda.environment_python()
-    if python is None or Path(sys.prefix).resolve() == python.parent.parent.resolve():
+    if python is None or _is_fake_cuda_python(python):
         return None
     return python if torch_build() == "cpu" else None
+
+
+def _is_fake_cuda_python(python: Path | None) -> bool:
+    return python is not None and Path(sys.prefix).resolve() == python.parent.parent.resolve()
+
+
+def import_plugins_on_arrival() -> None:
+    """In a handed-over process, the modules $MEMBENCH_PLUGINS names imported before the command runs, as the worker
+    it replaces imported them before predicting (bench.analysis.fake_cuda_worker.serve)."""
+    if HANDED_OVER_VARIABLE in os.environ and _is_fake_cuda_python(fake_cuda.environment_python()):
+        from bench.run._worker import import_plugins
+
+        import_plugins()
 
 
 def hand_over(python: Path, argv: Sequence[str]) -> None:

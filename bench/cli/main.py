@@ -69,6 +69,8 @@ def main(argv: Sequence[str] | None = None, may_hand_over: bool = False) -> int:
         python = fake_cuda_handover.handover_python(args) if may_hand_over else None
         if python is not None:  # before torch is imported here: that Python imports it once, for everything
             fake_cuda_handover.hand_over(python, argv)
+        if may_hand_over:
+            fake_cuda_handover.import_plugins_on_arrival()
         try:
             return command_function(args.command)(args)
         except SystemExit as error:  # no command of ours exits: a user's workload code called sys.exit
