@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import pandas as pd
 import pytest
 
 from bench.analysis import plan, plan_cost, plan_ranks, plan_search
@@ -194,3 +195,16 @@ def test_max_ranks_beyond_what_plan_searches_is_one_line_naming_the_range():
     done = cli("plan", "--device", "cpu", "--budget", "1KiB", "--max-ranks", "10000", "--workload",
                "deep_mlp:layers=4:width=8", "--batch-size", "2", "--out", "/nonexistent/never-made", timeout=120)
     one_line_exit_2(done, "--max-ranks 10,000", "1 to 1,024")
+
+
+def test_the_cli_rewrites_its_own_csv_after_the_second_rank_count(tmp_path, capsys):
+    """A search past one rank rewrites the file it made after the first count (it was refused as another run's
+    file: `plan --max-ranks 8` for llama-3.1-70b ended with "exists already" after minutes of work)."""
+    code = main(["plan", "--workload", WORKLOAD, "--batch-size", "4", "--budget", "1KiB", "--device", "cpu",
+                 "--max-ranks", "2", "--max-candidates", "2", "--out", str(tmp_path)])
+    captured = capsys.readouterr()
+    assert "exists already" not in captured.err
+    assert "plan on 2 ranks:" in captured.err, captured.err
+    (csv,) = tmp_path.glob("plan-*.csv")
+    assert set(pd.read_csv(csv)["ranks"]) == {1, 2}
+    assert code == 1  # nothing fits in 1 KiB
