@@ -44,7 +44,8 @@ def test_a_cuda_prediction_is_handed_over(environment_built, argv):
 @pytest.mark.parametrize("argv", [
     ("predict", "--device", "cpu"), ("predict", "--engine", "fake"), ("predict", "--config", "trainer.yaml"),
     ("fit", "--budget", "4GiB"), ("fit", "--gpu", "RTX 4090", "--memory-limit", "0.5"),
-    ("plan", "--budget", "4GiB"), ("plan", "--gpu", "H100", "--confirm"), ("plan", "--gpu", "H100", "--executor", "ray"),
+    ("plan", "--budget", "4GiB"), ("plan", "--gpu", "H100", "--confirm"),
+    ("plan", "--gpu", "H100", "--executor", "ray"),
     ("plan", "--list-gpus"), ("run",), ("explain", "--strategy", "amp"), ("report", "results"),
 ])
 def test_a_command_that_needs_this_python_stays(environment_built, argv):

@@ -16,8 +16,12 @@ environment built (else the command runs here, predicting on the CPU's operators
 trainer's configuration may need TRL's or torchtune's files, which that environment lacks), the local executor
 (Ray is not installed there), no `--memory-limit` and no `--confirm` (they act on a device). Everything else runs
 here, the old way, with its worker processes. The handed-over process imports the modules $MEMBENCH_PLUGINS names
-before the command runs, as the worker did before predicting. HANDED_OVER_VARIABLE, set in the handed-over process, keeps it (and
-anything it starts) from handing over again; set by hand it keeps a command in this Python.
+before the command runs, as the worker did before predicting. HANDED_OVER_VARIABLE, set in the handed-over process,
+keeps it (and anything it starts) from handing over again; set by hand it keeps a command in this Python.
+
+What changes for the user: the progress lines no longer say "on fake CUDA", and a crash of that Python below Python
+(a signal, an abort in the stubs) ends the command, where the worker path predicted its cases here instead; a
+Python exception in a case falls back to the fake and cpu engines case by case in both.
 """
 
 from __future__ import annotations
