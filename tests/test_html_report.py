@@ -95,7 +95,7 @@ def report(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("html-report")
     common = ["--workload", MLP, "--batch-size", "4", "--device", "cpu", "--snapshot", "--out", str(out)]
     assert main(["compare", "--strategies", "checkpoint", "--quick", "--threads", "1", *common]) == 0
-    assert main(["predict", "--strategies", "checkpoint", "--threads", "1", *common]) == 0
+    assert main(["predict", "--strategies", "baseline,checkpoint", "--threads", "1", *common]) == 0
     assert main(["report", "--results", str(out), "--html"]) == 0
     return out
 
@@ -254,7 +254,7 @@ def test_a_predict_csv_is_a_page_of_its_predicted_snapshots(chromium, tmp_path, 
     snapshot drawn alone, its allocated bytes peaking at the row's `predicted_bytes` and the allocator model's
     reserved bytes at `predicted_reserved_bytes`, with the largest live blocks at the peak."""
     pytest.importorskip("plotly", reason="report --html needs plotly (pip install 'membench[report]')")
-    assert main(["predict", "--workload", MLP, "--strategies", "checkpoint", "--phases", "train", "--device", "cuda",
+    assert main(["predict", "--workload", MLP, "--strategies", "baseline,checkpoint", "--phases", "train", "--device", "cuda",
                  "--engine", "fake", "--batch-size", "4", "--threads", "1", "--snapshot", "--out", str(tmp_path)]) == 0
     [csv] = tmp_path.glob("predict-*.csv")
     assert main(["report", str(csv)]) == 2 and "report --html" in capsys.readouterr().err

@@ -57,8 +57,8 @@ def runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("memory-viz-runs")
     common = ["--workload", MLP, "--batch-size", "4", "--threads", "1", "--snapshot", "--out", str(out)]
     assert main(["compare", "--strategies", "checkpoint", "--quick", "--device", "cpu", *common]) == 0
-    assert main(["predict", "--strategies", "checkpoint", "--device", "cpu", *common]) == 0
-    assert main(["predict", "--strategies", "checkpoint", "--device", "cuda", "--engine", "fake", *common]) == 0
+    assert main(["predict", "--strategies", "baseline,checkpoint", "--device", "cpu", *common]) == 0
+    assert main(["predict", "--strategies", "baseline,checkpoint", "--device", "cuda", "--engine", "fake", *common]) == 0
     return out
 
 

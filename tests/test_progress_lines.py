@@ -49,7 +49,7 @@ def test_fit_and_predict_show_progress(tmp_path):
     # in a fresh process, whose first command is predict: a warning PyTorch gives once per process is not hidden
     # by an earlier test's
     predicted, done = cli_many(
-        ["predict", "--workload", "deep_mlp:layers=4:width=8", "--batch-size", "2", "--strategies", "amp",
+        ["predict", "--workload", "deep_mlp:layers=4:width=8", "--batch-size", "2", "--strategies", "baseline,amp",
          "--out", tmp_path],
         ["fit", "--budget", "1MiB", "--workload", "deep_mlp:layers=4:width=8", "--max-batch", "16", "--phase", "eval",
          "--time-steps", "0", "--out", tmp_path])

@@ -18,7 +18,7 @@ WORKLOAD = "deep_mlp:layers=4:width=8"
 
 
 def _predicted_batches(tmp_path, *argv) -> list[tuple[str, int]]:
-    code = main(["predict", "--workload", WORKLOAD, "--device", "cpu", "--phases", "train", "--strategies", "ddp",
+    code = main(["predict", "--workload", WORKLOAD, "--device", "cpu", "--phases", "train", "--strategies", "baseline,ddp",
                  "--out", str(tmp_path), *argv])
     assert code == 0
     (path,) = tmp_path.glob("predict-*.csv")

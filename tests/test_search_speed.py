@@ -1,6 +1,7 @@
-"""What makes fit's and plan's searches shorter without changing their answers: `fit --over seq_len`
-predicts the baseline only when asked for; a search in rounds where nothing fits yet probes the smallest point at
-once; the progress lines say how many probes or strategies are left and about how long they take; a CUDA search
+"""What makes fit's and plan's searches shorter without changing their answers: `fit --over seq_len` and
+`predict` predict the baseline only when asked for (or when no strategy is named), and a searched baseline starts at
+the shortest length, alone; a search in rounds where nothing fits yet probes the smallest point at once; its guesses
+of where the peak crosses the budget come from a line or a parabola through the probes nearest it; the progress lines say how many probes or strategies are left and about how long they take; a CUDA search
 without a GPU runs whole in one fake-CUDA process, its rows the predictions of `predict` (slow: the fake-CUDA
 environment)."""
 
@@ -9,7 +10,8 @@ from __future__ import annotations
 import pytest
 
 from bench.analysis import fit_seq_len, predict
-from bench.analysis.fit_search import largest_under
+from bench.analysis.fit_search import largest_in_rounds, largest_under, polynomial_guess
+from bench.cli.main import main
 from bench.core.gpus import CUDA_CONTEXT_BYTES
 from bench.measure import fake_cuda
 from bench.run import eta
@@ -20,6 +22,43 @@ def test_the_baseline_is_searched_only_when_asked_for_or_alone():
     assert fit_seq_len.searched_specs(["lora", "qlora"]) == ["lora", "qlora"]
     assert fit_seq_len.searched_specs(["lora", "baseline", "lora"]) == ["baseline", "lora"]
     assert fit_seq_len.searched_specs([]) == ["baseline"]
+
+
+def test_predict_predicts_the_baseline_only_when_asked_for_or_alone(tmp_path):
+    import pandas as pd
+
+    def predicted(*strategies: str) -> list[str]:
+        out = tmp_path / str(len(list(tmp_path.iterdir())))
+        assert main(["predict", "--workload", "deep_mlp:layers=2:width=8", "--batch-size", "2", "--device", "cpu",
+                     "--phases", "train", *strategies, "--out", str(out)]) == 0
+        return list(pd.read_csv(next(out.glob("predict-*.csv")))["strategy"])
+
+    assert predicted("--strategies", "amp") == ["amp"]
+    assert predicted("--strategies", "amp,baseline") == ["baseline", "amp"]
+    assert predicted() == ["baseline"]
+
+
+def test_a_searched_baseline_that_fits_at_no_length_costs_one_prediction():
+    made = []
+
+    def over_at_any_length(n: int) -> fit_seq_len.Probe:
+        made.append(n)
+        return fit_seq_len.Probe(n, 150 * 2**30 + n, 150 * 2**30 + n, "", "")
+
+    class TwoSlots:  # the rounds' logic, two probes at once, in this process
+        slots, lost = 2, ()
+
+        def submit(self, function, *args):
+            import concurrent.futures as futures
+            future = futures.Future()
+            future.set_result(function(*args))
+            return future
+
+    for pool in (None, TwoSlots()):
+        made.clear()
+        row = fit_seq_len.fit_seq_len("baseline", 24 * 2**30, "train", "cuda", "hf:tiny-llama", "synthetic", 1,
+                                      step=8, start=8, judged_at=over_at_any_length, pool=pool)
+        assert made == [8] and row.seq_len == 0 and row.next_judged_bytes == 150 * 2**30 + 8
 
 
 class Rounds:
@@ -103,3 +142,26 @@ def test_each_plan_candidates_line_says_how_many_known_candidates_are_left_and_w
     assert lines[0].endswith("baseline ...")  # nothing is known before the baseline ran
     assert all("known candidates left" in line and "no new candidate after" in line for line in lines[1:])
     assert len(lines) == searched.tried and len(lines) >= 2
+
+
+@pytest.mark.parametrize("jobs", [2, 3])
+def test_a_parabola_is_placed_by_three_probes(jobs):
+    """Attention on the math kernel keeps a seq_len x seq_len matrix: the peak is a parabola in the tokens. The
+    rounds place it by the parabola through three probes as soon as three are made: with three jobs in the second
+    round (the line through the two nearest, before, took four rounds), with two in the third."""
+    judged = lambda n: 16 * 2**30 + 900_000 * n + 180 * n * n  # noqa: E731
+    budget = judged(6000)  # 5888 (23 x 256) is the longest multiple of 256 that fits
+    rounds = Rounds()
+    assert fit_seq_len.longest_under(judged, budget, 256, 131072, 2048, rounds, jobs) == 5888
+    assert len(rounds.rounds) == {2: 3, 3: 2}[jobs] and 5888 + 256 in {n for r in rounds.rounds for n in r}
+
+
+def test_the_polynomial_guess_is_exact_on_a_line_and_a_parabola_and_none_where_nothing_grows():
+    line = lambda x: 100 + 7 * x  # noqa: E731
+    assert polynomial_guess(line, {2, 4}, line(30), 4, 1000) == 30  # extrapolated from the two that fit
+    parabola = lambda x: 50 + x + 3 * x * x  # noqa: E731
+    assert polynomial_guess(parabola, {2, 4, 60}, parabola(41), 4, 60) == 41  # two that fit, one over
+    assert polynomial_guess(parabola, {10, 20, 30}, parabola(45), 30, 1000) == 45  # three that fit, extrapolated
+    flat = lambda x: 500  # noqa: E731
+    assert polynomial_guess(flat, {2, 4}, 600, 4, 100) is None  # no growth: no guess, the bracket is split evenly
+    assert largest_in_rounds(flat, lambda xs: None, 2, 600, 100, [2, 4]) == 100  # still answered, by doubling

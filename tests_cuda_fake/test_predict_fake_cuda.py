@@ -112,7 +112,8 @@ def test_predict_from_the_cpu_only_environment_runs_its_cuda_cases_here_with_the
     (handed_csv,), (worker_csv,) = (list((tmp_path / kind).glob("predict-*.csv")) for kind in ("handed", "worker"))
     assert handed_csv.read_bytes() == worker_csv.read_bytes()
     frame = pd.read_csv(handed_csv)
-    assert list(frame["engine"]) == ["fake-cuda", "fake-cuda"] and list(frame["status"]) == ["ok", "ok"]
+    assert list(frame["strategy"]) == ["amp"]  # the baseline is predicted only where asked for
+    assert list(frame["engine"]) == ["fake-cuda"] and list(frame["status"]) == ["ok"]
     assert handed.stdout.replace(str(handed_csv), "") == worker.stdout.replace(str(worker_csv), "")
     assumptions = handed.stdout.split("assumptions:")[1]
     assert "engine fake-cuda" in assumptions and "engine fake:" not in assumptions

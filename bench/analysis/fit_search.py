@@ -56,10 +56,11 @@ def largest_in_rounds(peak_at: Callable[[int], float], prefetch: Callable[[list[
                       budget: float, top: int, first: list[int]) -> int:
     """The largest x in 1..top with peak_at(x) <= budget (0 if none), for a peak that grows with x, probing up to
     `jobs` points at once each round: `first` (which may lie beyond `top`), then, between the largest x seen to fit
-    and the smallest above it seen not to, the point where the line between them (or, with no such x yet, between the
-    two largest that fit) crosses the budget and the one after it, and points spread evenly across the bracket
-    (doubling upward while none was seen over the budget; the smallest x first while none was seen to fit). After a round that did not halve the bracket, the even
-    points alone (a safeguard for a strongly curved peak). Where the peak grows with x the answer is the serial
+    and the smallest above it seen not to, the point where the polynomial through the probes nearest them crosses
+    the budget (`polynomial_guess`: a line or a parabola; with no x seen over the budget yet, extrapolated from
+    the largest that fit) and the one after it, and points spread evenly across the bracket (doubling upward while
+    none was seen over the budget; the smallest x first while none was seen to fit). After two rounds in a row that
+    did not halve the bracket, the even points alone (a safeguard for a strongly curved peak). Where the peak grows with x the answer is the serial
     search's: there is one largest x that fits, and both end on it and on the x after it, probed."""
     seen: set[int] = set()
 
@@ -69,7 +70,7 @@ def largest_in_rounds(peak_at: Callable[[int], float], prefetch: Callable[[list[
         seen.update(points)
 
     probe(first)
-    width = math.inf
+    width, misses = math.inf, 0  # misses: rounds in a row that did not halve the bracket
     while True:
         fitting = sorted(x for x in seen if x <= top and peak_at(x) <= budget)
         lo = fitting[-1] if fitting else 0
@@ -78,14 +79,13 @@ def largest_in_rounds(peak_at: Callable[[int], float], prefetch: Callable[[list[
         end = min(hi, top + 1)  # the bracket: lo fits, every x in (lo, end) is unknown
         if end - lo <= 1:
             return lo
-        halved, width = end - lo <= width / 2, end - lo
-        line = ([lo] if lo else []) + [hi] if over else fitting[-2:]
+        misses, width = (0 if end - lo <= width / 2 else misses + 1), end - lo
         points = []
-        if halved and len(line) == 2 and math.isfinite(peak_at(line[1])) and peak_at(line[1]) > peak_at(line[0]):
-            a, b = line
-            g = a + math.floor((budget - peak_at(a)) * (b - a) / (peak_at(b) - peak_at(a)))
-            g = min(end - 1, max(lo + 1, g))
-            points += [g, g + 1]
+        # one round that did not halve the bracket may still be a guess's: the probes it made are nodes nearer the
+        # crossing (a parabola through them places a curved peak's); after two, the even points alone
+        guess = polynomial_guess(peak_at, seen, budget, lo, end) if misses <= 1 else None
+        if guess is not None:
+            points += [guess, guess + 1]
         if over:
             # nothing fits yet: the smallest x first, which ends the search at once where even it does not fit
             points += ([1] if lo == 0 else []) + [lo + (end - lo) * i // (jobs + 1) for i in range(1, jobs + 1)]
@@ -95,6 +95,58 @@ def largest_in_rounds(peak_at: Callable[[int], float], prefetch: Callable[[list[
                 d = min(top, 2 * d)
                 points.append(d)
         probe([p for p in dict.fromkeys(points) if lo < p < end][:jobs])
+
+
+def _increasing_polynomial(nodes: list[tuple[int, float]]) -> Callable[[float], float] | None:
+    """The polynomial through `nodes` (two: a line; three: a parabola), where it grows over their span and beyond;
+    None where it does not (a peak that is not smooth there: the caller probes evenly instead)."""
+    if len(nodes) == 2 or len(nodes) == 3 and _second_difference(nodes) <= 0:
+        (a, pa), (b, pb) = nodes[-2:]
+        if pb <= pa:
+            return None
+        return lambda x: pa + (pb - pa) * (x - a) / (b - a)
+    (a, pa), (b, pb), (c, pc) = nodes
+    if not pa < pb < pc:
+        return None
+    # Newton's form: p(x) = pa + d1 (x - a) + d2 (x - a)(x - b), convex (d2 > 0) and growing from a on
+    d1, d2 = (pb - pa) / (b - a), _second_difference(nodes)
+    if d1 + d2 * (a - b) < 0:  # its vertex lies right of a: it falls somewhere in the span
+        return None
+    return lambda x: pa + d1 * (x - a) + d2 * (x - a) * (x - b)
+
+
+def _second_difference(nodes: list[tuple[int, float]]) -> float:
+    (a, pa), (b, pb), (c, pc) = nodes
+    return ((pc - pb) / (c - b) - (pb - pa) / (b - a)) / (c - a)
+
+
+def polynomial_guess(peak_at: Callable[[int], float], seen: set[int], budget: float, lo: int, end: int
+                     ) -> int | None:
+    """Where the peak crosses the budget between `lo` (fits; 0: none yet) and `end` (the first x known not to, or one
+    past the largest allowed), on the lowest-degree polynomial through the probes nearest that bracket: memory is a
+    line or a parabola in the batch or the tokens between changes of kernel, so two or three probes place the
+    crossing. The nodes: the two largest probes that fit and the first known not to (interpolation), or the three
+    largest that fit (extrapolation); the parabola through three where it is convex and grows, else the line
+    through the two nearest the bracket. None where no polynomial
+    through them grows. Only a guess of where to probe: the answer is the bracket's, made of probed points."""
+    finite = sorted(x for x in seen if math.isfinite(peak_at(x)))
+    below, above = [x for x in finite if 0 < x <= lo], [x for x in finite if x >= end]
+    near = below[-2:] + above[:1] if above else below[-3:]
+    nodes = [(x, peak_at(x)) for x in near]
+    if len(nodes) < 2:
+        return None
+    curve = _increasing_polynomial(nodes)
+    if curve is None:
+        return None
+    low, high = lo + 1, end - 1  # the largest x in (lo, end) whose value on the curve is <= budget, by bisection
+    if high < low:
+        return None
+    if curve(low) > budget:
+        return low
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if curve(middle) <= budget else (low, middle - 1)
+    return low
 
 
 def largest_under(peak_at: Callable[[int], int], budget: int, low: int, high: int, max_batch: int,

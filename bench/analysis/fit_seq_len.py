@@ -32,6 +32,7 @@ from workloads import get_workload
 
 DEFAULT_SEQ_STEP = 256
 LONGEST_DEFAULT = 131072  # the longest sequence tried of a model that does not say its own
+START_SEQ = 2048  # where a strategy's search starts (the baseline's starts at one step: it seldom fits at all)
 BREAKDOWN = ("weights", "grads", "optimizer_state", "activations", "logits", "other")
 
 
@@ -109,11 +110,11 @@ def monotonic_check(probes: dict[int, Probe]) -> str:
     if falls:
         return "VIOLATED: " + "; ".join(falls)
     span = f" ({known[0][0]}..{known[-1][0]} tokens)" if known else ""
-    return f"non-decreasing over {len(known)} probes{span}"
+    return f"non-decreasing over {len(known)} probe{'s' if len(known) != 1 else ''}{span}"
 
 
 def longest_under(judged_at: Callable[[int], int | None], budget: int, step: int, max_seq: int,
-                  start: int = 2048, prefetch: Callable[[list[int]], None] | None = None, jobs: int = 1) -> int:
+                  start: int = START_SEQ, prefetch: Callable[[list[int]], None] | None = None, jobs: int = 1) -> int:
     """The longest multiple of `step` up to `max_seq` whose judged peak is <= budget (0 if none), for a peak that
     does not fall as the sequence grows; a length with no prediction counts as over the budget.
 
@@ -125,7 +126,8 @@ def longest_under(judged_at: Callable[[int], int | None], budget: int, step: int
 
     With `jobs` > 1 and a `prefetch` that predicts several lengths at once: `fit_search.largest_in_rounds`, from
     `start` and its doublings (`jobs` of them; below `start` those the longest sequence leaves no room for): the
-    same answer for a peak that does not fall, in fewer rounds."""
+    same answer for a peak that does not fall, in fewer rounds; from `start` = `step`, that length alone first (where
+    it does not fit, nothing does: one prediction)."""
     max_k = max(1, max_seq // step)
     values: dict[int, float] = {}
 
@@ -137,7 +139,8 @@ def longest_under(judged_at: Callable[[int], int | None], budget: int, step: int
 
     k = max(1, min(max_k, start // step))
     if prefetch is not None and jobs > 1:
-        first = list(dict.fromkeys(min(max_k, k * 2**i) for i in range(jobs)))
+        # from the smallest length, that one alone: where it does not fit, nothing does, and one prediction said so
+        first = [1] if k == 1 else list(dict.fromkeys(min(max_k, k * 2**i) for i in range(jobs)))
         # `start` at or near the longest sequence: the slots left go below it (no doubling is left to make)
         first += [k * i // (jobs - len(first) + 1) for i in range(jobs - len(first), 0, -1)]
         return step * largest_in_rounds(peak, lambda ks: prefetch([x * step for x in ks]), jobs, budget, max_k,
@@ -189,7 +192,7 @@ def _lost_probe(seq_len: int, error: BaseException) -> Probe:
 
 def fit_seq_len(spec: str, budget: int, phase: str, device: str, workload: str, data: str, batch: int,
                 step: int = DEFAULT_SEQ_STEP, max_seq: int | None = None, capability: tuple[int, int] | None = None,
-                start: int = 2048, progress: Callable[[str], None] = lambda text: None,
+                start: int = START_SEQ, progress: Callable[[str], None] = lambda text: None,
                 judged_at: Callable[[int], Probe] | None = None, pool=None,
                 known: dict[int, Probe] | None = None) -> FitResult:
     """The longest sequence (a multiple of `step`) whose predicted peak fits `budget` for strategy `spec` at batch
@@ -245,13 +248,10 @@ def fit_seq_len(spec: str, budget: int, phase: str, device: str, workload: str, 
 
 
 def searched_specs(specs: list[str]) -> list[str]:
-    """The strategies `fit --over seq_len` searches: those asked for, the baseline first where it is one of them;
-    the baseline alone where none is named. The baseline is not added to a search that did not ask for it: at full
-    size it seldom fits at any length, and its probes cost as much as a strategy's."""
-    asked = list(dict.fromkeys(specs))
-    if not asked or "baseline" in asked:
-        return ["baseline"] + [s for s in asked if s != "baseline"]
-    return asked
+    """The strategies `fit --over seq_len` searches: `predict.predicted_specs` (the baseline only where asked for
+    or where no strategy is named). Where it is searched, its search starts at the shortest length, that one alone
+    (`fit_over_seq_len`): where that does not fit, one prediction is its answer."""
+    return predict.predicted_specs(specs)
 
 
 def fit_over_seq_len(specs: list[str], budget: int, phase: str, device: str, workload: str, data: str, batch: int,
@@ -286,6 +286,8 @@ def fit_over_seq_len(specs: list[str], budget: int, phase: str, device: str, wor
                      if len(specs) > 1 else "")
             progress(f"fit {canonical} (strategy {index + 1} of {len(specs)}{after}): searching for the longest "
                      f"sequence under {format_size(budget)} ...")
+            # the baseline from the shortest length: at full size it seldom fits at any, which one prediction shows
+            start = step if canonical == "baseline" else START_SEQ
             results.append(fit_seq_len(canonical, budget, phase, device, workload, data, batch, step, max_seq,
-                                       capability, progress=progress, pool=pool))
+                                       capability, start, progress=progress, pool=pool))
     return results

@@ -213,7 +213,8 @@ def _replayed_step(case, spec: str, engine: str, strategy, ranks: int, notes: li
     if step is None:
         notes.append(f"layer replay refused ({why}): every layer traced")
         return None
-    notes.append(layer_replay.replay_note(layer_replay.layers_of_case(case)))
+    layers = layer_replay.layers_of_case(case)
+    notes.append(layer_replay.replay_note(layers, layer_replay.layer_kinds(strategy, layers)))
     return step
 
 
@@ -311,6 +312,18 @@ def predict_cases(cases: list, engine: str = "auto", ranks: int = 1, capability:
             row["message"] = "; ".join(x for x in (note, row["message"]) if x)
         rows.append(row)
     return rows
+
+
+def predicted_specs(asked: list[str]) -> list[str]:
+    """The strategies a prediction or a search over lengths (`predict`, `fit --over seq_len`) covers: those asked
+    for, the baseline first where it is one of them; the baseline alone where none is named. The baseline is not
+    added to strategies that did not ask for it: nothing in their tables is derived from its row, and at full size
+    it costs as long as a strategy's prediction and seldom fits (`compare`, `fit` over batches and `plan` still
+    include it: they verify or rank against it)."""
+    asked = list(dict.fromkeys(asked))
+    if not asked or "baseline" in asked:
+        return ["baseline"] + [s for s in asked if s != "baseline"]
+    return asked
 
 
 def predicted_allocated(case, capability: tuple[int, int] | None = None) -> int | None:

@@ -136,7 +136,7 @@ def cmd_predict(args) -> int:
     compute_capability = gpus.capability_for(args.capability, device, gpu)
     preflight.check_ranks(args.ranks, None)
     phases = [check_choice("phase", p, PHASES) for p in csv_list(args.phases or "train,eval")]
-    specs = ["baseline"] + [s for s in csv_list(args.strategies or "") if s != "baseline"]
+    specs = predict.predicted_specs(csv_list(args.strategies or ""))
     if job is not None:  # the configuration's case alone: its baseline would be another job
         specs = [job.strategy]
     strategies = [parse_strategy(spec) for spec in specs]  # unknown names: exit 2 before any work

@@ -11,7 +11,8 @@ from bench.cli.config_option import add_config_option
 
 def add_arguments(parser) -> None:
     parser.add_argument("--strategies", default=None,
-                        help="comma list (baseline is always included; default: baseline only)")
+                        help="comma list; the baseline is predicted only where named (first) or where none is "
+                             "(default: baseline only)")
     parser.add_argument("--device", default="cuda",
                         help="cuda (predict CUDA on any machine) or cpu (default cuda)")
     parser.add_argument("--batch-size", default=None,
