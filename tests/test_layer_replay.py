@@ -6,6 +6,7 @@ differently it is not used, and the row says nothing of it."""
 from __future__ import annotations
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
@@ -57,13 +58,124 @@ def test_a_replayed_row_has_every_figure_of_the_full_trace(monkeypatch):
     assert replayed["predicted_bytes"] > 0
 
 
-def test_a_checkpoint_plan_that_leaves_layers_unchecked_is_traced_in_full():
-    case = Case(SMALL, "lora+checkpoint", "train", 2, "cuda")  # segments=auto: the last layer runs plainly
+def test_a_plan_whose_replay_traces_more_layers_than_the_full_trace_is_traced_in_full():
+    case = Case(SMALL, "lora+checkpoint", "train", 2, "cuda")  # segments=auto: 5 layers checkpointed, the last plain
     strategy = bind_case(case, 1)[0]
-    assert "checkpoint plan" in layer_replay.why_not_replayable(case, strategy, 1, "fake", snapshot=False)
+    assert layer_replay.layer_kinds(strategy, 6) == (5, 1)
+    assert "would trace 15 layers, the full trace 6" in layer_replay.why_not_replayable(case, strategy, 1, "fake",
+                                                                                       snapshot=False)
+    budget = Case(SMALL, "lora+checkpoint:budget=0.5", "train", 2, "cuda")
+    assert "budget" in layer_replay.why_not_replayable(budget, bind_case(budget, 1)[0], 1, "fake", snapshot=False)
     for other in (Case(SMALL, "lora", "train", 2, "cpu"), Case("hf:tiny-llama", "lora", "train", 2, "cuda")):
         assert layer_replay.why_not_replayable(other, bind_case(other, 1)[0], 1, "fake", snapshot=False)
     assert layer_replay.why_not_replayable(case, strategy, 1, "fake", snapshot=True)
+
+
+def test_the_kinds_of_layers_of_checkpoint_plans():
+    def kinds(segments: str, layers: int):
+        return layer_replay.layer_kinds(bind_case(Case(SMALL, f"checkpoint:segments={segments}", "train", 2, "cuda"),
+                                                  1)[0], layers)
+
+    assert kinds("auto", 32) == (25, 7) and kinds("sqrt", 32) == (25, 7) and kinds("32", 32) == (31, 1)
+    assert kinds("auto", 80) == (65, 15)
+    assert kinds("all", 32) is None and kinds("1", 32) is None
+    assert layer_replay.kinds_traced(31, 1) == [(3, 1), (4, 1), (5, 1)]
+    assert sum(c + p for c, p in layer_replay.kinds_traced(65, 15)) == 33
+    llama_70b = Case("hf:llama-3.1-70b:seq_len=4096", "lora+checkpoint", "train", 1, "cuda")  # 80 layers: 65+15
+    assert layer_replay.why_not_replayable(llama_70b, bind_case(llama_70b, 1)[0], 1, "fake", snapshot=False) is None
+    llama_8b = Case(FULL_SIZE, "lora+checkpoint", "train", 1, "cuda")  # 32 layers: 25+7, 33 traced
+    assert "would trace 33 layers" in layer_replay.why_not_replayable(llama_8b, bind_case(llama_8b, 1)[0], 1, "fake",
+                                                                      snapshot=False)
+
+
+def _operators(stage: str, first: str, layer: int) -> list:
+    """A layer's operators (a period is longer than the events the alignment looks ahead, as in a real log)."""
+    return [MemoryEvent("op", stage=stage, op=op, module=f"model.layers.{layer}")
+            for op in [first] + [f"op{index}.default" for index in range(8)]]
+
+
+def _two_kinds_log(checkpointed: int, plain: int) -> list:
+    """A step's log over checkpointed layers (their activations freed in forward, recomputed in backward) and plain
+    ones after them (kept), whose optimizer frees every layer's gradient in order: it names storages of both kinds."""
+    events, grads, kept = [], {}, {}
+
+    def alloc(nbytes: int, stage: str, module: str) -> int:
+        events.append(MemoryEvent("alloc", len(grads) + len(kept) + len(events) + 1, nbytes, stage, module=module))
+        return events[-1].key
+
+    for layer in range(checkpointed + plain):
+        op = "checkpoint.default" if layer < checkpointed else "mm.default"
+        events += _operators("forward", op, layer)
+        kept[layer] = alloc(64, "forward", f"model.layers.{layer}")
+        if layer < checkpointed:
+            events.append(MemoryEvent("free", kept.pop(layer), stage="forward"))
+    for layer in reversed(range(checkpointed + plain)):
+        if layer < checkpointed:  # the recompute first
+            kept[layer] = alloc(64, "backward", f"model.layers.{layer}")
+        events += _operators("backward", "mm_backward.default", layer)
+        grads[layer] = alloc(32, "backward", f"model.layers.{layer}.weight")
+        events.append(MemoryEvent("free", kept.pop(layer), stage="backward"))
+    for layer in range(checkpointed + plain):
+        events += [event._replace(module="") for event in _operators("optimizer", "add_.Tensor", layer)]
+        events.append(MemoryEvent("free", grads[layer], stage="optimizer"))
+    keys = {}  # numbered in the order allocated, as the tracker does
+    renumbered = [event._replace(key=keys.setdefault(event.key, len(keys) + 1)) if event.kind == "alloc"
+                  else event._replace(key=keys.get(event.key, event.key)) for event in events]
+    return renumbered + [MemoryEvent("end")]
+
+
+def test_a_log_of_two_kinds_of_layers_is_built_from_traces_of_few_of_each(monkeypatch):
+    def trace(checkpointed: int, plain: int):
+        return SimpleNamespace(events=_two_kinds_log(checkpointed, plain), offload_host_peak_bytes=None,
+                               sdpa_kernel=None, cpu_sdpa_calls=2 * checkpointed + plain,
+                               recompute_plan=" ".join(map(str, range(checkpointed))))
+
+    for checkpointed, plain in ((25, 7), (31, 1), (9, 2)):
+        steps, events, plan, calls = layer_replay.replayed_kinds(trace, checkpointed, plain)
+        assert events == _two_kinds_log(checkpointed, plain)
+        assert plan == " ".join(map(str, range(checkpointed))) and calls == 2 * checkpointed + plain
+        assert [len(step.events) for step in steps] == [len(_two_kinds_log(*n))
+                                                       for n in layer_replay.kinds_traced(checkpointed, plain)]
+    # the optimizer frees the gradients of both kinds in one run: without naming them by layer, no template
+    monkeypatch.setattr(layer_template, "_by_layer_model", lambda members: None)
+    with pytest.raises(layer_template.NoReplay):
+        layer_replay.replayed_kinds(trace, 25, 7)
+
+
+def test_default_checkpoint_plan_replayed_to_the_byte():
+    # segments=auto over 7 layers: 5 checkpointed, each alone, and 2 plain (kept as they are, the others varied)
+    case = Case("hf:llama-3.2-1b:seq_len=32:layers=7", "lora+checkpoint", "train", 1, "cuda")
+    replayed, why = layer_replay.tracked_step_by_layers(case, case.strategy, "fake", MEMORY_WARMUP_STEPS["cuda"],
+                                                        None)
+    assert why is None, why
+    full = _full_trace(case)
+    assert replayed.events == layer_replay.measured_log(full.events)
+    assert replayed.recompute_plan == full.recompute_plan == "0 1 2 3 4"
+    assert replayed.cpu_sdpa_calls == full.cpu_sdpa_calls > 0
+
+
+@pytest.mark.slow
+def test_many_plain_layers_replayed_to_the_byte():
+    # segments=2 over 8 layers: 4 checkpointed and 4 plain, both varied (templates over the plain layers at 3 and 4
+    # checkpointed ones, then over the checkpointed ones)
+    case = Case("hf:llama-3.2-1b:seq_len=32:layers=8", "bf16_weights+qlora+checkpoint:segments=2", "train", 1, "cuda")
+    replayed, why = layer_replay.tracked_step_by_layers(case, case.strategy, "fake", MEMORY_WARMUP_STEPS["cuda"],
+                                                        None)
+    assert why is None, why
+    full = _full_trace(case)
+    assert replayed.events == layer_replay.measured_log(full.events)
+    assert replayed.recompute_plan == full.recompute_plan == "0 1 2 3"
+
+
+@pytest.mark.slow
+def test_a_row_of_a_plan_with_one_plain_layer_has_every_figure_of_the_full_trace(monkeypatch):
+    case = Case("hf:llama-3.2-1b:seq_len=32:layers=16", "lora+checkpoint:segments=16", "train", 2, "cuda")
+    replayed = predict.predict_case(case, engine="fake")
+    monkeypatch.setenv(layer_replay.FULL_TRACE_ENV, "1")
+    full = predict.predict_case(case, engine="fake")
+    assert "layer replay: traced at 3+1, 4+1, 5+1 checkpointed+plain layers, the 15+1-layer log" in replayed["message"]
+    figures = [name for name in full if name != "message"]
+    assert {name: replayed[name] for name in figures} == {name: full[name] for name in figures}
 
 
 def test_the_full_trace_is_forced_by_the_environment(monkeypatch):

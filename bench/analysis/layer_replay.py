@@ -15,11 +15,18 @@ import os
 import re
 
 from bench.measure.cuda_allocator import CUBLAS_OPS
+from bench.measure.exact_affine import NotWhole, evaluate, solve
 from bench.measure.layer_template import LayerTemplate, NoReplay
 from bench.measure.memory import MemoryEvent
 
 FULL_TRACE_ENV = "MEMBENCH_FULL_TRACE"  # "1": every prediction traces all its layers (no layer replay)
 SMALLEST_TRACE_LAYERS = 3  # the layers of the smallest trace: at 2 the first layer's backward has no period before it
+SMALLEST_PLAIN_LAYERS = 2  # of a plan that leaves layers plain after checkpointed ones (`kinds_traced`)
+# a plan of two kinds of layers replays where its traces hold at most this share of the full trace's layers: a trace
+# costs about the same per layer of either kind, and its templates more than the uniform one's (Llama-3.1-8B at 4096
+# tokens, lora+checkpoint, 25+7 layers: 13.4 s of CPU by replay from 33 traced layers, 9.4 s by the full trace, the
+# same log; the machine loaded)
+KINDS_MOST_TRACED_SHARE = 2 / 3
 
 
 def full_trace_forced() -> bool:
@@ -74,12 +81,42 @@ def why_not_replayable(case, strategy, ranks: int, engine: str, snapshot: bool) 
         if isinstance(value, (list, tuple)) and len(value) == layers and len(set(map(repr, value))) > 1:
             return f"layers unlike one another ({key})"
     for member in getattr(strategy, "members", [strategy]):  # a composite's members, else the strategy itself
-        if member.name == "checkpoint" and (str(member.settings.get("segments")) != "all"
-                                            or member.settings.get("budget")):
-            return "a checkpoint plan that leaves some layers unchecked (only checkpoint:segments=all replays)"
+        if member.name == "checkpoint" and member.settings.get("budget"):
+            return "a checkpoint plan chosen by a budget"
         if member.distributed:
             return "a sharded strategy"
+    kinds = layer_kinds(strategy, layers)
+    traced = kinds and sum(c + p for c, p in kinds_traced(*kinds))
+    if kinds is not None and traced > KINDS_MOST_TRACED_SHARE * layers:
+        return (f"a checkpoint plan of {kinds[0]} checkpointed and {kinds[1]} plain layers: its replay would trace "
+                f"{traced} layers, the full trace {layers}")
     return None
+
+
+def layer_kinds(strategy, layers: int) -> tuple[int, int] | None:
+    """(checkpointed layers, plain layers after them) of a checkpoint plan that checkpoints some of the `layers`
+    and not the others (`segments` other than `all`: checkpoint_sequential's segments, each `hf:` layer its own
+    checkpoint, the last segment plain); None where every layer is treated alike."""
+    from strategies.checkpoint import recomputed_units, segment_plan
+
+    for member in getattr(strategy, "members", [strategy]):
+        if member.name == "checkpoint" and str(member.settings.get("segments")) != "all":
+            segments = member.segments_for(layers)
+            plan = segment_plan(layers, segments, chain=False) if segments <= layers else ()
+            checkpointed = len(recomputed_units(plan))
+            return (checkpointed, layers - checkpointed) if 0 < checkpointed < layers else None
+    return None
+
+
+def kinds_traced(checkpointed: int, plain: int) -> list[tuple[int, int]]:
+    """The (checkpointed, plain) layers of the traces that replay a plan of both kinds, the proof's last: a few
+    plain layers are kept as they are (the checkpointed ones vary); more are varied too, from SMALLEST_PLAIN_LAYERS
+    (at 1 the plain layer's periods have no plain period before them to align with)."""
+    first = SMALLEST_TRACE_LAYERS
+    if plain <= SMALLEST_PLAIN_LAYERS:
+        return [(first, plain), (first + 1, plain), (first + 2, plain)]
+    least = SMALLEST_PLAIN_LAYERS
+    return [(first, least), (first, least + 1), (first + 1, least), (first + 1, least + 1), (first + 2, least + 2)]
 
 
 def with_layers(workload_spec: str, layers: int) -> str:
@@ -117,21 +154,31 @@ def tracked_step_by_layers(case, spec: str, engine: str, warmup_steps: int | Non
     if tried in _REFUSED:
         return None, f"{_REFUSED[tried]}, found on an earlier case of this model and strategy"
 
-    def trace(count: int):
-        small = replace(case, workload=with_layers(case.workload, count))
+    def trace(count: int, plain: int | None = None):
+        """The step at `count` layers; with `plain`, `count` checkpointed layers, each alone, and `plain` after."""
+        small = replace(case, workload=with_layers(case.workload, count + (plain or 0)))
         planned = bind_case(replace(small, device=bound_device(engine)), 1)[0]
+        if plain is not None:
+            for member in getattr(planned, "members", [planned]):
+                if member.name == "checkpoint":
+                    member.plan_used = tuple((layer,) for layer in range(count))
         planned.plan(PredictionMeter(small))
         return tracked_step(small, spec, engine, 1, cuda_autocast=True, ranks=1, record_events=True,
                             warmup_steps=warmup_steps, planned=planned, capability=capability)
 
+    kinds = layer_kinds(bind_case(replace(case, device=bound_device(engine)), 1)[0], layers)
     try:
-        steps, events, plan = _replayed(trace, traced, layers)
+        if kinds is None:
+            steps, events, plan = _replayed(trace, traced, layers)
+            calls = [step.cpu_sdpa_calls for step in steps]
+            calls_at_layers = calls[0] + (calls[1] - calls[0]) * (layers - traced[0])
+        else:
+            steps, events, plan, calls_at_layers = replayed_kinds(trace, *kinds)
     except NoReplay as why:
         _REFUSED[tried] = str(why)
         return None, str(why)
-    calls = [step.cpu_sdpa_calls for step in steps]
-    return TrackedStep(_live_peak(events), events, engine, None, {}, steps[0].sdpa_kernel,
-                       calls[0] + (calls[1] - calls[0]) * (layers - traced[0]), plan, None), None
+    return TrackedStep(_live_peak(events), events, engine, None, {}, steps[0].sdpa_kernel, calls_at_layers, plan,
+                       None), None
 
 
 def _replayed(trace, traced: list[int], layers: int) -> tuple[list, list[MemoryEvent], str]:
@@ -149,6 +196,45 @@ def _replayed(trace, traced: list[int], layers: int) -> tuple[list, list[MemoryE
     if template.events(traced[2]) != measured_log(steps[2].events):
         raise NoReplay(f"the log made for {traced[2]} layers differs from their trace")
     return steps, template.events(layers), plan
+
+
+def replayed_kinds(trace, checkpointed: int, plain: int) -> tuple[list, list[MemoryEvent], str, int]:
+    """(the small steps, the log of `checkpointed` layers then `plain` ones, its recompute plan, its calls of the CPU's
+    attention kernel), `trace(c, p)` tracing the step at c checkpointed and p plain layers (`kinds_traced`); NoReplay
+    where the log made for the last traced counts is not their trace's. Few plain layers are kept and the
+    checkpointed ones vary, as `_replayed` varies every layer; otherwise a template over the plain layers at each of
+    two counts of checkpointed ones gives the two logs, at the plain layers wanted, of a template over the
+    checkpointed ones (a storage named across the kinds, by the optimizer of every layer, is named by its layer)."""
+    counts = kinds_traced(checkpointed, plain)
+    steps = [trace(*count) for count in counts[:-1]]
+    _check_alike(steps)
+    logs = {count: measured_log(step.events) for count, step in zip(counts, steps)}
+    first, least = SMALLEST_TRACE_LAYERS, SMALLEST_PLAIN_LAYERS
+    if len(counts) == 3:
+        template = LayerTemplate(logs[counts[0]], logs[counts[1]], first)
+
+        def build(checkpointed_layers: int, plain_layers: int) -> list[MemoryEvent]:
+            return template.events(checkpointed_layers)
+    else:
+        over_plain = [LayerTemplate(logs[c, least], logs[c, least + 1], least) for c in (first, first + 1)]
+
+        def build(checkpointed_layers: int, plain_layers: int) -> list[MemoryEvent]:
+            smaller, larger = (template.events(plain_layers) for template in over_plain)
+            return LayerTemplate(smaller, larger, first).events(checkpointed_layers)
+    steps.append(trace(*counts[-1]))
+    _check_alike(steps)
+    if any(step.recompute_plan != " ".join(map(str, range(c))) for (c, _), step in zip(counts, steps)):
+        raise NoReplay("a recompute plan other than each checkpointed layer alone")
+    calls = solve([(c, p, step.cpu_sdpa_calls) for (c, p), step in zip(counts, steps)])
+    if calls is None:
+        raise NoReplay("attention calls not the same per layer of each kind")
+    if build(*counts[-1]) != measured_log(steps[-1].events):
+        raise NoReplay(f"the log made for {counts[-1][0]}+{counts[-1][1]} layers differs from their trace")
+    try:
+        calls_at_layers = evaluate(calls, checkpointed, plain)
+    except NotWhole:
+        raise NoReplay("attention calls not the same per layer of each kind") from None
+    return steps, build(checkpointed, plain), " ".join(map(str, range(checkpointed))), calls_at_layers
 
 
 # why layer replay was refused, by (workload spec without its length, strategy spec, engine): a search over lengths
@@ -196,8 +282,12 @@ def _live_peak(events: list[MemoryEvent]) -> int:
     return peak
 
 
-def replay_note(layers: int) -> str:
-    """What a row predicted by layer replay says."""
+def replay_note(layers: int, kinds: tuple[int, int] | None = None) -> str:
+    """What a row predicted by layer replay says (`kinds`: its checkpointed and plain layers, where they differ)."""
+    if kinds is not None:
+        traced = ", ".join(f"{checkpointed}+{plain}" for checkpointed, plain in kinds_traced(*kinds))
+        return (f"layer replay: traced at {traced} checkpointed+plain layers, the {kinds[0]}+{kinds[1]}-layer log "
+                f"built from all but the last (equal to its trace; {FULL_TRACE_ENV}=1 traces every layer)")
     return (f"layer replay: traced at {SMALLEST_TRACE_LAYERS}, {SMALLEST_TRACE_LAYERS + 1} and "
             f"{SMALLEST_TRACE_LAYERS + 2} layers, the {layers}-layer log built from the first two "
             f"(equal to the trace of {SMALLEST_TRACE_LAYERS + 2}; {FULL_TRACE_ENV}=1 traces every layer)")

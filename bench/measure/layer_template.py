@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Sequence
 
+from bench.measure.exact_affine import NotWhole, evaluate as _evaluate, solve as _solve
 from bench.measure.memory import MemoryEvent
 
 _MATCH_AHEAD = 8  # events after an inserted block that must match the smaller log again for the block to be taken
@@ -39,6 +40,23 @@ def _shape(event: MemoryEvent, allocs: dict) -> tuple:
     named = allocs.get(event.key) if event.kind in ("free", "category") else None
     target = (named.nbytes, named.stage, _MODULE_INDEX.sub("#", named.module)) if named is not None else None
     return event.kind, event.nbytes, event.stage, event.op, _MODULE_INDEX.sub("#", event.module), event.category, target
+
+
+def _identities(events: Sequence[MemoryEvent]) -> dict[int, tuple]:
+    """Each storage the log allocates by what it is: (its alloc's shape without the numbers in its module's name,
+    the first of those numbers (its layer) or None, how many allocs of that shape and layer came before it)."""
+    found, counts = {}, {}  # key -> identity; (shape, layer) -> allocs so far
+    for event in events:
+        if event.kind == "alloc":
+            numbers = _MODULE_INDEX.findall(event.module)
+            kind = (_alloc_shape(event), int(numbers[0]) if numbers else None)
+            counts[kind] = counts.get(kind, -1) + 1
+            found[event.key] = (*kind, counts[kind])
+    return found
+
+
+def _alloc_shape(event: MemoryEvent) -> tuple:  # what an alloc is, without the numbers in its module's name
+    return event.nbytes, event.stage, event.op, _MODULE_INDEX.sub("#", event.module), event.category
 
 
 def _tokens(events: Sequence[MemoryEvent], codes: dict) -> list[int]:
@@ -106,50 +124,16 @@ def _runs(tokens: list[int], sites: list[tuple[int, int]]) -> list[_Run]:
     return runs
 
 
-def _solve(observations: list[tuple[int, int, int]]) -> tuple[Fraction, Fraction, Fraction] | None:
-    """(c, p, n) with value == c + p * period + n * layers for every (period, layers, value) observed, exactly; None
-    when no such affine function fits. Coefficients that the observations cannot tell apart are 0."""
-    distinct = list(dict.fromkeys(observations))
-    columns = [lambda period, layers: 1, lambda period, layers: period, lambda period, layers: layers]
-    # Gaussian elimination over the rationals on the observations, keeping only independent columns
-    rows = [[Fraction(f(period, layers)) for f in columns] + [Fraction(value)] for period, layers, value in distinct]
-    pivots: list[int] = []
-    rank = 0
-    for col in range(3):
-        pivot = next((r for r in range(rank, len(rows)) if rows[r][col] != 0), None)
-        if pivot is None:
-            continue
-        rows[rank], rows[pivot] = rows[pivot], rows[rank]
-        lead = rows[rank][col]
-        rows[rank] = [x / lead for x in rows[rank]]
-        for r in range(len(rows)):
-            if r != rank and rows[r][col] != 0:
-                factor = rows[r][col]
-                rows[r] = [x - factor * y for x, y in zip(rows[r], rows[rank])]
-        pivots.append(col)
-        rank += 1
-    if any(row[3] != 0 for row in rows[rank:]):
-        return None  # inconsistent: no affine function fits
-    solution = [Fraction(0)] * 3
-    for r, col in enumerate(pivots):
-        solution[col] = rows[r][3]
-    # whole coefficients as ints: evaluating them is most of making a log
-    return tuple(int(x) if x.denominator == 1 else x for x in solution)
-
-
-def _evaluate(coefficients, period: int, layers: int) -> int:
-    value = coefficients[0] + coefficients[1] * period + coefficients[2] * layers
-    if type(value) is not int:
-        if value.denominator != 1:
-            raise NoReplay("a fitted number is not whole at this layer count")
-        value = int(value)
-    return value
-
-
 class LayerTemplate:
     """The log of a step at any layer count, made from its logs at `layers` and `layers + 1` (see the module)."""
 
     def __init__(self, smaller: Sequence[MemoryEvent], larger: Sequence[MemoryEvent], layers: int):
+        try:
+            self._make(smaller, larger, layers)
+        except NotWhole as error:
+            raise NoReplay(str(error)) from None
+
+    def _make(self, smaller: Sequence[MemoryEvent], larger: Sequence[MemoryEvent], layers: int) -> None:
         self.layers = layers
         codes: dict = {}
         small_tokens, large_tokens = _tokens(smaller, codes), _tokens(larger, codes)
@@ -163,6 +147,7 @@ class LayerTemplate:
         small_places = self._smaller_places(len(smaller), sites)
         self._fit(((smaller, small_places, layers), (larger, list(zip(self._slot_of, self._period_of)), layers + 1)))
         self._programs: dict[tuple, tuple] = {}  # (slot, edge) -> what `_emit` needs (`_program`)
+        self._by_layer = any(model[1] == "identity" for _, models in self._models.values() for model in models.values())
 
     def _places(self) -> tuple[list[tuple], list[int]]:
         """The slot and period of each event of the larger log (a fixed event: its position, period 0)."""
@@ -197,9 +182,11 @@ class LayerTemplate:
         a model of it by the period and the layer count. A run's first or last period may differ from the others
         (the first layer's backward, a category event filed before the next period's alloc): where one model does
         not fit a quantity in every period, those periods get their own. A storage in a run is named by layer where
-        both runs' periods have layer indices (the same layer, the one before), else by an affine function."""
+        both runs' periods have layer indices (the same layer, the one before), else by an affine function, else (a
+        run naming storages of checkpointed and of plain layers) by what it is and its layer (`_identities`)."""
         observed: dict[tuple, list] = {}
         for events, places, layers in logs:
+            identities = _identities(events)
             # a "category" event may come just before its storage's alloc (`breakdown.CategorizedTracker`)
             alloc_place = {event.key: place for event, place in zip(events, places) if event.kind == "alloc"}
             for event, (slot, period) in zip(events, places):
@@ -207,7 +194,8 @@ class LayerTemplate:
                 if event.kind in ("free", "category"):
                     found = alloc_place.get(event.key)
                     # a storage the log never allocated is named as is
-                    quantities["target"] = ("key", event.key, None) if found is None else (*found[0:1], found[1])
+                    quantities["target"] = (("key", event.key, None) if found is None
+                                              else (found[0], found[1], identities[event.key]))
                 for place, number in enumerate(_MODULE_INDEX.findall(event.module)):
                     quantities["index", place] = number
                 edge = self._edge(slot, period, layers)
@@ -254,7 +242,10 @@ class LayerTemplate:
             else:
                 targets = {value[:2] if value[0] == "key" else value[0] for _, _, value in members}
                 if len(targets) > 1:
-                    return None
+                    models[group] = _by_layer_model(members)
+                    if models[group] is None:
+                        return None
+                    continue
                 target = targets.pop()
                 models[group] = (target, "key", None) if target[0] == "key" else self._target_model(slot, target,
                                                                                                     members)
@@ -287,10 +278,24 @@ class LayerTemplate:
         """The step's log at `layers` layers (at least the smaller log's)."""
         if layers < self.layers:
             raise NoReplay(f"{layers} layers: fewer than the template's {self.layers}")
-        extra = layers - self.layers - 1  # periods each run gains over the larger log
         out: list[MemoryEvent] = []
         keys: dict[tuple, int] = {}  # (slot, period) -> the key its alloc got
         pending: list[tuple[int, tuple]] = []  # (index in out, (slot, period)): an event before its storage's alloc
+        self._identified: dict[tuple, int] = {}  # an allocated storage's identity (`_identities`) -> its key
+        self._counts: dict[tuple, int] = {}  # (shape, layer) -> the allocs of it so far
+        try:
+            self._emit_all(out, keys, pending, layers)
+        except NotWhole as error:
+            raise NoReplay(str(error)) from None
+        for index, target in pending:
+            found = self._identified.get(target[1:]) if target[0] == "identity" else keys.get(target)
+            if found is None:
+                raise NoReplay(f"an event at {layers} layers names a storage never allocated")
+            out[index] = out[index]._replace(key=found)
+        return out
+
+    def _emit_all(self, out: list, keys: dict, pending: list, layers: int) -> None:
+        extra = layers - self.layers - 1  # periods each run gains over the larger log
         position = 0
         for index, run in enumerate(self.runs):
             for fixed in range(position, run.start):
@@ -303,11 +308,6 @@ class LayerTemplate:
             position = run.start + run.length * run.periods
         for fixed in range(position, len(self.larger)):
             self._emit(out, keys, pending, ("fixed", fixed), 0, layers, "middle")
-        for index, target in pending:
-            if target not in keys:
-                raise NoReplay(f"an event at {layers} layers names a storage never allocated")
-            out[index] = out[index]._replace(key=keys[target])
-        return out
 
     def _emit(self, out: list, keys: dict, pending: list, slot: tuple, period: int, layers: int, edge: str) -> None:
         program = self._programs.get((slot, edge))
@@ -317,9 +317,18 @@ class LayerTemplate:
         key = event.key
         if event.kind == "alloc":
             key = keys[(slot, period)] = len(keys) + 1
+            if self._by_layer:  # what it is, for the events that name their storage by it
+                kind = (target, _evaluate(numbers[0], period, layers) if numbers else None)
+                count = self._counts[kind] = self._counts.get(kind, -1) + 1
+                self._identified[(*kind, count)] = key
         elif target is not None:
             if target[0] == "key":
                 key = target[1]
+            elif target[0] == "identity":
+                named = (target[1], _evaluate(target[2], period, layers), target[3])
+                key = self._identified.get(named, 0)
+                if not key:
+                    pending.append((len(out), ("identity", *named)))
             else:
                 named = (target[1], _target_period(target, period, layers))
                 key = keys.get(named, 0)
@@ -336,8 +345,9 @@ class LayerTemplate:
 
     def _program(self, slot: tuple, edge: str) -> tuple:
         """What `_emit` needs for a slot in periods at `edge`: its event in the larger log, how it names its storage
-        (None, ("key", key), ("affine", slot, coefficients) or ("layer", slot, source layer, target layer, offset)),
-        its module name cut around its numbers, and each number's coefficients."""
+        (None, ("key", key), ("affine", slot, coefficients), ("layer", slot, source layer, target layer, offset) or
+        ("identity", shape, layer coefficients, count); an alloc: its shape), its module name cut around its numbers,
+        and each number's coefficients."""
         event = self.larger[slot[1] if slot[0] == "fixed" else self.runs[slot[1]].start + slot[2]]
         target = None
         if event.kind in ("free", "category"):
@@ -346,8 +356,12 @@ class LayerTemplate:
                 target = ("key", named[1])
             elif how == "affine":
                 target = ("affine", named, parameter)
+            elif how == "identity":
+                target = ("identity", *parameter)
             else:
                 target = ("layer", named, self._layer_of_run[slot[1]], self._layer_of_run[named[1]], parameter)
+        elif event.kind == "alloc":
+            target = _alloc_shape(event)
         parts = _MODULE_INDEX.split(event.module) if event.module else [event.module]
         numbers = [self._model(slot, ("index", place), edge) for place in range(len(parts) - 1)]
         return event, target, parts, numbers
@@ -358,6 +372,20 @@ class LayerTemplate:
         if model is None:
             raise NoReplay(f"{slot}: no model of its {name} in its {edge} periods")
         return model
+
+
+def _by_layer_model(members: list) -> tuple | None:
+    """A slot naming storages of several slots, by what they are (`_identities`): (None, "identity", (their shape,
+    their layer's affine coefficients, their count)); None where they differ in shape or count, or have no layer."""
+    identities = [value[2] if value[0] != "key" else None for _, _, value in members]
+    if any(identity is None or identity[1] is None for identity in identities):
+        return None
+    kinds = {(identity[0], identity[2]) for identity in identities}
+    coefficients = _solve([(period, layers, identity[1]) for (period, layers, _), identity in zip(members, identities)])
+    if len(kinds) != 1 or coefficients is None:
+        return None
+    shape, count = kinds.pop()
+    return None, "identity", (shape, coefficients, count)
 
 
 def _target_period(target: tuple, period: int, layers: int) -> int:
