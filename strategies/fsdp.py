@@ -184,8 +184,10 @@ def _file_unsharded_as_weights(module, args):
     """A forward pre-hook that runs after FSDP2's own (which all-gathers the unit): the unit's parameters are now
     its unsharded ones (each a view of its own all-gather output, a storage FSDP2 keeps and resizes to nothing
     between uses), filed as weights from this first forward on."""
-    if listening():  # the units inside it are still sharded (DTensors, their shards weights already)
-        file_as((p for p in module.parameters() if not hasattr(p, "_local_tensor")), WEIGHTS)
+    if listening():  # the units inside it are still sharded (their shards are weights already)
+        group = module._get_fsdp_state()._fsdp_param_group
+        if group is not None:  # each parameter's unsharded one (a DTensor on the tp mesh, with tensor parallelism)
+            file_as((fsdp_param.unsharded_param for fsdp_param in group.fsdp_params), WEIGHTS)
 
 
 @register_strategy
@@ -246,14 +248,22 @@ class FSDP(Sharded):
             raise Unsupported(f"fsdp:offload=cpu needs device cuda, not {context.device}: on the CPU the host is the "
                               "device, so the offload saves nothing")
 
-    def mesh(self):
+    def mesh(self, model=None):
         """The ranks as one mesh of the case's device (1-D), or replicate x shard (2-D, HSDP): without a mesh FSDP2
         takes torch's default accelerator (CUDA wherever torch sees a GPU) and moves the model there, so a
-        `--device cpu` case would train on the GPU."""
+        `--device cpu` case would train on the GPU. A model tensor parallelism split (strategies/tp.py, its
+        parameters DTensors on the tp dimension of a dp x tp mesh): that mesh's dp dimension, as torchtitan shards."""
         from torch.distributed.device_mesh import DeviceMesh
 
         _, world = rank_and_world()
         replicate = self.settings["replicate"]
+        split = next((p.device_mesh for p in (model.parameters() if model is not None else ())
+                      if hasattr(p, "device_mesh")), None)
+        if split is not None:
+            if replicate != 1:
+                raise Unsupported(f"fsdp:replicate={replicate} with tp: hybrid sharding over a dp x tp mesh is not "
+                                  "supported; use fsdp+tp")
+            return split._get_root_mesh()["dp"]
         if replicate == 1:
             return DeviceMesh(self.context.device, list(range(world)))
         shard = world // replicate  # nested lists, not a tensor: on fake tensors the mesh's table must be real
@@ -267,7 +277,7 @@ class FSDP(Sharded):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         self.parameter_rows = [p.shape[0] if p.dim() else 1 for p in model.parameters()]
-        mesh = self.mesh()
+        mesh = self.mesh(model)
         offload = (CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.settings["offload"] == "cpu"
                    else OffloadPolicy())
         dtypes = {option: None if self.settings[option] == "none" else getattr(torch, self.settings[option])

@@ -48,7 +48,10 @@ SHARDED = [name for name in STRATEGIES.names() if STRATEGIES.get(name).distribut
 # check is skipped (in one process every rank is this one) and the rebuild files the first buckets as the new ones.
 NO_STORAGE = "its data is not allocated yet"
 # this file's per-rank checks look at FSDP's shards (DTensors); DDP and ZeRO-1 replicate the model
-CANNOT_RUN = {"ddp": "replicates the model: no shards to check", "zero1": "trains a DDP model: no shards to check"}
+CANNOT_RUN = {"ddp": "replicates the model: no shards to check", "zero1": "trains a DDP model: no shards to check",
+              "tp": "splits Llama-layout transformers models only, none in this grid: test_tp_fake_cuda.py runs it",
+              "zero2": "DeepSpeed's partitions are plain tensors: test_deepspeed_zero_fake_cuda.py checks them",
+              "zero3": "DeepSpeed's partitions are plain tensors: test_deepspeed_zero_fake_cuda.py checks them"}
 
 
 def sharded_cases() -> list[tuple[str, str]]:

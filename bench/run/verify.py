@@ -123,7 +123,7 @@ def _store_outputs(store: Store, outputs: list[torch.Tensor]) -> int:
     """Writes the floating-point outputs (as float32) to `store`; returns how many."""
     floating = [t for t in outputs if t.is_floating_point()]
     for index, tensor in enumerate(floating):
-        store.put(("outputs", index), tensor.float())
+        store.put(("outputs", index), whole(tensor).float())  # tensor parallelism's logits: vocabulary shards
     return len(floating)
 
 

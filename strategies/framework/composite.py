@@ -39,9 +39,17 @@ class Composite(Strategy):
                     raise UsageError(f"strategies {m.name!r} and {other!r} cannot be combined")
         for hook in ("load_batch", "micro_batches", "backward", "unscale_grads", "optimizer_step", "zero_grad",
                      "shard_batch", "reduce_loss"):
-            owners = [m.name for m in self.members if _overrides(m, hook)]
+            # members that share one implementation (the sharded strategies' batch split) compose
+            implementations = {getattr(type(m), hook): m.name for m in self.members if _overrides(m, hook)}
+            owners = list(implementations.values())
             if len(owners) > 1:
                 raise UsageError(f"strategies {owners[0]!r} and {owners[1]!r} cannot be combined: both replace {hook}")
+        sharded = [m for m in self.members if m.distributed]
+        for i, m in enumerate(sharded):
+            for other in sharded[i + 1:]:
+                if other.name not in getattr(m, "shards_with", ()) and m.name not in getattr(other, "shards_with", ()):
+                    raise UsageError(f"strategies {m.name!r} and {other.name!r} cannot be combined: both split the "
+                                     "training across the ranks")
         self.name = "+".join(names)
         self.distributed = any(m.distributed for m in self.members)
         self.pitfall = any(m.pitfall for m in self.members)

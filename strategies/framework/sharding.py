@@ -36,6 +36,9 @@ class Sharded(Strategy):
     refusals = (r"is sharded training: it needs --ranks 2 or more",)  # tests_cuda_fake/test_sharded_cuda.py runs 2
     distributed = True
     global_samples = 0  # the step's global batch, once `shard_batch` split it
+    # the sharded strategies it composes with (on one mesh: tp's dp x tp, where fsdp shards over dp); any other two
+    # sharded strategies split the same ranks two ways and are refused (strategies.framework.composite)
+    shards_with: tuple[str, ...] = ()
 
     @classmethod
     def plan_settings(cls, space):
@@ -50,17 +53,23 @@ class Sharded(Strategy):
     def shard_batch(self, batch):
         """This rank's slice of the global batch; an uneven split gives the first ranks one sample more (as
         `torch.tensor_split` does), and then the gradients weigh samples unequally: the row will not match."""
-        rank, world = rank_and_world()
+        place, replicas = self.data_parallel_place(*rank_and_world())
         self.global_samples = len(batch[1])
-        if len(batch[1]) < world:
-            raise Unsupported(f"batch {len(batch[1])} is smaller than the {world} ranks (--global-batch-size is "
-                              f"split across the ranks; --batch-size 1 gives each rank one sample)")
-        return tree_map(lambda t: torch.tensor_split(t, world)[rank] if isinstance(t, torch.Tensor) else t, batch)
+        if len(batch[1]) < replicas:
+            raise Unsupported(f"batch {len(batch[1])} is smaller than the {replicas} data-parallel ranks "
+                              f"(--global-batch-size is split across them; --batch-size 1 gives each one sample)")
+        return tree_map(lambda t: torch.tensor_split(t, replicas)[place] if isinstance(t, torch.Tensor) else t, batch)
+
+    def data_parallel_place(self, rank: int, world: int) -> tuple[int, int]:
+        """(which slice of the batch rank `rank` of `world` trains on, how many slices): its own of `world`, unless
+        a strategy whose ranks share samples (tensor parallelism's groups) says otherwise."""
+        return rank, world
 
     def samples_of_rank(self, rank: int, world: int) -> int:
         """How many samples of the step's global batch rank `rank` trains on (`shard_batch`'s split)."""
+        place, replicas = self.data_parallel_place(rank, world)
         samples = self.global_samples
-        return samples // world + (1 if rank < samples % world else 0)
+        return samples // replicas + (1 if place < samples % replicas else 0)
 
     def rank_signature(self, rank, world):
         """None (each rank traced on its own): a subclass whose ranks differ only by what they hold says what."""
