@@ -1,13 +1,14 @@
 """Reading the training configuration a user already wrote (Trainer/TRL arguments, torchtune recipes, axolotl YAML,
-fsdp_qlora's train.py arguments) as the membench case it describes: `derive_job(...)` -> `DerivedJob` (workload and
-strategy specs, batch, every key accounted for).
+fsdp_qlora's train.py arguments, torchtitan's TOML job files, accelerate's FSDP plugin YAML) as the membench case it
+describes: `derive_job(...)` -> `DerivedJob` (workload and strategy specs, batch, every key accounted for).
 
     >>> job = derive_job("recipes/configs/llama3_1/8B_lora_single_device.yaml", ["batch_size=4"])  # doctest: +SKIP
     >>> job.workload, job.strategy, job.batch_size  # doctest: +SKIP
 
-Which reader reads a file: `kind=` when given (trainer, trl, torchtune, axolotl), else the file's keys: a `model`
-section with a `_component_` is torchtune's, `base_model` axolotl's, `train_type` or `context_length` fsdp_qlora's
-train.py arguments, anything else the Trainer's (TRL's where a key
+Which reader reads a file: `kind=` when given (KINDS), else the file's keys: a `model` section with a `_component_` is
+torchtune's, one with a `flavor` (or a `parallelism` section) torchtitan's, `distributed_type` or `fsdp_config`
+accelerate's, `base_model` axolotl's, `train_type` or `context_length` fsdp_qlora's train.py arguments, anything
+else the Trainer's (TRL's where a key
 only SFTConfig or TRL's ModelConfig has is present). Python objects (TrainingArguments, SFTConfig, peft's
 LoraConfig, transformers' BitsAndBytesConfig and PretrainedConfig) are read by `job_from_trainer_objects`.
 """
@@ -26,7 +27,7 @@ from bench.core.errors import UsageError
 from bench.jobs.files import apply_overrides, load_file
 from bench.jobs.job import DerivedJob, KeyUse
 
-KINDS = ("trainer", "trl", "torchtune", "axolotl", "fsdp_qlora")
+KINDS = ("trainer", "trl", "torchtune", "axolotl", "fsdp_qlora", "torchtitan", "accelerate", "deepspeed")
 
 __all__ = ["DerivedJob", "KeyUse", "KINDS", "derive_job", "job_from_trainer_objects", "kind_of_file"]
 
@@ -37,6 +38,13 @@ def kind_of_file(values: dict[str, Any]) -> str:
 
     if isinstance(values.get("model"), dict) and "_component_" in values["model"]:
         return "torchtune"
+    if (isinstance(values.get("model"), dict) and "flavor" in values["model"]) or isinstance(
+            values.get("parallelism"), dict):
+        return "torchtitan"
+    if "distributed_type" in values or "fsdp_config" in values:
+        return "accelerate"
+    if isinstance(values.get("zero_optimization"), dict) or "train_micro_batch_size_per_gpu" in values:
+        return "deepspeed"  # DeepSpeed's own JSON (bench/jobs/deepspeed.py)
     if "base_model" in values or "base_model_config" in values:
         return "axolotl"
     if "train_type" in values or "context_length" in values:
@@ -46,12 +54,15 @@ def kind_of_file(values: dict[str, Any]) -> str:
 
 def derive_job(config: str | Path | dict | Any, overrides: Iterable[str] = (), *, kind: str | None = None,
                model: str | None = None, peft_config: Any = None, quantization_config: Any = None,
-               model_config: Any = None, max_length: int | None = None) -> DerivedJob:
+               model_config: Any = None, max_length: int | None = None, ranks: int | None = None,
+               workload: str | None = None) -> DerivedJob:
     """The DerivedJob of `config`: a configuration file's path (YAML or JSON), a mapping, or a TrainingArguments or
     SFTConfig object (then `peft_config`, `quantization_config` and `model_config` may hold the objects beside it);
     `overrides` as `tune run` takes them (`key=value`, `~key`); `model`: the workload's model where the
     configuration's is not to be used (a preset such as `llama-3.1-8b`, a config.json path, `hf:...`); `max_length`:
-    the sequence length where a Trainer object has none (the longest row of its data).
+    the sequence length where a Trainer object has none (the longest row of its data); `ranks`: the processes the job
+    is launched on, where the command states them (torchtitan's shard degree -1 takes the ranks left over);
+    `workload`: the training script's model and sequence where the configuration has none (accelerate's).
     A UsageError, one line naming the key and what is valid, for anything the readers refuse."""
     overrides = tuple(overrides)
     if kind is not None and kind not in KINDS:
@@ -70,6 +81,21 @@ def derive_job(config: str | Path | dict | Any, overrides: Iterable[str] = (), *
     if model is None and model_config is not None:
         model = config_file_of(model_config)
     kind = kind or kind_of_file(values)
+    if kind == "torchtitan":
+        from bench.jobs.torchtitan import read_torchtitan
+
+        job = read_torchtitan(values, source, overrides, ranks=ranks)
+        if model:
+            job, _ = job.with_explicit(workload=_hf(model))
+        return job
+    if kind == "accelerate":
+        from bench.jobs.accelerate import read_accelerate
+
+        return read_accelerate(values, source, overrides, workload=_hf(model) or workload)
+    if kind == "deepspeed":
+        from bench.jobs.deepspeed import read_deepspeed
+
+        return read_deepspeed(values, source, overrides, workload=_hf(model) or workload)
     if kind == "torchtune":
         from bench.jobs.torchtune import read_torchtune
 

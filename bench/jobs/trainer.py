@@ -37,6 +37,7 @@ What the Trainer does with each setting, read from transformers 5 and TRL 1 (the
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from bench.core.errors import UsageError
@@ -114,9 +115,37 @@ def read_trainer(values: dict[str, Any], source: str, overrides: tuple[str, ...]
         reading.assume(f"per_device_train_batch_size not given: the default, {micro}")
 
     workload, model_name = _workload(reading, kind, model)
+    ranks, deepspeed_uses = None, []
+    if reading.get("deepspeed", None) is not None:
+        members, ranks, deepspeed_uses = _deepspeed(reading, members, micro, steps, workload, source)
+    keys = [use for use in reading.finish(defaults) if not (deepspeed_uses and use.key == "deepspeed")]
     return DerivedJob(kind=kind, source=source, overrides=overrides, workload=workload, model=model_name,
-                      strategy=spec_of(members), batch_size=micro * steps, keys=reading.finish(defaults),
-                      assumptions=reading.assumptions)
+                      strategy=spec_of(members), batch_size=micro * steps, ranks=ranks,
+                      keys=keys + deepspeed_uses, assumptions=reading.assumptions)
+
+
+def _deepspeed(reading: Reading, members: list[str], micro: int, steps: int, workload: str, source: str):
+    """(members, ranks, key uses) of a Trainer run under DeepSpeed (its `deepspeed` key: a path or a mapping): the
+    ZeRO stage and precision are DeepSpeed's (the engine casts the model for bf16/fp16; accelerate adds no autocast
+    under DeepSpeed), "auto" filled from the Trainer (bench/jobs/deepspeed.py)."""
+    from bench.jobs.deepspeed import Trainer, deepspeed_members, hidden_size, load_deepspeed
+
+    value = reading.get("deepspeed")
+    beside = Path(source).parent / str(value)
+    if isinstance(value, str) and not Path(value).expanduser().exists() and beside.is_file():
+        value = str(beside)  # a path relative to the configuration's own folder
+    values = load_deepspeed(value)
+    bf16 = "amp:dtype=bfloat16" in members
+    fp16 = "amp:dtype=float16" in members
+    trainer = Trainer(micro, steps, bf16, fp16, hidden_size(workload))
+    zero, _, _, ranks, uses, assumptions = deepspeed_members(values, trainer, prefix="deepspeed.")
+    kept = [m for m in members if not m.startswith(("amp:", "grad_accumulation")) and m not in zero]
+    for key in ("bf16", "fp16"):
+        if reading.get(key):
+            reading.used(key, f"DeepSpeed's {key} section's auto: the engine casts the model (no autocast)")
+    for line in assumptions:
+        reading.assume(f"deepspeed: {line}")
+    return kept + zero, ranks, uses
 
 
 def _weights_member(reading: Reading, kind: str) -> str:

@@ -128,7 +128,7 @@ KEYS = (
     Key("fsdp", NOT_MODELLED, "FSDP through accelerate: predicted on one device (use --ranks with the fsdp "
                               "strategy)"),
     Key("fsdp_config", NOT_MODELLED, "FSDP through accelerate: predicted on one device"),
-    Key("deepspeed", NOT_MODELLED, "DeepSpeed: predicted on one device without it"),
+    Key("deepspeed", USED, "DeepSpeed's configuration: its ZeRO stage (bench/jobs/deepspeed.py)"),
     Key("tf32", IGNORED, "TensorFloat-32 matmuls: precision, " + _NOT_MEMORY),
     Key("use_cpu", IGNORED, "the device: membench predicts the one its command names"),
     Key("learning_rate", IGNORED, "a hyperparameter: values, " + _NOT_MEMORY),

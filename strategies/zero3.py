@@ -1,0 +1,29 @@
+"""DeepSpeed ZeRO stage 3: parameters too partitioned across ranks, gathered module by module as they run."""
+
+from strategies import register_strategy
+from strategies.framework.deepspeed_zero import Zero3Mechanism
+
+
+@register_strategy
+class Zero3(Zero3Mechanism):
+    """DeepSpeed's ZeRO-3 as its `DeepSpeedZeroOptimizer_Stage3` and parameter coordinator allocate it
+    (strategies/framework/deepspeed_zero.py, with the DeepSpeed source it follows): each parameter split into N
+    partitions of ceil(numel / N) elements, held in one flat buffer, the float32 master copy and the optimizer state
+    of the rank's partitions, a persistent gradient-partition buffer and bucket; each module's own parameters
+    all-gathered just before its forward and its backward and freed after, those of the modules that ran next
+    gathered ahead up to `prefetch_bucket_size` elements within `max_live_parameters`; a parameter of at most
+    `param_persistence_threshold` elements kept whole on every rank. Options: those of `zero2`, `sub_group_size`,
+    the three above (DeepSpeed's `stage3_` keys) and `offload_param=cpu` (the 16-bit partitions on the host; CUDA
+    only). Exact up to float summation order in float32.
+
+    Limitations: it needs `--ranks 2` or more; a BatchNorm model differs from the single process. DeepSpeed's engine
+    is not run (see zero2's limitations); the prefetch follows the order the modules ran in the previous step, ignoring
+    `stage3_max_reuse_distance` (a parameter used twice is gathered twice); a parameter read outside its own module's
+    forward (a parent reading a child's weight directly) is not gathered for it. Offload's host memory is
+    `offload_host_peak_bytes`, not in `peak_mem_bytes`."""
+
+    name = "zero3"
+    description = "DeepSpeed ZeRO-3 (modelled): parameters, gradients and optimizer state partitioned"
+    priority = 70
+    # DeepSpeed's default bucket is 5e8 elements: 2 GB of a small test's host memory
+    test_spec = "zero3:reduce_bucket_size=4096:param_persistence_threshold=16:prefetch_bucket_size=2048"
