@@ -14,10 +14,10 @@ _BLOCK = re.compile(r"(<!-- keys: (\w+) -->\n)(.*?)(<!-- /keys -->)", re.S)
 
 def reader_keys() -> dict:
     """Each reader's declared keys, by the name of its block."""
-    from bench.jobs import axolotl, fsdp_qlora, torchtune, trainer_keys
+    from bench.jobs import axolotl, deepspeed, fsdp_qlora, torchtune, trainer_keys
 
     return {"trainer": trainer_keys.KEYS, "torchtune": torchtune.KEYS, "axolotl": axolotl.KEYS,
-            "fsdp_qlora": fsdp_qlora.KEYS}
+            "fsdp_qlora": fsdp_qlora.KEYS, "deepspeed": deepspeed.KEYS}
 
 
 def keys_table(name: str) -> str:
