@@ -32,13 +32,37 @@ POLICIES = {
     "compute": MATMUL_OPS | ATTENTION_OPS | CONVOLUTION_OPS,  # save the expensive ops, recompute the cheap ones
     "matmul": MATMUL_OPS | ATTENTION_OPS,  # save matmuls and attention only: convolutions are recomputed too
     "none": set(),  # save nothing: plain checkpointing of each unit, through the selective machinery
+    "every_other_mm": ATTENTION_OPS,  # and every other aten.mm of each unit (every_other_mm_policy)
 }
+# torchtitan's per-op policy (activation_checkpoint.selective_ac_option = "op"; its llama3 parallelize.py,
+# _op_sac_save_list, at commit 238fa9953e4aec2a62582121564273d7cbb1e9f1): beside attention it saves the outputs of
+# reduce-scatters (sequence parallelism's) and of max (float8's scales), and of the 1st, 3rd, ... aten.mm of each unit
+# (in a Llama layer q, v, gate and down projections; k, o and up are recomputed)
+EVERY_OTHER_MM_EXTRA = {aten.max.default} | ({torch.ops._c10d_functional.reduce_scatter_tensor.default}
+                                           if hasattr(torch.ops, "_c10d_functional") else set())
 
 
 def policy_fn(saved_ops: set):
     """The policy function of `create_selective_checkpoint_contexts` that saves the outputs of `saved_ops`."""
     def policy(ctx, op, *args, **kwargs):
         return CheckpointPolicy.MUST_SAVE if op in saved_ops else CheckpointPolicy.PREFER_RECOMPUTE
+    return policy
+
+
+def every_other_mm_policy():
+    """A fresh policy for one checkpoint (one unit's forward and its recompute), as torchtitan makes one per call:
+    it saves attention's, reduce-scatter's and max's outputs and those of the odd-numbered aten.mm calls of the unit,
+    counted apart in the forward and in the recompute so that both make the same choice."""
+    counts = {False: 0, True: 0}  # aten.mm calls so far, in the forward (False) and in the recompute (True)
+    saved = POLICIES["every_other_mm"] | EVERY_OTHER_MM_EXTRA
+
+    def policy(ctx, op, *args, **kwargs):
+        if op is aten.mm.default:
+            counts[ctx.is_recompute] += 1
+            keep = counts[ctx.is_recompute] % 2 == 1
+        else:
+            keep = op in saved
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
     return policy
 
 
@@ -51,7 +75,9 @@ class SelectiveCheckpoint(Strategy):
       what those cheap ops would otherwise keep (BatchNorm's and ReLU's own saved tensors, GELU's input, ...);
     - `matmul`: save only matmul and attention outputs; convolutions are recomputed (on a CNN close to plain
       checkpointing, on a transformer the same as `compute`);
-    - `none`: save nothing, recompute each unit whole (plain checkpointing with every unit its own segment).
+    - `none`: save nothing, recompute each unit whole (plain checkpointing with every unit its own segment);
+    - `every_other_mm`: torchtitan's per-operator policy (`selective_ac_option = "op"`): save attention's output and
+      that of every other matmul (aten.mm) of the unit, the 1st, 3rd, ...; recompute the rest.
 
     The trap: the captcha ResNet's residual add is in place (`tmp += self.identity(x)`) on the output of its
     second BatchNorm. PyTorch raises "Tensor cached during selective activation checkpoint has been mutated" when
@@ -86,6 +112,8 @@ class SelectiveCheckpoint(Strategy):
         self._policy = policy_fn(POLICIES[self.settings["policy"]])
 
     def _contexts(self):
+        if self.settings["policy"] == "every_other_mm":  # counts its calls: a fresh one for each checkpoint
+            return create_selective_checkpoint_contexts(every_other_mm_policy())
         return create_selective_checkpoint_contexts(self._policy)
 
     def prepare_model(self, model, units):

@@ -52,7 +52,7 @@ def worker_memory_bytes() -> int:
     return size_variable(ANCHOR_WORKER_BYTES_VARIABLE, WORKER_MEMORY_BYTES)
 STATUSES = ("ok", "partial", "not_modelled", "error")
 # the files' order in a run (the issue's order; the sharded, slowest predictions last), any other file after these
-SOURCE_ORDER = ("torchtune", "torchao", "transformers", "fsdp_qlora")
+SOURCE_ORDER = ("torchtune", "torchao", "transformers", "fsdp_qlora", "torchtitan")
 
 
 @dataclass
@@ -94,8 +94,11 @@ class Anchor:
 
     def workload(self, model_dir: Path = MODEL_DIR) -> str:
         """The `hf:` workload spec of the anchor's model: its config.json under bench/anchors/models/ (`model` is a
-        name there), or the file `model` names (a path ending in .json)."""
+        name there), the file `model` names (a path ending in .json), or else membench's preset of that name (the
+        published configuration numbers of workloads.framework.hf_presets: `llama-3.1-8b`)."""
         config = Path(self.model) if self.model.endswith(".json") else model_dir / (self.model + ".json")
+        if not self.model.endswith(".json") and not (MODEL_DIR / (self.model + ".json")).is_file():
+            config = self.model
         packed = f":packed={self.packed}" if self.packed else ""
         loss = f":loss={self.loss}" if self.loss != "logits" else ""
         return f"hf:{config}:seq_len={self.seq_len}:attn={self.attn}:task={self.task}{packed}{loss}"

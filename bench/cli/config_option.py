@@ -8,9 +8,10 @@ import argparse
 from bench.core.errors import UsageError
 
 CONFIG_HELP = ("your trainer's configuration, read as the case to predict: a Hugging Face Trainer/TRL SFTConfig file "
-               "(YAML or JSON, with lora: and quantization: sections), a torchtune recipe YAML or an axolotl YAML, "
-               "then overrides as `tune run` takes them (key=value, section.key=value, ~key); options given beside "
-               "it (--workload for the model, --batch-size, --ranks, --phases) override the file (default: none)")
+               "(YAML or JSON, with lora: and quantization: sections), a torchtune recipe YAML, an axolotl YAML, a "
+               "torchtitan job TOML or accelerate's FSDP config YAML (its model from --workload), then overrides as "
+               "`tune run` takes them (key=value, section.key=value, ~key); options given beside it (--workload for "
+               "the model, --batch-size, --ranks, --phases) override the file (default: none)")
 
 
 def add_config_option(p: argparse.ArgumentParser) -> None:
@@ -32,7 +33,8 @@ def derived_job(args, command: str):
     from bench.jobs import derive_job
 
     path, *overrides = args.config
-    job = derive_job(path, overrides)
+    ranks = getattr(args, "ranks", 1)
+    job = derive_job(path, overrides, ranks=ranks if ranks > 1 else None, workload=args.workload)
     explicit_batch = getattr(args, "batch_size", None)
     if getattr(args, "global_batch_size", None) is not None:
         raise UsageError("--global-batch-size with --config: give --batch-size (each device's batch) or none")
@@ -42,8 +44,9 @@ def derived_job(args, command: str):
             batch = int(explicit_batch)
         except ValueError:
             raise UsageError(f"--batch-size {explicit_batch!r} with --config: one batch size") from None
-    ranks = getattr(args, "ranks", 1)
-    job, notes = job.with_explicit(workload=args.workload, batch_size=batch, ranks=ranks if ranks > 1 else None)
+    own_model = job.kind != "accelerate"  # accelerate's config names no model: --workload is its model, not an override
+    job, notes = job.with_explicit(workload=args.workload if own_model else None, batch_size=batch,
+                                   ranks=ranks if ranks > 1 else None)
     if getattr(args, "strategies", None) and command != "plan":
         raise UsageError("--strategies with --config: the configuration gives the strategy; change it in the file "
                          "or with an override (key=value)")
@@ -51,11 +54,15 @@ def derived_job(args, command: str):
     for note in notes:
         print(f"  {note}")
     print()
+    if job.unsupported:  # the accounting above, then the one line: the job needs a strategy membench lacks
+        raise UsageError(job.unsupported)
     if job.ranks and hasattr(args, "ranks") and args.ranks == 1:
         args.ranks = job.ranks  # the configuration's processes, where --ranks does not say otherwise
     args.config_text = job.config_text  # recorded in the rows (with_config)
     args.workload = job.workload
     args.batch_size = str(job.batch_size)
+    if job.global_batch_size is not None and hasattr(args, "global_batch_size"):
+        args.batch_size, args.global_batch_size = None, str(job.global_batch_size)  # TP/CP groups share samples
     if command != "plan":
         args.strategies = job.strategy
     if command == "predict" and getattr(args, "phases", None) is None:

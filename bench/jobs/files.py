@@ -1,4 +1,5 @@
-"""Reading a configuration file (YAML or JSON) and applying command-line overrides to it as `tune run` takes them.
+"""Reading a configuration file (YAML, JSON, or TOML as torchtitan's job files are) and applying command-line
+overrides to it as `tune run` takes them.
 
 An override is `key=value` (a dotted key reaches into a section: `optimizer.fused=False`; the value is read as YAML,
 so `true`, `2`, `3e-4`, `[q_proj, v_proj]` and `null` have their types) or `~key` (the key deleted). As torchtune's
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import tomllib
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -39,8 +41,9 @@ def shipped_config(name: str) -> Path | None:
 
 
 def load_file(path: str | Path) -> dict[str, Any]:
-    """The mapping a YAML or JSON configuration file holds (a name of torchtune's shipped configurations where no
-    such file exists: `llama3_1/8B_lora_single_device`); a UsageError naming the file otherwise."""
+    """The mapping a YAML, JSON or TOML (by its suffix) configuration file holds (a name of torchtune's shipped
+    configurations where no such file exists: `llama3_1/8B_lora_single_device`); a UsageError naming the file
+    otherwise."""
     path = Path(path)
     if not path.exists():
         path = shipped_config(str(path)) or path
@@ -48,11 +51,12 @@ def load_file(path: str | Path) -> dict[str, Any]:
         text = path.read_text(encoding="utf-8")
     except OSError as error:
         raise UsageError(f"--config {path}: {error.strerror or error}") from None
+    language = {".json": "JSON", ".toml": "TOML"}.get(path.suffix, "YAML")
     try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as error:
-        raise UsageError(f"--config {path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: "
-                         f"{str(error).splitlines()[0]}") from None
+        data = json.loads(text) if language == "JSON" else tomllib.loads(text) if language == "TOML" else \
+            yaml.safe_load(text)
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError, yaml.YAMLError) as error:
+        raise UsageError(f"--config {path}: not valid {language}: {str(error).splitlines()[0]}") from None
     if not isinstance(data, dict):
         raise UsageError(f"--config {path}: expected a mapping of keys to values, found {type(data).__name__}")
     return data

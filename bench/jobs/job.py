@@ -73,6 +73,12 @@ class DerivedJob:
     keys: list[KeyUse] = field(default_factory=list)
     assumptions: list[str] = field(default_factory=list)
     model: str = ""  # the model as the configuration names it (a Hub id, a builder, a path)
+    # why the case cannot be predicted yet (a strategy the configuration needs that membench has not registered:
+    # tensor or context parallelism); empty when it can. The accounting is printed before the refusal.
+    unsupported: str = ""
+    # the step's batch over every rank, where the ranks do not each load their own (the ranks of a tensor- or
+    # context-parallel group share their samples): `--global-batch-size`; None: batch_size x ranks
+    global_batch_size: int | None = None
 
     @property
     def config_text(self) -> str:
@@ -82,8 +88,9 @@ class DerivedJob:
     def command(self, command: str = "predict") -> str:
         """The `python -m bench` command line that runs this case without the configuration."""
         ranks = f" --ranks {self.ranks}" if self.ranks and self.ranks > 1 else ""
-        return (f"python -m bench {command} --workload {self.workload} --strategies {self.strategy} "
-                f"--batch-size {self.batch_size}{ranks}")
+        batch = (f"--global-batch-size {self.global_batch_size}" if self.global_batch_size is not None
+                 else f"--batch-size {self.batch_size}")
+        return f"python -m bench {command} --workload {self.workload} --strategies {self.strategy} {batch}{ranks}"
 
     def by_fate(self, fate: str) -> list[KeyUse]:
         return [use for use in self.keys if use.fate == fate]
@@ -106,6 +113,8 @@ class DerivedJob:
         if self.assumptions:
             lines.append("  assumed where the configuration says nothing:")
             lines.extend(f"    {line}" for line in self.assumptions)
+        if self.unsupported:
+            lines.append(f"  {self.unsupported}")
         return "\n".join(lines)
 
     def with_explicit(self, workload: str | None = None, batch_size: int | None = None,
@@ -120,7 +129,8 @@ class DerivedJob:
         if batch_size is not None and batch_size != self.batch_size:
             notes.append(f"--batch-size {batch_size} overrides the configuration's batch per device "
                          f"({self.batch_size})")
-            job = replace(job, batch_size=batch_size, strategy=_accumulation_checked(job.strategy, batch_size))
+            job = replace(job, batch_size=batch_size, strategy=_accumulation_checked(job.strategy, batch_size),
+                          global_batch_size=None)
         if ranks is not None and ranks != (self.ranks or 1):
             notes.append(f"--ranks {ranks} overrides the configuration's ranks ({self.ranks or 1})")
             job = replace(job, ranks=ranks)
@@ -271,6 +281,22 @@ def spec_of(members: Iterable[str]) -> str:
 
     members = [m for m in members if m]
     return parse_strategy("+".join(members)).spec() if members else "baseline"
+
+
+def registered_spec(members: Iterable[str]) -> tuple[str, str]:
+    """(the spec, why it cannot be predicted yet): a member whose strategy membench has not registered (tp, cp), or
+    members it cannot compose, leave the spec as written and say so, rather than failing as an unknown spec."""
+    from strategies import STRATEGIES
+
+    members = [m for m in members if m]
+    missing = [m.split(":")[0] for m in members if m.split(":")[0] not in STRATEGIES]
+    if missing:
+        return "+".join(members), (f"not predicted: the configuration needs {' and '.join(missing)}, which membench "
+                                   f"has no strategy for yet ({'+'.join(members)})")
+    try:
+        return spec_of(members), ""
+    except UsageError as error:  # members membench has, but not together (a composition it refuses)
+        return "+".join(members), f"not predicted: {error}"
 
 
 # Packing: how many documents share a packed row is the data's, not the configuration's; the block-causal mask's size

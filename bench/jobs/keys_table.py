@@ -14,10 +14,11 @@ _BLOCK = re.compile(r"(<!-- keys: (\w+) -->\n)(.*?)(<!-- /keys -->)", re.S)
 
 def reader_keys() -> dict:
     """Each reader's declared keys, by the name of its block."""
-    from bench.jobs import axolotl, deepspeed, fsdp_qlora, torchtune, trainer_keys
+    from bench.jobs import accelerate, axolotl, deepspeed, fsdp_qlora, torchtitan, torchtune, trainer_keys
 
     return {"trainer": trainer_keys.KEYS, "torchtune": torchtune.KEYS, "axolotl": axolotl.KEYS,
-            "fsdp_qlora": fsdp_qlora.KEYS, "deepspeed": deepspeed.KEYS}
+            "fsdp_qlora": fsdp_qlora.KEYS, "torchtitan": torchtitan.KEYS, "accelerate": accelerate.KEYS,
+            "deepspeed": deepspeed.KEYS}
 
 
 def keys_table(name: str) -> str:

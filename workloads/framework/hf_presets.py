@@ -60,6 +60,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     # https://huggingface.co/meta-llama/Llama-3.1-70B/blob/main/config.json
     "llama-3.1-70b": {**_LLAMA_3_1, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
                       "num_attention_heads": 64},
+    # https://huggingface.co/meta-llama/Llama-3.1-405B/blob/main/config.json (the same shapes as torchtitan's llama3
+    # 405B flavour: dim 16384, 126 layers, 128 heads, 8 kv heads, ffn 1.2 x 8/3 x 16384 rounded up to 4096s = 53248)
+    "llama-3.1-405b": {**_LLAMA_3_1, "hidden_size": 16384, "intermediate_size": 53248, "num_hidden_layers": 126,
+                       "num_attention_heads": 128},
     # Mistral 7B v0.1, the release the paper describes (v0.3 has a 32,768-token vocabulary and no sliding window):
     # https://huggingface.co/mistralai/Mistral-7B-v0.1/blob/main/config.json
     "mistral-7b": {
@@ -164,6 +168,7 @@ PUBLISHED_PARAMETERS: dict[str, int] = {
     "llama-3.2-1b": 1_235_814_400,  # the model card's "1.23B"; head tied
     "llama-3.1-8b": 8_030_261_248,  # the model card's "8B"
     "llama-3.1-70b": 70_553_706_496,  # the model card's "70B" (70.6B)
+    "llama-3.1-405b": 405_853_388_800,  # the model card's "405B" (the Hub's safetensors metadata: 406B)
     "mistral-7b": 7_241_732_096,  # the paper's "7.3B" (Jiang et al. 2023)
     "qwen2.5-7b": 7_615_616_512,  # the model card: "Number of Parameters: 7.61B"
     "qwen2.5-72b": 72_706_203_648,  # the model card: "Number of Parameters: 72.7B"
