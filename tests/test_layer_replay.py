@@ -169,11 +169,12 @@ def test_many_plain_layers_replayed_to_the_byte():
 
 @pytest.mark.slow
 def test_a_row_of_a_plan_with_one_plain_layer_has_every_figure_of_the_full_trace(monkeypatch):
-    case = Case("hf:llama-3.2-1b:seq_len=32:layers=16", "lora+checkpoint:segments=16", "train", 2, "cuda")
+    # 23 checkpointed layers and 1 plain: 15 layers traced, at most 2/3 of the full trace's 24
+    case = Case("hf:llama-3.1-8b:seq_len=32:layers=24", "lora+checkpoint:segments=24", "train", 2, "cuda")
     replayed = predict.predict_case(case, engine="fake")
     monkeypatch.setenv(layer_replay.FULL_TRACE_ENV, "1")
     full = predict.predict_case(case, engine="fake")
-    assert "layer replay: traced at 3+1, 4+1, 5+1 checkpointed+plain layers, the 15+1-layer log" in replayed["message"]
+    assert "layer replay: traced at 3+1, 4+1, 5+1 checkpointed+plain layers, the 23+1-layer log" in replayed["message"]
     figures = [name for name in full if name != "message"]
     assert {name: replayed[name] for name in figures} == {name: full[name] for name in figures}
 
@@ -202,12 +203,16 @@ def test_a_log_that_does_not_grow_by_whole_layers_makes_no_template():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", ["lora+checkpoint:segments=all", "bf16_weights+qlora+checkpoint:segments=all"])
-def test_full_size_llama_rows_by_layer_replay_equal_the_full_trace(spec, monkeypatch):
+@pytest.mark.parametrize("spec, note", [
+    ("lora+checkpoint:segments=all", "traced at 3, 4 and 5 layers, the 32-layer log"),
+    ("bf16_weights+qlora+checkpoint:segments=all", "traced at 3, 4 and 5 layers, the 32-layer log"),
+    ("lora+checkpoint:segments=32", "traced at 3+1, 4+1, 5+1 checkpointed+plain layers, the 31+1-layer log"),
+])
+def test_full_size_llama_rows_by_layer_replay_equal_the_full_trace(spec, note, monkeypatch):
     case = Case(FULL_SIZE, spec, "train", 1, "cuda")
     (replayed,) = predict.predict_cases([case])
     monkeypatch.setenv(layer_replay.FULL_TRACE_ENV, "1")
     (full,) = predict.predict_cases([case])
-    assert "layer replay: traced at 3, 4 and 5 layers, the 32-layer log" in replayed["message"]
+    assert f"layer replay: {note}" in replayed["message"]
     figures = [name for name in full if name != "message"]
     assert {name: replayed[name] for name in figures} == {name: full[name] for name in figures}
