@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 from bench.core import processes
 from bench.measure import fake_cuda
+from bench.measure.quiet_tracing import quiet_tracing
 
 
 def run_in_fake_cuda(python: Path, worker_module: str, request: dict[str, Any],
@@ -40,6 +41,7 @@ def serve(request_path: str, rows_path: str, answer: Callable[[dict[str, Any]], 
     from bench.run._worker import import_plugins
 
     processes.stop_on_signals()  # SIGTERM from a caller that stops early: this process's cleanup runs
+    quiet_tracing()  # as the CLI: library messages about membench's own hooks do not reach the caller's terminal
     try:
         import_plugins()
         rows = answer(json.loads(Path(request_path).read_text()))

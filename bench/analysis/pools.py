@@ -19,6 +19,7 @@ from concurrent.futures.process import BrokenProcessPool
 import torch
 
 from bench.core import processes
+from bench.measure.quiet_tracing import quiet_tracing
 
 LOCAL, RAY = "local", "ray"
 
@@ -49,6 +50,7 @@ def worker_start() -> None:
     processes.default_signals()  # a forked worker inherits its parent's handlers: pool.terminate() must end it
     processes.die_with_parent()  # a parent killed outright (SIGKILL) leaves no worker behind
     import_plugins()  # a forkserver's worker: the plugins the parent's process imported (the fake-CUDA mode)
+    quiet_tracing()  # as its parent (a forkserver's worker does not inherit the filters)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it ends its workers
     torch.set_num_threads(1)  # one thread each, and no OpenMP pool across the fork
 

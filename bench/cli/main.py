@@ -19,6 +19,7 @@ from bench.cli.commands import anchors, compare, cuda_env, env, explain, fit, li
 from bench.core.errors import UsageError, shortened
 from bench.core.job_environment import check_job_environment
 from bench.core.processes import exit_status
+from bench.measure.quiet_tracing import quiet_tracing
 from bench.measure.resident import pin_mmap_threshold
 
 DESCRIPTION = ("Measures what each PyTorch memory-saving technique saves and costs (peak memory, step time, whether "
@@ -71,6 +72,7 @@ def main(argv: Sequence[str] | None = None, may_hand_over: bool = False) -> int:
             fake_cuda_handover.hand_over(python, argv)
         if may_hand_over:
             fake_cuda_handover.import_plugins_on_arrival()
+        quiet_tracing()  # library messages about membench's own hooks, not the answer
         try:
             return command_function(args.command)(args)
         except SystemExit as error:  # no command of ours exits: a user's workload code called sys.exit
