@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import pandas as pd
 import pytest
@@ -139,9 +140,15 @@ def test_rank_counts_are_searched_by_doubling_then_halving_and_find_the_fewest(a
 
     monkeypatch.setattr(plan_search, "search_where_cuda_runs", search)
     request = dataclasses.replace(_request(limit), batch_size=top)
-    counts = plan_ranks.fewest_ranks(request, max_ranks=top)
+    lines = []
+    counts = plan_ranks.fewest_ranks(request, max_ranks=top, progress=lines.append)
     best = plan_ranks.fewest(counts)
     assert (best.ranks if best else None) == answer_at
+    # each count's line bounds the counts left, this one included, and the bound holds
+    bounds = [int(re.search(r"at most (\d+) rank counts left", line)[1]) for line in lines
+              if line.startswith("plan on ")]
+    assert len(bounds) == len(searched_ranks) and bounds[-1] >= 1
+    assert all(bound >= len(searched_ranks) - index for index, bound in enumerate(bounds))
     assert [c.ranks for c in counts] == sorted(searched_ranks) and len(set(searched_ranks)) == len(searched_ranks)
     assert all(c.answer is None for c in counts if answer_at is None or c.ranks < answer_at)
     assert len(searched_ranks) <= 2 * math.ceil(math.log2(top)) + plan_ranks.SCANNED_GAP

@@ -23,6 +23,7 @@ every count below N that was tried had none; a count skipped below N is one the 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -30,6 +31,7 @@ from bench.analysis import plan, plan_search, pools
 from bench.core.errors import UsageError
 from bench.core.results import Status
 from bench.core.schema import Row
+from bench.run import eta
 
 
 SCANNED_GAP = 3  # counts between a count without an answer and one with: at most this many are all tried
@@ -75,10 +77,15 @@ def fewest_ranks(request: plan.PlanRequest, max_ranks: int, progress: Callable[[
     check_max_ranks(max_ranks)
     tried: dict[int, RankCount] = {}
     known: list[Row] = []
+    top = rank_counts(max_ranks, request)[-1]
+    started = time.monotonic()
 
     def answered(ranks: int) -> bool:
         nonlocal known
-        progress(f"plan on {ranks} rank{'s' if ranks > 1 else ''} ...")
+        left = counts_left(top, {count: found.answer is not None for count, found in tried.items()})
+        progress(f"plan on {ranks} rank{'s' if ranks > 1 else ''} ("
+                 f"{eta.left_text(left, len(tried), time.monotonic() - started, 'rank counts', at_most=True)}"
+                 " with this one) ...")
         found, note = plan_search.search_where_cuda_runs(
             replace(request.on_ranks(ranks), sharded_only=ranks > 1, known_rows=[dict(row) for row in known]),
             progress, executor, ray_address)
@@ -89,7 +96,14 @@ def fewest_ranks(request: plan.PlanRequest, max_ranks: int, progress: Callable[[
             known = [row for row in found.rows if row["status"] == Status.OK.value]
         return answer is not None
 
-    top = rank_counts(max_ranks, request)[-1]
+    searched_counts(top, answered)
+    return sorted(tried.values(), key=lambda c: c.ranks)
+
+
+def searched_counts(top: int, answered: Callable[[int], bool]) -> None:
+    """The order of the rank counts up to `top` (`answered(ranks)`: whether that count has a plan that fits):
+    doubling from one rank to the first count with an answer, then halving the gap below it down to SCANNED_GAP
+    counts, which are tried fewest first."""
     below, above, ranks = 0, None, 1
     while above is None:
         if answered(ranks):
@@ -104,7 +118,20 @@ def fewest_ranks(request: plan.PlanRequest, max_ranks: int, progress: Callable[[
     for ranks in range(below + 1, above or below):  # the last gap, fewest first: no assumption needed there
         if answered(ranks):
             break
-    return sorted(tried.values(), key=lambda c: c.ranks)
+
+
+def counts_left(top: int, known: dict[int, bool]) -> int:
+    """The most rank counts `searched_counts` may still try, given whether each count tried so far had an answer
+    (`known`): its order run with every untried count below `top` answering no and `top` yes, the longest way on
+    (doubling to the top, then every halving and the whole last gap). A progress line's bound only."""
+    visited: list[int] = []
+
+    def pessimist(ranks: int) -> bool:
+        visited.append(ranks)
+        return known[ranks] if ranks in known else ranks == top
+
+    searched_counts(top, pessimist)
+    return sum(1 for ranks in dict.fromkeys(visited) if ranks not in known)
 
 
 def fewest(counts: list[RankCount]) -> RankCount | None:
