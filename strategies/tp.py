@@ -157,7 +157,11 @@ class TensorParallel(Sharded):
     not compose with amp's GradScaler. Every rank is traced in a prediction (no rank signature): a 2-D mesh of
     many ranks takes as many traced steps. Each functional collective's output is filed as communication for as
     long as it lives, even where it is used on as an activation (the all-reduce of RowwiseParallel without
-    sequence parallelism, the gathered logits without loss parallelism)."""
+    sequence parallelism, the gathered logits without loss parallelism). What DTensor runs inside its own dispatch
+    of an operator (loss parallelism's reductions inside the cross-entropy, a redistribution its sharding
+    propagation decides inside an operator) is seen by no dispatch mode, so by no live-tensor tracker: those
+    transient buffers are in neither the CPU measurement nor the prediction (their equality to the byte holds
+    without them), where a GPU's `max_memory_allocated` would count them."""
 
     name = "tp"
     description = "tensor parallelism (colwise/rowwise projections, sequence and loss parallel) over a dp x tp mesh"
@@ -170,7 +174,7 @@ class TensorParallel(Sharded):
 
     @classmethod
     def plan_settings(cls, space):
-        """None: the dp x tp meshes are searched by `plan --max-ranks` (bench.analysis.plan_ranks), not here."""
+        """Never: a mesh shape that splits the model, which `plan` does not search."""
         return []
 
     def __init__(self, **options):

@@ -50,6 +50,7 @@ NO_STORAGE = "its data is not allocated yet"
 # this file's per-rank checks look at FSDP's shards (DTensors); DDP and ZeRO-1 replicate the model
 CANNOT_RUN = {"ddp": "replicates the model: no shards to check", "zero1": "trains a DDP model: no shards to check",
               "tp": "splits Llama-layout transformers models only, none in this grid: test_tp_fake_cuda.py runs it",
+              "cp": "splits Llama-layout transformers models' sequences, none in this grid: test_cp_fake_cuda.py",
               "zero2": "DeepSpeed's partitions are plain tensors: test_deepspeed_zero_fake_cuda.py checks them",
               "zero3": "DeepSpeed's partitions are plain tensors: test_deepspeed_zero_fake_cuda.py checks them"}
 

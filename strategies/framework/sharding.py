@@ -58,7 +58,13 @@ class Sharded(Strategy):
         if len(batch[1]) < replicas:
             raise Unsupported(f"batch {len(batch[1])} is smaller than the {replicas} data-parallel ranks "
                               f"(--global-batch-size is split across them; --batch-size 1 gives each one sample)")
-        return tree_map(lambda t: torch.tensor_split(t, replicas)[place] if isinstance(t, torch.Tensor) else t, batch)
+        batch = tree_map(lambda t: torch.tensor_split(t, replicas)[place] if isinstance(t, torch.Tensor) else t, batch)
+        return self.shard_sequence(batch)
+
+    def shard_sequence(self, batch):
+        """This rank's part of each sample's sequence: all of it, unless a strategy splits the sequence across its
+        ranks (context parallelism)."""
+        return batch
 
     def data_parallel_place(self, rank: int, world: int) -> tuple[int, int]:
         """(which slice of the batch rank `rank` of `world` trains on, how many slices): its own of `world`, unless
