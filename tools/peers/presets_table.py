@@ -52,8 +52,9 @@ LORA = ("lora", "lora+checkpoint", "lora+checkpoint+chunked_loss")
 
 
 def strategies_of(preset: str) -> list[str]:
-    """The strategies predicted for `preset` (baseline is always added by predict): amp only for the 7-8B models."""
-    return [*LORA, "amp"] if preset in BIG else list(LORA)
+    """The strategies predicted for `preset`, the baseline first (predict predicts it only where named): amp only for
+    the 7-8B models."""
+    return ["baseline", *LORA, "amp"] if preset in BIG else ["baseline", *LORA]
 
 
 def run_predict(preset: str, out: Path, reuse: bool) -> tuple[list[dict], float | None, str]:
