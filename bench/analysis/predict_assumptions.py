@@ -68,7 +68,8 @@ ASSUMPTIONS = [
     " draws no number); a decoder whose layers are all alike is traced at 3, 4 and 5 layers and its step's log"
     " built for all of them from the first two (layer replay), used only where the one built for 5 equals the"
     " 5-layer trace event for event (the row says so; MEMBENCH_FULL_TRACE=1 traces every layer), nothing"
-    " extrapolated otherwise",
+    " extrapolated otherwise; a checkpoint plan of checkpointed then plain layers is traced with both kinds kept"
+    " (c+p layers) and proven the same way, where those traces hold at most 2/3 of its layers",
 ]
 
 
