@@ -19,7 +19,10 @@ class Zero3(Zero3Mechanism):
     Limitations: it needs `--ranks 2` or more; a BatchNorm model differs from the single process. DeepSpeed's engine
     is not run (see zero2's limitations); the prefetch follows the order the modules ran in the previous step, ignoring
     `stage3_max_reuse_distance` (a parameter used twice is gathered twice); a parameter read outside its own module's
-    forward (a parent reading a child's weight directly) is not gathered for it. Offload's host memory is
+    forward (a parent reading a child's weight directly) is not gathered for it. In backward a trainable parameter
+    is freed once its gradient is accumulated, where DeepSpeed frees it when its module's backward ends: a weight
+    shared by two modules (an embedding tied to the output head) stays gathered from the head's backward to the end of
+    the backward, more than DeepSpeed holds. Offload's host memory is
     `offload_host_peak_bytes`, not in `peak_mem_bytes`."""
 
     name = "zero3"

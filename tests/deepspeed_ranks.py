@@ -75,6 +75,7 @@ def deepspeed_inventory(stage: int, offload: bool) -> dict:
                                                               (ts if isinstance(ts, list) else [ts])])
         flat = nbytes(optimizer.bit16_groups_flat)
         masters = nbytes(optimizer.single_partition_of_fp32_groups)
+        host_grads = nbytes(m.grad for m in optimizer.single_partition_of_fp32_groups)
     else:
         grads = nbytes([optimizer.grad_partitions_flat_buffer])
         flat = nbytes([optimizer.lp_param_buffer])
@@ -82,6 +83,8 @@ def deepspeed_inventory(stage: int, offload: bool) -> dict:
     engine.step()
     inventory = {"params": flat, "masters": masters, "grads_after_backward": grads,
                  "optimizer_state": state_bytes(optimizer.optimizer)}
+    if stage == 2:  # the float32 gradient partition offload keeps on the host between steps
+        inventory["fp32_grad_buffer"] = host_grads
     if stage == 3:
         inventory["bucket"] = nbytes(bucket.buffer for bucket in optimizer.ipg_buckets.values())
         inventory["fp32_grad_buffer"] = nbytes(m.grad for m in optimizer.fp32_partitioned_groups_flat)
@@ -107,6 +110,7 @@ def membench_inventory(stage: int, offload: bool) -> dict:
         grads = nbytes([p.grad for p in net.parameters()])
         flat = nbytes(g.flat for g in strategy.groups)
         masters = nbytes(g.master for g in strategy.groups)
+        host_grads = nbytes(g.host_grad for g in strategy.groups)
     else:
         grads = nbytes([strategy.grad_buffer])
         flat = nbytes([strategy.lp_buffer])
@@ -114,6 +118,8 @@ def membench_inventory(stage: int, offload: bool) -> dict:
     strategy.optimizer_step(optimizer)
     inventory = {"params": flat, "masters": masters, "grads_after_backward": grads,
                  "optimizer_state": state_bytes(optimizer)}
+    if stage == 2:
+        inventory["fp32_grad_buffer"] = host_grads
     if stage == 3:
         inventory["bucket"] = nbytes(strategy.bucket.buffers)
         inventory["fp32_grad_buffer"] = nbytes(strategy.fp32_grads)

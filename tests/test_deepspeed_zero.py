@@ -9,6 +9,7 @@ import functools
 import importlib.util
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -59,11 +60,12 @@ def test_the_step_matches_one_process_and_the_prediction_equals_the_real_ranks_t
     assert predicted["predicted_bytes"] == measured["rank_peak_max_bytes"], predicted
 
 
-def test_zero3_keeps_a_part_of_the_weights_zero2_keeps_whole():
+def test_both_keep_the_optimizer_state_of_half_the_model_and_zero3s_ranks_hold_the_same():
     zero2, zero3 = _row(ZERO2), _row(ZERO3)
-    assert zero3["peak_params_bytes"] < 0.75 * zero2["peak_params_bytes"], (zero2, zero3)
-    # both keep a float32 master and Adam's two moments of half the parameters: the same optimizer state
-    assert abs(zero3["peak_optimizer_bytes"] - zero2["peak_optimizer_bytes"]) < 0.1 * zero2["peak_optimizer_bytes"]
+    # a float32 master and Adam's two moments of half the parameters each (zero3 pads each parameter, zero2 the whole)
+    assert abs(zero3["peak_optimizer_bytes"] - zero2["peak_optimizer_bytes"]) < 0.05 * zero2["peak_optimizer_bytes"]
+    # every rank holds ceil(numel / 2) of every parameter: real ranks of equal batch shares peak alike
+    assert zero3["rank_peak_min_bytes"] == zero3["rank_peak_max_bytes"]
 
 
 def test_offload_is_refused_on_the_cpu_where_the_host_is_the_device():
@@ -74,19 +76,22 @@ def test_offload_is_refused_on_the_cpu_where_the_host_is_the_device():
 # --- against DeepSpeed itself -----------------------------------------------------------------------------------
 
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
-# The one difference left, in bytes DeepSpeed 0.19.8 keeps more, by (stage, inventory entry, rank): ZeRO-2's backward
-# epilogue lists the last rank's gradients with a zero tensor of the flat buffer's alignment padding
-# (`get_all_grad_tensors` on the padded group: 1,850 elements padded to 1,852, 2 float32) alive until the step.
+# The one difference left, in bytes DeepSpeed 0.19.8 keeps more, by (stage, offload, inventory entry, rank): without
+# offload, ZeRO-2's backward epilogue lists the last rank's gradients with a zero tensor of the flat buffer's alignment
+# padding (`get_all_grad_tensors` on the padded group: 1,850 elements padded to 1,852, 2 float32) alive until the step.
 MODEL_ELEMENTS = 3 * (24 * 24 + 24) + 24 * 2 + 2  # tests/deepspeed_ranks.py's model
 PADDING_BYTES = (-MODEL_ELEMENTS % (2 * 2)) * 4  # stage_1_and_2.py pads the flat buffer to 2 x ranks elements
-NAMED_DIFFERENCES: dict[tuple[int, str, int], int] = {(2, "grads_after_backward", 1): PADDING_BYTES}
+NAMED_DIFFERENCES: dict[tuple[int, str, str, int], int] = {(2, "none", "grads_after_backward", 1): PADDING_BYTES}
 
 
 def _inventories(engine: str, stage: int, offload: str) -> dict[int, dict]:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    with socket.socket() as sock:  # a free port for the ranks' store (bench.run.ranks does the same)
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_port", "0", "-m", "tests.deepspeed_ranks", engine, str(stage), offload],
-                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+                           "--master_addr", "127.0.0.1", "--master_port", port, "-m", "tests.deepspeed_ranks", engine,
+                           str(stage), offload], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     lines = [json.loads(line.split("INVENTORY ", 1)[1]) for line in done.stdout.splitlines()
              if line.startswith("INVENTORY ")]
     assert len(lines) == 2, done.stdout[-2000:] + done.stderr[-3000:]
@@ -105,6 +110,6 @@ def test_deepspeed_itself_keeps_what_the_mechanism_keeps(stage, offload):
     deepspeed, membench = _inventories("deepspeed", stage, offload), _inventories("membench", stage, offload)
     assert PADDING_BYTES == 8
     for rank in (0, 1):
-        for entry, expected in deepspeed[rank].items():
-            more = NAMED_DIFFERENCES.get((stage, entry, rank), 0)
-            assert membench[rank][entry] + more == expected, (rank, entry, deepspeed[rank], membench[rank])
+        expected = {entry: value - NAMED_DIFFERENCES.get((stage, offload, entry, rank), 0)
+                    for entry, value in deepspeed[rank].items()}
+        assert membench[rank] == expected, (rank, deepspeed[rank], membench[rank])

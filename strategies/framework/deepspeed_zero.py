@@ -17,7 +17,8 @@ ZeRO-2 (stage_1_and_2.py, `DeepSpeedZeroOptimizer`), per optimizer parameter gro
   fit (`reduce_independent_p_g_buckets_and_remove_grads`); a gradient larger than the bucket is reduced where it is.
   After a bucket's reduction the gradients of the parameters in this rank's partition are copied into one buffer
   (`grads_in_partition`: whole parameters, every parameter that overlaps the partition, allocated once and kept by
-  the gradients' views), the others freed;
+  the gradients' views), the others freed; with `offload_optimizer=cpu` the partition's share goes straight into a
+  float32 buffer on the host, kept between steps as the master's gradient, and no 16-bit gradient stays;
 - in the step, the partition's gradients flattened in their dtype (`get_flat_partition`, partition size) and
   converted to float32 (`single_grad_partition`), the parameters' gradients freed, the optimizer stepped, the master
   copied back into the 16-bit partition and the flat buffer all-gathered in place (`all_gather_dp_groups`).
@@ -158,7 +159,7 @@ class DeepSpeedZero(Sharded):
     row_columns = ("offload_host_peak_bytes",)  # filled with offload_optimizer=cpu (offload_param=cpu) only
     refusals = (*Sharded.refusals, r"offload to cpu needs device cuda")
     prediction_note = ("DeepSpeed's engine is not run: its ZeRO partitioning is modelled (strategies/framework/"
-                       "deepspeed_zero.py); its kernels' workspaces and the allocator's fragmentation are not counted")
+                       "deepspeed_zero.py); its own kernels' workspaces are not counted")
 
     def __init__(self, **options):
         super().__init__(**options)
@@ -249,6 +250,9 @@ class _Group:
         self.grads_numel = sum(p.numel() for p, _ in self.in_partition)
         self.grads: torch.Tensor | None = None  # grads_in_partition
         self.grads_offset = 0
+        # with offload, the partition's gradients go straight into a float32 buffer on the host, kept as the
+        # master's gradient (`initialize_optimizer_states` with cpu_offload, `async_inplace_copy_grad_to_fp32_buffer`)
+        self.host_grad = torch.zeros(self.partition_numel, dtype=torch.float32, device="cpu") if offload else None
 
 
 class Zero2Mechanism(DeepSpeedZero):
@@ -287,7 +291,8 @@ class Zero2Mechanism(DeepSpeedZero):
 
     def persistent_buffers(self):
         return [([g.flat for g in self.groups], WEIGHTS), ([g.master for g in self.groups], OPTIMIZER_STATE),
-                ([g.grads for g in self.groups if g.grads is not None], GRADS)]
+                ([g.grads for g in self.groups if g.grads is not None], GRADS),
+                ([g.host_grad for g in self.groups if g.host_grad is not None], GRADS)]
 
     def backward(self, loss):
         first = self.groups[0].params[0]
@@ -316,6 +321,12 @@ class Zero2Mechanism(DeepSpeedZero):
             if not any(q is p for q, _ in group.in_partition):
                 p.grad = None
                 continue
+            if group.host_grad is not None:
+                offset = next(o for q, o in group.in_partition if q is p)
+                lo, hi = max(offset, group.start), min(offset + p.numel(), group.start + group.partition_numel)
+                group.host_grad[lo - group.start:hi - group.start].copy_(p.grad.reshape(-1)[lo - offset:hi - offset])
+                p.grad = None
+                continue
             if group.grads is None:
                 with allocating(GRADS):
                     group.grads = torch.empty(group.grads_numel, dtype=p.dtype, device=p.device)
@@ -330,7 +341,9 @@ class Zero2Mechanism(DeepSpeedZero):
         partitions (a rank keeps only its partition's)."""
         for g in self.groups:
             whole = torch.zeros(g.flat.numel(), dtype=torch.float32, device=g.flat.device)
-            for p, offset in g.in_partition:
+            if g.host_grad is not None:
+                whole[g.start:g.start + g.partition_numel] = g.host_grad.to(whole.device)
+            for p, offset in g.in_partition if g.host_grad is None else ():
                 lo, hi = max(offset, g.start), min(offset + p.numel(), g.start + g.partition_numel)
                 whole[lo:hi] = p.grad.reshape(-1)[lo - offset:hi - offset].float()
             dist.all_reduce(whole)
@@ -340,6 +353,11 @@ class Zero2Mechanism(DeepSpeedZero):
 
     def optimizer_step(self, optimizer):
         for g in self.groups:
+            if g.host_grad is not None:
+                for p in g.params:
+                    p.grad = None
+                g.master.grad = g.host_grad
+                continue
             flat = torch.zeros(g.partition_numel, dtype=g.flat.dtype, device=g.flat.device)  # get_flat_partition
             end = g.start + g.partition_numel
             for p, offset in g.in_partition:
@@ -354,7 +372,7 @@ class Zero2Mechanism(DeepSpeedZero):
         if self.offload_optimizer:
             self._count_host_bytes()
         for g in self.groups:
-            g.master.grad = None
+            g.master.grad = g.host_grad  # the host buffer stays (offload), the converted copy goes
             g.partition.copy_(g.master.detach())
             _collective(ALL_GATHER, g.flat, g.partition)  # in place, as all_gather_dp_groups
         self.whole_grads = False
