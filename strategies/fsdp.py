@@ -276,8 +276,11 @@ class FSDP(Sharded):
         # imported here: torch.distributed.fsdp pulls in DTensor, over a second of every CLI start
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-        self.parameter_rows = [p.shape[0] if p.dim() else 1 for p in model.parameters()]
+        # rows of each parameter as this rank holds it before sharding (a tensor-parallel shard's own, on a tp mesh)
+        self.parameter_rows = [getattr(p, "_local_tensor", p).shape[0] if p.dim() else 1 for p in model.parameters()]
         mesh = self.mesh(model)
+        # the ranks each parameter is sharded over: a tp mesh's dp dimension, whose place a rank has by its group
+        self.shard_ranks = mesh.size() if any(hasattr(p, "device_mesh") for p in model.parameters()) else None
         offload = (CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.settings["offload"] == "cpu"
                    else OffloadPolicy())
         dtypes = {option: None if self.settings[option] == "none" else getattr(torch, self.settings[option])
@@ -332,6 +335,9 @@ class FSDP(Sharded):
         allocate the same."""
         shards = world // self.settings["replicate"]
         place = rank % shards
+        if getattr(self, "shard_ranks", None):  # on a dp x tp mesh (strategies/tp.py): its tp group's dp place
+            shards = self.shard_ranks
+            place = rank // (world // shards)
 
         def rows_of_chunk(rows: int) -> int:
             chunk = -(-rows // shards)

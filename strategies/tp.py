@@ -170,7 +170,8 @@ class TensorParallel(Sharded):
     shards_with = ("fsdp",)  # fsdp+tp: one dp x tp mesh; the batch split is tp's (`data_parallel_place`)
     refusals = (*Sharded.refusals, r"tp:degree=\d+ does not divide --ranks", r"tp needs a Llama-layout model",
                 r"tp:degree=\d+ does not divide the model's", r"tp:degree=\d+ on --ranks \d+ leaves",
-                r"tp needs a causal language model", r"tp does not split a tied")
+                r"tp needs a causal language model", r"tp does not split a tied",
+                r"tp:degree=\d+ with sequence_parallel needs a sequence length")
 
     @classmethod
     def plan_settings(cls, space):
@@ -299,7 +300,21 @@ class TensorParallel(Sharded):
         with implicit_replication() if not self.settings["sequence_parallel"] else contextlib.nullcontext():
             optimizer.step()
 
+    def shard_sequence(self, batch):
+        """The batch as it is (every rank of a tensor-parallel group trains on all of it); with sequence parallelism,
+        refused where the degree does not divide the sequence (DTensor's uneven Shard(1) pieces then meet whole ones
+        of the other length in transformers' Llama: "The size of tensor a (16) must match the size of tensor b (15)")."""
+        inputs, _ = batch
+        ids = inputs.get("input_ids") if isinstance(inputs, dict) else None
+        degree = self.settings["degree"]
+        if self.settings["sequence_parallel"] and isinstance(ids, torch.Tensor) and ids.dim() > 1 \
+                and ids.shape[1] % degree:
+            raise Unsupported(f"tp:degree={degree} with sequence_parallel needs a sequence length it divides, not "
+                              f"{ids.shape[1]}")
+        return batch
+
     def rank_signature(self, rank, world):
-        """None: every rank is traced (the ranks of a 2-D mesh hold equal shards, but their data-parallel place
-        decides their share of the batch, and fsdp's chunks over the dp dimension are not yet told apart here)."""
-        return None
+        """Its share of the batch (by its place on the dp dimension): its shards of the parameters, and its piece of
+        the sequence, are the same size on every rank (the divisibility `check`, `tensor_parallel_refusal` and
+        `shard_sequence` require)."""
+        return ("samples", self.samples_of_rank(rank, world))

@@ -99,6 +99,7 @@ def test_each_rank_holds_half_the_split_weights_and_its_collectives_buffers_are_
     ("tp:degree=4", 4, LLAMA, "does not divide the model's num_key_value_heads (2)"),
     ("tp:degree=3", 4, LLAMA, "tp:degree=3 does not divide --ranks 4; valid choices: 1, 2, 4"),
     ("tp:degree=2", 4, LLAMA, "leaves 2 data-parallel replicas whose gradients nothing averages"),
+    ("tp:degree=2", 2, "hf:tiny-llama:seq_len=15", "with sequence_parallel needs a sequence length it divides, not 15"),
     ("fsdp:replicate=2+tp:degree=2", 4, LLAMA, "hybrid sharding over a dp x tp mesh is not supported"),
 ])
 def test_what_it_cannot_split_is_an_unsupported_row_naming_why(spec, ranks, workload, named):
@@ -124,3 +125,16 @@ def test_it_composes_with_fsdp_on_one_mesh_and_with_no_other_sharding_or_backwar
                         ("tp+amp", "both replace backward")]:
         with pytest.raises(UsageError, match=named):
             parse_strategy(spec)
+
+
+@pytest.mark.parametrize("spec,ranks,workload,traced", [
+    ("tp:degree=2", 2, LLAMA, (0,)),  # equal shards, the same batch, 8 tokens each: one rank
+    pytest.param("fsdp+tp:degree=2", 4, LLAMA, (0,), marks=pytest.mark.slow),  # FSDP's even chunks over dp
+])
+def test_one_rank_of_each_signature_gives_every_ranks_largest_peak(spec, ranks, workload, traced):
+    case = _case(spec, workload)
+    shortcut = tracked_step(case, spec, "cpu", ranks=ranks, cuda_autocast=False)
+    every = tracked_step(case, spec, "cpu", ranks=ranks, cuda_autocast=False, every_rank=True)
+    assert every.ranks_traced == tuple(range(ranks)) and shortcut.ranks_traced == traced
+    assert shortcut.peak_bytes == every.peak_bytes
+    assert shortcut.peak_by_category == every.peak_by_category

@@ -42,7 +42,7 @@ def _split_and_norm_elements() -> tuple[int, int]:
 def test_each_rank_holds_its_half_and_its_collectives_buffers_on_the_gpu():
     step = _step("tp:degree=2")
     split, norms = _split_and_norm_elements()
-    assert step.engine == "fake-cuda" and step.ranks_traced == (0, 1)
+    assert step.engine == "fake-cuda" and step.ranks_traced == (0,)  # equal shards and batch: one rank of each
     assert step.peak_by_category["params"] == 4 * (split // 2 + norms)
     assert {"forward", "backward"} <= _communication_stages(step)
 
@@ -55,6 +55,6 @@ def test_sequence_and_loss_parallelism_lower_the_activations_and_the_logits():
 
 def test_fsdp_over_the_data_parallel_dimension_halves_the_optimizer_state_again():
     alone, composed = _step("tp:degree=2"), _step("fsdp+tp:degree=2", ranks=4)
-    assert composed.ranks_traced == (0, 1, 2, 3)
+    assert composed.ranks_traced == (0,)  # FSDP's chunks of the tp shards are even too
     assert 0 < composed.peak_by_category["optimizer_state"] < 0.55 * alone.peak_by_category["optimizer_state"]
     assert composed.peak_by_category[COMMUNICATION] > 0
