@@ -154,8 +154,9 @@ class TensorParallel(Sharded):
     must be the whole sequence (one [batch, seq, hidden] buffer more, per rank, for the embedding's output).
     `fsdp:replicate` (HSDP) with tp is not supported, and neither is a tied embedding and LM head (Llama 3.2's):
     tying is undone by the split, so such a model is refused. Loss parallelism replaces the backward, so tp does
-    not compose with amp's GradScaler. Every rank is traced in a prediction (no rank signature): a 2-D mesh of
-    many ranks takes as many traced steps. Each functional collective's output is filed as communication for as
+    not compose with amp's GradScaler (nor with tp's own backward's other owners). With sequence parallelism the
+    degree must divide the sequence length (an uneven split fails in transformers' Llama: the row is `unsupported`).
+    Each functional collective's output is filed as communication for as
     long as it lives, even where it is used on as an activation (the all-reduce of RowwiseParallel without
     sequence parallelism, the gathered logits without loss parallelism). What DTensor runs inside its own dispatch
     of an operator (loss parallelism's reductions inside the cross-entropy, a redistribution its sharding
