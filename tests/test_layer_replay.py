@@ -168,6 +168,19 @@ def test_many_plain_layers_replayed_to_the_byte():
 
 
 @pytest.mark.slow
+def test_compiled_layers_replay_to_the_byte_past_dynamos_recompile_limit():
+    # torch._dynamo warns that it hit its recompile limit (8) on these layers: at 12 layers, past it, the log built
+    # from 3 and 4 must still be the full trace's (it was in a fresh process as well, 2026-11-28)
+    case = Case("hf:llama-3.2-1b:seq_len=32:layers=12", "lora+checkpoint:segments=all+compile:scope=layers:loss=true",
+                "train", 1, "cuda")
+    full = _full_trace(case)
+    replayed, why = layer_replay.tracked_step_by_layers(case, case.strategy, "fake", MEMORY_WARMUP_STEPS["cuda"],
+                                                        None)
+    assert why is None, why
+    assert replayed.events == layer_replay.measured_log(full.events)
+
+
+@pytest.mark.slow
 def test_a_row_of_a_plan_with_one_plain_layer_has_every_figure_of_the_full_trace(monkeypatch):
     # 23 checkpointed layers and 1 plain: 15 layers traced, at most 2/3 of the full trace's 24
     case = Case("hf:llama-3.1-8b:seq_len=32:layers=24", "lora+checkpoint:segments=24", "train", 2, "cuda")
