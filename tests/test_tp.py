@@ -128,7 +128,9 @@ def test_it_composes_with_fsdp_on_one_mesh_and_with_no_other_sharding_or_backwar
 
 
 @pytest.mark.parametrize("spec,ranks,workload,traced", [
-    ("tp:degree=2", 2, LLAMA, (0,)),  # equal shards, the same batch, 8 tokens each: one rank
+    # equal shards, the same batch, 8 tokens each: one rank (the default run's to-the-byte test covers it too:
+    # predict's figure, from the one rank traced, equals the largest real rank's)
+    pytest.param("tp:degree=2", 2, LLAMA, (0,), marks=pytest.mark.slow),
     pytest.param("fsdp+tp:degree=2", 4, LLAMA, (0,), marks=pytest.mark.slow),  # FSDP's even chunks over dp
 ])
 def test_one_rank_of_each_signature_gives_every_ranks_largest_peak(spec, ranks, workload, traced):
