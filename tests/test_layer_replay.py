@@ -137,7 +137,7 @@ def test_a_log_of_two_kinds_of_layers_is_built_from_traces_of_few_of_each(monkey
         assert [len(step.events) for step in steps] == [len(_two_kinds_log(*n))
                                                        for n in layer_replay.kinds_traced(checkpointed, plain)]
     # the optimizer frees the gradients of both kinds in one run: without naming them by layer, no template
-    monkeypatch.setattr(layer_template, "_by_layer_model", lambda members: None)
+    monkeypatch.setattr(layer_template, "by_layer_model", lambda members: None)
     with pytest.raises(layer_template.NoReplay):
         layer_replay.replayed_kinds(trace, 25, 7)
 

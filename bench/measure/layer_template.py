@@ -14,17 +14,20 @@ storage keys in the order allocated, as the tracker numbers them.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Sequence
 
 from bench.measure.exact_affine import NotWhole, evaluate as _evaluate, solve as _solve
+from bench.measure.layer_identity import (MODULE_INDEX as _MODULE_INDEX, alloc_shape as _alloc_shape, by_layer_model,
+                                          identities)
 from bench.measure.memory import MemoryEvent
 
 _MATCH_AHEAD = 8  # events after an inserted block that must match the smaller log again for the block to be taken
-# the numbers in a module's dotted name (a layer's index in its ModuleList, an expert's): they change with the layer
-_MODULE_INDEX = re.compile(r"(?:^|(?<=\.))\d+(?=\.|\s|$)")
+
+
+# the periods fitted apart, tried in turn; a storage named by what it is and its layer only where no slot fits it
+_FITS = [(edges, by_layer) for by_layer in (False, True) for edges in ((), ("first",), ("last",), ("first", "last"))]
 
 
 class NoReplay(Exception):
@@ -40,23 +43,6 @@ def _shape(event: MemoryEvent, allocs: dict) -> tuple:
     named = allocs.get(event.key) if event.kind in ("free", "category") else None
     target = (named.nbytes, named.stage, _MODULE_INDEX.sub("#", named.module)) if named is not None else None
     return event.kind, event.nbytes, event.stage, event.op, _MODULE_INDEX.sub("#", event.module), event.category, target
-
-
-def _identities(events: Sequence[MemoryEvent]) -> dict[int, tuple]:
-    """Each storage the log allocates by what it is: (its alloc's shape without the numbers in its module's name,
-    the first of those numbers (its layer) or None, how many allocs of that shape and layer came before it)."""
-    found, counts = {}, {}  # key -> identity; (shape, layer) -> allocs so far
-    for event in events:
-        if event.kind == "alloc":
-            numbers = _MODULE_INDEX.findall(event.module)
-            kind = (_alloc_shape(event), int(numbers[0]) if numbers else None)
-            counts[kind] = counts.get(kind, -1) + 1
-            found[event.key] = (*kind, counts[kind])
-    return found
-
-
-def _alloc_shape(event: MemoryEvent) -> tuple:  # what an alloc is, without the numbers in its module's name
-    return event.nbytes, event.stage, event.op, _MODULE_INDEX.sub("#", event.module), event.category
 
 
 def _tokens(events: Sequence[MemoryEvent], codes: dict) -> list[int]:
@@ -183,10 +169,10 @@ class LayerTemplate:
         (the first layer's backward, a category event filed before the next period's alloc): where one model does
         not fit a quantity in every period, those periods get their own. A storage in a run is named by layer where
         both runs' periods have layer indices (the same layer, the one before), else by an affine function, else (a
-        run naming storages of checkpointed and of plain layers) by what it is and its layer (`_identities`)."""
+        run naming storages of checkpointed and of plain layers) by what it is and its layer (`layer_identity`)."""
         observed: dict[tuple, list] = {}
         for events, places, layers in logs:
-            identities = _identities(events)
+            named = identities(events)
             # a "category" event may come just before its storage's alloc (`breakdown.CategorizedTracker`)
             alloc_place = {event.key: place for event, place in zip(events, places) if event.kind == "alloc"}
             for event, (slot, period) in zip(events, places):
@@ -195,7 +181,7 @@ class LayerTemplate:
                     found = alloc_place.get(event.key)
                     # a storage the log never allocated is named as is
                     quantities["target"] = (("key", event.key, None) if found is None
-                                              else (found[0], found[1], identities[event.key]))
+                                              else (found[0], found[1], named[event.key]))
                 for place, number in enumerate(_MODULE_INDEX.findall(event.module)):
                     quantities["index", place] = number
                 edge = self._edge(slot, period, layers)
@@ -209,8 +195,8 @@ class LayerTemplate:
             if items is storages:  # a storage is named by layer: the runs' layer indices first
                 self._layer_of_run = self._run_layers()
             for (slot, name), observations in items:
-                for edges in ((), ("first",), ("last",), ("first", "last")):
-                    models = self._fit_groups(slot, name, observations, edges)
+                for edges, by_layer in _FITS:
+                    models = self._fit_groups(slot, name, observations, edges, by_layer)
                     if models is not None:
                         self._models[slot, name] = edges, models
                         break
@@ -227,7 +213,7 @@ class LayerTemplate:
                     found[slot[1]] = slot[2], models["middle"]
         return {run: coefficients for run, (_, coefficients) in found.items()}
 
-    def _fit_groups(self, slot: tuple, name, observations: list, edges: tuple[str, ...]) -> dict | None:
+    def _fit_groups(self, slot: tuple, name, observations: list, edges: tuple[str, ...], by_layer: bool) -> dict | None:
         """{group: model} for one quantity of a slot, its observations grouped by their edge ("first" and "last"
         apart where `edges` names them, the rest "middle"); None where a group fits no model. A number's model is
         its affine coefficients; a named storage's is (target slot, "layer", layer offset) or (target slot, "affine",
@@ -242,7 +228,7 @@ class LayerTemplate:
             else:
                 targets = {value[:2] if value[0] == "key" else value[0] for _, _, value in members}
                 if len(targets) > 1:
-                    models[group] = _by_layer_model(members)
+                    models[group] = by_layer_model(members) if by_layer else None
                     if models[group] is None:
                         return None
                     continue
@@ -281,7 +267,7 @@ class LayerTemplate:
         out: list[MemoryEvent] = []
         keys: dict[tuple, int] = {}  # (slot, period) -> the key its alloc got
         pending: list[tuple[int, tuple]] = []  # (index in out, (slot, period)): an event before its storage's alloc
-        self._identified: dict[tuple, int] = {}  # an allocated storage's identity (`_identities`) -> its key
+        self._identified: dict[tuple, int] = {}  # an allocated storage's identity (`layer_identity`) -> its key
         self._counts: dict[tuple, int] = {}  # (shape, layer) -> the allocs of it so far
         try:
             self._emit_all(out, keys, pending, layers)
@@ -372,20 +358,6 @@ class LayerTemplate:
         if model is None:
             raise NoReplay(f"{slot}: no model of its {name} in its {edge} periods")
         return model
-
-
-def _by_layer_model(members: list) -> tuple | None:
-    """A slot naming storages of several slots, by what they are (`_identities`): (None, "identity", (their shape,
-    their layer's affine coefficients, their count)); None where they differ in shape or count, or have no layer."""
-    identities = [value[2] if value[0] != "key" else None for _, _, value in members]
-    if any(identity is None or identity[1] is None for identity in identities):
-        return None
-    kinds = {(identity[0], identity[2]) for identity in identities}
-    coefficients = _solve([(period, layers, identity[1]) for (period, layers, _), identity in zip(members, identities)])
-    if len(kinds) != 1 or coefficients is None:
-        return None
-    shape, count = kinds.pop()
-    return None, "identity", (shape, coefficients, count)
 
 
 def _target_period(target: tuple, period: int, layers: int) -> int:
