@@ -165,3 +165,21 @@ def test_the_polynomial_guess_is_exact_on_a_line_and_a_parabola_and_none_where_n
     flat = lambda x: 500  # noqa: E731
     assert polynomial_guess(flat, {2, 4}, 600, 4, 100) is None  # no growth: no guess, the bracket is split evenly
     assert largest_in_rounds(flat, lambda xs: None, 2, 600, 100, [2, 4]) == 100  # still answered, by doubling
+
+
+def test_a_strategy_bends_its_first_guess_by_the_curvature_of_the_one_searched_before():
+    """Two strategies of one model on math attention: parabolas of the same bend, offset by what the second saves.
+    The first's probes give that bend (`curvature_of`: the second difference, exact on a parabola); with it the
+    second's first guess lands on its answer, two rounds where the line through its two first probes takes three."""
+    first = lambda n: 16 * 2**30 + 900_000 * n + 180 * n * n  # noqa: E731
+    second = lambda n: 13 * 2**30 + 900_000 * n + 180 * n * n  # noqa: E731
+    budget = 24 * 2**30
+    rounds = Rounds()
+    answer = fit_seq_len.longest_under(first, budget, 256, 131072, 2048, rounds, 2)
+    probes = {n: fit_seq_len.Probe(n, first(n), first(n), "", "") for r in rounds.rounds for n in r}
+    bend = fit_seq_len.curvature_of(probes, answer, 256)
+    assert bend == 180 * 256 * 256  # bytes per step squared
+    alone, bent = Rounds(), Rounds()
+    assert fit_seq_len.longest_under(second, budget, 256, 131072, 2048, alone, 2) == 5888
+    assert fit_seq_len.longest_under(second, budget, 256, 131072, 2048, bent, 2, bend) == 5888
+    assert len(alone.rounds) == 3 and len(bent.rounds) == 2 and 5888 + 256 in bent.rounds[-1]

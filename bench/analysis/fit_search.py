@@ -53,7 +53,7 @@ class Probes:
 
 
 def largest_in_rounds(peak_at: Callable[[int], float], prefetch: Callable[[list[int]], None], jobs: int,
-                      budget: float, top: int, first: list[int]) -> int:
+                      budget: float, top: int, first: list[int], curvature: float | None = None) -> int:
     """The largest x in 1..top with peak_at(x) <= budget (0 if none), for a peak that grows with x, probing up to
     `jobs` points at once each round: `first` (which may lie beyond `top`), then, between the largest x seen to fit
     and the smallest above it seen not to, the point where the polynomial through the probes nearest them crosses
@@ -61,7 +61,8 @@ def largest_in_rounds(peak_at: Callable[[int], float], prefetch: Callable[[list[
     the largest that fit) and the one after it, and points spread evenly across the bracket (doubling upward while
     none was seen over the budget; the smallest x first while none was seen to fit). After two rounds in a row that
     did not halve the bracket, the even points alone (a safeguard for a strongly curved peak). Where the peak grows with x the answer is the serial
-    search's: there is one largest x that fits, and both end on it and on the x after it, probed."""
+    search's: there is one largest x that fits, and both end on it and on the x after it, probed. `curvature`: a
+    second difference to bend the guess by while only two probes place it (`polynomial_guess`)."""
     seen: set[int] = set()
 
     def probe(points: list[int]) -> None:
@@ -83,7 +84,7 @@ def largest_in_rounds(peak_at: Callable[[int], float], prefetch: Callable[[list[
         points = []
         # one round that did not halve the bracket may still be a guess's: the probes it made are nodes nearer the
         # crossing (a parabola through them places a curved peak's); after two, the even points alone
-        guess = polynomial_guess(peak_at, seen, budget, lo, end) if misses <= 1 else None
+        guess = polynomial_guess(peak_at, seen, budget, lo, end, curvature) if misses <= 1 else None
         if guess is not None:
             points += [guess, guess + 1]
         if over:
@@ -97,45 +98,45 @@ def largest_in_rounds(peak_at: Callable[[int], float], prefetch: Callable[[list[
         probe([p for p in dict.fromkeys(points) if lo < p < end][:jobs])
 
 
-def _increasing_polynomial(nodes: list[tuple[int, float]]) -> Callable[[float], float] | None:
-    """The polynomial through `nodes` (two: a line; three: a parabola), where it grows over their span and beyond;
-    None where it does not (a peak that is not smooth there: the caller probes evenly instead)."""
-    if len(nodes) == 2 or len(nodes) == 3 and _second_difference(nodes) <= 0:
+def _increasing_polynomial(nodes: list[tuple[int, float]], curvature: float | None = None
+                           ) -> Callable[[float], float] | None:
+    """The polynomial through `nodes` (two: a line, or with a positive `curvature` the parabola of that second
+    difference through them; three: the parabola through them, where it is convex), where it grows from the first node
+    on; None where it does not (a peak that is not smooth there: the caller probes evenly instead)."""
+    bend = second_difference(nodes) if len(nodes) == 3 else (curvature or 0.0)
+    if bend <= 0:
         (a, pa), (b, pb) = nodes[-2:]
-        if pb <= pa:
-            return None
-        return lambda x: pa + (pb - pa) * (x - a) / (b - a)
-    (a, pa), (b, pb), (c, pc) = nodes
-    if not pa < pb < pc:
+        return (lambda x: pa + (pb - pa) * (x - a) / (b - a)) if pb > pa else None
+    (a, pa), (b, pb) = nodes[:2]
+    d1 = (pb - pa) / (b - a)  # Newton's form: p(x) = pa + d1 (x - a) + bend (x - a)(x - b), convex
+    if d1 + bend * (a - b) < 0:  # its vertex lies right of a: it falls somewhere past the first node
         return None
-    # Newton's form: p(x) = pa + d1 (x - a) + d2 (x - a)(x - b), convex (d2 > 0) and growing from a on
-    d1, d2 = (pb - pa) / (b - a), _second_difference(nodes)
-    if d1 + d2 * (a - b) < 0:  # its vertex lies right of a: it falls somewhere in the span
-        return None
-    return lambda x: pa + d1 * (x - a) + d2 * (x - a) * (x - b)
+    return lambda x: pa + d1 * (x - a) + bend * (x - a) * (x - b)
 
 
-def _second_difference(nodes: list[tuple[int, float]]) -> float:
+def second_difference(nodes: list[tuple[int, float]]) -> float:
+    """The second divided difference of three nodes (the x**2 coefficient of the parabola through them)."""
     (a, pa), (b, pb), (c, pc) = nodes
     return ((pc - pb) / (c - b) - (pb - pa) / (b - a)) / (c - a)
 
 
-def polynomial_guess(peak_at: Callable[[int], float], seen: set[int], budget: float, lo: int, end: int
-                     ) -> int | None:
+def polynomial_guess(peak_at: Callable[[int], float], seen: set[int], budget: float, lo: int, end: int,
+                     curvature: float | None = None) -> int | None:
     """Where the peak crosses the budget between `lo` (fits; 0: none yet) and `end` (the first x known not to, or one
     past the largest allowed), on the lowest-degree polynomial through the probes nearest that bracket: memory is a
     line or a parabola in the batch or the tokens between changes of kernel, so two or three probes place the
     crossing. The nodes: the two largest probes that fit and the first known not to (interpolation), or the three
     largest that fit (extrapolation); the parabola through three where it is convex and grows, else the line
-    through the two nearest the bracket. None where no polynomial
-    through them grows. Only a guess of where to probe: the answer is the bracket's, made of probed points."""
+    through the two nearest the bracket; with two nodes only and a `curvature` (another search's second difference, a
+    strategy's of the same model), the parabola of that bend through them. None where no polynomial through them
+    grows. Only a guess of where to probe: the answer is the bracket's, made of probed points."""
     finite = sorted(x for x in seen if math.isfinite(peak_at(x)))
     below, above = [x for x in finite if 0 < x <= lo], [x for x in finite if x >= end]
     near = below[-2:] + above[:1] if above else below[-3:]
     nodes = [(x, peak_at(x)) for x in near]
     if len(nodes) < 2:
         return None
-    curve = _increasing_polynomial(nodes)
+    curve = _increasing_polynomial(nodes, curvature)
     if curve is None:
         return None
     low, high = lo + 1, end - 1  # the largest x in (lo, end) whose value on the curve is <= budget, by bisection

@@ -19,7 +19,7 @@ import torch
 from bench.analysis import pools, predict
 from bench.analysis.fake_cuda_worker import run_in_fake_cuda
 from bench.analysis.fit import FitResult
-from bench.analysis.fit_search import Probes, largest_in_rounds
+from bench.analysis.fit_search import Probes, largest_in_rounds, second_difference
 from bench.core.errors import UsageError
 from bench.core.gpus import CUDA_CONTEXT_BYTES
 from bench.core.results import Status
@@ -114,7 +114,8 @@ def monotonic_check(probes: dict[int, Probe]) -> str:
 
 
 def longest_under(judged_at: Callable[[int], int | None], budget: int, step: int, max_seq: int,
-                  start: int = START_SEQ, prefetch: Callable[[list[int]], None] | None = None, jobs: int = 1) -> int:
+                  start: int = START_SEQ, prefetch: Callable[[list[int]], None] | None = None, jobs: int = 1,
+                  curvature: float | None = None) -> int:
     """The longest multiple of `step` up to `max_seq` whose judged peak is <= budget (0 if none), for a peak that
     does not fall as the sequence grows; a length with no prediction counts as over the budget.
 
@@ -127,7 +128,8 @@ def longest_under(judged_at: Callable[[int], int | None], budget: int, step: int
     With `jobs` > 1 and a `prefetch` that predicts several lengths at once: `fit_search.largest_in_rounds`, from
     `start` and its doublings (`jobs` of them; below `start` those the longest sequence leaves no room for): the
     same answer for a peak that does not fall, in fewer rounds; from `start` = `step`, that length alone first (where
-    it does not fit, nothing does: one prediction)."""
+    it does not fit, nothing does: one prediction). `curvature` (bytes per step squared, `curvature_of` another
+    strategy's search) bends the rounds' first guess (`fit_search.polynomial_guess`)."""
     max_k = max(1, max_seq // step)
     values: dict[int, float] = {}
 
@@ -144,7 +146,7 @@ def longest_under(judged_at: Callable[[int], int | None], budget: int, step: int
         # `start` at or near the longest sequence: the slots left go below it (no doubling is left to make)
         first += [k * i // (jobs - len(first) + 1) for i in range(jobs - len(first), 0, -1)]
         return step * largest_in_rounds(peak, lambda ks: prefetch([x * step for x in ks]), jobs, budget, max_k,
-                                        first)
+                                        first, curvature)
     if peak(k) > budget:
         if k > 1 and peak(1) > budget:
             return 0
@@ -167,6 +169,20 @@ def longest_under(judged_at: Callable[[int], int | None], budget: int, step: int
         lo, hi = (k, hi) if peak(k) <= budget else (lo, k)
         interpolate = hi - lo <= width // 2
     return lo * step
+
+
+def curvature_of(probes: dict[int, Probe], longest: int, step: int) -> float | None:
+    """The second difference (bytes per step squared) of a search's judged peaks at the shortest and the longest of its
+    probes and the one nearest its answer `longest` between them (nodes far apart: the allocator's rounding moves
+    neighbours' peaks by megabytes), where it is positive: a strategy's curvature in the tokens, which another
+    strategy of the same model shares where both keep the same attention (math attention's tokens-by-tokens matrix);
+    None otherwise."""
+    known = sorted((n // step, p.judged_bytes) for n, p in probes.items() if p.judged_bytes is not None)
+    if len(known) < 3:
+        return None
+    middle = min(known[1:-1], key=lambda node: abs(node[0] * step - longest - step / 2))
+    bend = second_difference([known[0], middle, known[-1]])
+    return bend if bend > 0 else None
 
 
 def probes_left(judged: dict[int, int | None], budget: int, step: int, limit: int) -> int:
@@ -194,11 +210,13 @@ def fit_seq_len(spec: str, budget: int, phase: str, device: str, workload: str, 
                 step: int = DEFAULT_SEQ_STEP, max_seq: int | None = None, capability: tuple[int, int] | None = None,
                 start: int = START_SEQ, progress: Callable[[str], None] = lambda text: None,
                 judged_at: Callable[[int], Probe] | None = None, pool=None,
-                known: dict[int, Probe] | None = None) -> FitResult:
+                known: dict[int, Probe] | None = None, curvature: float | None = None,
+                made: dict[int, Probe] | None = None) -> FitResult:
     """The longest sequence (a multiple of `step`) whose predicted peak fits `budget` for strategy `spec` at batch
     `batch`: a row of the fit table with `over` = seq_len. `judged_at` replaces the prediction (a test's peaks).
     With a `pool` of several jobs (`bench.analysis.pools`) the lengths are predicted several at once. `known`:
-    probes already made (by length), not made again."""
+    probes already made (by length), not made again. `curvature`: `longest_under`'s. `made`, where given, receives
+    every probe of the search, by length."""
     limit = max_seq or max_seq_len(workload) or LONGEST_DEFAULT  # its callers checked the bounds (longest_tried)
 
     started = time.monotonic()
@@ -220,8 +238,10 @@ def fit_seq_len(spec: str, budget: int, phase: str, device: str, workload: str, 
     probes = Probes(judged_at or predicted_probe, args_at, pool, told, _lost_probe)
     probes.values.update(known or {})
     longest = longest_under(lambda seq_len: probes(seq_len).judged_bytes, budget, step, limit, start,
-                            probes.prefetch, probes.jobs)
+                            probes.prefetch, probes.jobs, curvature)
     probes = probes.values
+    if made is not None:
+        made.update(probes)
     check = monotonic_check(probes)
     nxt = probes.get(longest + step)
     notes = ["predicted, not confirmed by a run"]
@@ -279,6 +299,7 @@ def fit_over_seq_len(specs: list[str], budget: int, phase: str, device: str, wor
                 return [FitResult(**row) for row in rows]
     results = []
     started = time.monotonic()
+    curvature = None  # the last strategy's, which bends the next one's first guess: they share the model's attention
     with pools.opened(pools.probe_pool(jobs, executor, ray_address, __name__, workload)) as pool:
         for index, spec in enumerate(specs):
             canonical = bind_case(Case(workload, spec, phase, batch, "cpu", data=data))[0].spec()
@@ -288,6 +309,9 @@ def fit_over_seq_len(specs: list[str], budget: int, phase: str, device: str, wor
                      f"sequence under {format_size(budget)} ...")
             # the baseline from the shortest length: at full size it seldom fits at any, which one prediction shows
             start = step if canonical == "baseline" else START_SEQ
+            made: dict[int, Probe] = {}
             results.append(fit_seq_len(canonical, budget, phase, device, workload, data, batch, step, max_seq,
-                                       capability, start, progress=progress, pool=pool))
+                                       capability, start, progress=progress, pool=pool, curvature=curvature,
+                                       made=made))
+            curvature = curvature_of(made, results[-1].seq_len or 0, step) or curvature
     return results
