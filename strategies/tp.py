@@ -137,6 +137,20 @@ def tensor_parallel_refusal(model, degree: int) -> str | None:
     return None
 
 
+def tensor_parallel_degrees(workload) -> list[int]:
+    """The tp degrees (2 or more) that split a transformers workload's model evenly, from its configuration
+    (`workload.config()`, no model built): each divides the attention and key/value heads, the MLP width, the
+    vocabulary and the sequence length (sequence parallelism's split). Empty for a workload without such a
+    configuration, or with a tied embedding and LM head (which tp refuses)."""
+    config = workload.config() if callable(getattr(workload, "config", None)) else None
+    heads = getattr(config, "num_attention_heads", None)
+    if not heads or getattr(config, "tie_word_embeddings", False):
+        return []
+    sizes = [heads, getattr(config, "num_key_value_heads", None) or heads, getattr(config, "intermediate_size", None),
+             getattr(config, "vocab_size", None), getattr(workload, "settings", {}).get("seq_len")]
+    return [degree for degree in range(2, heads + 1) if all(size is None or size % degree == 0 for size in sizes)]
+
+
 @register_strategy
 class TensorParallel(Sharded):
     """`torch.distributed.tensor.parallel.parallelize_module` with torchtitan's Llama plan over `degree` ranks
@@ -176,8 +190,23 @@ class TensorParallel(Sharded):
 
     @classmethod
     def plan_settings(cls, space):
-        """Never: a mesh shape that splits the model, which `plan` does not search."""
-        return []
+        """On several ranks, each dp x tp mesh of them whose tp degree (2 or more) splits the model evenly (divides
+        its attention and key/value heads, MLP width, vocabulary and, for sequence parallelism, the sequence: the
+        workload's configuration, read without building the model) and stays inside a node (divides
+        `space.gpus_per_node`, so no tensor-parallel group straddles two nodes), the largest degree first; none for
+        a workload without such a configuration (`tensor_parallel_degrees`)."""
+        ranks = space.context.ranks
+        if ranks < 2:
+            return []
+        return [{"degree": degree} for degree in sorted(tensor_parallel_degrees(space.context.workload),
+                                                        reverse=True)
+                if ranks % degree == 0 and space.gpus_per_node % degree == 0]
+
+    @classmethod
+    def plan_companions(cls, options, space):
+        """fsdp, where the mesh has more than one data-parallel replica (`fsdp+tp:degree=T`, torchtitan's FSDP x
+        TP): tp alone cannot average their gradients."""
+        return ("fsdp",) if space.context.ranks > options.get("degree", cls.options["degree"]) else ()
 
     def __init__(self, **options):
         super().__init__(**options)

@@ -71,6 +71,7 @@ class PlanRequest:
     # `plan --max-ranks`: each rank's batch, so that on N ranks the step's batch is N times it; 0: batch_size is the
     # step's batch on every rank count (--global-batch-size), split across the ranks
     batch_per_rank: int = 0
+    gpus_per_node: int = 8  # `--gpus-per-node`: a tensor-parallel group of the meshes tried stays inside a node
 
     def case(self, spec: str) -> Case:
         return Case(self.workload, spec, "train", self.batch_size, self.device, data=self.data)

@@ -2,7 +2,8 @@
 apply to the case, and the combinations of them that compose (what `strategies.Composite` accepts).
 
 The planner names no strategy: a strategy is tried with the settings it declares, never when it declares
-`plan_excluded` or is a pitfall, and two settings combine when the Composite of them can be built (no declared
+`plan_excluded` or is a pitfall (a setting that cannot train alone, with the companions it declares:
+`Strategy.plan_companions`), and two settings combine when the Composite of them can be built (no declared
 conflict, no hook replaced by both) and is not two settings of one strategy.
 """
 
@@ -58,10 +59,14 @@ def settings(space: PlanSpace) -> tuple[list[Setting], list[Refused]]:
             except UsageError as error:  # a declared setting this version does not take
                 refused.append(Refused(f"{name}:{options}", str(error)))
                 continue
+            companions = cls.plan_companions(options, space)
             try:
                 _bound(strategy, space.context).check(space.context)
-            except Unsupported as error:
-                refused.append(Refused(strategy.spec(), str(error)))
+                if companions:  # one candidate of the setting and its companions (tp's mesh: fsdp+tp:degree=T)
+                    strategy = _bound(StrategySpec("+".join([*companions, strategy.spec()])).build(), space.context)
+                    strategy.check(space.context)
+            except (Unsupported, UsageError) as error:  # refused under the strategy's own spec (its row's name)
+                refused.append(Refused(cls(**options).spec(), str(error)))
                 continue
             accepted.append(Setting(strategy.spec(), name))
     return list({s.spec: s for s in accepted}.values()), refused

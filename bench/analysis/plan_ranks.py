@@ -2,9 +2,11 @@
 --max-ranks N`).
 
 One rank is the ordinary plan (`plan_search.search`); at two ranks and more only candidates with a sharded member
-run (ddp, zero1, fsdp, with the other techniques), each rank's step predicted in one process (PyTorch's fake process
-group), since a candidate that shards nothing needs on N GPUs what it needs on one: those rows come from the one-rank
-search, which the later searches also combine from. `--batch-size` is each rank's batch, as torchrun's ranks each
+run (ddp, zero1, zero2, zero3, fsdp with and without offload, and the dp x tp meshes `fsdp+tp:degree=T` whose degree
+divides the model's heads and `--gpus-per-node`: `TensorParallel.plan_settings`; with the other techniques), each
+rank's step predicted in one process (PyTorch's fake process group), since a candidate that shards nothing needs
+on N GPUs what it needs on one: those rows come from the one-rank search, which the later searches also combine
+from. `--batch-size` is each rank's batch, as torchrun's ranks each
 load their own, so the step's batch grows with the ranks; `--global-batch-size` fixes the step's batch instead,
 split across the ranks, and then no more ranks than samples are tried.
 
@@ -32,6 +34,9 @@ from bench.core.errors import UsageError
 from bench.core.results import Status
 from bench.core.schema import Row
 from bench.run import eta
+from strategies import StrategySpec
+from strategies.framework.composite import members_of
+from strategies.framework.sharding import data_parallel_replicas
 
 
 SCANNED_GAP = 3  # counts between a count without an answer and one with: at most this many are all tried
@@ -132,6 +137,17 @@ def counts_left(top: int, known: dict[int, bool]) -> int:
 
     searched_counts(top, pessimist)
     return sum(1 for ranks in dict.fromkeys(visited) if ranks not in known)
+
+
+def mesh_of(spec: str, ranks: int) -> str:
+    """How a candidate lays out its ranks: `8 dp x 8 tp` (its tensor-parallel degree, the data-parallel replicas
+    the rest of the ranks make), `64 dp x 1 tp` for a data-parallel strategy alone; `1 GPU` on one rank."""
+    if ranks <= 1:
+        return "1 GPU"
+    strategy = StrategySpec(spec).build()
+    degrees = {m.name: m.settings["degree"] for m in members_of(strategy) if m.name in ("tp", "cp")}
+    return (f"{data_parallel_replicas(strategy, ranks)} dp x {degrees.get('tp', 1)} tp"
+            + (f" x {degrees['cp']} cp" if "cp" in degrees else ""))
 
 
 def fewest(counts: list[RankCount]) -> RankCount | None:

@@ -273,7 +273,7 @@ def search(request: plan.PlanRequest, progress: Callable[[str], None] = lambda t
     at once (0: the cluster's CPUs)."""
     context = plan.bind_for_plan(request.case("baseline"), request.ranks)[1]
     # a budget plan of checkpointing gets the limit less the context: its plan is judged on predicted peaks
-    space = PlanSpace(context, max(1, request.limit_bytes - request.context_bytes))
+    space = PlanSpace(context, max(1, request.limit_bytes - request.context_bytes), request.gpus_per_node)
     accepted, refused = plan_candidates.settings(space)
     if request.strategies:  # `plan --strategies`: the candidates are these strategies' settings and combinations
         accepted = [s for s in accepted if s.strategy in request.strategies]

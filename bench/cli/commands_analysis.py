@@ -35,6 +35,7 @@ from bench.run.rule_of_thumb import rule_of_thumb
 from bench.run.case import Case, bind_case
 from bench.run.runner import CaseMeter
 from strategies import parse_strategy
+from strategies.framework.sharding import data_parallel_replicas
 from workloads import get_workload
 
 PHASES = ("train", "eval")
@@ -158,8 +159,7 @@ def cmd_predict(args) -> int:
     print(f"predicted peak memory on {device}" + (" (torch.cuda.max_memory_allocated and max_memory_reserved)"
                                                   if device == "cuda" else " (exact live tensor bytes)"))
     if args.ranks > 1:
-        print(f"batch: the step's, over {args.ranks} ranks ("
-              + "; ".join(f"{batch}: {rank_share(batch, args.ranks)}" for batch in batches) + ")")
+        print(_batch_split(specs, strategies, batches, args.ranks))
     print(format_predictions(rows))
     if device == "cuda":
         print("\nassumptions:")
@@ -177,6 +177,23 @@ def cmd_predict(args) -> int:
               f"the message column of {path} says why", file=sys.stderr)
         return 1
     return 0
+
+
+def _batch_split(specs: list[str], strategies: list, batches: list[int], ranks: int) -> str:
+    """How the step's batch is split: over the ranks, or where tensor- or context-parallel groups share their
+    samples, over the data-parallel replicas (a line for each replica count among the strategies)."""
+    by_replicas: dict[int, list[str]] = {}
+    for spec, strategy in zip(specs, strategies):
+        by_replicas.setdefault(data_parallel_replicas(strategy, ranks), []).append(spec)
+    lines = []
+    for replicas, named in sorted(by_replicas.items(), reverse=True):
+        over = (f"over {ranks} ranks" if replicas == ranks else
+                f"over the {replicas} data-parallel replica{'s' if replicas > 1 else ''} of {ranks} ranks (each "
+                f"group of {ranks // replicas} shares its samples)")
+        whose = "" if len(by_replicas) == 1 else f" with {', '.join(named)}"
+        lines.append(f"batch: the step's, {over}{whose} ("
+                     + "; ".join(f"{batch}: {rank_share(batch, replicas)}" for batch in batches) + ")")
+    return "\n".join(lines)
 
 
 def _gpu_and_device(args, default_device: str) -> tuple[object, str]:

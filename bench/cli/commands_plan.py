@@ -78,7 +78,8 @@ def _request(args) -> tuple[plan.PlanRequest, str]:
     request = plan.PlanRequest(workload, data, batch, device, gpu.name if gpu else "this CPU", limit, context,
                                plan_cost.to_json(figures), 1, gpu.capability if gpu else None,
                                args.allow_different, args.max_candidates, args.max_search_s,
-                               args.jobs or plan_search.default_jobs(), strategies=strategies, batch_per_rank=per_rank)
+                               args.jobs or plan_search.default_jobs(), strategies=strategies, batch_per_rank=per_rank,
+                               gpus_per_node=args.gpus_per_node)
     return request.on_ranks(args.ranks), how
 
 

@@ -26,8 +26,10 @@ A strategy is applied only to the stage it concerns (the pyperf hook pattern):
 - `plan_options`    for `python -m bench plan`: the option settings worth trying in a search for the fastest
                    combination under a memory limit (a class attribute; the inherited default tries the defaults,
                    `plan_settings()` computes them where they depend on the case and limit, `PlanSpace`); or
-                   `plan_excluded`, why the planner never tries it. Which members compose is what `Composite`
-                   accepts (`conflicts`, one owner per replaced hook) and what each member's `check()` accepts.
+                   `plan_excluded`, why the planner never tries it; `plan_companions()`, the strategies a setting
+                   that cannot train alone is tried composed with (tp's meshes: fsdp). Which members compose is
+                   what `Composite` accepts (`conflicts`, one owner per replaced hook) and what each member's
+                   `check()` accepts.
 
 What the registry-wide tests expect of a strategy is declared on its class too (tests/conformance.py reads it, as
 do the docs' strategy table and `list`): `expected` (`MATCHES`, `differs(why)` or `unsupported(why)`) on any
@@ -133,6 +135,7 @@ class PlanSpace:
 
     context: StepContext
     budget_bytes: int  # the memory the step may use (after the CUDA context and the headroom)
+    gpus_per_node: int = 8  # `plan --gpus-per-node`: a mesh's tensor-parallel groups stay inside a node
 
 
 # One micro-batch of a step: (inputs, target, the factor its loss is multiplied by before backward)
@@ -209,6 +212,13 @@ class Strategy:
         `{}` is the defaults): its `plan_options`, unless it overrides this for settings that depend on the case
         or the limit; an empty list tries none. The planner still drops a setting that `check()` refuses."""
         return [dict(options) for options in cls.plan_options]
+
+    @classmethod
+    def plan_companions(cls, options: dict[str, Any], space: PlanSpace) -> tuple[str, ...]:
+        """The strategies (their defaults) that a plan setting of it (`options`) runs composed with, as one
+        candidate: none, unless the setting cannot train alone on the space's ranks (tp's dp x tp mesh with more
+        than one data-parallel replica needs fsdp to shard and average over its dp dimension)."""
+        return ()
 
     @classmethod
     def expected_outcome(cls, traits: Collection[str]) -> Expected:

@@ -29,6 +29,13 @@ def rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
+def data_parallel_replicas(strategy: Strategy, ranks: int) -> int:
+    """Over how many data-parallel replicas the step's batch is split on `ranks` ranks under `strategy` (composed or
+    not): the ranks, unless a member's groups share samples (tp's, cp's: `Sharded.data_parallel_place`)."""
+    return min((m.data_parallel_place(0, ranks)[1] for m in getattr(strategy, "members", [strategy])
+                if isinstance(m, Sharded)), default=ranks)
+
+
 class Sharded(Strategy):
     """Base of the strategies that run as several ranks (not registered itself)."""
 

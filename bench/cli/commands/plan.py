@@ -36,6 +36,9 @@ def add_arguments(parser) -> None:
                    help="how many GPUs: plan on 1, 2, 4, ... up to N ranks, then halve the gap below the first "
                         "count with a plan that fits down to 3 counts, try those, and answer the fewest (default: "
                         "off, plan for --ranks)")
+    p.add_argument("--gpus-per-node", type=positive_int, default=8, metavar="G",
+                   help="GPUs in a node: on several ranks the dp x tp meshes tried keep each tensor-parallel group "
+                        "inside a node (a tp degree dividing G) (default 8)")
     p.add_argument("--over", default="batch",
                    help="batch (the fastest plan at --batch-size) or seq_len (the plan that trains the longest "
                         "sequence at --batch-size, default 1; a workload with a seq_len option) (default batch)")
