@@ -190,11 +190,11 @@ class TensorParallel(Sharded):
 
     @classmethod
     def plan_settings(cls, space):
-        """On several ranks, each dp x tp mesh of them whose tp degree (2 or more) splits the model evenly (divides
-        its attention and key/value heads, MLP width, vocabulary and, for sequence parallelism, the sequence: the
-        workload's configuration, read without building the model) and stays inside a node (divides
-        `space.gpus_per_node`, so no tensor-parallel group straddles two nodes), the largest degree first; none for
-        a workload without such a configuration (`tensor_parallel_degrees`)."""
+        """On several ranks, each dp x tp mesh whose degree splits the model's heads evenly and divides
+        --gpus-per-node (fsdp+tp:degree=T; tp alone on T ranks)."""
+        # the degree divides the attention and key/value heads, MLP width, vocabulary and sequence (read from the
+        # workload's configuration: `tensor_parallel_degrees`) and the GPUs of a node, so that no tensor-parallel
+        # group straddles two nodes; the largest first. None for a workload without such a configuration.
         ranks = space.context.ranks
         if ranks < 2:
             return []
