@@ -9,6 +9,7 @@ import json
 import re
 
 import pandas as pd
+import torch
 import pytest
 
 from bench.analysis import plan, plan_candidates, plan_cost, plan_search
@@ -107,3 +108,28 @@ def test_predicts_batch_line_splits_over_the_data_parallel_replicas():
         "tp:degree=4 (8: 8 a rank)"]
     assert _batch_split(["fsdp"], [parse_strategy("fsdp")], [6], 4) == \
         "batch: the step's, over 4 ranks (6: 2 or 1 a rank)"
+
+
+def test_a_ranks_operator_costs_are_those_of_its_shards():
+    """A dispatch mode sees a DTensor's operator at the global shape; the rank computes on its shards only, so a
+    column-parallel projection over 2 ranks costs each rank half the FLOPs of the whole one (tp's estimated time)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from bench.measure.op_cost import OperatorCostCounter, step_totals
+    from bench.run.ranks import fake_process_group
+
+    inputs, weight = torch.randn(3, 4), torch.randn(8, 4)
+    whole = OperatorCostCounter()
+    with whole:
+        torch.nn.functional.linear(inputs, weight)
+    whole.end_step()
+    with fake_process_group(2, 0):
+        mesh = DeviceMesh("cpu", [0, 1])
+        sharded = OperatorCostCounter()
+        with sharded:
+            out = torch.nn.functional.linear(distribute_tensor(inputs, mesh, [Replicate()]),
+                                             distribute_tensor(weight, mesh, [Shard(0)]))
+        sharded.end_step()
+    assert out.to_local().shape == (3, 4)
+    assert step_totals(sharded.steps[0])["flops"] * 2 == step_totals(whole.steps[0])["flops"] > 0

@@ -13,12 +13,13 @@ once and writes each output once moves); caches, fusion and views are not modell
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from bench.core.quiet_import import quiet_loggers
 from bench.measure.dispatch_modes import CompiledCodeMode
@@ -65,6 +66,16 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
 
 
+def _local_shards(value: Any) -> Any:
+    """`value` with each DTensor replaced by this rank's shard of it: a dispatch mode sees a DTensor's operator at
+    the global shape, before DTensor runs it on the local shards (without the mode), and a rank computes and moves
+    only its shards (tensor parallelism's projections: 1/T of the FLOPs)."""
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)  # none made before its import
+    if dtensor is None:
+        return value
+    return tree_map(lambda t: t._local_tensor if isinstance(t, dtensor) else t, value)
+
+
 def _nbytes(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -92,9 +103,11 @@ class OperatorCostCounter(CompiledCodeMode):
         out = func(*args, **kwargs)
         if func.is_view or func.overloadpacket in (aten.detach, aten.lift_fresh, aten.alias):
             return out
+        result = out
+        args, kwargs, out = _local_shards((args, kwargs, out))
         inputs, outputs = _tensors((args, kwargs)), _tensors(out)
         if not outputs:  # metadata (a fake tensor's `.device`), a scalar read: no kernel to speak of
-            return out
+            return result
         packet = func.overloadpacket
         formula = flop_registry.get(packet) or _EXTRA_FORMULAS.get(packet)
         flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
@@ -102,10 +115,10 @@ class OperatorCostCounter(CompiledCodeMode):
         devices = {t.device.type for t in inputs + outputs}
         if packet in (aten._to_copy, aten.copy_) and len(devices) > 1:
             self.current.append(OpCost(TRANSFER, dtype, 0, _nbytes(outputs)))
-            return out
+            return result
         kind = CONV if packet in _CONV_PACKETS else (MATMUL if flops else MEMORY)
         self.current.append(OpCost(kind, dtype, flops, _nbytes(inputs) + _nbytes(outputs)))
-        return out
+        return result
 
 
 def step_totals(ops: list[OpCost]) -> dict[str, int]:
