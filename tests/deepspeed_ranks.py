@@ -130,6 +130,9 @@ def membench_inventory(stage: int, offload: bool) -> dict:
 if __name__ == "__main__":
     engine, stage, offload = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "cpu"
     inventory = (deepspeed_inventory if engine == "deepspeed" else membench_inventory)(stage, offload)
-    print("INVENTORY " + json.dumps({"rank": dist.get_rank(), **inventory}))
+    # one write(2) of the whole line (under PIPE_BUF): the two ranks share the pipe, and print's separate writes of
+    # the text and its newline let the other rank's line land between them
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), ("INVENTORY " + json.dumps({"rank": dist.get_rank(), **inventory}) + "\n").encode())
     dist.barrier()
     dist.destroy_process_group()
