@@ -30,6 +30,8 @@ def recompile_limit_record(code_file: str) -> logging.LogRecord:
 def restored_filters():
     logger = logging.getLogger(quiet_tracing.DYNAMO_RECOMPILES_LOGGER)
     before = list(logger.filters)
+    # a command run in this process earlier (a CLI test) installed the filter already: start from none
+    logger.filters[:] = [f for f in before if not isinstance(f, quiet_tracing._MembenchHookRecompiles)]
     with warnings.catch_warnings():
         yield logger
     logger.filters[:] = before
