@@ -91,3 +91,15 @@ def test_the_command_line_refuses_a_bad_value_in_one_line_with_exit_2(tmp_path):
                            "hf:tiny-llama:seq_len=32", "--ranks", "2"], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and "zero_optimization.stage" in done.stderr
+
+
+def test_a_json_alone_takes_its_model_from_workload_without_calling_it_an_override(tmp_path):
+    """A DeepSpeed JSON names no model: --workload is the job's model, not a value that overrides the file's."""
+    config = tmp_path / "ds.json"
+    zero2 = {**ZERO3, "zero_optimization": {"stage": 2, "reduce_bucket_size": 4096}}
+    config.write_text(json.dumps(zero2))
+    done = subprocess.run([sys.executable, "-m", "bench", "predict", "--config", str(config), "--workload",
+                           "hf:tiny-llama:seq_len=16", "--ranks", "2", "--device", "cpu", "--out", str(tmp_path)],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert not [line for line in done.stdout.splitlines() if line.lstrip().startswith("--workload")], done.stdout
+    assert "hf:tiny-llama:seq_len=16" in done.stdout and "zero2" in done.stdout, done.stdout + done.stderr[-2000:]

@@ -44,7 +44,8 @@ def derived_job(args, command: str):
             batch = int(explicit_batch)
         except ValueError:
             raise UsageError(f"--batch-size {explicit_batch!r} with --config: one batch size") from None
-    own_model = job.kind != "accelerate"  # accelerate's config names no model: --workload is its model, not an override
+    # accelerate's and a DeepSpeed JSON's configurations name no model: --workload is their model, not an override
+    own_model = job.kind not in ("accelerate", "deepspeed")
     job, notes = job.with_explicit(workload=args.workload if own_model else None, batch_size=batch,
                                    ranks=ranks if ranks > 1 else None)
     if getattr(args, "strategies", None) and command != "plan":
