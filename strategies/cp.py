@@ -20,7 +20,7 @@ import torch
 from bench.core.errors import Unsupported, UsageError
 from bench.core.memory_categories import COMMUNICATION, allocating, made_now
 from strategies import register_strategy
-from strategies.framework.sharding import Sharded, rank_and_world
+from strategies.framework.sharding import Sharded, check_divides_ranks, rank_and_world
 from strategies.tp import _CollectivesAsCommunication, _forget_other_ranks_meshes, _llama_layers
 
 
@@ -99,10 +99,7 @@ class ContextParallel(Sharded):
             raise Unsupported(refusal)
         super().check(context)
         degree = self.settings["degree"]
-        if context.ranks % degree:
-            valid = [d for d in range(1, context.ranks + 1) if context.ranks % d == 0]
-            raise Unsupported(f"cp:degree={degree} does not divide --ranks {context.ranks}; valid choices: "
-                              f"{', '.join(map(str, valid))}")
+        check_divides_ranks("cp:degree", degree, context.ranks)
 
     def data_parallel_place(self, rank: int, world: int) -> tuple[int, int]:
         degree = self.settings["degree"]

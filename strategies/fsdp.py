@@ -32,7 +32,7 @@ from bench.core.errors import Unsupported, UsageError
 from bench.core.memory_categories import COMMUNICATION, WEIGHTS, allocating, file_as, listening
 from strategies.amp import Amp
 from strategies import register_strategy
-from strategies.framework.sharding import Sharded, rank_and_world
+from strategies.framework.sharding import Sharded, check_divides_ranks, rank_and_world
 
 # FSDP2 warns when a wrapped model returns a view (the captcha ResNet's reshaped softmax) that an in-place op could
 # break; the runner never modifies a model's output in place, so the warning would only be noise in every run.
@@ -240,10 +240,7 @@ class FSDP(Sharded):
     def check(self, context):
         super().check(context)
         replicate = self.settings["replicate"]
-        if context.ranks % replicate:
-            valid = [r for r in range(1, context.ranks + 1) if context.ranks % r == 0]
-            raise Unsupported(f"fsdp:replicate={replicate} does not divide --ranks {context.ranks}; valid choices: "
-                              f"{', '.join(map(str, valid))}")
+        check_divides_ranks("fsdp:replicate", replicate, context.ranks)
         if self.settings["offload"] == "cpu" and context.device != "cuda":
             raise Unsupported(f"fsdp:offload=cpu needs device cuda, not {context.device}: on the CPU the host is the "
                               "device, so the offload saves nothing")

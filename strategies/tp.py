@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from bench.core.errors import Unsupported, UsageError
 from bench.core.memory_categories import COMMUNICATION, allocating
 from strategies import register_strategy
-from strategies.framework.sharding import Sharded, rank_and_world
+from strategies.framework.sharding import Sharded, check_divides_ranks, rank_and_world
 
 # the module names torchtitan's Llama plan is written for, in transformers' spelling
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -217,10 +217,7 @@ class TensorParallel(Sharded):
     def check(self, context):
         super().check(context)
         degree = self.settings["degree"]
-        if context.ranks % degree:
-            valid = [d for d in range(1, context.ranks + 1) if context.ranks % d == 0]
-            raise Unsupported(f"tp:degree={degree} does not divide --ranks {context.ranks}; valid choices: "
-                              f"{', '.join(map(str, valid))}")
+        check_divides_ranks("tp:degree", degree, context.ranks)
 
     def data_parallel_place(self, rank: int, world: int) -> tuple[int, int]:
         """(this rank's place on the dp dimension, the dp degree): the ranks of a tensor-parallel group share it."""

@@ -36,6 +36,15 @@ def data_parallel_replicas(strategy: Strategy, ranks: int) -> int:
                 if isinstance(m, Sharded)), default=ranks)
 
 
+def check_divides_ranks(option: str, value: int, ranks: int) -> None:
+    """An `unsupported` row where a mesh dimension's size `value` (named `option`, e.g. `tp:degree`) does not divide
+    --ranks, naming the sizes that do."""
+    if ranks % value:
+        valid = [d for d in range(1, ranks + 1) if ranks % d == 0]
+        raise Unsupported(f"{option}={value} does not divide --ranks {ranks}; valid choices: "
+                          f"{', '.join(map(str, valid))}")
+
+
 class Sharded(Strategy):
     """Base of the strategies that run as several ranks (not registered itself)."""
 
