@@ -1,13 +1,13 @@
 """DeepSpeed ZeRO stage 3: parameters too partitioned across ranks, gathered module by module as they run."""
 
 from strategies import register_strategy
-from strategies.framework.deepspeed_zero import Zero3Mechanism
+from strategies.framework.deepspeed_zero3 import Zero3Mechanism
 
 
 @register_strategy
 class Zero3(Zero3Mechanism):
     """DeepSpeed's ZeRO-3 as its `DeepSpeedZeroOptimizer_Stage3` and parameter coordinator allocate it
-    (strategies/framework/deepspeed_zero.py, with the DeepSpeed source it follows): each parameter split into N
+    (strategies/framework/deepspeed_zero3.py, with the DeepSpeed source it follows): each parameter split into N
     partitions of ceil(numel / N) elements, held in one flat buffer, the float32 master copy and the optimizer state
     of the rank's partitions, a persistent gradient-partition buffer and bucket; each module's own parameters
     all-gathered just before its forward and its backward and freed after, those of the modules that ran next

@@ -1,0 +1,284 @@
+"""The mechanism model of DeepSpeed's ZeRO-3 (what its engine allocates per rank, and when), on the base that ZeRO-2
+shares (strategies/framework/deepspeed_zero.py, whose docstring says how the model runs and is checked).
+
+ZeRO-3 (stage3.py `DeepSpeedZeroOptimizer_Stage3`, partition_parameters.py, parameter_offload.py):
+- each parameter partitioned on its own: ceil(numel / N) elements per rank (`ds_tensor`), the partitions of all
+  parameters one flat buffer (`lp_param_buffer`); the parameter's own data is freed (a 0-element tensor) unless it
+  has at most `param_persistence_threshold` elements (`ds_persist`: kept whole on every rank);
+- the float32 master of each sub-group of `sub_group_size` elements (`fp32_partitioned_groups_flat`), and with
+  `offload_optimizer=cpu` one float32 gradient buffer per sub-group on the host (`subgroup_gradient_buffer`);
+- one bucket of `reduce_bucket_size` elements, allocated once (`ipg_buckets`; one buffer with `overlap_comm` too),
+  and the partitioned gradients of all parameters as one buffer (`grad_partitions_flat_buffer`), kept between steps;
+- in the forward and backward, each module's own parameters all-gathered into one buffer just before it runs
+  (`fetch_sub_module`, `all_gather_coalesced`) and freed after (`release_sub_module`), persistent ones excepted;
+  `stage3_prefetch_bucket_size` elements of the modules that ran next the previous step are gathered ahead, as long
+  as the gathered parameters stay within `stage3_max_live_parameters` elements
+  (`PartitionedParameterCoordinator`);
+- each gradient copied into the bucket as it is accumulated, the bucket reduce-scattered when the next would not fit
+  (`__reduce_and_partition_ipg_grads`) and each parameter's share added into its partition of the flat gradient
+  buffer; in the step, each sub-group in turn: its gradients flattened and converted to float32
+  (`_prepare_fp32_grad_for_sub_group`; copied into the host buffer with offload), the optimizer stepped on it, the
+  master copied back into the 16-bit partitions and the float32 gradient freed (`_release_sub_group`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from bench.core.memory_categories import COMMUNICATION, WEIGHTS, allocating
+from strategies.framework.deepspeed_zero import (ALL_GATHER, DEFAULT_SUB_GROUP_ELEMENTS, GRADS, OPTIMIZER_STATE,
+                                                 REDUCE_SCATTER, DeepSpeedZero, _Bucket, _collective,
+                                                 _gloo_copy_of_input, _master_of, _rebuilt_optimizer)
+from strategies.framework.sharding import rank_and_world
+
+
+class _Partitioned:
+    """A ZeRO-3 parameter's partition: its slice of the flat buffer, its whole shape, whether it stays whole."""
+
+    def __init__(self, param: nn.Parameter, data: torch.Tensor, persistent: bool):
+        self.param = param
+        self.shape = param.shape
+        self.numel = param.numel()
+        self.data = data
+        self.persistent = persistent
+        self.grad: torch.Tensor | None = None  # its slice of grad_partitions_flat_buffer
+        self.users = 0  # modules running now that use it
+
+
+class Zero3Mechanism(DeepSpeedZero):
+    """ZeRO-3's allocations (module docstring): every parameter partitioned, gathered per module as it runs."""
+
+    stage = 3
+    options = {**DeepSpeedZero.options, "overlap_comm": True, "prefetch_bucket_size": 50_000_000,
+               "max_live_parameters": 1_000_000_000, "param_persistence_threshold": 100_000,
+               "sub_group_size": DEFAULT_SUB_GROUP_ELEMENTS, "offload_param": "none"}
+
+    def wrap_optimizer(self, optimizer, model):
+        rank, world = rank_and_world()
+        self.rank, self.world = rank, world
+        self.model = model
+        threshold = self.settings["param_persistence_threshold"]
+        # the optimizer's groups in order, then the parameters no group holds: the order of DeepSpeed's flat buffer
+        grouped = [p for group in optimizer.param_groups for p in group["params"]]
+        params = list(dict.fromkeys([*grouped, *model.parameters()]))
+        self.by_param: dict[int, _Partitioned] = {}
+        dtype, device = params[0].dtype, params[0].device
+        part_numels = [-(-p.numel() // world) for p in params]
+        param_device = "cpu" if self.settings["offload_param"] == "cpu" else device
+        self.lp_buffer = torch.zeros(sum(part_numels), dtype=dtype, device=param_device)  # lp_param_buffer
+        offset, starts = 0, {}
+        for p, numel in zip(params, part_numels):
+            data = self.lp_buffer.narrow(0, offset, numel)
+            chunk = p.detach().reshape(-1)[rank * numel:(rank + 1) * numel]
+            data[:chunk.numel()].copy_(chunk)
+            self.by_param[id(p)] = _Partitioned(p, data, p.numel() <= threshold)
+            starts[id(p)] = offset
+            offset += numel
+        for part in self.by_param.values():
+            if not part.persistent:
+                part.param.data = part.param.data.new_empty(0)  # the whole parameter freed
+        trainable = [self.by_param[id(p)] for p in grouped if p.requires_grad]
+        grad_device = "cpu" if self.offload_optimizer else device
+        self.grad_buffer = torch.zeros(sum(p.data.numel() for p in trainable), dtype=dtype, device=grad_device)
+        offset = 0
+        for part in trainable:
+            part.grad = self.grad_buffer.narrow(0, offset, part.data.numel())
+            offset += part.data.numel()
+        masters, per_group, self.lp_groups = [], [], []
+        for group in optimizer.param_groups:  # frozen parameters are partitioned, never stepped
+            parts = [self.by_param[id(p)] for p in group["params"] if p.requires_grad]
+            per_group.append([])
+            for sub in self._sub_groups(parts) if parts else []:
+                start = starts[id(sub[0].param)]
+                self.lp_groups.append(self.lp_buffer.narrow(0, start, sum(p.data.numel() for p in sub)))
+                masters.append(_master_of(self.lp_groups[-1], self.offload_optimizer))
+                per_group[-1].append(masters[-1])
+        # with offload, each sub-group's float32 gradient lives on the host between steps (`subgroup_gradient_buffer`);
+        # without, the step makes it anew and frees it (the buffer `initialize_optimizer_states` made is gone after
+        # the first step)
+        self.fp32_grads = [torch.zeros(m.numel(), dtype=torch.float32, device="cpu") for m in masters
+                           ] if self.offload_optimizer else []
+        self.masters = masters
+        self.bucket = _Bucket(self.settings["reduce_bucket_size"], dtype, device, 1)  # one, overlap_comm or not
+        self.whole = False
+        self.order: list[nn.Module] = []  # the modules in the order they ran in the last forward
+        self.recording: list[nn.Module] = []
+        self.prefetched: list[nn.Module] = []
+        for module in model.modules():
+            if any(True for _ in module.parameters(recurse=False)):
+                module.register_forward_pre_hook(self._before_forward)
+                module.register_forward_hook(lambda m, args, output: self._after(m))
+                module.register_full_backward_pre_hook(lambda m, grad_output: self._fetch(m))
+                module.register_full_backward_hook(lambda m, grad_input, grad_output: self._after(m, frozen_only=True))
+        for part in trainable:
+            part.param.register_post_accumulate_grad_hook(self._gradient_ready)
+        model.register_forward_pre_hook(self._file_state)
+        self.optimizer = _rebuilt_optimizer(optimizer, per_group)
+        return self.optimizer
+
+    def rank_signature(self, rank, world):
+        """Every rank holds ceil(numel / N) elements of every parameter: ranks differ only by their share of the
+        batch."""
+        return ("samples", self.samples_of_rank(rank, world))
+
+    def _sub_groups(self, parts: list[_Partitioned]) -> list[list[_Partitioned]]:
+        limit, subs, size = self.settings["sub_group_size"], [[]], 0
+        for part in parts:
+            if subs[-1] and size + part.data.numel() > limit:
+                subs.append([])
+                size = 0
+            subs[-1].append(part)
+            size += part.data.numel()
+        return subs
+
+    def persistent_buffers(self):
+        return [([self.lp_buffer], WEIGHTS), ([p.param for p in self.by_param.values() if p.persistent], WEIGHTS),
+                (self.masters, OPTIMIZER_STATE), ([self.grad_buffer, *self.fp32_grads], GRADS),
+                (self.bucket.buffers, COMMUNICATION)]
+
+    # --- the parameters gathered per module ---
+
+    def _own(self, module: nn.Module) -> list[_Partitioned]:
+        return [self.by_param[id(p)] for p in module.parameters(recurse=False) if id(p) in self.by_param]
+
+    def _gather(self, parts: list[_Partitioned]) -> None:
+        """The parameters not available now, all-gathered into one buffer (`all_gather_coalesced`)."""
+        missing = [p for p in parts if not p.persistent and p.param.data.numel() != p.numel]
+        if not missing:
+            return
+        device = self.bucket.buffers[0].device
+        sizes = [p.data.numel() * self.world for p in missing]
+        with allocating(WEIGHTS):
+            flat = torch.empty(sum(sizes), dtype=self.lp_buffer.dtype, device=device)
+        offset = 0
+        for part, size in zip(missing, sizes):
+            out = flat.narrow(0, offset, size)
+            _collective(ALL_GATHER, out, part.data.to(device))
+            part.param.data = out.narrow(0, 0, part.numel).view(part.shape)
+            offset += size
+
+    def _release(self, parts: list[_Partitioned]) -> None:
+        for part in parts:
+            if not part.persistent and part.users == 0 and not self.whole:
+                part.param.data = part.param.data.new_empty(0)
+
+    def _live_elements(self) -> int:
+        return sum(p.numel for p in self.by_param.values() if not p.persistent and p.param.data.numel())
+
+    def _before_forward(self, module, args) -> None:
+        self.recording.append(module)
+        self._fetch(module)
+
+    def _fetch(self, module: nn.Module) -> None:
+        """The module's parameters gathered (and those of the modules that ran after it last time, up to
+        `prefetch_bucket_size` elements within `max_live_parameters`), marked in use."""
+        parts = self._own(module)
+        self._gather(parts)
+        for part in parts:
+            part.users += 1
+        if module in self.prefetched:
+            self.prefetched.remove(module)
+        budget = self.settings["prefetch_bucket_size"]
+        if budget and module in self.order:
+            at = self.order.index(module)
+            for following in self.order[at + 1:]:
+                missing = [p for p in self._own(following) if not p.persistent and not p.param.data.numel()]
+                size = sum(p.numel for p in missing)
+                if size > budget or self._live_elements() + size > self.settings["max_live_parameters"]:
+                    break
+                self._gather(missing)
+                self.prefetched.append(following)
+                budget -= size
+
+    def _after(self, module: nn.Module, frozen_only: bool = False) -> None:
+        """The module's parameters no longer in use by it; freed where no other module uses them. In backward
+        (`frozen_only`) a trainable parameter is freed once its gradient is accumulated (`_gradient_ready`): a
+        module's backward hook fires when its inputs' gradients exist, which may be before its weight's."""
+        parts = self._own(module)
+        for part in parts:
+            part.users = max(0, part.users - 1)
+        self._release([p for p in parts if not frozen_only or p.grad is None])
+
+    # --- the gradients reduce-scattered through the bucket ---
+
+    def backward(self, loss):
+        loss.backward()
+        self._reduce()
+        self.order, self.recording = self.recording, []
+        for part in self.by_param.values():
+            part.users = 0
+        self._release(list(self.by_param.values()))
+
+    def _gradient_ready(self, param: nn.Parameter) -> None:
+        if not self.bucket.fits(param) and self.bucket.params:
+            self._reduce()
+        self.bucket.take(param)
+        part = self.by_param[id(param)]
+        part.users = 0
+        self._release([part])
+
+    def _reduce(self) -> None:
+        for param in self.bucket.emptied():
+            part = self.by_param[id(param)]
+            flat = param.grad.reshape(-1)
+            padded = part.data.numel() * self.world
+            if padded != flat.numel():
+                flat = torch.cat([flat, flat.new_zeros(padded - flat.numel())])
+            share = torch.empty(part.data.numel(), dtype=flat.dtype, device=flat.device)
+            gloo_copy = _gloo_copy_of_input(flat)  # what real gloo allocates for it, in a prediction of gloo ranks
+            _collective(REDUCE_SCATTER, share, flat)
+            del gloo_copy
+            part.grad.add_(share.div_(self.world).to(part.grad.device))
+            param.grad = None
+
+    def unscale_grads(self, optimizer):
+        """For the verification only: every parameter gathered whole and given its whole averaged gradient."""
+        self.whole = True
+        for part in self.by_param.values():
+            self._gather([part])
+            if part.grad is not None:
+                whole = torch.empty(part.grad.numel() * self.world, dtype=part.grad.dtype, device=part.grad.device)
+                ALL_GATHER(whole, part.grad)
+                part.param.grad = whole.narrow(0, 0, part.numel).view(part.shape).to(part.param.dtype)
+
+    def optimizer_step(self, optimizer):
+        """Each sub-group (of at most `sub_group_size` elements) in turn, as DeepSpeed steps them: its gradients
+        flattened and converted to float32 (or copied into its host buffer), the optimizer stepped on it alone, its
+        master copied back into the 16-bit partitions, its float32 gradient freed."""
+        offset = 0
+        for index, (master, lp) in enumerate(zip(self.masters, self.lp_groups)):
+            for other in self.masters:
+                other.grad = None
+            grads = self.grad_buffer.narrow(0, offset, master.numel())
+            offset += master.numel()
+            if self.offload_optimizer:
+                master.grad = self.fp32_grads[index]
+                master.grad.copy_(grads)
+            else:  # `self.flatten(averaged_gradients).to(float32)`: a new flat partition, then its float32 copy
+                master.grad = torch.cat([grads]).to(torch.float32)
+            optimizer.step()
+            lp.copy_(master.detach())
+            master.grad = None  # `_release_sub_group`
+        if self.offload_optimizer or self.settings["offload_param"] == "cpu":
+            self._count_host_bytes()
+        self.grad_buffer.zero_()
+        for part in self.by_param.values():
+            if part.persistent or self.whole:  # a whole parameter's data is its gathered partitions
+                part.param.grad = None
+                _collective(ALL_GATHER, _padded_out(part), part.data)
+        self.whole = False
+
+
+def _padded_out(part: _Partitioned) -> torch.Tensor:
+    """Where the ranks' partitions of a whole parameter are gathered: the parameter itself, when its padded size is
+    its size, else a padded buffer copied into it (through a view that `set_` rebinds)."""
+    world = dist.get_world_size()
+    padded = part.data.numel() * world
+    flat = part.param.data.reshape(-1)
+    if flat.numel() == padded:
+        return flat
+    out = torch.empty(padded, dtype=flat.dtype, device=flat.device)
+    part.param.data = out.narrow(0, 0, part.numel).view(part.shape)
+    return out
