@@ -15,7 +15,7 @@ from bench.core.errors import UsageError
 from bench.jobs import derive_job, kind_of_file
 from bench.jobs.files import load_file as load_config
 from bench.jobs.job import workload_options
-from bench.jobs.torchtitan import TORCHTITAN_COMMIT
+from bench.jobs.torchtitan_keys import TORCHTITAN_COMMIT
 from strategies import STRATEGIES, parse_strategy
 
 FIXTURES = Path(__file__).parent / "fixtures" / "jobs"
