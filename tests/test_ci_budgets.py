@@ -36,7 +36,7 @@ def test_a_step_over_its_budget_fails_the_run_after_the_later_steps_ran():
 def test_a_run_over_its_total_budget_fails():
     done = _ci('step "one" 30 sleep 1.1', CI_TOTAL_BUDGET_S="0")
     assert done.returncode == 1
-    assert "OVER BUDGET: the whole run took 1 s, over its budget of 0 s" in done.stderr, done.stderr
+    assert re.search(r"OVER BUDGET: the whole run took [12] s, over its budget of 0 s", done.stderr), done.stderr
 
 
 @pytest.mark.parametrize("code", [2, 3])
