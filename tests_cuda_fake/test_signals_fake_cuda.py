@@ -1,6 +1,8 @@
-"""`predict --device cuda` from the CPU environment hands its cases to a worker in the fake-CUDA environment's
-Python, whose request lives in a temporary folder: SIGINT, SIGTERM and SIGHUP to the command end that worker and
-remove the folder (SIGTERM left both behind). tests/test_signals.py has the CPU commands' cases."""
+"""`predict --device cuda` from the CPU environment, where it keeps to the worker path (`--config`, `--confirm`, ...;
+forced here with MEMBENCH_FAKE_CUDA_HANDED_OVER, since a plain predict now becomes the fake-CUDA environment's Python
+itself), hands its cases to a worker in the fake-CUDA environment's Python, whose request lives in a temporary
+folder: SIGINT, SIGTERM and SIGHUP to the command end that worker and remove the folder (SIGTERM left both behind).
+tests/test_signals.py has the CPU commands' cases, which are also the handed-over command's (one process)."""
 
 import os
 import signal
@@ -10,6 +12,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+
+from bench.cli.fake_cuda_handover import HANDED_OVER_VARIABLE
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU_PYTHON = ROOT / ".venv" / "bin" / "python"  # the environment whose predict hands CUDA cases to this one
@@ -32,7 +36,8 @@ def test_predict_on_fake_cuda_ends_its_worker_and_removes_its_folder(tmp_path, s
     temporary = tmp_path / "tmp"
     temporary.mkdir()
     env = {**os.environ, "TMPDIR": str(temporary), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
-           "TRITON_CACHE_DIR": str(tmp_path / "triton"), "MEMBENCH_TEST_SLEEP_S": "30"}
+           "TRITON_CACHE_DIR": str(tmp_path / "triton"), "MEMBENCH_TEST_SLEEP_S": "30",
+           HANDED_OVER_VARIABLE: "1"}  # the worker path: this command is not handed over whole
     env.pop("PYTHONPATH", None)
     proc = subprocess.Popen([str(CPU_PYTHON), "-m", "bench", "predict", "--device", "cuda", "--workload",
                              f"{workload}:SleepyWorkload", "--phases", "train", "--out", str(tmp_path / "out")],
