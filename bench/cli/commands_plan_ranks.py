@@ -25,13 +25,11 @@ def plan_ranks_command(args, request: plan.PlanRequest, how: str, executor: str 
     started = time.monotonic()
     csv_path = out / f"plan-{new_run_id(request.device)}.csv"
 
-    written = []  # the first write makes the run's file (never over another run's); the later ones rewrite it
-
     def write_so_far(counts: list, last: plan_ranks.RankCount) -> None:
-        """The CSV rewritten (atomically) after each rank count: an interrupted search keeps the counts it finished."""
+        """The CSV rewritten (atomically) after each rank count: an interrupted search keeps the counts it finished.
+        The first count's write makes the run's file (never over another run's); the later ones rewrite it."""
         write_table(PLAN, with_config([row for count in counts for row in count.searched.rows], args), csv_path,
-                    new=not written)
-        written.append(last.ranks)
+                    new=len(counts) == 1)
         status(f"plan on {last.ranks} rank{'s' if last.ranks > 1 else ''}: {last.searched.tried} candidates, "
                + (f"answer {last.answer['strategy']}" if last.answer else "none fits")
                + (f", the smallest {mib_or_dash(last.smallest['judged_bytes'])} MiB with {last.smallest['strategy']}"
