@@ -32,7 +32,7 @@ from bench.core.errors import Unsupported, UsageError
 from bench.core.memory_categories import COMMUNICATION, WEIGHTS, allocating, file_as, listening
 from strategies.amp import Amp
 from strategies import register_strategy
-from strategies.framework.sharding import Sharded, check_divides_ranks, rank_and_world
+from strategies.framework.sharding import Sharded, check_divides_ranks, gloo_copy_of_input, rank_and_world
 
 # FSDP2 warns when a wrapped model returns a view (the captcha ResNet's reshaped softmax) that an in-place op could
 # break; the runner never modifies a model's output in place, so the warning would only be noise in every run.
@@ -91,7 +91,7 @@ def _communication_comms():
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
             issue = lambda output, input: super(CommunicationReduceScatter, self).__call__(output, input, group,
                                                                                             op, async_op=True)
-            gloo_copy = _gloo_copy_of_input(input_tensor, group)
+            gloo_copy = gloo_copy_of_input(input_tensor, group)
             released = Released(issue, (output_tensor, input_tensor), group)
             if async_op:
                 return released
@@ -157,27 +157,6 @@ def _issued_and_released(issue, tensors, group):
     return work, settle
 
 
-# how the tracker files a storage it first sees as an operator's input (bench.measure.memory): gloo's own buffers
-UNTRACKED = "untracked"
-
-
-def _gloo_copy_of_input(input_tensor, group):
-    """Under PyTorch's fake process group, on real host tensors (the CPU engine's prediction of gloo ranks): a buffer
-    of the reduce-scatter input's size and dtype, which the caller holds until the collective's wait() returns.
-
-    gloo's reduce-scatter works on a copy of its input of its own, which its wait() copies the rank's chunk out of
-    in the calling thread (where the tracker first sees it, as that copy's input: `untracked`, among the
-    temporaries) and which is freed by the end of the wait (`_issued_and_released`). The fake group allocates
-    nothing, so without it a CPU prediction misses these bytes where they are at the peak (a mixed-precision
-    step's, whose 16-bit activations sit lower: tests/test_ranks.py). Nothing on fake tensors (a prediction of
-    NCCL, which reduces in the buffers it is given) or under a real group (gloo allocates its own); None then."""
-    import torch.distributed as dist
-    from torch._subclasses.fake_tensor import is_fake
-
-    if input_tensor.device.type != "cpu" or is_fake(input_tensor) or "fake" not in dist.get_backend(group):
-        return None
-    with allocating(UNTRACKED):
-        return torch.empty_like(input_tensor)
 
 
 def _file_unsharded_as_weights(module, args):

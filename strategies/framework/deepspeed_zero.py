@@ -89,12 +89,6 @@ def _collective(issue, *tensors) -> None:
     settle(held, seen.storages)
 
 
-def _gloo_copy_of_input(flat: torch.Tensor):
-    from strategies.fsdp import _gloo_copy_of_input as copy_of
-
-    return copy_of(flat, None)
-
-
 def _master_of(partition: torch.Tensor, offload: bool) -> nn.Parameter:
     """A float32 copy of `partition` (on the host with offload), as DeepSpeed makes it: clone, then convert."""
     device = "cpu" if offload else partition.device

@@ -30,8 +30,8 @@ from torch import nn
 from bench.core.memory_categories import COMMUNICATION, WEIGHTS, allocating
 from strategies.framework.deepspeed_zero import (ALL_GATHER, DEFAULT_SUB_GROUP_ELEMENTS, GRADS, OPTIMIZER_STATE,
                                                  REDUCE_SCATTER, DeepSpeedZero, _Bucket, _collective,
-                                                 _gloo_copy_of_input, _master_of, _rebuilt_optimizer)
-from strategies.framework.sharding import rank_and_world
+                                                 _master_of, _rebuilt_optimizer)
+from strategies.framework.sharding import gloo_copy_of_input, rank_and_world
 
 
 class _Partitioned:
@@ -227,7 +227,7 @@ class Zero3Mechanism(DeepSpeedZero):
             if padded != flat.numel():
                 flat = torch.cat([flat, flat.new_zeros(padded - flat.numel())])
             share = torch.empty(part.data.numel(), dtype=flat.dtype, device=flat.device)
-            gloo_copy = _gloo_copy_of_input(flat)  # what real gloo allocates for it, in a prediction of gloo ranks
+            gloo_copy = gloo_copy_of_input(flat)  # what real gloo allocates for it, in a prediction of gloo ranks
             _collective(REDUCE_SCATTER, share, flat)
             del gloo_copy
             part.grad.add_(share.div_(self.world).to(part.grad.device))

@@ -36,6 +36,26 @@ def data_parallel_replicas(strategy: Strategy, ranks: int) -> int:
                 if isinstance(m, Sharded)), default=ranks)
 
 
+# how the tracker files a storage it first sees as an operator's input (bench.measure.memory): gloo's own buffers
+UNTRACKED = "untracked"
+
+
+def gloo_copy_of_input(input_tensor, group=None):
+    """Under PyTorch's fake process group, on real host tensors (the CPU engine's prediction of gloo ranks): a buffer
+    of the reduce-scatter input's size and dtype, which the caller holds until the collective's wait() returns.
+
+    gloo's reduce-scatter works on a copy of its input of its own, which its wait() copies the rank's chunk out of
+    in the calling thread (where the tracker first sees it, as that copy's input: `untracked`, among the
+    temporaries) and which is freed by the end of the wait (fsdp's `_issued_and_released`). The fake group allocates
+    nothing, so without it a CPU prediction misses these bytes where they are at the peak (a mixed-precision
+    step's, whose 16-bit activations sit lower: tests/test_ranks.py). Nothing on fake tensors (a prediction of
+    NCCL, which reduces in the buffers it is given) or under a real group (gloo allocates its own); None then."""
+    if input_tensor.device.type != "cpu" or is_fake(input_tensor) or "fake" not in dist.get_backend(group):
+        return None
+    with allocating(UNTRACKED):
+        return torch.empty_like(input_tensor)
+
+
 def check_divides_ranks(option: str, value: int, ranks: int) -> None:
     """An `unsupported` row where a mesh dimension's size `value` (named `option`, e.g. `tp:degree`) does not divide
     --ranks, naming the sizes that do."""
