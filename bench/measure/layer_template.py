@@ -53,29 +53,42 @@ def _tokens(events: Sequence[MemoryEvent], codes: dict) -> list[int]:
 def align(smaller: list[int], larger: list[int]) -> list[tuple[int, int]]:
     """Where the larger log (one layer more) has events the smaller lacks: (position in the larger log, length) of
     each inserted block, in order; each block repeats the block just before it (one period of a run). NoReplay when
-    the larger log is not the smaller one with such blocks inserted."""
-    i = j = 0
-    sites = []
-    while i < len(smaller):
-        if j >= len(larger):
-            raise NoReplay("the larger log ends first")
-        if smaller[i] == larger[j]:
-            i, j = i + 1, j + 1
-            continue
+    the larger log is not the smaller one with such blocks inserted.
+
+    At each event the logs part, the blocks tried are first those after which _MATCH_AHEAD events match the smaller
+    log again, then those after which fewer do (two sites a few events apart: a sharded step frees each layer's
+    reduce-scattered gradients just after the optimizer's per-parameter temporaries); a choice that leads to no
+    alignment further on is undone and the next tried (a point reached once and failed is not walked again)."""
+    failed: set[tuple[int, int]] = set()
+    stuck = [0]  # the furthest event of the larger log at which no block fitted, for the message
+
+    def blocks(i: int, j: int):
         ahead = smaller[i:i + _MATCH_AHEAD]
-        for length in range(1, min(j, len(larger) - j) + 1):
-            if (larger[j:j + length] == larger[j - length:j]
-                    and larger[j + length:j + length + len(ahead)] == ahead):
-                break
-        else:
-            raise NoReplay(f"event {j} of the larger log repeats no period before it")
-        sites.append((j, length))
-        j += length
-    if j < len(larger):
-        length = len(larger) - j
-        if larger[j:] != larger[j - length:j]:
-            raise NoReplay("the larger log's last events repeat no period before them")
-        sites.append((j, length))
+        repeating = [length for length in range(1, min(j, len(larger) - j) + 1)
+                     if larger[j:j + length] == larger[j - length:j]]
+        full = [length for length in repeating if larger[j + length:j + length + len(ahead)] == ahead]
+        return full + [length for length in repeating if length not in full
+                       and j + length < len(larger) and larger[j + length] == smaller[i]]
+
+    def from_(i: int, j: int) -> list[tuple[int, int]] | None:
+        while i < len(smaller) and j < len(larger) and smaller[i] == larger[j]:
+            i, j = i + 1, j + 1
+        if i == len(smaller):
+            length = len(larger) - j
+            return [] if length == 0 else [(j, length)] if larger[j:] == larger[j - length:j] else None
+        if j >= len(larger) or (i, j) in failed:
+            return None
+        for length in blocks(i, j):
+            rest = from_(i, j + length)
+            if rest is not None:
+                return [(j, length)] + rest
+        failed.add((i, j))
+        stuck[0] = max(stuck[0], j)
+        return None
+
+    sites = from_(0, 0)
+    if sites is None:
+        raise NoReplay(f"event {stuck[0]} of the larger log repeats no period before it")
     return sites
 
 
