@@ -20,19 +20,16 @@ output (`ReduceScatter.allocate`; the output becomes the sharded gradients). The
 parameter's own all-gather output, which the flat buffer is copied into) are weights.
 """
 
-import time
 import warnings
-import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from bench.core.errors import Unsupported, UsageError
 from bench.core.memory_categories import COMMUNICATION, WEIGHTS, allocating, file_as, listening
 from strategies.amp import Amp
 from strategies import register_strategy
-from strategies.framework.sharding import Sharded, check_divides_ranks, gloo_copy_of_input, rank_and_world
+from strategies.framework.sharding import (Sharded, StoragesSeen, check_divides_ranks, gloo_copy_of_input,
+                                          issued_and_released, rank_and_world)
 
 # FSDP2 warns when a wrapped model returns a view (the captcha ResNet's reshaped softmax) that an in-place op could
 # break; the runner never modifies a model's output in place, so the warning would only be noise in every run.
@@ -51,7 +48,7 @@ MIXED_PRECISION_TOLERANCE = Amp.tolerance
 
 def _communication_comms():
     """FSDP2's default all-gather and reduce-scatter, whose buffers are allocated as communication, and whose real
-    collectives end when gloo has let go of them (`_issued_and_released`). Imported here: torch.distributed.fsdp
+    collectives end when gloo has let go of them (`issued_and_released`). Imported here: torch.distributed.fsdp
     pulls in DTensor, over a second of every CLI start."""
     import torch.distributed as dist
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
@@ -61,10 +58,10 @@ def _communication_comms():
 
         def __init__(self, issue, tensors, group):
             super().__init__()
-            self.work, self.settle = _issued_and_released(issue, tensors, group)
+            self.work, self.settle = issued_and_released(issue, tensors, group)
 
         def wait(self, timeout=None):
-            with _StoragesSeen() as seen:  # gloo copies its own buffers into ours in this thread, here
+            with StoragesSeen() as seen:  # gloo copies its own buffers into ours in this thread, here
                 done = self.work.wait() if timeout is None else self.work.wait(timeout)
             self.settle(self, seen.storages)
             return done
@@ -100,63 +97,6 @@ def _communication_comms():
             return None
 
     return CommunicationAllGather(), CommunicationReduceScatter()
-
-
-SETTLE_SECONDS = 1.0  # the longest a collective's end waits for gloo's thread to let go of its tensors
-
-
-class _StoragesSeen(TorchDispatchMode):
-    """Weak references to the storages of every tensor an operator takes or makes in this thread while entered."""
-
-    def __init__(self):
-        super().__init__()
-        self.storages: dict[int, weakref.ref] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten((args, kwargs, out))[0]:
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                self.storages.setdefault(storage._cdata, weakref.ref(storage))
-        return out
-
-
-def _issued_and_released(issue, tensors, group):
-    """`issue(*tensors)`'s work, and `settle(released, seen)`, which makes the collective's buffers freed where the
-    program drops them rather than where gloo's worker thread does.
-
-    gloo's worker holds a work, and with it what the work holds, from the moment it marks the work done (which ends
-    `wait()`) until it takes its next one: the tensors it was given (the all-gather's flat buffer) and buffers of its
-    own (the reduce-scatter's copy of its input, which `wait()` copies into the output in the calling thread). FSDP2
-    drops the flat all-gather output right after its copy-out, so whether that buffer lived on into the next unit's
-    all-gather (two flat buffers alive at once: 17,920 B more at gpt_mini's peak, in one run of eight on a busy
-    2-core AMD EPYC) was up to the threads, and so was the reduce-scatter's copy (6,528 B more at
-    fsdp+checkpoint's peak, one run in eight). The work gets aliases of the tensors (views, the same storage) that
-    nothing else holds; `settle` drops this process's reference to the work and waits, at most SETTLE_SECONDS,
-    until those aliases are gone and so is every other storage `wait()` used (`seen`) but the tensors' own: the
-    work is destroyed, and each buffer is freed where the program drops it, as under PyTorch's fake process group
-    (whose works hold nothing) in a prediction. Only gloo's works are waited for (NCCL's are held by its watchdog
-    thread, which a GPU's figures, max_memory_allocated, do not wait for either)."""
-    import torch.distributed as dist
-
-    if dist.get_backend(group) != "gloo":
-        return issue(*tensors), lambda released, seen: None
-    own = {t.untyped_storage()._cdata for t in tensors}
-    aliases = [t.view(t.shape) for t in tensors]
-    held = [weakref.ref(alias) for alias in aliases]
-    work = issue(*aliases)
-    del aliases
-
-    def settle(released, seen) -> None:
-        released.work = None  # this process's last reference to the work: gloo's thread may hold another
-        held.extend(ref for key, ref in seen.items() if key not in own)
-        deadline = time.monotonic() + SETTLE_SECONDS
-        while any(ref() is not None for ref in held) and time.monotonic() < deadline:
-            time.sleep(0)
-
-    return work, settle
-
-
 
 
 def _file_unsharded_as_weights(module, args):

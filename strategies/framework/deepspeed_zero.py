@@ -43,7 +43,7 @@ from torch import nn
 
 from bench.core.errors import Unsupported, UsageError
 from bench.core.memory_categories import COMMUNICATION, WEIGHTS, allocating, file_as, listening
-from strategies.framework.sharding import Sharded, rank_and_world
+from strategies.framework.sharding import Sharded, StoragesSeen, issued_and_released, rank_and_world
 
 # an embedding's input (token ids) needs no gradient, so its backward hook fires at its output's gradient: expected
 warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with respect to "
@@ -77,14 +77,12 @@ class _Work:
 
 def _collective(issue, *tensors) -> None:
     """`issue(*tensors, async_op=True)` waited for until gloo's worker thread has let go of every tensor it was given
-    or made for it (strategies/fsdp.py's `_issued_and_released`): otherwise a buffer this stage drops right after
-    its collective (the reduce-scatter's share, the all-gather's input) lives on in gloo's thread until its next
-    collective, into the next step's peak on some ranks and not others, as the threads decide."""
-    from strategies.fsdp import _StoragesSeen, _issued_and_released
-
+    or made for it (`strategies.framework.sharding.issued_and_released`): otherwise a buffer this stage drops right
+    after its collective (the reduce-scatter's share, the all-gather's input) lives on in gloo's thread until its
+    next collective, into the next step's peak on some ranks and not others, as the threads decide."""
     held = _Work()
-    held.work, settle = _issued_and_released(lambda *ts: issue(*ts, async_op=True), tensors, None)
-    with _StoragesSeen() as seen:
+    held.work, settle = issued_and_released(lambda *ts: issue(*ts, async_op=True), tensors, None)
+    with StoragesSeen() as seen:
         held.work.wait()
     settle(held, seen.storages)
 

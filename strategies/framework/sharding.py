@@ -10,12 +10,15 @@ BatchNorm model's statistics and gradients differ from the single process's (its
 from __future__ import annotations
 
 import contextlib
+import time
+import weakref
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch._subclasses.fake_tensor import is_fake
-from torch.utils._pytree import tree_map
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
 
 from bench.core.errors import Unsupported
 from bench.core.memory_categories import COMMUNICATION, allocating, file_as
@@ -46,7 +49,7 @@ def gloo_copy_of_input(input_tensor, group=None):
 
     gloo's reduce-scatter works on a copy of its input of its own, which its wait() copies the rank's chunk out of
     in the calling thread (where the tracker first sees it, as that copy's input: `untracked`, among the
-    temporaries) and which is freed by the end of the wait (fsdp's `_issued_and_released`). The fake group allocates
+    temporaries) and which is freed by the end of the wait (`issued_and_released`). The fake group allocates
     nothing, so without it a CPU prediction misses these bytes where they are at the peak (a mixed-precision
     step's, whose 16-bit activations sit lower: tests/test_ranks.py). Nothing on fake tensors (a prediction of
     NCCL, which reduces in the buffers it is given) or under a real group (gloo allocates its own); None then."""
@@ -54,6 +57,59 @@ def gloo_copy_of_input(input_tensor, group=None):
         return None
     with allocating(UNTRACKED):
         return torch.empty_like(input_tensor)
+
+
+SETTLE_SECONDS = 1.0  # the longest a collective's end waits for gloo's thread to let go of its tensors
+
+
+class StoragesSeen(TorchDispatchMode):
+    """Weak references to the storages of every tensor an operator takes or makes in this thread while entered."""
+
+    def __init__(self):
+        super().__init__()
+        self.storages: dict[int, weakref.ref] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten((args, kwargs, out))[0]:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                self.storages.setdefault(storage._cdata, weakref.ref(storage))
+        return out
+
+
+def issued_and_released(issue, tensors, group):
+    """`issue(*tensors)`'s work, and `settle(released, seen)`, which makes the collective's buffers freed where the
+    program drops them rather than where gloo's worker thread does.
+
+    gloo's worker holds a work, and with it what the work holds, from the moment it marks the work done (which ends
+    `wait()`) until it takes its next one: the tensors it was given (the all-gather's flat buffer) and buffers of its
+    own (the reduce-scatter's copy of its input, which `wait()` copies into the output in the calling thread). FSDP2
+    drops the flat all-gather output right after its copy-out, so whether that buffer lived on into the next unit's
+    all-gather (two flat buffers alive at once: 17,920 B more at gpt_mini's peak, in one run of eight on a busy
+    2-core AMD EPYC) was up to the threads, and so was the reduce-scatter's copy (6,528 B more at
+    fsdp+checkpoint's peak, one run in eight). The work gets aliases of the tensors (views, the same storage) that
+    nothing else holds; `settle` drops this process's reference to the work and waits, at most SETTLE_SECONDS,
+    until those aliases are gone and so is every other storage `wait()` used (`seen`) but the tensors' own: the
+    work is destroyed, and each buffer is freed where the program drops it, as under PyTorch's fake process group
+    (whose works hold nothing) in a prediction. Only gloo's works are waited for (NCCL's are held by its watchdog
+    thread, which a GPU's figures, max_memory_allocated, do not wait for either)."""
+    if dist.get_backend(group) != "gloo":
+        return issue(*tensors), lambda released, seen: None
+    own = {t.untyped_storage()._cdata for t in tensors}
+    aliases = [t.view(t.shape) for t in tensors]
+    held = [weakref.ref(alias) for alias in aliases]
+    work = issue(*aliases)
+    del aliases
+
+    def settle(released, seen) -> None:
+        released.work = None  # this process's last reference to the work: gloo's thread may hold another
+        held.extend(ref for key, ref in seen.items() if key not in own)
+        deadline = time.monotonic() + SETTLE_SECONDS
+        while any(ref() is not None for ref in held) and time.monotonic() < deadline:
+            time.sleep(0)
+
+    return work, settle
 
 
 def check_divides_ranks(option: str, value: int, ranks: int) -> None:
