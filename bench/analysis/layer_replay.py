@@ -60,14 +60,17 @@ def layers_of_case(case) -> int | None:
 
 def why_not_replayable(case, strategy, ranks: int, engine: str, snapshot: bool) -> str | None:
     """Why layer replay does not apply to this prediction (None where it does): a CUDA case on the fake engines, one
-    rank, no snapshot, an `hf:` decoder whose layers are all alike by its configuration, and a strategy that treats
-    every layer alike (no checkpoint plan that checkpoints some layers and not others)."""
+    rank (or a sharded strategy's ranks on fake CUDA: bench.analysis.layer_replay_ranks), no snapshot, an `hf:`
+    decoder whose layers are all alike by its configuration, and a strategy that treats every layer alike or a
+    checkpoint plan of checkpointed then plain layers whose traces hold few of its layers."""
     from workloads import get_workload
 
     if full_trace_forced():
         return f"{FULL_TRACE_ENV} is set"
-    if case.device != "cuda" or engine not in ("fake-cuda", "fake") or ranks != 1 or snapshot or case.phase != "train":
-        return "not a one-rank CUDA training step on fake tensors"
+    if case.device != "cuda" or engine not in ("fake-cuda", "fake") or snapshot or case.phase != "train":
+        return "not a CUDA training step on fake tensors"
+    if ranks != 1 and not (strategy.distributed and engine == "fake-cuda"):
+        return "ranks other than a sharded strategy's on fake CUDA"
     workload = get_workload(case.workload)
     layers = layers_of(workload)
     if layers is None or layers < SMALLEST_TRACE_LAYERS + 3:
@@ -83,8 +86,8 @@ def why_not_replayable(case, strategy, ranks: int, engine: str, snapshot: bool) 
     for member in getattr(strategy, "members", [strategy]):  # a composite's members, else the strategy itself
         if member.name == "checkpoint" and member.settings.get("budget"):
             return "a checkpoint plan chosen by a budget"
-        if member.distributed:
-            return "a sharded strategy"
+        if member.distributed and ranks == 1:
+            return "a sharded strategy on one rank"
     kinds = layer_kinds(strategy, layers)
     traced = kinds and sum(c + p for c, p in kinds_traced(*kinds))
     if kinds is not None and traced > KINDS_MOST_TRACED_SHARE * layers:

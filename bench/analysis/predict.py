@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from bench.analysis import layer_replay
+from bench.analysis import layer_replay, layer_replay_ranks
 from bench.analysis.fake_cuda_worker import run_in_fake_cuda
 from bench.analysis.fake_engine import (
     PredictionMeter, TrackedStep, UsesAutocast, bound_device, cublas_workspace, device_capability, real_step_refusal,
@@ -209,7 +209,11 @@ def _replayed_step(case, spec: str, engine: str, strategy, ranks: int, notes: li
     it applied but was refused, why, in `notes`)."""
     if layer_replay.why_not_replayable(case, strategy, ranks, engine, snapshot) is not None:
         return None
-    step, why = layer_replay.tracked_step_by_layers(case, spec, engine, MEMORY_WARMUP_STEPS["cuda"], capability)
+    if strategy.distributed:
+        step, why = layer_replay_ranks.tracked_ranks_by_layers(case, spec, engine, MEMORY_WARMUP_STEPS["cuda"],
+                                                               capability, ranks, strategy)
+    else:
+        step, why = layer_replay.tracked_step_by_layers(case, spec, engine, MEMORY_WARMUP_STEPS["cuda"], capability)
     if step is None:
         notes.append(f"layer replay refused ({why}): every layer traced")
         return None

@@ -1,0 +1,90 @@
+"""Layer replay of a sharded step: each rank's event log at N decoder layers built from its own traces at a few
+layers, proven against one more real trace of that rank, and the rank with the largest peak chosen from those logs.
+
+A sharded strategy (fsdp, ZeRO, DDP, tensor or context parallelism) runs one rank at a time in this process as that
+rank of PyTorch's fake process group (`bench.analysis.fake_engine.tracked_step`); a rank's step is a decoder stack
+like a one-rank step, with each layer's collectives and buffers inside its period. So each rank traced is replayed as
+`bench.analysis.layer_replay` replays a one-rank step (the same traces, the same proof, the same template), with the
+strategy bound and planned inside that rank's process group. Which ranks are traced is the full trace's rule: one of
+each `rank_signature` (ranks that hold chunks and batch shares of the same sizes allocate the same; the signatures are
+the same at every layer count, since every layer holds the same parameters). Of the replayed logs the largest
+live-bytes peak is the row's, as `fake_engine._largest_rank` takes the largest traced peak. Where any rank's replay
+is refused, the full trace runs, as for one rank.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+from bench.analysis import layer_replay
+from bench.measure.layer_template import NoReplay
+
+
+def tracked_ranks_by_layers(case, spec: str, engine: str, warmup_steps: int | None,
+                            capability: tuple[int, int] | None, ranks: int, strategy):
+    """(the case's sharded step built by layer replay, rank by rank, or None, and why not); `strategy` is the
+    case's strategy bound for `ranks` (its checkpoint plan says whether layers come in two kinds). The step is the
+    largest rank's, with `rank` and `ranks_traced` set as the full trace sets them."""
+    from bench.analysis.fake_engine import PredictionMeter, TrackedStep, bound_device, tracked_step
+    from bench.run.case import bind_case
+    from bench.run.ranks import fake_process_group
+
+    layers = layer_replay.layers_of_case(case)
+    tried = (re.sub(r":seq_len=\d+", "", case.workload), spec, engine, ranks)
+    if tried in _REFUSED:
+        return None, f"{_REFUSED[tried]}, found on an earlier case of this model and strategy"
+    group_device = "cuda" if bound_device(engine) == "cuda" else None
+
+    def trace_of(rank: int):
+        def trace(count: int, plain: int | None = None):
+            """Rank `rank`'s step at `count` layers (with `plain`: `count` checkpointed, each alone, then `plain`)."""
+            small = replace(case, workload=layer_replay.with_layers(case.workload, count + (plain or 0)))
+            with fake_process_group(ranks, rank, device=group_device):
+                planned = bind_case(replace(small, device=bound_device(engine)), ranks)[0]
+                if plain is not None:
+                    for member in getattr(planned, "members", [planned]):
+                        if member.name == "checkpoint":
+                            member.plan_used = tuple((layer,) for layer in range(count))
+                planned.plan(PredictionMeter(small))
+                return tracked_step(small, spec, engine, 1, cuda_autocast=True, ranks=ranks, record_events=True,
+                                    warmup_steps=warmup_steps, planned=planned, capability=capability)
+        return trace
+
+    kinds = layer_replay.layer_kinds(strategy, layers)
+    replayed: dict[int, tuple] = {}  # rank -> (its small steps, its log at `layers`, recompute plan, attention calls)
+    signatures, seen = None, set()
+    try:
+        for rank in range(ranks):
+            signature = signatures[rank] if signatures is not None else None
+            if signature is not None and signature in seen:
+                continue
+            replayed[rank] = _replayed_rank(trace_of(rank), layers, kinds)
+            signatures = signatures or replayed[rank][0][0].rank_signatures
+            if signatures is not None and signatures[rank] is not None:
+                seen.add(signatures[rank])
+        if len({plan for _, _, plan, _ in replayed.values()}) > 1:
+            raise NoReplay("recompute plans that differ by rank")
+    except NoReplay as why:
+        _REFUSED[tried] = str(why)
+        return None, str(why)
+    peaks = {rank: layer_replay._live_peak(events) for rank, (_, events, _, _) in replayed.items()}
+    largest = max(peaks, key=lambda rank: peaks[rank])  # the first of equal peaks, as the full trace takes it
+    steps, events, plan, calls = replayed[largest]
+    return TrackedStep(peaks[largest], events, engine, None, {}, steps[0].sdpa_kernel, calls, plan, None,
+                       signatures, tuple(replayed), largest), None
+
+
+def _replayed_rank(trace, layers: int, kinds: tuple[int, int] | None) -> tuple:
+    """One rank's (small steps, log at `layers`, recompute plan, attention calls), `trace` tracing that rank."""
+    if kinds is not None:
+        return layer_replay.replayed_kinds(trace, *kinds)
+    traced = [layer_replay.SMALLEST_TRACE_LAYERS + extra for extra in range(3)]
+    steps, events, plan = layer_replay._replayed(trace, traced, layers)
+    calls = [step.cpu_sdpa_calls for step in steps]
+    return steps, events, plan, calls[0] + (calls[1] - calls[0]) * (layers - traced[0])
+
+
+# why a sharded replay was refused, by (workload spec without its length, strategy spec, engine, ranks)
+_REFUSED: dict[tuple, str] = {}
+
