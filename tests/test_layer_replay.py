@@ -229,3 +229,14 @@ def test_full_size_llama_rows_by_layer_replay_equal_the_full_trace(spec, note, m
     assert f"layer replay: {note}" in replayed["message"]
     figures = [name for name in full if name != "message"]
     assert {name: replayed[name] for name in figures} == {name: full[name] for name in figures}
+
+
+def test_alignment_finds_a_period_whose_first_event_recurs_inside_it():
+    # only lengths back to an earlier occurrence of the block's first event are compared whole: here that event
+    # recurs three times in a period, and runs of it repeat (lengths 1 and 2 repeat, but the smaller log does not
+    # go on after them), so the one period of 8 must still be found, and nowhere else
+    period = [1, 1, 2, 1, 3, 1, 1, 4]
+    smaller, larger = [0] + period * 3 + [9, 1, 1], [0] + period * 4 + [9, 1, 1, 1]
+    assert layer_template.align(smaller, larger) == [(25, 8), (36, 1)]
+    with pytest.raises(layer_template.NoReplay):
+        layer_template.align(smaller, [0] + period * 4 + [1, 9, 1, 1])

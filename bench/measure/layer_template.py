@@ -14,6 +14,7 @@ storage keys in the order allocated, as the tracker numbers them.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Sequence
@@ -62,10 +63,18 @@ def align(smaller: list[int], larger: list[int]) -> list[tuple[int, int]]:
     failed: set[tuple[int, int]] = set()
     stuck = [0]  # the furthest event of the larger log at which no block fitted, for the message
 
+    at: dict[int, list[int]] = {}  # each token's positions in the larger log, in order
+    for position, token in enumerate(larger):
+        at.setdefault(token, []).append(position)
+
     def blocks(i: int, j: int):
         ahead = smaller[i:i + _MATCH_AHEAD]
-        repeating = [length for length in range(1, min(j, len(larger) - j) + 1)
-                     if larger[j:j + length] == larger[j - length:j]]
+        # a block of `length` that repeats the one before starts with the token `length` events back: only those
+        # lengths are compared whole (comparing every length was most of making a QLoRA template)
+        before = at[larger[j]][:bisect_left(at[larger[j]], j)]
+        repeating = [length for length in (j - position for position in reversed(before))
+                     if length <= len(larger) - j and larger[j + length - 1] == larger[j - 1]
+                     and larger[j:j + length] == larger[j - length:j]]
         full = [length for length in repeating if larger[j + length:j + length + len(ahead)] == ahead]
         return full + [length for length in repeating if length not in full
                        and j + length < len(larger) and larger[j + length] == smaller[i]]
@@ -379,7 +388,12 @@ def _target_period(target: tuple, period: int, layers: int) -> int:
         return _evaluate(target[2], period, layers)
     _, _, source, goal, offset = target
     wanted = _evaluate(source, period, layers) + offset  # the layer of the storage named
-    found = Fraction(wanted - goal[0] - goal[2] * layers) / goal[1]
-    if found.denominator != 1:
+    numerator = wanted - goal[0] - goal[2] * layers
+    if type(numerator) is int and type(goal[1]) is int:  # whole coefficients: no Fraction (most of making a log)
+        found, rest = divmod(numerator, goal[1])
+    else:
+        exact = Fraction(numerator) / goal[1]
+        found, rest = int(exact), exact.denominator != 1
+    if rest:
         raise NoReplay(f"no period of a run has layer {wanted}")
-    return int(found)
+    return found
