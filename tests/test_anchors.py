@@ -236,16 +236,14 @@ def test_a_per_gpu_batch_becomes_membenchs_global_batch_over_the_ranks():
 
 def test_packed_rows_reach_the_workload_and_every_source_technique_parses():
     """A row's `packed` becomes the hf workload's packed option (unpacked rows say nothing); every anchor whose
-    technique membench has is predicted with its own spec: only FSDP's NO_SHARD falls back (to ddp), and float8
-    rows are not predicted."""
+    technique membench has is predicted with its own spec: only FSDP's NO_SHARD falls back (to ddp); every anchor is
+    predicted (torchtitan's float8 rows too, since the float8 strategy)."""
     assert _anchor(packed=16, seq_len=4096).workload().endswith(":seq_len=4096:attn=sdpa:task=causal_lm:packed=16")
     assert "packed" not in _anchor().workload()
     by_name = {a.name: a for a in ALL}
     assert by_name["torchtune-packed"].packed == 16 and by_name["torchtune-baseline"].packed == 0
     fallen = [a.name for a in ALL if anchors.plan_row(a)[0] not in (a.strategy, None)]
     assert fallen == ["fsdp-qlora-ddp-batch8", "fsdp-lora-ddp-batch4"]
-    # not predicted at all: only torchtitan's float8 rows (torchao's Float8Linear has no membench strategy)
-    assert {a.name for a in ALL if anchors.plan_row(a)[0] is None} == {
-        "torchtitan-8b-fsdp-compile-float8-8gpu", "torchtitan-8b-fsdp-compile-float8-128gpu"}
+    assert {a.name for a in ALL if anchors.plan_row(a)[0] is None} == set()
     assert all("checkpoint:segments=all" in a.strategy for a in ALL
                if any(member.split(":")[0] == "checkpoint" for member in a.strategy.split("+")))

@@ -88,6 +88,7 @@ def predict_case(case, engine: str = "auto", ranks: int = 1, capability: tuple[i
     With `snapshot_dir` the step's memory snapshot is written there (`bench.measure.snapshot`)."""
     row = _empty_row(case)
     strategy, context = _bound_strategy(case, ranks)
+    context.capability = capability  # the predicted GPU's, where a strategy's check depends on it (float8)
     row["strategy"] = strategy.spec()
     try:
         _check(strategy, context)

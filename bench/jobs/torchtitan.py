@@ -24,8 +24,12 @@ what the keys do to the model) does with each key, as membench's spec:
   data-parallel degree accumulates gradients (`grad_accumulation`); `training.seq_len` the sequence length;
 - `optimizer.name`/`implementation` (fused by default), `optimizer.early_step_in_backward`
   (`optimizer_in_backward`);
-- `model.converters = ["float8"]` (torchao's float8 training of the linear layers): membench has no float8
-  strategy, so it is predicted in the other dtypes and said not modelled.
+- `model.converters = ["float8"]` (torchao's float8 training of the linear layers): `float8`, with
+  `[quantize.linear.float8]`'s (or the older `[float8]`'s) `recipe_name` (`float8:recipe=`),
+  `enable_fsdp_float8_all_gather` where FSDP shards (`float8:fsdp_float8_all_gather=true`),
+  `force_recompute_fp8_weight_in_bwd` (`float8:recompute_weight=true`) and `filter_fqns` (`output` leaves the head
+  out; other names are not modelled); `precompute_float8_dynamic_scale_for_fsdp` and `emulate` are not modelled, and
+  float8 with tensor parallelism is not applied (said not modelled).
 
 Example (the command prints the derived case and every key's fate):
 
@@ -38,8 +42,8 @@ from typing import Any
 
 from bench.core.errors import UsageError
 from bench.jobs.job import DerivedJob, Reading, hf_workload, registered_spec
-from bench.jobs.torchtitan_keys import (AC_MODES, COMPILE_COMPONENTS, FLAVORS, IMPLEMENTATIONS, KEYS, KIND,
-                                        LAUNCHER_DEFAULT_RANKS, MODELS, OPTIMIZERS, OTHER_ATTENTION, RESHARD)
+from bench.jobs.torchtitan_keys import (AC_MODES, COMPILE_COMPONENTS, FLAVORS, FLOAT8_RECIPES, IMPLEMENTATIONS, KEYS,
+                                        KIND, LAUNCHER_DEFAULT_RANKS, MODELS, OPTIMIZERS, OTHER_ATTENTION, RESHARD)
 
 
 def read_torchtitan(values: dict[str, Any], source: str, overrides: tuple[str, ...] = (),
@@ -50,6 +54,7 @@ def read_torchtitan(values: dict[str, Any], source: str, overrides: tuple[str, .
     preset = _model(reading)
     mesh = _mesh(reading, ranks)
     members = _precision_and_sharding(reading, mesh)
+    members += _float8(reading, mesh)
     members += _activation_checkpointing_and_compile(reading)
     members += _optimizer(reading)
     batch, global_batch = _batch(reading, mesh, members)
@@ -84,20 +89,67 @@ def _model(reading: Reading) -> str:
         reading.used("model.flavor", f"hf:{FLAVORS[flavor]} ({name} {flavor}'s shapes)")
     reading.assume("the model is transformers' Llama of the flavour's shapes (torchtitan's own Llama has the same "
                    "weights; its loss upcasts the logits to float32, as membench's does)")
+    return FLAVORS[flavor]
+
+
+def _float8(reading: Reading, mesh: dict[str, int]) -> list[str]:
+    """`float8` with the options of `[quantize.linear.float8]` (or the older `[float8]`), as torchtitan's
+    Float8Converter builds torchao's Float8LinearConfig from them, where `model.converters` lists float8."""
     converters = reading.get("model.converters", [], types=(list,))
     unknown = [c for c in converters if c != "float8"]
     if unknown:
         raise UsageError(f"torchtitan key model.converters: {unknown[0]!r} is not a converter this reader knows; "
                          "valid choices: float8")
-    if converters:
-        reading.not_modelled("model.converters", "float8: torchao's Float8Linear (float8 matmuls, their scales, "
-                                                 "float8 all-gathers) has no membench strategy; the linear layers "
-                                                 "predicted in the other dtypes of the job")
-    else:
+    section = next((s for s in ("quantize.linear.float8.", "float8.") if any(k.startswith(s) for k in reading.values)),
+                   "quantize.linear.float8.")
+    keys = [k for k in reading.values if k.startswith(("quantize.linear.float8.", "float8."))]
+    if not converters:
         reading.used("model.converters", "none")
-        for key in [k for k in reading.values if k.startswith(("quantize.linear.float8.", "float8."))]:
+        for key in keys:
             reading.ignored(key, "float8 settings without the float8 converter: not applied")
-    return FLAVORS[flavor]
+        return []
+    if mesh["tp"] > 1:
+        reading.not_modelled("model.converters", "float8 with tensor parallelism (torchao's float8 TP plans) is not "
+                                                 "composed: the linear layers predicted in the job's other dtypes")
+        for key in keys:
+            reading.not_modelled(key, "float8 not applied (tensor parallelism)")
+        return []
+    options = []
+    recipe = reading.get(section + "recipe_name", None, types=(str, type(None)), choices=(*FLOAT8_RECIPES, None))
+    all_gather = reading.get(section + "enable_fsdp_float8_all_gather", False, types=(bool,))
+    recompute = reading.get(section + "force_recompute_fp8_weight_in_bwd", False, types=(bool,))
+    if recipe is not None and (all_gather or recompute):
+        raise UsageError(f"torchtitan key {section}recipe_name={recipe}: torchtitan refuses it together with "
+                         "enable_fsdp_float8_all_gather or force_recompute_fp8_weight_in_bwd; valid: one or the other")
+    if recipe not in (None, "tensorwise"):
+        options.append(f"recipe={recipe}")
+    reading.used(section + "recipe_name", f"float8:recipe={recipe}")
+    fsdp_enabled = mesh["shard"] > 1 or mesh["cp"] > 1
+    if all_gather and fsdp_enabled:
+        options.append("fsdp_float8_all_gather=true")
+        reading.used(section + "enable_fsdp_float8_all_gather", "float8:fsdp_float8_all_gather=true")
+    else:
+        reading.ignored(section + "enable_fsdp_float8_all_gather",
+                        "FSDP not applied (torchtitan's dp_shard_enabled is false)" if all_gather else "false")
+    if recompute:
+        options.append("recompute_weight=true")
+    reading.used(section + "force_recompute_fp8_weight_in_bwd", f"float8:recompute_weight={str(recompute).lower()}")
+    filtered = reading.get(section + "filter_fqns", [], types=(list,))
+    if "output" in filtered:
+        reading.used(section + "filter_fqns", "output: the output head left out (float8's default)")
+    else:
+        options.append("head=true")
+        reading.used(section + "filter_fqns", "float8:head=true (the output head converted too)")
+    others = [name for name in filtered if name != "output"]
+    if others:
+        reading.not_modelled(section + "filter_fqns", f"{', '.join(map(str, others))}: membench leaves out only the "
+                                                      "output head; those layers are predicted in float8")
+    for key in ("precompute_float8_dynamic_scale_for_fsdp", "emulate"):
+        if not reading.get(section + key, False, types=(bool,)):
+            reading.ignored(section + key, "false")
+    reading.used("model.converters", "float8: torchao's Float8Linear on every Linear whose dimensions are multiples "
+                                     "of 16")
+    return [":".join(["float8", *options])]
 
 
 def _degree(reading: Reading, key: str, default: int, allow_auto: bool = False) -> int:

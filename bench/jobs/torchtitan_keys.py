@@ -22,13 +22,25 @@ IMPLEMENTATIONS = {"fused": "fused", "foreach": "foreach", "for-loop": "for_loop
 AC_MODES = ("none", "full", "selective", "memory_budget")
 RESHARD = ("default", "always", "never")
 COMPILE_COMPONENTS = ("model", "loss")
+FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's Float8LinearConfig.from_recipe_name
+# [quantize.linear.float8] (and the older [float8] section, which also had force_recompute_fp8_weight_in_bwd)
+_FLOAT8_KEYS = (
+    ("recipe_name", USED, "float8:recipe (tensorwise by default)"),
+    ("enable_fsdp_float8_all_gather", USED, "float8:fsdp_float8_all_gather=true where FSDP shards"),
+    ("force_recompute_fp8_weight_in_bwd", USED, "float8:recompute_weight=true"),
+    ("filter_fqns", USED, "output: the head left out (float8's default); empty: float8:head=true; other names not "
+                          "modelled"),
+    ("precompute_float8_dynamic_scale_for_fsdp", NOT_MODELLED, "one scale computation for every weight after the "
+                                                               "step: each weight's scale computed as it is cast"),
+    ("emulate", NOT_MODELLED, "float8 emulated in high precision (tests without sm_89): float8's kernels predicted"),
+)
 _HOST = "host side (logging, saving, loading, launching): not a step's GPU memory"
 _VALUES = "a hyperparameter: values, not memory"
 
 KEYS = (
     Key("model.name", USED, "the model family (llama3)"),
     Key("model.flavor", USED, "the architecture: a Llama 3.1 preset"),
-    Key("model.converters", USED, "float8: torchao's float8 linear layers (not modelled); none: nothing"),
+    Key("model.converters", USED, "float8: torchao's float8 linear layers (float8); none: nothing"),
     Key("model.hf_assets_path", IGNORED, "the tokenizer's and weights' files: " + _HOST),
     Key("model.tokenizer_path", IGNORED, "the tokenizer's files: " + _HOST),
     Key("model.print_after_conversion", IGNORED, _HOST),
@@ -86,10 +98,9 @@ KEYS = (
     Key("optimizer.lr", IGNORED, _VALUES), Key("optimizer.eps", IGNORED, _VALUES),
     Key("optimizer.beta1", IGNORED, _VALUES), Key("optimizer.beta2", IGNORED, _VALUES),
     Key("optimizer.weight_decay", IGNORED, _VALUES),
-    Key("quantize.linear.float8.*", NOT_MODELLED, "torchao's float8 training settings: float8 not predicted"),
+    *(Key(section + name, fate, meaning) for section in ("quantize.linear.float8.", "float8.")
+      for name, fate, meaning in _FLOAT8_KEYS),
     Key("quantize.*", IGNORED, "other low-precision converters: not enabled by model.converters"),
-    Key("float8.*", NOT_MODELLED, "torchao's float8 training settings (the older [float8] section): float8 not "
-                                  "predicted"),
     Key("lr_scheduler.*", IGNORED, "the learning-rate schedule: values, not memory"),
     Key("job.*", IGNORED, _HOST), Key("profiling.*", IGNORED, "the profiler and memory snapshots: " + _HOST),
     Key("metrics.*", IGNORED, _HOST), Key("checkpoint.*", IGNORED, "saving and loading checkpoints: " + _HOST),

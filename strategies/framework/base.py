@@ -127,6 +127,9 @@ class StepContext:
     workload: Any = None  # the case's workloads.Workload (its checkpoint units, whether they chain, its spec)
     batch_size: int | None = None
     ranks: int = 1  # processes of torch.distributed the run asks for (--ranks); sharding strategies need 2 or more
+    # the compute capability of the CUDA device a prediction is for (predict's --capability/--gpu); None: the device
+    # torch sees, if any
+    capability: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
