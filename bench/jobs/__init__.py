@@ -1,16 +1,17 @@
 """Reading the training configuration a user already wrote (Trainer/TRL arguments, torchtune recipes, axolotl YAML,
-fsdp_qlora's train.py arguments, torchtitan's TOML job files, accelerate's FSDP plugin YAML) as the membench case it
-describes: `derive_job(...)` -> `DerivedJob` (workload and strategy specs, batch, every key accounted for).
+fsdp_qlora's train.py arguments, torchtitan's TOML job files, accelerate's FSDP and DeepSpeed plugin YAML, DeepSpeed's
+JSON) as the membench case it describes: `derive_job(...)` -> `DerivedJob` (workload and strategy specs, batch, every
+key accounted for).
 
     >>> job = derive_job("recipes/configs/llama3_1/8B_lora_single_device.yaml", ["batch_size=4"])  # doctest: +SKIP
     >>> job.workload, job.strategy, job.batch_size  # doctest: +SKIP
 
 Which reader reads a file: `kind=` when given (KINDS), else the file's keys: a `model` section with a `_component_` is
-torchtune's, one with a `flavor` (or a `parallelism` section) torchtitan's, `distributed_type` or `fsdp_config`
-accelerate's, `base_model` axolotl's, `train_type` or `context_length` fsdp_qlora's train.py arguments, anything
-else the Trainer's (TRL's where a key
-only SFTConfig or TRL's ModelConfig has is present). Python objects (TrainingArguments, SFTConfig, peft's
-LoraConfig, transformers' BitsAndBytesConfig and PretrainedConfig) are read by `job_from_trainer_objects`.
+torchtune's, one with a `flavor` (or a `parallelism` section) torchtitan's, `distributed_type` (or `fsdp_config`
+without `base_model`) accelerate's, `zero_optimization` DeepSpeed's, `base_model` axolotl's, `train_type` or
+`context_length` fsdp_qlora's train.py arguments, anything else the Trainer's (TRL's where a key only SFTConfig or
+TRL's ModelConfig has is present). Python objects (TrainingArguments, SFTConfig, peft's LoraConfig, transformers'
+BitsAndBytesConfig and PretrainedConfig) are read by `job_from_trainer_objects`.
 """
 
 from __future__ import annotations
@@ -41,11 +42,12 @@ def kind_of_file(values: dict[str, Any]) -> str:
     if (isinstance(values.get("model"), dict) and "flavor" in values["model"]) or isinstance(
             values.get("parallelism"), dict):
         return "torchtitan"
-    if "distributed_type" in values or "fsdp_config" in values:
+    axolotl = "base_model" in values or "base_model_config" in values
+    if "distributed_type" in values or ("fsdp_config" in values and not axolotl):  # axolotl's has an fsdp_config too
         return "accelerate"
     if isinstance(values.get("zero_optimization"), dict) or "train_micro_batch_size_per_gpu" in values:
         return "deepspeed"  # DeepSpeed's own JSON (bench/jobs/deepspeed.py)
-    if "base_model" in values or "base_model_config" in values:
+    if axolotl:
         return "axolotl"
     if "train_type" in values or "context_length" in values:
         return "fsdp_qlora"

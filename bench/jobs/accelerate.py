@@ -1,6 +1,6 @@
-"""accelerate's FSDP plugin configuration (the YAML `accelerate config` writes and `accelerate launch --config_file`
-reads) as a membench case: the strategy and the ranks; the model, sequence and batch are the training script's, so
-they come from `--workload` and `--batch-size`.
+"""accelerate's FSDP and DeepSpeed plugin configuration (the YAML `accelerate config` writes and `accelerate launch
+--config_file` reads) as a membench case: the strategy and the ranks; the model, sequence and batch are the training
+script's, so they come from `--workload` and `--batch-size`.
 
 What accelerate (1.15, `Accelerator.prepare` and `accelerate.utils.fsdp_utils.fsdp2_prepare_model`) does with each
 key, as membench's spec:
@@ -19,7 +19,8 @@ key, as membench's spec:
   `dynamo_use_regional_compilation` (`compile:scope=layers`);
 - `num_processes`: the ranks (all machines' processes together); `parallelism_config`'s tensor and context degrees
   are membench's `tp:degree=N`, `cp:degree=N` (refused with a line while those strategies are not registered).
-accelerate's DeepSpeed plugin (`distributed_type: DEEPSPEED`) is not read here.
+- `distributed_type: DEEPSPEED`: accelerate's DeepSpeed plugin, its `deepspeed_config:` section read into `zero2`/
+  `zero3` as bench/jobs/accelerate_deepspeed.py says.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ from __future__ import annotations
 from typing import Any
 
 from bench.core.errors import UsageError
+from bench.jobs import accelerate_deepspeed
 from bench.jobs.job import IGNORED, NOT_MODELLED, USED, DerivedJob, Key, Reading, registered_spec, workload_options
 
 KIND = "accelerate"
-DISTRIBUTED_TYPES = ("FSDP", "NO", "MULTI_GPU")
+DISTRIBUTED_TYPES = ("FSDP", "DEEPSPEED", "NO", "MULTI_GPU")
 MIXED_PRECISION = {"no": None, "bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16"}
 # FSDP1's sharding strategies (names or ShardingStrategy's numbers) -> the FSDP2 options that shard the same way
 SHARDING_STRATEGIES = {"FULL_SHARD": "", "SHARD_GRAD_OP": "reshard_after_forward=false", "NO_SHARD": None,
@@ -41,7 +43,7 @@ ASSUMED_BATCH = 1
 _HOST = "launching, loading or saving: does not change a step's GPU memory"
 
 KEYS = (
-    Key("distributed_type", USED, "FSDP: fsdp; NO, MULTI_GPU without fsdp_config: one device or ddp"),
+    Key("distributed_type", USED, "FSDP: fsdp; DEEPSPEED: zero2/zero3; NO, MULTI_GPU: one device or ddp"),
     Key("mixed_precision", USED, "bf16/fp16: amp plus FSDP2's param, reduce and output dtypes"),
     Key("num_processes", USED, "the ranks (every machine's processes)"),
     Key("num_machines", USED, "HYBRID_SHARD's replica groups (FSDP1); otherwise launching only"),
@@ -83,20 +85,23 @@ KEYS = (
     Key("tpu_*", IGNORED, "TPUs only"), Key("commands", IGNORED, _HOST), Key("command_file", IGNORED, _HOST),
     Key("fp8_config.*", NOT_MODELLED, "float8 training: not predicted"),
     Key("mpirun_config.*", IGNORED, _HOST),
+    Key("megatron_lm_config.*", IGNORED, "Megatron-LM's plugin: read only with distributed_type MEGATRON_LM"),
+    *accelerate_deepspeed.KEYS,
 )
+# the sections `accelerate config` writes whatever the distributed type (ClusterConfig.to_dict), empty where unused
+SECTIONS = ("fsdp_config", "deepspeed_config", "dynamo_config", "parallelism_config", "fp8_config", "mpirun_config",
+            "megatron_lm_config")
 
 
 def read_accelerate(values: dict[str, Any], source: str, overrides: tuple[str, ...] = (),
                     workload: str | None = None) -> DerivedJob:
     """The DerivedJob of an accelerate config YAML (a mapping, overrides applied) for `workload` (the training
     script's model: `--workload hf:<model>:seq_len=N`)."""
-    reading = Reading(KIND, values, KEYS, nested=("fsdp_config", "dynamo_config", "parallelism_config",
-                                                 "fp8_config", "mpirun_config"))
-    distributed = reading.get("distributed_type", "NO", types=(str,))
-    if distributed == "DEEPSPEED":
-        raise UsageError("accelerate key distributed_type=DEEPSPEED: this reader reads accelerate's FSDP plugin; "
-                         "give the DeepSpeed config JSON the plugin names to --config instead")
-    reading.get("distributed_type", choices=DISTRIBUTED_TYPES)
+    reading = Reading(KIND, values, KEYS, nested=SECTIONS)
+    distributed = reading.get("distributed_type", "NO", types=(str,), choices=DISTRIBUTED_TYPES)
+    for section in SECTIONS:
+        if section in reading and reading.values[section] in ({}, None):
+            reading.ignored(section, "empty")
     if reading.get("use_cpu", False, types=(bool,)):
         raise UsageError("accelerate key use_cpu=true: membench predicts a GPU's memory here; valid: false")
     reading.used("use_cpu", "the GPU")
@@ -112,8 +117,14 @@ def read_accelerate(values: dict[str, Any], source: str, overrides: tuple[str, .
         raise UsageError(f"accelerate keys num_processes={processes}, num_machines={machines}: each must be a "
                          "positive integer")
     reading.used("num_processes", f"{processes} ranks")
-    members = _precision(reading, distributed)
-    members += _sharding(reading, distributed, processes, machines)
+    deepspeed_uses: list = []
+    if distributed == "DEEPSPEED":
+        members, deepspeed_uses = _deepspeed(reading, processes, source, workload)
+    else:
+        for key in [k for k in reading.values if k.startswith("deepspeed_config.")]:
+            reading.ignored(key, f"distributed_type {distributed}: DeepSpeed is not used")
+        members = _precision(reading, distributed)
+        members += _sharding(reading, distributed, processes, machines)
     members += _checkpointing_and_compile(reading, fsdp=distributed == "FSDP")
     reading.assume(f"the training script's batch: {ASSUMED_BATCH} per process unless --batch-size says")
     reading.assume("the training script's optimizer: the workload's AdamW (PyTorch's implementation)")
@@ -121,8 +132,37 @@ def read_accelerate(values: dict[str, Any], source: str, overrides: tuple[str, .
     base, options = workload_options(workload if workload.startswith("hf:") else f"hf:{workload}")
     return DerivedJob(kind=KIND, source=source, overrides=overrides, model=base,
                       workload=":".join([base, *(f"{k}={v}" for k, v in options.items())]), strategy=strategy,
-                      batch_size=ASSUMED_BATCH, ranks=processes if processes > 1 else None, keys=reading.finish(),
-                      assumptions=reading.assumptions, unsupported=unsupported)
+                      batch_size=ASSUMED_BATCH * _accumulation(strategy), ranks=processes if processes > 1 else None,
+                      keys=reading.finish() + deepspeed_uses, assumptions=reading.assumptions,
+                      unsupported=unsupported)
+
+
+def _deepspeed(reading: Reading, processes: int, source: str, workload: str) -> tuple[list[str], list]:
+    """accelerate's DeepSpeed plugin (bench/jobs/accelerate_deepspeed.py); FSDP's and the parallelism sections'
+    keys do not apply under it."""
+    members, uses = accelerate_deepspeed.deepspeed_plugin_members(reading, processes, ASSUMED_BATCH, source,
+                                                                  workload)
+    reading.used("distributed_type", "DeepSpeed: " + "+".join(members))
+    reading.ignored("num_machines", "launching: the ranks are num_processes")
+    for key in [k for k in reading.values if k.startswith("fsdp_config.")]:
+        reading.ignored(key, "distributed_type DEEPSPEED: FSDP is not applied")
+    prefix = "parallelism_config.parallelism_config_"
+    for key in [k for k in reading.values if k.startswith(prefix)]:
+        size = reading.get(key, 1, types=(int,))
+        if size != 1 and not key.endswith("dp_shard_size"):
+            raise UsageError(f"accelerate key {key}={size} with distributed_type DEEPSPEED: DeepSpeed's tensor and "
+                             "sequence parallelism are not predicted by membench; valid: 1")
+        reading.used(key, "1: ZeRO over every rank" if size == 1 else "ZeRO over every rank")
+    return members, uses
+
+
+def _accumulation(strategy: str) -> int:
+    """The micro-batches a step accumulates (the DeepSpeed plugin's gradient_accumulation_steps), 1 without."""
+    for part in strategy.split("+"):
+        name, *options = part.split(":")
+        if name == "grad_accumulation":
+            return int(dict(o.split("=", 1) for o in options).get("micro_batches", 1))
+    return 1
 
 
 def _precision(reading: Reading, distributed: str) -> list[str]:

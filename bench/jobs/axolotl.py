@@ -12,7 +12,9 @@ axolotl builds transformers' TrainingArguments and a peft model from its keys; w
 - `flash_attention`/`sdp_attention`: SDPA (flash attention's kernel is predicted as SDPA's); `xformers_attention`
   likewise; none: transformers' default, SDPA;
 - `optimizer`: the Trainer's `optim` names (default adamw_torch_fused, axolotl PR #2425);
-- `torch_compile`: the model compiled whole (`compile`).
+- `torch_compile`: the model compiled whole (`compile`);
+- `deepspeed`, `fsdp_config`/`fsdp_version` (and the older `fsdp` list): `zero2`/`zero3` or `fsdp`, as
+  bench/jobs/axolotl_distributed.py says; the ranks are the launcher's (--ranks).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from bench.core.errors import UsageError
+from bench.jobs import axolotl_distributed
 from bench.jobs.job import (IGNORED, NOT_MODELLED, USED, DerivedJob, Key, Reading, hf_workload, packed_documents,
                             spec_of)
 from bench.jobs.models import model_workload
@@ -81,9 +84,7 @@ KEYS = (
     Key("cut_cross_entropy", NOT_MODELLED, "cut cross-entropy: the whole logits predicted"),
     Key("max_grad_norm", NOT_MODELLED, "gradient clipping's norm: small temporaries, not counted"),
     Key("neftune_noise_alpha", NOT_MODELLED, "noise on the embeddings' output: one tensor, not counted"),
-    Key("deepspeed", NOT_MODELLED, "DeepSpeed: predicted on one device without it"),
-    Key("fsdp", NOT_MODELLED, "FSDP: predicted on one device"), Key("fsdp_config", NOT_MODELLED, "FSDP: one device"),
-    Key("fsdp_config.*", NOT_MODELLED, "FSDP: one device"),
+    *axolotl_distributed.KEYS,
     Key("learning_rate", IGNORED, "a hyperparameter: values, not memory"),
     Key("lr_scheduler", IGNORED, "the learning-rate schedule holds no tensors"),
     Key("lr_*", IGNORED, "the learning-rate schedule holds no tensors"),
@@ -177,9 +178,11 @@ def read_axolotl(values: dict[str, Any], source: str, overrides: tuple[str, ...]
     reading.used("micro_batch_size", f"batch per device {micro * steps} ({micro} x {steps})")
     reading.used("gradient_accumulation_steps", f"grad_accumulation:micro_batches={steps}" if steps > 1 else "one")
     workload, name = _workload(reading, model)
+    members, batch, ranks, deepspeed_uses = axolotl_distributed.distributed_members(
+        reading, members, micro, steps, bf16, fp16, workload, source)
     return DerivedJob(kind=KIND, source=source, overrides=overrides, workload=workload, model=name,
-                      strategy=spec_of(members), batch_size=micro * steps, keys=reading.finish(),
-                      assumptions=reading.assumptions)
+                      strategy=spec_of(members), batch_size=batch, ranks=ranks,
+                      keys=reading.finish() + deepspeed_uses, assumptions=reading.assumptions)
 
 
 def _adapter(reading: Reading) -> list[str]:

@@ -138,11 +138,14 @@ def is_deepspeed(values: dict[str, Any]) -> bool:
 
 
 class Trainer:
-    """What a Trainer's configuration gives DeepSpeed's "auto" values (None where it is read alone)."""
+    """What a Trainer's configuration (or accelerate's `Accelerator`: `filler` names which) gives DeepSpeed's "auto"
+    values (None where it is read alone)."""
 
-    def __init__(self, micro_batch: int, accumulation: int, bf16: bool, fp16: bool, hidden_size: int | None):
+    def __init__(self, micro_batch: int, accumulation: int, bf16: bool, fp16: bool, hidden_size: int | None,
+                 filler: str = "the Trainer's"):
         self.micro_batch, self.accumulation = micro_batch, accumulation
         self.bf16, self.fp16, self.hidden_size = bf16, fp16, hidden_size
+        self.filler = filler
 
 
 def _auto(reading: Reading, key: str, trainer: Trainer | None, value: Any, what: str) -> Any:
@@ -185,7 +188,8 @@ def deepspeed_members(values: dict[str, Any], trainer: Trainer | None, prefix: s
         ranks = total // (micro * steps)
         reading.used("train_batch_size", f"{ranks} ranks ({total} / {micro} / {steps})")
     else:
-        reading.used("train_batch_size", "auto: the Trainer's" if total == AUTO else "not given")
+        reading.used("train_batch_size", f"auto: {trainer.filler if trainer else 'the launcher'}" if total == AUTO
+                     else "not given")
     if steps > 1:
         members.append(f"grad_accumulation:micro_batches={steps}")
     uses = reading.finish()
@@ -200,7 +204,8 @@ def _count(reading: Reading, key: str, from_trainer: int | None, trainer: Traine
         value = _auto(reading, key, trainer, from_trainer, "a positive integer")
     if value is not None and (not isinstance(value, int) or value < 1):
         raise UsageError(f"{KIND} key {key}: {value!r}; valid: a positive integer")
-    reading.used(key, f"{value}" + (" (auto: the Trainer's)" if reading.values.get(key) == AUTO else ""))
+    filler = trainer.filler if trainer else ""
+    reading.used(key, f"{value}" + (f" (auto: {filler})" if reading.values.get(key) == AUTO else ""))
     return value
 
 
