@@ -179,7 +179,7 @@ def test_accelerate_s_keys_become_their_spec(overrides, spec):
 
 
 @pytest.mark.parametrize("overrides, expected", [
-    (["distributed_type=DEEPSPEED"], "distributed_type=DEEPSPEED: this reader reads accelerate's FSDP plugin"),
+    (["distributed_type=MEGATRON_LM"], "distributed_type: unknown value 'MEGATRON_LM'; valid choices: FSDP, DEEPSPEED"),
     (["fsdp_config.fsdp_version=3"], "fsdp_config.fsdp_version: unknown value 3; valid choices: 1, 2"),
     (["mixed_precision=fp4"], "mixed_precision: unknown value 'fp4'"),
     (["fsdp_config.fsdp_activation_checkpointing=maybe"], "is not a bool"),
