@@ -3,16 +3,15 @@ applies it (`model.converters = ["float8"]`).
 
 Each selected `nn.Linear` becomes torchao's `Float8Linear`: its weights stay in their dtype (the optimizer, the
 gradients and FSDP's shards are unchanged), and each matmul of forward and backward casts its two operands to float8
-(1 byte a value, plus their scales) and runs `torch._scaled_mm`. What a step holds differs from the baseline's by the
-float8 copies: the forward saves the float8 input and weight for backward (where autograd saved the input alone),
-and backward casts the gradient of the output. Options, mirroring torchtitan's `[quantize.linear.float8]` keys:
+(1 byte a value, plus their scales) and runs `torch._scaled_mm`. The forward saves its high-precision input for
+backward, as a Linear does (torchao 0.18 casts input and weight again in backward), so what a step holds differs
+from the baseline's by the float8 copies alive around each matmul, and, composed with FSDP2, by what is all-gathered.
+Options, mirroring torchtitan's `[quantize.linear.float8]` keys:
 - `recipe`: `tensorwise` (default: one scale a tensor, e4m3 forward and e5m2 gradients), `rowwise` (a scale a row,
   e4m3 throughout) or `rowwise_with_gw_hp` (rowwise, the weight's gradient in high precision): torchao's
   `Float8LinearConfig.from_recipe_name`;
 - `fsdp_float8_all_gather` (`enable_fsdp_float8_all_gather`): composed with `fsdp`, FSDP2 all-gathers each weight
   already cast to float8 (1 byte a value instead of the weight's dtype); tensorwise only, as torchtitan asserts;
-- `recompute_weight` (`force_recompute_fp8_weight_in_bwd`): the float8 weight is cast again in backward instead of
-  saved from forward; tensorwise only;
 - `head`: convert the output head too. torchtitan's Llama jobs list the head (`output`) in `filter_fqns`; here the
   head is the workload's output head, or where it names none its last Linear (a classifier). As torchtitan's
   `module_filter_fn`, a Linear with a dimension not divisible by 16 (the float8 tensor cores' need) is left as it is.
@@ -81,7 +80,7 @@ class Float8(Strategy):
 
     name = "float8"
     description = "float8 training of the linear layers (torchao's Float8Linear): float8 matmuls, weights unchanged"
-    options = {"recipe": "tensorwise", "fsdp_float8_all_gather": False, "recompute_weight": False, "head": False}
+    options = {"recipe": "tensorwise", "fsdp_float8_all_gather": False, "head": False}
     # after bf16_weights (22), which converts the weights Float8Linear keeps; before checkpoint (30), which wraps the
     # layers, and fsdp (70), which shards the Float8Linear's weights (as torchtitan converts before parallelizing)
     priority = 24
@@ -97,10 +96,9 @@ class Float8(Strategy):
         super().__init__(**options)
         if self.settings["recipe"] not in RECIPES:
             raise choices_error("float8 recipe", self.settings["recipe"], list(RECIPES))
-        for option in ("fsdp_float8_all_gather", "recompute_weight"):
-            if self.settings[option] and self.settings["recipe"] != "tensorwise":
-                raise UsageError(f"float8:{option}=true with recipe={self.settings['recipe']}: torchao's recipes "
-                                 "set it themselves (torchtitan refuses both); valid: recipe=tensorwise")
+        if self.settings["fsdp_float8_all_gather"] and self.settings["recipe"] != "tensorwise":
+            raise UsageError(f"float8:fsdp_float8_all_gather=true with recipe={self.settings['recipe']}: torchao's "
+                             "recipes set it themselves (torchtitan refuses both); valid: recipe=tensorwise")
         self.converted: list[str] = []
 
     def check(self, context) -> None:
@@ -127,8 +125,7 @@ class Float8(Strategy):
         config_class = float8_module().Float8LinearConfig
         if self.settings["recipe"] != "tensorwise":
             return config_class.from_recipe_name(self.settings["recipe"])
-        return config_class(enable_fsdp_float8_all_gather=self.settings["fsdp_float8_all_gather"],
-                            force_recompute_fp8_weight_in_bwd=self.settings["recompute_weight"])
+        return config_class(enable_fsdp_float8_all_gather=self.settings["fsdp_float8_all_gather"])
 
     def head(self, model: nn.Module) -> nn.Module | None:
         """The layer left out unless `head=true`: the workload's output head, else the model's last Linear."""

@@ -26,9 +26,9 @@ what the keys do to the model) does with each key, as membench's spec:
   (`optimizer_in_backward`);
 - `model.converters = ["float8"]` (torchao's float8 training of the linear layers): `float8`, with
   `[quantize.linear.float8]`'s (or the older `[float8]`'s) `recipe_name` (`float8:recipe=`),
-  `enable_fsdp_float8_all_gather` where FSDP shards (`float8:fsdp_float8_all_gather=true`),
-  `force_recompute_fp8_weight_in_bwd` (`float8:recompute_weight=true`) and `filter_fqns` (`output` leaves the head
-  out; other names are not modelled); `precompute_float8_dynamic_scale_for_fsdp` and `emulate` are not modelled, and
+  `enable_fsdp_float8_all_gather` where FSDP shards (`float8:fsdp_float8_all_gather=true`) and `filter_fqns`
+  (`output` leaves the head out; other names are not modelled); `force_recompute_fp8_weight_in_bwd` is what torchao
+  does anyway; `precompute_float8_dynamic_scale_for_fsdp` and `emulate` are not modelled, and
   float8 with tensor parallelism is not applied (said not modelled).
 
 Example (the command prints the derived case and every key's fate):
@@ -131,9 +131,9 @@ def _float8(reading: Reading, mesh: dict[str, int]) -> list[str]:
     else:
         reading.ignored(section + "enable_fsdp_float8_all_gather",
                         "FSDP not applied (torchtitan's dp_shard_enabled is false)" if all_gather else "false")
-    if recompute:
-        options.append("recompute_weight=true")
-    reading.used(section + "force_recompute_fp8_weight_in_bwd", f"float8:recompute_weight={str(recompute).lower()}")
+    reading.used(section + "force_recompute_fp8_weight_in_bwd", "the float8 weight cast again in backward whatever "
+                                                                "its value (torchao's float8 since the option's "
+                                                                "deprecation)")
     filtered = reading.get(section + "filter_fqns", [], types=(list,))
     if "output" in filtered:
         reading.used(section + "filter_fqns", "output: the output head left out (float8's default)")

@@ -27,7 +27,7 @@ FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's Fl
 _FLOAT8_KEYS = (
     ("recipe_name", USED, "float8:recipe (tensorwise by default)"),
     ("enable_fsdp_float8_all_gather", USED, "float8:fsdp_float8_all_gather=true where FSDP shards"),
-    ("force_recompute_fp8_weight_in_bwd", USED, "float8:recompute_weight=true"),
+    ("force_recompute_fp8_weight_in_bwd", USED, "the float8 weight cast again in backward: torchao's float8 does"),
     ("filter_fqns", USED, "output: the head left out (float8's default); empty: float8:head=true; other names not "
                           "modelled"),
     ("precompute_float8_dynamic_scale_for_fsdp", NOT_MODELLED, "one scale computation for every weight after the "
