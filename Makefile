@@ -11,6 +11,11 @@ TORCHVISION ?= torchvision==0.28.0
 # torchtune's recipe configurations (recipes/configs/), which the tests of bench/jobs read: its files only, so
 # without its dependencies (torchdata, omegaconf, tokenizers), which membench never imports
 TORCHTUNE ?= torchtune==0.6.1
+# DeepSpeed, which tests/test_deepspeed_zero.py runs for real on 2 gloo ranks (DS_ACCELERATOR=cpu) against membench's
+# ZeRO-2/3 model; membench itself never imports it. PyPI has its sdist only: built here with DS_BUILD_OPS=0 (no
+# kernels compiled: pure Python, no compiler or CUDA needed; its setup.py runs without torch in pip's isolated build),
+# after torch, so that its `torch` requirement is the pinned one already installed. About 15-25 s to build.
+DEEPSPEED ?= deepspeed==0.19.8
 DEVICE ?= auto
 SUITE ?= bench/suites/default.yaml
 # your own runs (git-ignored in results/); the committed reference runs are under results/reference/, where no
@@ -35,6 +40,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH)" "$(TORCHVISION)"
 	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev,timm,hf,report]"
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps "$(TORCHTUNE)"
+	DS_BUILD_OPS=0 $(PY) -m pip install --quiet --disable-pip-version-check "$(DEEPSPEED)"
 	$(CUDA_PREDICTIONS_ENV)
 	touch $(STAMP)
 

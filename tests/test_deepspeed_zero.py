@@ -6,6 +6,7 @@ they are are DeepSpeed's, each remaining difference named."""
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -98,8 +99,9 @@ def _inventories(engine: str, stage: int, offload: str) -> dict[int, dict]:
     return {line.pop("rank"): line for line in lines}
 
 
-@pytest.mark.skipif(not HAS_DEEPSPEED, reason="DeepSpeed is not installed (pip install deepspeed with DS_BUILD_OPS=0; "
-                                              "it runs on the CPU with DS_ACCELERATOR=cpu)")
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="DeepSpeed is not installed (make install installs it: "
+                                              "DS_BUILD_OPS=0 pip install deepspeed==0.19.8; it runs on the CPU with "
+                                              "DS_ACCELERATOR=cpu)")
 @pytest.mark.parametrize("stage,offload", [(3, "none"), pytest.param(2, "none", marks=pytest.mark.slow),
                                            pytest.param(2, "cpu", marks=pytest.mark.slow),
                                            pytest.param(3, "cpu", marks=pytest.mark.slow)])
@@ -113,3 +115,20 @@ def test_deepspeed_itself_keeps_what_the_mechanism_keeps(stage, offload):
         expected = {entry: value - NAMED_DIFFERENCES.get((stage, offload, entry, rank), 0)
                     for entry, value in deepspeed[rank].items()}
         assert membench[rank] == expected, (rank, deepspeed[rank], membench[rank])
+
+
+def test_make_install_builds_the_deepspeed_the_mechanism_follows_after_torch():
+    """The set-up installs, after the pinned torch and without building its kernels, the DeepSpeed release whose
+    engine strategies/framework/deepspeed_zero.py follows, so that the check above runs on a clean clone (CI)."""
+    import re
+
+    makefile = (ROOT / "Makefile").read_text()
+    pinned = re.search(r"^DEEPSPEED \?= deepspeed==(\S+)$", makefile, re.M).group(1)
+    recipe = re.search(r"^\$\(STAMP\):.*\n((?:\t.*\n)+)", makefile, re.M).group(1).splitlines()
+    torch_line = next(i for i, line in enumerate(recipe) if '"$(TORCH)"' in line)
+    deepspeed_line = next(i for i, line in enumerate(recipe) if '"$(DEEPSPEED)"' in line)
+    assert torch_line < deepspeed_line and "DS_BUILD_OPS=0" in recipe[deepspeed_line]
+    followed = (ROOT / "strategies" / "framework" / "deepspeed_zero.py").read_text()
+    assert f"follows DeepSpeed {pinned} " in followed
+    if HAS_DEEPSPEED:
+        assert importlib.metadata.version("deepspeed") == pinned
