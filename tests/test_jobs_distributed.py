@@ -69,6 +69,15 @@ def test_each_plugin_key_gives_what_its_deepspeed_json_gives(overrides, same):
     assert job.strategy == _alone({"train_micro_batch_size_per_gpu": 1, **same})
 
 
+def test_stages_0_and_1_are_named_as_ddp_and_zero1_without_their_offload():
+    job = derive_job(PLUGIN, ["deepspeed_config.zero_stage=1", "deepspeed_config.offload_param_device=cpu"],
+                     workload=MODEL)
+    assert job.strategy == "bf16_weights+grad_accumulation:micro_batches=4+zero1"
+    fates = _fates(job)
+    assert fates["deepspeed_config.zero_stage"] == fates["deepspeed_config.offload_optimizer_device"] == NOT_MODELLED
+    assert fates["deepspeed_config.offload_param_device"] == IGNORED
+
+
 def test_a_deepspeed_config_file_is_read_key_by_key_with_accelerates_auto():
     job = derive_job(PLUGIN_FILE, workload=MODEL)
     assert job.ranks == 8 and job.batch_size == 1

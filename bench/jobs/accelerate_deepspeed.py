@@ -100,11 +100,14 @@ def deepspeed_plugin_members(reading: Reading, processes: int, batch: int, sourc
     stage_member = next((m for m in zero if m.split(":")[0] in ("zero2", "zero3", "zero1", "ddp")), "")
     (reading.used if stage >= 2 else reading.not_modelled)(
         f"{SECTION}.zero_stage", stage_member if stage >= 2 else f"stage {stage}: predicted as {stage_member}")
-    reading.used(f"{SECTION}.offload_optimizer_device", f"offload_optimizer={devices['offload_optimizer_device']}")
-    if devices["offload_param_device"] == "cpu" and stage < 3:
-        reading.ignored(f"{SECTION}.offload_param_device", f"parameter offload is ZeRO-3's: stage {stage} ignores it")
-    else:
-        reading.used(f"{SECTION}.offload_param_device", f"offload_param={devices['offload_param_device']}")
+    for name, least in (("offload_optimizer", 2), ("offload_param", 3)):
+        device = devices[f"{name}_device"]
+        if device == "cpu" and name == "offload_param" and stage < least:
+            reading.ignored(f"{SECTION}.{name}_device", f"ZeRO-3's offload: stage {stage} ignores it")
+        elif device == "cpu" and stage < least:  # DeepSpeed's stage 1 offloads too; membench's zero1 does not
+            reading.not_modelled(f"{SECTION}.{name}_device", f"stage {stage} predicted without offload")
+        else:
+            reading.used(f"{SECTION}.{name}_device", f"{name}={device}")
     reading.used(f"{SECTION}.gradient_accumulation_steps", f"grad_accumulation:micro_batches={steps}"
                  if steps and steps > 1 else "one micro-batch")
     _mark_precision(reading, precision)
