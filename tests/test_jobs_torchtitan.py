@@ -138,7 +138,7 @@ def test_a_bad_torchtitan_value_is_one_line_and_exit_2(tmp_path, capsys, overrid
 def test_the_torchtitan_anchors_are_what_their_configuration_derives():
     rows = {row["name"]: row for row in yaml.safe_load((ANCHOR_DIR / "torchtitan.yaml").read_text())["rows"]}
     with_config = [a for a in load_file(ANCHOR_DIR / "torchtitan.yaml") if "config" in rows[a.name]]
-    assert len(with_config) == 3
+    assert len(with_config) == 5
     for anchor in with_config:
         reference = rows[anchor.name]["config"]
         job = derive_job(ANCHOR_DIR / reference["file"], reference["overrides"], ranks=anchor.ranks)
