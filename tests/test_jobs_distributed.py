@@ -91,6 +91,14 @@ def test_a_deepspeed_config_file_is_read_key_by_key_with_accelerates_auto():
     assert fates["deepspeed_config.deepspeed_config_file"] == USED
 
 
+def test_a_config_files_own_micro_batch_and_accumulation_are_the_batch_per_device(tmp_path):
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3,
+                              "zero_optimization": {"stage": 2}}))
+    job = derive_job(PLUGIN_FILE, [f"deepspeed_config.deepspeed_config_file={ds}"], workload=MODEL)
+    assert job.batch_size == 6 and job.strategy == "grad_accumulation:micro_batches=3+zero2"
+
+
 @pytest.mark.parametrize("overrides, expected", [
     (["deepspeed_config.offload_optimizer_device=nvme"],
      "deepspeed_config.offload_optimizer_device=nvme: NVMe offload is not predicted by membench; valid choices: "

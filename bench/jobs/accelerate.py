@@ -118,8 +118,9 @@ def read_accelerate(values: dict[str, Any], source: str, overrides: tuple[str, .
                          "positive integer")
     reading.used("num_processes", f"{processes} ranks")
     deepspeed_uses: list = []
+    batch = ASSUMED_BATCH  # DeepSpeed's: its micro-batch x its gradient_accumulation_steps
     if distributed == "DEEPSPEED":
-        members, deepspeed_uses = _deepspeed(reading, processes, source, workload)
+        members, deepspeed_uses, batch = _deepspeed(reading, processes, source, workload)
     else:
         for key in [k for k in reading.values if k.startswith("deepspeed_config.")]:
             reading.ignored(key, f"distributed_type {distributed}: DeepSpeed is not used")
@@ -132,16 +133,16 @@ def read_accelerate(values: dict[str, Any], source: str, overrides: tuple[str, .
     base, options = workload_options(workload if workload.startswith("hf:") else f"hf:{workload}")
     return DerivedJob(kind=KIND, source=source, overrides=overrides, model=base,
                       workload=":".join([base, *(f"{k}={v}" for k, v in options.items())]), strategy=strategy,
-                      batch_size=ASSUMED_BATCH * _accumulation(strategy), ranks=processes if processes > 1 else None,
+                      batch_size=batch, ranks=processes if processes > 1 else None,
                       keys=reading.finish() + deepspeed_uses, assumptions=reading.assumptions,
                       unsupported=unsupported)
 
 
-def _deepspeed(reading: Reading, processes: int, source: str, workload: str) -> tuple[list[str], list]:
+def _deepspeed(reading: Reading, processes: int, source: str, workload: str) -> tuple[list[str], list, int]:
     """accelerate's DeepSpeed plugin (bench/jobs/accelerate_deepspeed.py); FSDP's and the parallelism sections'
     keys do not apply under it."""
-    members, uses = accelerate_deepspeed.deepspeed_plugin_members(reading, processes, ASSUMED_BATCH, source,
-                                                                  workload)
+    members, uses, batch = accelerate_deepspeed.deepspeed_plugin_members(reading, processes, ASSUMED_BATCH, source,
+                                                                         workload)
     reading.used("distributed_type", "DeepSpeed: " + "+".join(members))
     reading.ignored("num_machines", "launching: the ranks are num_processes")
     for key in [k for k in reading.values if k.startswith("fsdp_config.")]:
@@ -153,16 +154,8 @@ def _deepspeed(reading: Reading, processes: int, source: str, workload: str) -> 
             raise UsageError(f"accelerate key {key}={size} with distributed_type DEEPSPEED: DeepSpeed's tensor and "
                              "sequence parallelism are not predicted by membench; valid: 1")
         reading.used(key, "1: ZeRO over every rank" if size == 1 else "ZeRO over every rank")
-    return members, uses
+    return members, uses, batch
 
-
-def _accumulation(strategy: str) -> int:
-    """The micro-batches a step accumulates (the DeepSpeed plugin's gradient_accumulation_steps), 1 without."""
-    for part in strategy.split("+"):
-        name, *options = part.split(":")
-        if name == "grad_accumulation":
-            return int(dict(o.split("=", 1) for o in options).get("micro_batches", 1))
-    return 1
 
 
 def _precision(reading: Reading, distributed: str) -> list[str]:

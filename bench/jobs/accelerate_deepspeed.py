@@ -61,9 +61,10 @@ KEYS = (
 
 
 def deepspeed_plugin_members(reading: Reading, processes: int, batch: int, source: str,
-                             workload: str) -> tuple[list[str], list]:
-    """(strategy members, the DeepSpeed JSON's own key uses) of accelerate's DeepSpeed plugin, read from `reading`
-    (an accelerate config whose distributed_type is DEEPSPEED) on `processes` ranks at `batch` samples a process."""
+                             workload: str) -> tuple[list[str], list, int]:
+    """(strategy members, the DeepSpeed JSON's own key uses, the batch per device: micro-batch x accumulation) of
+    accelerate's DeepSpeed plugin, read from `reading` (an accelerate config whose distributed_type is DEEPSPEED) on
+    `processes` ranks, the script's micro-batch `batch` where the JSON says "auto"."""
     keys = [key.removeprefix(SECTION + ".") for key in reading.values if key.startswith(SECTION + ".")]
     hidden = hidden_size(workload)
     if "deepspeed_config_file" in keys:
@@ -92,7 +93,7 @@ def deepspeed_plugin_members(reading: Reading, processes: int, batch: int, sourc
         "bf16": {"enabled": precision in ("bf16", "fp8")}, "fp16": {"enabled": precision == "fp16"}}
     if clipping:
         values["gradient_clipping"] = clipping
-    zero, _, _, _, _, assumptions = deepspeed_members(values, _filler(batch, steps or 1, hidden))
+    zero, micro, accumulated, _, _, assumptions = deepspeed_members(values, _filler(batch, steps or 1, hidden))
     if steps is None:
         reading.assume("gradient_accumulation_steps not given: the training script's Accelerator's, 1")
     for line in assumptions:
@@ -111,11 +112,11 @@ def deepspeed_plugin_members(reading: Reading, processes: int, batch: int, sourc
     reading.used(f"{SECTION}.gradient_accumulation_steps", f"grad_accumulation:micro_batches={steps}"
                  if steps and steps > 1 else "one micro-batch")
     _mark_precision(reading, precision)
-    return zero, []
+    return zero, [], micro * accumulated
 
 
 def _from_file(reading: Reading, keys: list[str], processes: int, batch: int, source: str,
-               hidden: int | None) -> tuple[list[str], list]:
+               hidden: int | None) -> tuple[list[str], list, int]:
     decided = [key for key in keys if key in FILE_DECIDES]
     if decided:
         raise UsageError(f"accelerate key {SECTION}.{decided[0]}: the deepspeed_config_file decides it and accelerate "
@@ -134,7 +135,8 @@ def _from_file(reading: Reading, keys: list[str], processes: int, batch: int, so
         raise UsageError(f"accelerate key {key}={path}: the file has no zero_optimization section, which accelerate "
                          "requires; valid: a DeepSpeed JSON with one")
     values.setdefault("gradient_accumulation_steps", 1)  # DeepSpeedPlugin.__post_init__ sets it where absent
-    zero, _, _, ranks, uses, assumptions = deepspeed_members(values, _filler(batch, 1, hidden), prefix=FILE_PREFIX)
+    zero, micro, accumulated, ranks, uses, assumptions = deepspeed_members(values, _filler(batch, 1, hidden),
+                                                                           prefix=FILE_PREFIX)
     if ranks is not None and ranks != processes:
         raise UsageError(f"accelerate: {key}'s train_batch_size gives {ranks} ranks and num_processes is "
                          f"{processes}; DeepSpeed refuses the mismatch; valid: train_batch_size auto")
@@ -143,7 +145,7 @@ def _from_file(reading: Reading, keys: list[str], processes: int, batch: int, so
                    "--batch-size), accumulation 1, bf16/fp16 off (accelerate launch's --mixed_precision)")
     for line in assumptions:
         reading.assume(f"deepspeed: {line}")
-    return zero, uses
+    return zero, uses, micro * accumulated
 
 
 def _filler(batch: int, steps: int, hidden: int | None) -> Trainer:
