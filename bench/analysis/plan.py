@@ -6,7 +6,9 @@ Each candidate (`bench.analysis.plan_candidates`) runs one tracked step on fake 
 (`bench.measure.op_cost`) in the same step: one trace gives both its peak and its operators, whose time is
 estimated against the device's figures (`bench.analysis.plan_cost`). The search (`bench.analysis.plan_search`) tries
 every declared setting alone and combinations of the settings that helped, by what can still be the answer. Each
-candidate is a row of the declared plan table (`bench.core.results.PLAN`).
+candidate is a row of the declared plan table (`bench.core.results.PLAN`). The operators are counted in the measured
+step only, and a candidate whose figures the search does not need once it cannot fit (a combination) stops as soon
+as its CUDA step certainly cannot (`bench.analysis.plan_step`).
 
 A sharded strategy's step runs rank by rank in this process (PyTorch's fake process group); its time estimate is the
 compute of the rank with the largest peak: communication is not modelled. Times are estimates for ranking: the
@@ -15,7 +17,6 @@ confirmation measures.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import warnings
 from dataclasses import dataclass, field, replace
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch._subclasses import fake_tensor
 
-from bench.analysis import plan_cost
+from bench.analysis import plan_cost, plan_step
 from bench.analysis.fake_engine import PredictionMeter, bound_device, cublas_workspace, tracked_step
 from bench.core.errors import Unsupported
 from bench.core.gpus import DEFAULT_MAX_CANDIDATES, DEFAULT_MAX_SEARCH_S
@@ -102,21 +103,14 @@ def bind_for_plan(case: Case, ranks: int):
         return bind_case(case, ranks)
 
 
-def _counted(strategy, counter: OperatorCostCounter):
-    """`strategy` with `counter` entered around its session and told where each step ends."""
-    session, end_step = strategy.session, strategy.end_step
-
-    @contextlib.contextmanager
-    def counted_session():
-        with session(), counter:
-            yield
-
-    def counted_end_step(kept):
-        end_step(kept)
-        counter.end_step()
-
-    strategy.session, strategy.end_step = counted_session, counted_end_step
-    return strategy
+def _stopped_row(row: Row, stopped: plan_step.OverLimit, request: PlanRequest) -> Row:
+    """The row of a candidate stopped once over the limit: no peak, no time, why it cannot fit."""
+    judged = stopped.reserved_bytes + request.context_bytes
+    row.update(fits=False, message=(
+        f"{plan_step.STOPPED_OVER_LIMIT}: after warm-up step {stopped.step} the caching allocator had reserved "
+        f"{format_size(stopped.reserved_bytes)}; with the CUDA context that is {judged:,} B, over the limit "
+        f"({request.limit_bytes:,} B), and reserved memory never shrinks: its peak and time were not predicted"))
+    return row
 
 
 def _engines(device: str, distributed: bool) -> list[str]:
@@ -124,9 +118,16 @@ def _engines(device: str, distributed: bool) -> list[str]:
     return [e for e in engines if e != "fake"] if distributed else engines
 
 
-def evaluate(request: PlanRequest, spec: str, members: int, figures: plan_cost.DeviceFigures) -> Row:
+def evaluate(request: PlanRequest, spec: str, members: int, figures: plan_cost.DeviceFigures,
+             may_stop: bool = False) -> Row:
     """One candidate's row: its predicted peak (and on CUDA reserved memory), its step's operators and estimated
-    time, and what it changes in training; `unsupported` or `error` with why."""
+    time, and what it changes in training; `unsupported` or `error` with why.
+
+    `may_stop`: the caller needs no figure of a candidate that cannot fit, but for a single setting whose memory and
+    time ratios may make combinations (one that keeps what is trained, or any with `allow_different`). Such a
+    candidate's CUDA step on one rank stops at the end of its first warm-up step where the caching allocator's model
+    has already reserved more than the limit allows (`plan_step.reserved_check`): its row says so, with no peak and
+    no time (`plan_step.stopped_over_limit`)."""
     row = empty_row(request, spec, members)
     case = request.case(spec)
     cuda = request.device == "cuda"
@@ -138,26 +139,34 @@ def evaluate(request: PlanRequest, spec: str, members: int, figures: plan_cost.D
         row.update(status=Status.UNSUPPORTED.value, message=str(error))
         return row
     engines, notes = _engines(request.device, strategy.distributed), []
+    # the counter counts the measured step only where the warm-up steps are known (CUDA's: passed to tracked_step)
+    warmup = MEMORY_WARMUP_STEPS["cuda"] if cuda else None
+    stop = may_stop and cuda and not strategy.distributed \
+        and (members >= 2 or (not request.allow_different and bool(strategy.differs_by_design())))
     for engine in engines:
-        counter = OperatorCostCounter()
+        counter = plan_step.MeasuredStepCounter() if warmup else OperatorCostCounter()
         rank_counters: dict[int, OperatorCostCounter] = {}
 
         def rank_strategy(rank: int, device: str = bound_device(engine)):
             """A rank's own strategy, its operators counted apart (the largest rank's step is timed)."""
-            rank_counters[rank] = OperatorCostCounter()
+            rank_counters[rank] = plan_step.MeasuredStepCounter() if warmup else OperatorCostCounter()
             ranked = bind_for_plan(replace(case, device=device), request.ranks)[0]
             ranked.plan(PredictionMeter(case))
-            return _counted(ranked, rank_counters[rank])
+            return plan_step.counted(ranked, rank_counters[rank], warmup)
 
         try:
             planned = bind_for_plan(replace(case, device=bound_device(engine)), request.ranks)[0]
             planned.plan(PredictionMeter(case))
             step = tracked_step(case, spec, engine, 1, cuda_autocast=cuda, ranks=request.ranks, record_events=cuda,
-                                warmup_steps=MEMORY_WARMUP_STEPS["cuda"] if cuda else None,
-                                planned=_counted(planned, counter),
+                                warmup_steps=warmup,
+                                planned=plan_step.counted(planned, counter, warmup, plan_step.reserved_check(
+                                    request.limit_bytes, request.context_bytes, request.capability) if stop else None),
                                 rank_strategy=rank_strategy if strategy.distributed else None)
             counter = rank_counters.get(step.rank, counter)
             break
+        except plan_step.OverLimit as stopped:
+            row.update(engine=engine, differs_by_design=planned.differs_by_design())
+            return _stopped_row(row, stopped, request)
         except Unsupported as error:
             row.update(status=Status.UNSUPPORTED.value, message=str(error))
             return row
@@ -173,6 +182,10 @@ def evaluate(request: PlanRequest, spec: str, members: int, figures: plan_cost.D
     row["engine"] = engine
     _memory(row, step, request)
     row["differs_by_design"] = planned.differs_by_design()
+    if warmup and len(counter.steps) != warmup + 1:  # the counter was armed for another step than the measured one
+        row.update(status=Status.ERROR.value, message=f"{len(counter.steps)} steps ran where the operator counter "
+                   f"expected {warmup} warm-up steps and the measured one: no time estimate")
+        return row
     ops = counter.steps[-1] if counter.steps else []
     if ops:
         totals = step_totals(ops)

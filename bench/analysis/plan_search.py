@@ -93,28 +93,30 @@ def _declaration_rank(settings: list) -> dict[str, int]:
 
 # --- running a candidate here, in a worker process or as a Ray task ----------------------------------------------
 
-def _evaluate(request: dict, spec: str, members: int) -> Row:
+def _evaluate(request: dict, spec: str, members: int, may_stop: bool = False) -> Row:
+    """`plan.evaluate` of a JSON request; `may_stop`: the search's candidates (a combination, or a setting that
+    changes what is trained, stops once it certainly cannot fit: the search needs no figure of it then)."""
     values = {**request, "capability": tuple(request["capability"]) if request.get("capability") else None}
     the_request = plan.PlanRequest(**values)
-    return plan.evaluate(the_request, spec, members, plan_cost.from_json(the_request.figures))
+    return plan.evaluate(the_request, spec, members, plan_cost.from_json(the_request.figures), may_stop)
 
 
-def _evaluate_on_ray(request: dict, spec: str, members: int, planner_venv: str) -> Row:
+def _evaluate_on_ray(request: dict, spec: str, members: int, may_stop: bool, planner_venv: str) -> Row:
     """A Ray task's candidate (`bench.run.ray_executor.RayPool`: one thread). A CUDA plan on a node whose torch
     sees no CUDA runs it in a fake-CUDA environment (`make cuda-fake-env`) where the node has one, as the search
     does on one machine: the planner's (`planner_venv`: there on a local Ray, and on nodes that share its paths),
     else one beside the code the task got; else on the CPU's operators, its row's message saying so."""
     if request["device"] != "cuda" or torch.cuda.is_available():
-        return _evaluate(request, spec, members)
+        return _evaluate(request, spec, members, may_stop)
     python = fake_cuda.environment_python(Path(planner_venv)) or fake_cuda.environment_python()
     why = fake_cuda.unavailable_reason(Path(planner_venv))
     if python is not None:
         answer, why = run_in_fake_cuda(python, "bench.analysis._plan_worker",
-                                       {"candidate": [spec, members], "request": request})
+                                       {"candidate": [spec, members, may_stop], "request": request})
         if answer is not None:
             return PLAN.row(answer[0])
         why = f"the fake-CUDA environment failed ({why[:200]})"
-    row = _evaluate(request, spec, members)
+    row = _evaluate(request, spec, members, may_stop)
     row["message"] = "; ".join(x for x in (row["message"], f"{why}: predicted on the CPU's operators") if x)[:500]
     return row
 
@@ -306,7 +308,7 @@ def search(request: plan.PlanRequest, progress: Callable[[str], None] = lambda t
                 queue.rows[spec] = None
                 progress(f"[{queue.tried()}/{request.max_candidates} at most, {time.monotonic() - started:.0f} s] "
                          f"{spec} ...{_left(queue, request, time.monotonic() - started)}")
-                running[pool.submit(task, as_json, spec, members, *extra)] = spec
+                running[pool.submit(task, as_json, spec, members, True, *extra)] = spec
             if not running:
                 break
             done, _ = futures.wait(running, return_when=futures.FIRST_COMPLETED)

@@ -9,7 +9,7 @@ import math
 import os
 import time
 
-from bench.analysis import plan, plan_candidates, plan_cost, plan_ranks, plan_search
+from bench.analysis import plan, plan_candidates, plan_cost, plan_ranks, plan_search, plan_step
 from bench.analysis.fake_engine import has_gpu
 from bench.cli import interrupt
 from bench.cli.arguments import analysis_device, batch_option_name, one_batch_size, size_option, step_batch_text
@@ -137,9 +137,15 @@ def cmd_plan(args) -> int:
     write_table(PLAN, rows, csv_path)
     chart_plan(table_frame(PLAN, rows), request.limit_bytes, chart_path,
                f"plan: {request.workload}, {batch_words(request.batch_size, request.ranks)}, on {request.target}",
-               f"every candidate predicted; limit {format_size(request.limit_bytes)} ({how.split(';')[0]})")
+               f"{_predicted_words(rows)}; limit {format_size(request.limit_bytes)} ({how.split(';')[0]})")
     print(f"\nwrote {csv_path} (every candidate) and {chart_path}")
     return 0
+
+
+def _predicted_words(rows: list) -> str:
+    """The chart's words for what it shows: every candidate, or all but those stopped once over the limit."""
+    stopped = sum(1 for r in rows if plan_step.stopped_over_limit(r))
+    return f"every candidate predicted but {stopped} stopped over the limit" if stopped else "every candidate predicted"
 
 
 def _cpu_seconds() -> float:
@@ -165,11 +171,24 @@ def _summary(request: plan.PlanRequest, how: str, searched: plan_search.Searched
              f"{', '.join(f'{n} {s}' for s, n in counts.items())}); memory predicted on the {'/'.join(engines)} "
              f"engine",
              f"  time: {estimator}"]
+    stopped = _stopped_early(rows)
+    if stopped:
+        lines.append(f"  {stopped}")
     if searched.stopped:
         lines.append(f"  {_cut_short(request, searched)}")
     if note:
         lines.append(f"  note: {note}")
     return "\n".join(lines)
+
+
+def _stopped_early(rows: list) -> str:
+    """What the summary says of the candidates stopped once they certainly could not fit (none: nothing)."""
+    stopped = [r["strategy"] for r in rows if plan_step.stopped_over_limit(r)]
+    if not stopped:
+        return ""
+    return (f"{len(stopped)} candidates stopped after their first warm-up step, their reserved memory already over "
+            f"the limit: they do not fit, their peak and time not predicted ({_listed(stopped, 4)}; the CSV says "
+            "how much each had reserved)")
 
 
 def _front_table(rows: list) -> str:
@@ -182,7 +201,12 @@ def _front_table(rows: list) -> str:
         lines.append(f"  {r['strategy']:<44} {mib_or_dash(r['judged_bytes']):>10} "
                      f"{ms_or_dash(r['est_step_time_ms']):>12}  "
                      f"{'yes' if r['fits'] else 'no'}{mark}")
-    different = [r for r in rows if r["status"] == Status.OK and r["differs_by_design"] and not r["eligible"]]
+    stopped = [r for r in rows if plan_step.stopped_over_limit(r)]
+    if stopped:
+        lines.append(f"  ({len(stopped)} candidates stopped once over the limit are not on it: their peak and time "
+                     "were not predicted)")
+    different = [r for r in rows if r["status"] == Status.OK and r["differs_by_design"] and not r["eligible"]
+                 and not plan_step.stopped_over_limit(r)]
     if different:
         lines.append(f"  ({len(different)} candidates that change what is trained kept out: "
                      f"{', '.join(r['strategy'] for r in different[:4])}{', ...' if len(different) > 4 else ''}; "
@@ -223,13 +247,19 @@ def _nothing_fits(request: plan.PlanRequest, searched: plan_search.Searched, csv
     that tries it (no conclusion that needs the candidates not tried)."""
     smallest = plan.smallest(searched.rows)
     limit = f"{format_size(request.limit_bytes)} ({request.limit_bytes:,} B)"
+    stopped = _stopped_early(searched.rows)
     if searched.stopped:
         found = ("none could be predicted" if smallest is None else
                  f"the smallest of them {format_size(smallest['judged_bytes'])} with {smallest['strategy']}")
         return (f"no candidate tried fits {limit}, but the search was cut short ({found}; every candidate tried: "
                 f"{csv_path})\n  {_cut_short(request, searched)}")
     if smallest is None:
-        return (f"no candidate fits {format_size(request.limit_bytes)}: none could be predicted (see {csv_path})")
+        return (f"no candidate fits {format_size(request.limit_bytes)}: none could be predicted (see {csv_path})"
+                + (f"\n  {stopped}" if stopped else ""))
+    if stopped:  # a candidate stopped early may be smaller than the smallest predicted: no "reachable" claim
+        return (f"no candidate fits {limit}: the smallest of those predicted to the end is "
+                f"{format_size(smallest['judged_bytes'])} ({smallest['judged_bytes']:,} B) with {smallest['strategy']}"
+                f" (every candidate: {csv_path})\n  {stopped}")
     return (f"no candidate fits {limit}: the smallest reachable is {format_size(smallest['judged_bytes'])} "
             f"({smallest['judged_bytes']:,} B) with {smallest['strategy']} (every candidate: {csv_path})")
 
