@@ -18,7 +18,8 @@ ALL = anchors.load_anchors()
 
 
 def test_the_sources_give_at_least_fifteen_rows():
-    assert {a.source for a in ALL} == {"torchtune", "torchao", "transformers", "fsdp_qlora", "torchtitan"}
+    assert {a.source for a in ALL} == {"torchtune", "torchao", "transformers", "fsdp_qlora", "torchtitan",
+                                    "colossalai_lightning"}
     assert len(ALL) >= 15
     assert len({a.name for a in ALL}) == len(ALL), "anchor names are unique (--only selects by them)"
 
