@@ -42,3 +42,10 @@ def test_a_ranks_log_of_checkpointed_then_plain_layers_is_its_full_trace_event_f
     assert (replayed.rank, replayed.ranks_traced) == (full.rank, full.ranks_traced) == (0, (0,))
     assert replayed.events == layer_replay.measured_log(full.events)
     assert replayed.peak_bytes == full.peak_bytes
+
+
+def test_ranks_of_a_sharding_whose_logs_made_no_template_are_traced_in_full_without_trying():
+    case = Case("hf:llama-3.2-1b:seq_len=32:layers=6", "zero2", "train", 2, "cuda")
+    step, why = layer_replay_ranks.tracked_ranks_by_layers(case, case.strategy, "fake-cuda", None, None, 2,
+                                                           bind_case(case, 2)[0])
+    assert step is None and why.startswith("zero2 ranks: only fsdp ranks are replayed")
