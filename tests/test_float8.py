@@ -1,6 +1,7 @@
 """float8 (torchao's float8 training of the linear layers) on the CPU, whose `torch._scaled_mm` runs float8: the
-prediction on fake tensors equals a real step's live-tensor peak to the byte; which layers it converts (torchtitan's
-filter); the GPUs it refuses; and torchtitan's float8 keys read into its options."""
+prediction on fake tensors equals a real step's live-tensor peak to the byte, and composed with fsdp the one-process
+prediction equals 2 real gloo ranks to the byte (with FSDP2's float8 all-gather too); which layers it converts
+(torchtitan's filter); the GPUs it refuses; and torchtitan's float8 keys read into its options."""
 
 from __future__ import annotations
 
@@ -8,11 +9,15 @@ import pytest
 from torch import nn
 
 from bench.analysis.anchors import ANCHOR_DIR
+from bench.analysis.fake_engine import tracked_step
+from bench.core.memory_categories import COMMUNICATION
 from bench.core.errors import Unsupported, UsageError
 from bench.jobs import derive_job
 from bench.run.case import Case, bind_case
 from bench.run.fake_pass import fake_memory_pass
-from bench.run.runner import memory_pass
+from bench.run.isolation import RunOptions
+from bench.run.ranks import fake_process_group
+from bench.run.runner import memory_pass, run_case
 from strategies import StepContext, parse_strategy
 from workloads import get_workload
 
@@ -39,6 +44,25 @@ def test_the_prediction_on_fake_tensors_is_a_real_float8_step_to_the_byte(spec):
     model = get_workload(WORKLOAD).model_structure()
     blocks = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and name.startswith("blocks.")]
     assert sorted(float8_layers) == sorted(blocks) and blocks
+
+
+@pytest.mark.slow  # two gloo processes that each import torchao: 20-50 s each; CI runs it with the long tests
+@pytest.mark.parametrize("spec", ["fsdp+float8:fsdp_float8_all_gather=true", "fsdp+float8"])
+def test_with_fsdp_the_one_process_prediction_equals_real_gloo_ranks_to_the_byte(spec):
+    """2 real gloo processes (gloo all-gathers the float8 weights FSDP2 casts before gathering) against each rank
+    predicted in one process on PyTorch's fake process group: each rank's peak, and the collectives' buffers."""
+    case = Case(WORKLOAD, spec, "train", 4, "cpu", data="synthetic", warmup=0, steps=1)
+    measured = run_case(case, env={}, options=RunOptions(threads=1, ranks=2))
+    assert measured["status"] == "ok", measured["message"]
+    assert "matmuls run in float8" in measured["message"]
+    steps = []
+    for rank in range(2):
+        with fake_process_group(2, rank):
+            steps.append(tracked_step(case, spec, "cpu", ranks=2, cuda_autocast=False))
+    assert sorted(step.peak_bytes for step in steps) == [measured["rank_peak_min_bytes"],
+                                                         measured["rank_peak_max_bytes"]]
+    largest = max(steps, key=lambda step: step.peak_bytes).peak_by_category
+    assert largest[COMMUNICATION] == measured["peak_communication_bytes"] > 0
 
 
 def test_the_layers_converted_are_torchtitan_s_filter():
