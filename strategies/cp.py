@@ -9,6 +9,10 @@ runs as PyTorch's ring attention (its SDPA patched for the forward and the backw
 `_enable_context_parallel_dispatcher_impl`): the keys and values of the other ranks are all-gathered, and
 their buffers are filed as communication. FSDP2 shards the parameters over all N ranks (torchtitan's
 `dp_shard_cp` mesh), which also averages the gradients across the context-parallel ranks.
+
+PyTorch's ring dispatches CUDA's attention kernels only; on the CPU its same ring runs around the CPU's kernel
+(`_cpu_kernel_in_the_ring`), so that real gloo ranks check the mechanism against the prediction
+(tests/test_cp_ranks.py): everything but the kernel inside each ring step is PyTorch's.
 """
 
 from __future__ import annotations
@@ -24,19 +28,85 @@ from strategies.framework.sharding import Sharded, check_divides_ranks, rank_and
 from strategies.tp import _CollectivesAsCommunication, _forget_other_ranks_meshes, _llama_layers
 
 
-def cpu_refusal() -> str | None:
-    """Why PyTorch's context parallelism cannot run on the CPU (None where it can), read from PyTorch itself: the
-    attention operators its ring attention handles, against the CPU's attention kernel."""
-    from torch.distributed.tensor.experimental._context_parallel._attention import custom_ops
+CPU_ATTENTION = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+CPU_ATTENTION_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
-    cpu_kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-    if cpu_kernel in custom_ops:
-        return None
-    handled = sorted(str(op) for op in custom_ops if "backward" not in str(op))
-    return (f"cp on the CPU: torch {torch.__version__}'s context_parallel runs ring attention for "
-            f"{', '.join(handled)} only (CUDA's kernels); the CPU's attention kernel, {cpu_kernel}, has no sharding "
-            "strategy registered (NotImplementedError), so neither gloo ranks nor the cpu engine can run it: "
-            "predict it with --device cuda")
+
+def _sequence_sharded(outputs_and_inputs: int, first_input: int):
+    """A DTensor sharding strategy for the CPU attention kernel under context parallelism: every tensor, in and out,
+    sharded on the sequence (dim 2), as PyTorch's `_sharding_rules` registers for CUDA's kernels."""
+    def strategy(op_schema):
+        from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
+        from torch.distributed.tensor.placement_types import Shard
+
+        mesh = op_schema.get_mesh_from_args(validate=False)
+        return expand_to_full_mesh_op_strategy(mesh, op_schema, [[Shard(2)] * outputs_and_inputs],
+                                               input_index=first_input)
+    return strategy
+
+
+def _cpu_ring_forward(mesh, query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+    from torch.distributed.tensor.experimental._context_parallel._attention import _templated_ring_attention
+
+    if attn_mask is not None:  # as PyTorch's ring refuses an attn_bias
+        raise Unsupported("cp: ring attention takes no attention mask (the inputs must be token ids alone)")
+    return _templated_ring_attention(mesh.get_group(), 2, CPU_ATTENTION, query=query, key=key, value=value,
+                                     is_causal=is_causal, dropout_p=dropout_p, scale=scale)
+
+
+def _cpu_ring_backward(mesh, grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *, attn_mask=None,
+                       scale=None):
+    from torch.distributed.tensor.experimental._context_parallel._attention import (
+        _templated_ring_attention_backward,
+    )
+
+    return _templated_ring_attention_backward(mesh.get_group(), 2, CPU_ATTENTION_BACKWARD, grad_out=grad_out,
+                                              grad_out_name="grad_out", query=query, key=key, value=value, out=out,
+                                              logsumexp=logsumexp, is_causal=is_causal, dropout_p=dropout_p,
+                                              scale=scale)
+
+
+_CPU_RINGS = {CPU_ATTENTION: _cpu_ring_forward, CPU_ATTENTION_BACKWARD: _cpu_ring_backward}
+
+
+def _cpu_ring_handler(op_call, args, kwargs):
+    """PyTorch's `_sdpa_handler` for the CPU kernel: the same propagation and wrapping around its ring."""
+    from torch.distributed.tensor import DTensor
+
+    dispatcher = DTensor._op_dispatcher
+    op_info = dispatcher.unwrap_to_op_info(op_call, args, kwargs)
+    dispatcher.sharding_propagator.propagate(op_info)
+    output_sharding = op_info.output_sharding
+    if output_sharding is None or output_sharding.needs_redistribute:
+        raise AssertionError(f"cp: {op_call}'s inputs are not all sharded on the sequence")
+    local_results = _CPU_RINGS[op_call](op_info.compute_mesh, *op_info.local_args, **op_info.local_kwargs)
+    return dispatcher.wrap(local_results, output_sharding.output_spec)
+
+
+@contextlib.contextmanager
+def _cpu_kernel_in_the_ring():
+    """PyTorch's ring attention (`_templated_ring_attention` and its backward: the ring, the all-gather of keys and
+    values, the merge of partial outputs, the all-to-all of their gradients) run around the CPU's attention kernel,
+    which PyTorch's `context_parallel` does not dispatch to a ring (it handles CUDA's flash, memory-efficient and
+    cuDNN kernels only, `_attention.custom_ops`): its handler and its sequence sharding registered here, as PyTorch
+    registers theirs. Nothing where PyTorch handles the CPU kernel itself."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.experimental._context_parallel._attention import custom_ops
+    from torch.distributed.tensor.experimental._context_parallel._sharding_rules import _op_strategy_context
+
+    if CPU_ATTENTION in custom_ops:
+        yield
+        return
+    dispatcher = DTensor._op_dispatcher
+    handlers = dispatcher._custom_op_handlers
+    dispatcher._custom_op_handlers = {**handlers, **dict.fromkeys(_CPU_RINGS, _cpu_ring_handler)}
+    try:
+        # forward: output, log-sum-exp; query, key, value. backward: 3 gradients; grad_out, q, k, v, out, lse
+        with _op_strategy_context(CPU_ATTENTION, _sequence_sharded(5, 2)), \
+                _op_strategy_context(CPU_ATTENTION_BACKWARD, _sequence_sharded(9, 3)):
+            yield
+    finally:
+        dispatcher._custom_op_handlers = handlers
 
 
 def _filed_as_communication(exchange):
@@ -61,9 +131,10 @@ class ContextParallel(Sharded):
     """Ring attention over `degree` ranks, each holding 1/degree of every sample's tokens (module docstring); with
     fsdp (`fsdp+cp:degree=C`). Option: `degree`.
 
-    Limitations: CUDA only, and not checked against real ranks: PyTorch's ring attention handles CUDA's attention
-    kernels only (on the CPU the row is `unsupported` and names the kernel), so no gloo run can check it on this
-    machine; it is predicted on fake CUDA tensors (`--device cuda`), each rank in turn. It needs a Llama-layout
+    Limitations: on the CPU, PyTorch's ring runs around the CPU's attention kernel, which PyTorch's own
+    `context_parallel` does not put in it (`_cpu_kernel_in_the_ring`): real gloo ranks check that (to the byte,
+    tests/test_cp_ranks.py); CUDA's kernels in the ring (their log-sum-exp's layout and padding) are predicted on fake
+    CUDA tensors only, each rank in turn, and no real CUDA run has checked them. It needs a Llama-layout
     transformers model whose inputs are token ids alone, a sequence length that 2 x degree divides (the head-tail
     split), and fsdp beside it (`fsdp+cp`); it does not compose with tp. CUDA's memory-efficient kernel pads its
     log-sum-exp to multiples of 32 tokens, which PyTorch's ring merge cannot broadcast against a shorter local
@@ -71,17 +142,19 @@ class ContextParallel(Sharded):
     operator's DTensor dispatch, where no dispatch mode sees its operators: its all-gathered keys and values (and
     their gradients' exchange) are counted, told to the tracker where the ring makes them (`_filed_as_communication`),
     but its other temporaries inside the operator (each ring step's partial output and log-sum-exp, their merge)
-    are not, so the prediction can miss a peak inside attention by those."""
+    are not, so the prediction can miss a peak inside attention by those; on the CPU the real ranks' live-tensor
+    tracker misses the same ones, so their to-the-byte agreement does not cover them."""
 
     name = "cp"
     description = "context parallelism: each sample's sequence split over a cp group, ring attention (with fsdp)"
     priority = 65  # its batch split is the one a composition uses (fsdp's is the same method)
     options = {"degree": 2}
-    devices = ("cuda",)  # ring attention's kernels (`cpu_refusal`)
+    devices = ("cpu", "cuda")  # on the CPU with its kernel put in the ring (`_cpu_kernel_in_the_ring`)
     shards_with = ("fsdp",)
-    refusals = (*Sharded.refusals, r"cp on the CPU: torch", r"cp:degree=\d+ does not divide --ranks",
+    refusals = (*Sharded.refusals, r"cp:degree=\d+ does not divide --ranks",
                 r"cp needs a Llama-layout", r"cp needs fsdp", r"cp:degree=\d+ needs a sequence",
-                r"cp: attention did not run as ring attention")
+                r"cp: attention did not run as ring attention",
+                r"cp: ring attention takes no attention mask")
 
     @classmethod
     def plan_settings(cls, space):
@@ -95,8 +168,6 @@ class ContextParallel(Sharded):
         self.cp_mesh = None
 
     def check(self, context):
-        if context.device == "cpu" and (refusal := cpu_refusal()):  # before the base's "needs device cuda": why
-            raise Unsupported(refusal)
         super().check(context)
         degree = self.settings["degree"]
         check_divides_ranks("cp:degree", degree, context.ranks)
@@ -168,8 +239,9 @@ class ContextParallel(Sharded):
                                                                        _attention._AllToAllRotater)}
         for rotater, exchange in exchanges.items():
             rotater.exchange_buffers = _filed_as_communication(exchange)
+        cpu_kernel = _cpu_kernel_in_the_ring() if self.context.device == "cpu" else contextlib.nullcontext()
         try:
-            with _CollectivesAsCommunication():
+            with cpu_kernel, _CollectivesAsCommunication():
                 yield
         except RuntimeError as error:
             if "got mixed torch.Tensor and DTensor" not in str(error):

@@ -1,8 +1,9 @@
 """Context parallelism (`fsdp+cp:degree=2`, strategies/cp.py) predicted per rank on fake CUDA, where PyTorch's ring
 attention runs (on CUDA's flash kernel, with a 16-bit compute dtype): each rank holds its head-and-tail half of every
 sample's tokens, and the ring's all-gathers of keys and values add communication buffers to FSDP2's; float32
-attention, which CUDA runs on a kernel ring attention does not handle, is an `unsupported` row saying so. Nothing
-checks it against real ranks: ring attention does not run on the CPU (tests/test_cp.py)."""
+attention, which CUDA runs on a kernel ring attention does not handle, is an `unsupported` row saying so. Real gloo
+ranks check the same ring on the CPU, with the CPU's kernel in it (tests/test_cp_ranks.py); CUDA's kernels in the
+ring are checked by no real run."""
 
 from __future__ import annotations
 
