@@ -100,6 +100,10 @@ class Float8(Strategy):
             raise UsageError(f"float8:fsdp_float8_all_gather=true with recipe={self.settings['recipe']}: torchao's "
                              "recipes set it themselves (torchtitan refuses both); valid: recipe=tensorwise")
         self.converted: list[str] = []
+        if self.settings["recipe"] != "tensorwise":  # an instance's: what predict's row says of this recipe
+            self.prediction_note = ("rowwise float8 with float32 matmul outputs runs on compute capability 9.x only "
+                                    "(cuBLAS's kernel); elsewhere torch._scaled_mm needs 16-bit inputs (bf16_weights, "
+                                    "fsdp:param_dtype=bfloat16), which this prediction does not check")
 
     def check(self, context) -> None:
         super().check(context)

@@ -147,3 +147,9 @@ def test_torchtitan_s_float8_keys_that_cannot_go_together_or_without_the_convert
     # with tensor parallelism torchtitan uses torchao's float8 TP plans, which membench does not compose
     job = derive_job(LLAMA3_8B, ["model.converters=[float8]", "parallelism.tensor_parallel_degree=2"])
     assert "float8" not in job.strategy and _uses(job)["model.converters"][0] == "not modelled"
+
+
+def test_a_rowwise_prediction_says_which_gpus_run_it_in_float32():
+    assert parse_strategy("float8").prediction_note is None
+    note = parse_strategy("float8:recipe=rowwise").prediction_note
+    assert "compute capability 9.x only" in note and "16-bit inputs" in note
