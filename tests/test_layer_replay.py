@@ -80,11 +80,12 @@ def test_the_kinds_of_layers_of_checkpoint_plans():
     assert kinds("auto", 80) == (65, 15)
     assert kinds("all", 32) is None and kinds("1", 32) is None
     assert layer_replay.kinds_traced(31, 1) == [(3, 1), (4, 1), (5, 1)]
-    assert sum(c + p for c, p in layer_replay.kinds_traced(65, 15)) == 33
+    # one template over both counts from 3+2, 4+2 and 3+3, proven at 5+4: 26 layers (nested templates took 33)
+    assert layer_replay.kinds_traced(65, 15) == [(3, 2), (4, 2), (3, 3), (5, 4)]
     llama_70b = Case("hf:llama-3.1-70b:seq_len=4096", "lora+checkpoint", "train", 1, "cuda")  # 80 layers: 65+15
     assert layer_replay.why_not_replayable(llama_70b, bind_case(llama_70b, 1)[0], 1, "fake", snapshot=False) is None
-    llama_8b = Case(FULL_SIZE, "lora+checkpoint", "train", 1, "cuda")  # 32 layers: 25+7, 33 traced
-    assert "would trace 33 layers" in layer_replay.why_not_replayable(llama_8b, bind_case(llama_8b, 1)[0], 1, "fake",
+    llama_8b = Case(FULL_SIZE, "lora+checkpoint", "train", 1, "cuda")  # 32 layers: 25+7, 26 traced
+    assert "would trace 26 layers" in layer_replay.why_not_replayable(llama_8b, bind_case(llama_8b, 1)[0], 1, "fake",
                                                                       snapshot=False)
 
 
@@ -154,6 +155,19 @@ def test_default_checkpoint_plan_replayed_to_the_byte():
     assert replayed.cpu_sdpa_calls == full.cpu_sdpa_calls > 0
 
 
+def test_a_plan_of_many_plain_layers_replayed_to_the_byte_from_one_template_over_both_counts():
+    # segments=3 over 11 layers: 6 checkpointed, each alone, and 5 plain; the template from 3+2, 4+2 and 3+3 layers,
+    # proven at 5+4, makes the 6+5-layer log (past the proof in both counts)
+    case = Case("hf:llama-3.2-1b:seq_len=32:layers=11", "lora+checkpoint:segments=3", "train", 1, "cuda")
+    replayed, why = layer_replay.tracked_step_by_layers(case, case.strategy, "fake", MEMORY_WARMUP_STEPS["cuda"],
+                                                        None)
+    assert why is None, why
+    full = _full_trace(case)
+    assert replayed.events == layer_replay.measured_log(full.events)
+    assert replayed.recompute_plan == full.recompute_plan == "0 1 2 3 4 5"
+    assert replayed.cpu_sdpa_calls == full.cpu_sdpa_calls > 0
+
+
 @pytest.mark.slow
 def test_many_plain_layers_replayed_to_the_byte():
     # segments=2 over 8 layers: 4 checkpointed and 4 plain, both varied (templates over the plain layers at 3 and 4
@@ -190,6 +204,23 @@ def test_a_row_of_a_plan_with_one_plain_layer_has_every_figure_of_the_full_trace
     assert "layer replay: traced at 3+1, 4+1, 5+1 checkpointed+plain layers, the 23+1-layer log" in replayed["message"]
     figures = [name for name in full if name != "message"]
     assert {name: replayed[name] for name in figures} == {name: full[name] for name in figures}
+
+
+@pytest.mark.slow
+def test_a_row_of_a_plan_of_many_plain_layers_says_which_traces_made_it_and_has_every_figure_of_the_full_trace(
+        monkeypatch):
+    # 6 checkpointed and 3 plain layers: 26 layers traced, more than the 9 traced in full, so the share is lifted
+    monkeypatch.setattr(layer_replay, "KINDS_MOST_TRACED_SHARE", 3)
+    case = Case("hf:llama-3.2-1b:seq_len=32:layers=9", "bf16_weights+qlora+checkpoint:segments=3", "train", 1, "cuda")
+    replayed = predict.predict_case(case, engine="fake")
+    monkeypatch.setenv(layer_replay.FULL_TRACE_ENV, "1")
+    full = predict.predict_case(case, engine="fake")
+    assert ("layer replay: traced at 3+2, 4+2, 3+3, 5+4 checkpointed+plain layers, the 6+3-layer log built from all "
+            "but the last") in replayed["message"]
+    assert "layer replay" not in full["message"]
+    figures = [name for name in full if name != "message"]
+    assert {name: replayed[name] for name in figures} == {name: full[name] for name in figures}
+    assert replayed["predicted_bytes"] > 0
 
 
 def test_the_full_trace_is_forced_by_the_environment(monkeypatch):

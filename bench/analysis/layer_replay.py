@@ -4,6 +4,9 @@ a few layers (k and k+1), proven equal to a real trace at k+2 before it is trust
 How the log at N layers is built from the logs at k and k+1 is bench.measure.layer_template's (`LayerTemplate`);
 this module chooses the cases it applies to, traces the step at those layer counts and proves the result.
 
+A checkpoint plan of checkpointed layers then plain ones is replayed alike (`replayed_kinds`): from the step at c
+checkpointed and p plain layers and at one layer more of each kind, proven at two more of each.
+
 Nothing is trusted unproven: the template must rebuild both logs it was made from, and the log it makes for k+2
 layers must equal a real trace at k+2 event for event and byte for byte (`tracked_step_by_layers`); otherwise the
 full trace runs and the row says why. MEMBENCH_FULL_TRACE=1 always runs the full trace.
@@ -22,10 +25,11 @@ from bench.measure.memory import MemoryEvent
 FULL_TRACE_ENV = "MEMBENCH_FULL_TRACE"  # "1": every prediction traces all its layers (no layer replay)
 SMALLEST_TRACE_LAYERS = 3  # the layers of the smallest trace: at 2 the first layer's backward has no period before it
 SMALLEST_PLAIN_LAYERS = 2  # of a plan that leaves layers plain after checkpointed ones (`kinds_traced`)
-# a plan of two kinds of layers replays where its traces hold at most this share of the full trace's layers: a trace
-# costs about the same per layer of either kind, and its templates more than the uniform one's (Llama-3.1-8B at 4096
-# tokens, lora+checkpoint, 25+7 layers: 13.4 s of CPU by replay from 33 traced layers, 9.4 s by the full trace, the
-# same log; the machine loaded)
+# a plan of two kinds of layers replays where its traces hold at most this share of the full trace's layers: each of
+# its four traces costs besides its layers about as much as two more (the model, embedding, loss and optimizer of
+# three steps), and its template costs too. Llama-3.1-8B at 4096 tokens, 25+7 layers, 26 traced: the same logs, in
+# CPU seconds by replay / by the full trace, lora+checkpoint 5.4-5.6 / 5.4, bf16_weights+qlora+checkpoint 19.7 / 21.0
+# (one process, the machine loaded); `perf_predict` of both, 42.2 / 40.6 (2026-11-29): no gain, so it is traced whole
 KINDS_MOST_TRACED_SHARE = 2 / 3
 
 
@@ -114,12 +118,13 @@ def layer_kinds(strategy, layers: int) -> tuple[int, int] | None:
 def kinds_traced(checkpointed: int, plain: int) -> list[tuple[int, int]]:
     """The (checkpointed, plain) layers of the traces that replay a plan of both kinds, the proof's last: a few
     plain layers are kept as they are (the checkpointed ones vary); more are varied too, from SMALLEST_PLAIN_LAYERS
-    (at 1 the plain layer's periods have no plain period before them to align with)."""
+    (at 1 the plain layer's periods have no plain period before them to align with): the template over both counts
+    from the smallest trace and one layer more of each kind, proven one layer past them in each."""
     first = SMALLEST_TRACE_LAYERS
     if plain <= SMALLEST_PLAIN_LAYERS:
         return [(first, plain), (first + 1, plain), (first + 2, plain)]
     least = SMALLEST_PLAIN_LAYERS
-    return [(first, least), (first, least + 1), (first + 1, least), (first + 1, least + 1), (first + 2, least + 2)]
+    return [(first, least), (first + 1, least), (first, least + 1), (first + 2, least + 2)]
 
 
 def with_layers(workload_spec: str, layers: int) -> str:
@@ -193,6 +198,9 @@ def _replayed(trace, traced: list[int], layers: int) -> tuple[list, list[MemoryE
     template = LayerTemplate(measured_log(steps[0].events), measured_log(steps[1].events), traced[0])
     steps.append(trace(traced[2]))
     _check_alike(steps)
+    calls = [step.cpu_sdpa_calls for step in steps]
+    if calls[2] - calls[1] != calls[1] - calls[0]:
+        raise NoReplay("attention calls not the same per layer")
     plan = _recompute_plan_at([step.recompute_plan for step in steps], traced, layers)
     if plan is None:
         raise NoReplay("a recompute plan that differs by layer count")
@@ -205,25 +213,23 @@ def replayed_kinds(trace, checkpointed: int, plain: int) -> tuple[list, list[Mem
     """(the small steps, the log of `checkpointed` layers then `plain` ones, its recompute plan, its calls of the CPU's
     attention kernel), `trace(c, p)` tracing the step at c checkpointed and p plain layers (`kinds_traced`); NoReplay
     where the log made for the last traced counts is not their trace's. Few plain layers are kept and the
-    checkpointed ones vary, as `_replayed` varies every layer; otherwise a template over the plain layers at each of
-    two counts of checkpointed ones gives the two logs, at the plain layers wanted, of a template over the
-    checkpointed ones (a storage named across the kinds, by the optimizer of every layer, is named by its layer)."""
+    checkpointed ones vary, as `_replayed` varies every layer; otherwise one template over both counts
+    (`LayerTemplate.of_kinds`: a run of periods grows with the layers of the kinds it repeats for; a storage named
+    across the kinds, by the optimizer of every layer, is named by its layer)."""
     counts = kinds_traced(checkpointed, plain)
     steps = [trace(*count) for count in counts[:-1]]
     _check_alike(steps)
-    logs = {count: measured_log(step.events) for count, step in zip(counts, steps)}
-    first, least = SMALLEST_TRACE_LAYERS, SMALLEST_PLAIN_LAYERS
+    logs = [measured_log(step.events) for step in steps]
     if len(counts) == 3:
-        template = LayerTemplate(logs[counts[0]], logs[counts[1]], first)
+        template = LayerTemplate(logs[0], logs[1], SMALLEST_TRACE_LAYERS)
 
         def build(checkpointed_layers: int, plain_layers: int) -> list[MemoryEvent]:
             return template.events(checkpointed_layers)
     else:
-        over_plain = [LayerTemplate(logs[c, least], logs[c, least + 1], least) for c in (first, first + 1)]
+        template = LayerTemplate.of_kinds(logs[0], logs[1:], counts[0])
 
         def build(checkpointed_layers: int, plain_layers: int) -> list[MemoryEvent]:
-            smaller, larger = (template.events(plain_layers) for template in over_plain)
-            return LayerTemplate(smaller, larger, first).events(checkpointed_layers)
+            return template.events((checkpointed_layers, plain_layers))
     steps.append(trace(*counts[-1]))
     _check_alike(steps)
     if any(step.recompute_plan != " ".join(map(str, range(c))) for (c, _), step in zip(counts, steps)):
@@ -251,9 +257,6 @@ def _check_alike(steps: list) -> None:
         raise NoReplay("an offloading strategy's host copies")
     if len({step.sdpa_kernel for step in steps}) > 1:
         raise NoReplay("attention kernels that differ by layer count")
-    calls = [step.cpu_sdpa_calls for step in steps]
-    if len(calls) == 3 and calls[2] - calls[1] != calls[1] - calls[0]:
-        raise NoReplay("attention calls not the same per layer")
 
 
 def measured_log(events: list[MemoryEvent]) -> list[MemoryEvent]:

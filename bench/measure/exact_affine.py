@@ -1,6 +1,7 @@
 """Exact affine functions of a period and a layer count over the rationals: fitted to observed whole numbers
 (`solve`) and evaluated where they must again give whole numbers (`evaluate`); bench.measure.layer_template models
-the numbers of a step's event log that change with the layers by them."""
+the numbers of a step's event log that change with the layers by them. The layer count may be a tuple (a count per
+kind of layer): then there is one coefficient per kind after the period's."""
 
 from __future__ import annotations
 
@@ -17,20 +18,24 @@ def solve(observations: list[tuple[int, int, int]]) -> tuple[Fraction, Fraction,
     distinct = list(dict.fromkeys(observations))
     # the same answer in integers where it is unique (most of a layer template's fits; Fractions cost ten times more)
     values = {value for _, _, value in distinct}
+    kinds = distinct[0][1] if distinct else 0
     if len(values) == 1:  # a constant: the column of ones is always a pivot, the others free, hence 0
-        return values.pop(), 0, 0
+        return (values.pop(), 0) + ((0,) if type(kinds) is int else (0,) * len(kinds))
+    if type(kinds) is not int:
+        return _checked_on_all(distinct)
     unique = _unique_whole_solution(distinct)
     return unique if unique is not None else eliminate(distinct)
 
 
 def eliminate(distinct: list[tuple[int, int, int]]) -> tuple | None:
     """`solve` by Gaussian elimination over the rationals, on distinct observations."""
-    columns = [lambda period, layers: 1, lambda period, layers: period, lambda period, layers: layers]
     # Gaussian elimination over the rationals on the observations, keeping only independent columns
-    rows = [[Fraction(f(period, layers)) for f in columns] + [Fraction(value)] for period, layers, value in distinct]
+    rows = [[Fraction(x) for x in (1, period, *((layers,) if type(layers) is int else layers), value)]
+            for period, layers, value in distinct]
+    width = len(rows[0]) - 1
     pivots: list[int] = []
     rank = 0
-    for col in range(3):
+    for col in range(width):
         pivot = next((r for r in range(rank, len(rows)) if rows[r][col] != 0), None)
         if pivot is None:
             continue
@@ -43,13 +48,30 @@ def eliminate(distinct: list[tuple[int, int, int]]) -> tuple | None:
                 rows[r] = [x - factor * y for x, y in zip(rows[r], rows[rank])]
         pivots.append(col)
         rank += 1
-    if any(row[3] != 0 for row in rows[rank:]):
+    if any(row[width] != 0 for row in rows[rank:]):
         return None  # inconsistent: no affine function fits
-    solution = [Fraction(0)] * 3
+    solution = [Fraction(0)] * width
     for r, col in enumerate(pivots):
-        solution[col] = rows[r][3]
+        solution[col] = rows[r][width]
     # whole coefficients as ints: evaluating them is most of making a log
     return tuple(int(x) if x.denominator == 1 else x for x in solution)
+
+
+def _checked_on_all(distinct: list[tuple]) -> tuple | None:
+    """`eliminate` on all the observations, found by eliminating on two of each layer count's (the rest checked
+    against it): where it fits them all it is what the elimination on all gives (each column free among all the
+    observations is free among the few, hence 0), at a few Fractions instead of a row of them per observation."""
+    few, seen = [], {}
+    for observation in distinct:
+        if seen.setdefault(observation[1], 0) < 2:
+            few.append(observation)
+            seen[observation[1]] += 1
+    found = eliminate(few)
+    if found is None:
+        return None  # the few admit no affine function: neither do all
+    if all(found[0] + found[1] * period + layer_terms(found, layers) == value for period, layers, value in distinct):
+        return found
+    return eliminate(distinct)
 
 
 def _unique_whole_solution(distinct: list[tuple[int, int, int]]) -> tuple[int, int, int] | None:
@@ -77,8 +99,18 @@ def _unique_whole_solution(distinct: list[tuple[int, int, int]]) -> tuple[int, i
     return None
 
 
-def evaluate(coefficients, period: int, layers: int) -> int:
-    value = coefficients[0] + coefficients[1] * period + coefficients[2] * layers
+def layer_terms(coefficients, layers):
+    """The layer count's part of an affine function's value (exact)."""
+    if type(layers) is int:
+        return coefficients[2] * layers
+    return sum(coefficient * count for coefficient, count in zip(coefficients[2:], layers))
+
+
+def evaluate(coefficients, period: int, layers) -> int:
+    if type(layers) is int:
+        value = coefficients[0] + coefficients[1] * period + coefficients[2] * layers
+    else:
+        value = coefficients[0] + coefficients[1] * period + layer_terms(coefficients, layers)
     if type(value) is not int:
         if value.denominator != 1:
             raise NotWhole("a fitted number is not whole at this layer count")

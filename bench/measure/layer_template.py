@@ -9,181 +9,93 @@ before it. Each event is then named by where it sits in the log's template: a fi
 an event frees or files, the layer index in its module's name) is an affine function of the period and the layer
 count, fitted exactly per template slot on the two logs (`LayerTemplate`); the log at N layers is the template with
 each run extended to its N-layer length and those numbers evaluated there (`LayerTemplate.events`), with fresh
-storage keys in the order allocated, as the tracker numbers them.
+storage keys in the order allocated, as the tracker numbers them. Over two kinds of layers (`LayerTemplate.of_kinds`:
+checkpointed, then plain) the logs at (c, p), (c+1, p) and (c, p+1) make one template: each run grows with the layers
+of the kinds it repeats for, and each number is an affine function of the period and both counts.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left
-from dataclasses import dataclass
 from fractions import Fraction
 from typing import Sequence
 
-from bench.measure.exact_affine import NotWhole, evaluate as _evaluate, solve as _solve
+from bench.measure.exact_affine import NotWhole, evaluate as _evaluate, layer_terms, solve as _solve
+from bench.measure.layer_alignment import NoReplay, align, kinds_runs, runs_of, tokens
 from bench.measure.layer_identity import (MODULE_INDEX as _MODULE_INDEX, alloc_shape as _alloc_shape, by_layer_model,
                                           identities)
 from bench.measure.memory import MemoryEvent
-
-_MATCH_AHEAD = 8  # events after an inserted block that must match the smaller log again for the block to be taken
-
 
 # the periods fitted apart, tried in turn; a storage named by what it is and its layer only where no slot fits it
 _FITS = [(edges, by_layer) for by_layer in (False, True) for edges in ((), ("first",), ("last",), ("first", "last"))]
 
 
-class NoReplay(Exception):
-    """Why the logs do not make a layer template (the full trace runs instead)."""
-
-
-# --- alignment of the logs at k and k+1 layers -------------------------------------------------------------------
-
-def _shape(event: MemoryEvent, allocs: dict) -> tuple:
-    """What an event is, without the numbers that change with the layers (its key, a layer index in its module);
-    a free or category event also by what it names (its storage's bytes, stage and module), so that a stretch of
-    such events is cut where they start to name storages of another kind."""
-    named = allocs.get(event.key) if event.kind in ("free", "category") else None
-    target = (named.nbytes, named.stage, _MODULE_INDEX.sub("#", named.module)) if named is not None else None
-    return event.kind, event.nbytes, event.stage, event.op, _MODULE_INDEX.sub("#", event.module), event.category, target
-
-
-def _tokens(events: Sequence[MemoryEvent], codes: dict) -> list[int]:
-    allocs = {event.key: event for event in events if event.kind == "alloc"}
-    return [codes.setdefault(_shape(event, allocs), len(codes)) for event in events]
-
-
-def align(smaller: list[int], larger: list[int]) -> list[tuple[int, int]]:
-    """Where the larger log (one layer more) has events the smaller lacks: (position in the larger log, length) of
-    each inserted block, in order; each block repeats the block just before it (one period of a run). NoReplay when
-    the larger log is not the smaller one with such blocks inserted.
-
-    At each event the logs part, the blocks tried are first those after which _MATCH_AHEAD events match the smaller
-    log again, then those after which fewer do (two sites a few events apart: a sharded step frees each layer's
-    reduce-scattered gradients just after the optimizer's per-parameter temporaries); a choice that leads to no
-    alignment further on is undone and the next tried (a point reached once and failed is not walked again)."""
-    failed: set[tuple[int, int]] = set()
-    stuck = [0]  # the furthest event of the larger log at which no block fitted, for the message
-
-    at: dict[int, list[int]] = {}  # each token's positions in the larger log, in order
-    for position, token in enumerate(larger):
-        at.setdefault(token, []).append(position)
-
-    def blocks(i: int, j: int):
-        ahead = smaller[i:i + _MATCH_AHEAD]
-        # a block of `length` that repeats the one before starts with the token `length` events back: only those
-        # lengths are compared whole (comparing every length was most of making a QLoRA template)
-        before = at[larger[j]][:bisect_left(at[larger[j]], j)]
-        repeating = [length for length in (j - position for position in reversed(before))
-                     if length <= len(larger) - j and larger[j + length - 1] == larger[j - 1]
-                     and larger[j:j + length] == larger[j - length:j]]
-        full = [length for length in repeating if larger[j + length:j + length + len(ahead)] == ahead]
-        return full + [length for length in repeating if length not in full
-                       and j + length < len(larger) and larger[j + length] == smaller[i]]
-
-    def from_(i: int, j: int) -> list[tuple[int, int]] | None:
-        while i < len(smaller) and j < len(larger) and smaller[i] == larger[j]:
-            i, j = i + 1, j + 1
-        if i == len(smaller):
-            length = len(larger) - j
-            return [] if length == 0 else [(j, length)] if larger[j:] == larger[j - length:j] else None
-        if j >= len(larger) or (i, j) in failed:
-            return None
-        for length in blocks(i, j):
-            rest = from_(i, j + length)
-            if rest is not None:
-                return [(j, length)] + rest
-        failed.add((i, j))
-        stuck[0] = max(stuck[0], j)
-        return None
-
-    sites = from_(0, 0)
-    if sites is None:
-        raise NoReplay(f"event {stuck[0]} of the larger log repeats no period before it")
-    return sites
-
-
-# --- the template ------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class _Run:
-    """One site's run of periods in the larger log: `periods` blocks of `length` events from `start`; the block the
-    larger log inserted is period `inserted`."""
-
-    start: int
-    length: int
-    periods: int
-    inserted: int
-
-
-def _runs(tokens: list[int], sites: list[tuple[int, int]]) -> list[_Run]:
-    """Each site's whole run in the larger log: its inserted block extended backwards and forwards by the periods
-    of the same events around it."""
-    runs = []
-    for position, length in sites:
-        block = tokens[position:position + length]
-        start = position
-        while start - length >= 0 and tokens[start - length:start] == block:
-            start -= length
-        end = position + length
-        while tokens[end:end + length] == block:
-            end += length
-        if runs and start < runs[-1].start + runs[-1].length * runs[-1].periods:
-            raise NoReplay("two sites' runs overlap")
-        runs.append(_Run(start, length, (end - start) // length, (position - start) // length))
-    return runs
-
-
 class LayerTemplate:
-    """The log of a step at any layer count, made from its logs at `layers` and `layers + 1` (see the module)."""
+    """The log of a step at any layer count, made from its logs at `layers` and `layers + 1` (see the module); by
+    `of_kinds`, at any counts of two kinds of layers."""
 
     def __init__(self, smaller: Sequence[MemoryEvent], larger: Sequence[MemoryEvent], layers: int):
-        try:
-            self._make(smaller, larger, layers)
-        except NotWhole as error:
-            raise NoReplay(str(error)) from None
-
-    def _make(self, smaller: Sequence[MemoryEvent], larger: Sequence[MemoryEvent], layers: int) -> None:
-        self.layers = layers
         codes: dict = {}
-        small_tokens, large_tokens = _tokens(smaller, codes), _tokens(larger, codes)
-        sites = align(small_tokens, large_tokens)
+        large_tokens = tokens(larger, codes)
+        sites = align(tokens(smaller, codes), large_tokens)
         if not sites:
             raise NoReplay("one more layer adds no event")
-        self.larger = list(larger)
-        self.runs = _runs(large_tokens, sites)
-        # each event of the larger log: its slot (a template position: a fixed event's, or a run's offset) and period
-        self._slot_of, self._period_of = self._places()
-        small_places = self._smaller_places(len(smaller), sites)
-        self._fit(((smaller, small_places, layers), (larger, list(zip(self._slot_of, self._period_of)), layers + 1)))
+        self._make(runs_of(large_tokens, sites), larger, layers + 1, layers, ((smaller, layers), (larger, layers + 1)))
+
+    @classmethod
+    def of_kinds(cls, base: Sequence[MemoryEvent], more: Sequence[Sequence[MemoryEvent]],
+                 layers: tuple[int, ...]) -> LayerTemplate:
+        """The template over counts of several kinds of layers (checkpointed, plain) from the log at `layers` and,
+        per kind, the log with one more layer of that kind (`more`): each run grows by the layers of the kinds
+        that lengthen it, and each number is an affine function of the period and every kind's count."""
+        codes: dict = {}
+        template = cls.__new__(cls)
+        known = [tokens(log, codes) for log in (base, *more)]
+        grown = [tuple(count + (kind == other) for other, count in enumerate(layers)) for kind in range(len(layers))]
+        template._make(kinds_runs(known[0], known[1:]), base, layers, layers, [(base, layers), *zip(more, grown)],
+                       known)
+        return template
+
+    def _make(self, runs: list, reference: Sequence[MemoryEvent], reference_layers, smallest_layers, logs,
+              known: list | None = None) -> None:
+        """`runs` in the `reference` log (at `reference_layers`), the models fitted on `logs` ((events, layers)
+        each); the template makes logs of at least `smallest_layers`. With `known` (the reference's tokens, then
+        each log's), each log must be the template walked at its layers, event for event (one alignment does not
+        ensure it of another's runs)."""
+        self.runs, self.larger, self.layers, self._reference_layers = runs, list(reference), smallest_layers, \
+            reference_layers
+        placed = []
+        for index, (events, layers) in enumerate(logs):
+            places = self._places(layers)
+            if known is not None:
+                slots = [slot[1] if slot[0] == "fixed" else self.runs[slot[1]].start + slot[2] for slot, _ in places]
+                if [known[0][slot] for slot in slots] != known[index]:
+                    raise NoReplay(f"the log at {layers} layers is not the template's")
+            placed.append((events, places, layers))
+        try:
+            self._fit(placed)
+        except NotWhole as error:
+            raise NoReplay(str(error)) from None
         self._programs: dict[tuple, tuple] = {}  # (slot, edge) -> what `_emit` needs (`_program`)
         self._by_layer = any(model[1] == "identity" for _, models in self._models.values() for model in models.values())
 
-    def _places(self) -> tuple[list[tuple], list[int]]:
-        """The slot and period of each event of the larger log (a fixed event: its position, period 0)."""
-        slots: list[tuple] = [("fixed", position) for position in range(len(self.larger))]
-        periods = [0] * len(self.larger)
-        for index, run in enumerate(self.runs):
-            for offset in range(run.length * run.periods):
-                slots[run.start + offset] = ("run", index, offset % run.length)
-                periods[run.start + offset] = offset // run.length
-        return slots, periods
+    def _periods(self, run, layers) -> int:
+        """How many periods a run has at `layers` (a count, or a count per kind)."""
+        if type(layers) is int:
+            return run.periods + run.growth[0] * (layers - self._reference_layers)
+        return run.periods + sum(grows * (count - reference)
+                                 for grows, count, reference in zip(run.growth, layers, self._reference_layers))
 
-    def _smaller_places(self, count: int, sites: list[tuple[int, int]]) -> list[tuple[tuple, int]]:
-        """The slot and period of each event of the smaller log: the larger log's event it aligns with, one period
-        less after the inserted block of its run."""
-        places = []
-        inserted = iter(sites)
-        position, length = next(inserted, (None, 0))
-        j = 0
-        for _ in range(count):
-            while position is not None and j == position:
-                j += length
-                position, length = next(inserted, (None, 0))
-            slot, period = self._slot_of[j], self._period_of[j]
-            if slot[0] == "run" and period > self.runs[slot[1]].inserted:
-                period -= 1
-            places.append((slot, period))
-            j += 1
-        return places
+    def _places(self, layers) -> list[tuple[tuple, int]]:
+        """The slot (a fixed event's position in the reference log, or a run's offset) and period of each event of
+        the log at `layers`: the template walked with each run's periods there."""
+        places: list[tuple[tuple, int]] = []
+        position = 0
+        for index, run in enumerate(self.runs):
+            places += [(("fixed", fixed), 0) for fixed in range(position, run.start)]
+            places += [(("run", index, offset), period) for period in range(self._periods(run, layers))
+                       for offset in range(run.length)]
+            position = run.start + run.length * run.periods
+        return places + [(("fixed", fixed), 0) for fixed in range(position, len(self.larger))]
 
     def _fit(self, logs) -> None:
         """Per slot and quantity (the storage a free or category event names; each number in its module's name):
@@ -279,12 +191,12 @@ class LayerTemplate:
         """Where `period` sits in its run at `layers` layers: "first", "last" or "middle" (a fixed event: "middle")."""
         if slot[0] != "run":
             return "middle"
-        periods = self.runs[slot[1]].periods + layers - self.layers - 1
+        periods = self._periods(self.runs[slot[1]], layers)
         return "first" if period == 0 else "last" if period == periods - 1 else "middle"
 
     def events(self, layers: int) -> list[MemoryEvent]:
         """The step's log at `layers` layers (at least the smaller log's)."""
-        if layers < self.layers:
+        if min(_excess(layers, self.layers)) < 0:
             raise NoReplay(f"{layers} layers: fewer than the template's {self.layers}")
         out: list[MemoryEvent] = []
         keys: dict[tuple, int] = {}  # (slot, period) -> the key its alloc got
@@ -303,16 +215,16 @@ class LayerTemplate:
         return out
 
     def _emit_all(self, out: list, keys: dict, pending: list, layers: int) -> None:
-        extra = layers - self.layers - 1  # periods each run gains over the larger log
         position = 0
         for index, run in enumerate(self.runs):
             for fixed in range(position, run.start):
                 self._emit(out, keys, pending, ("fixed", fixed), 0, layers, "middle")
-            periods = run.periods + extra
+            periods = self._periods(run, layers)
+            slots = [("run", index, offset) for offset in range(run.length)]
             for period in range(periods):
                 edge = "first" if period == 0 else "last" if period == periods - 1 else "middle"
-                for offset in range(run.length):
-                    self._emit(out, keys, pending, ("run", index, offset), period, layers, edge)
+                for slot in slots:
+                    self._emit(out, keys, pending, slot, period, layers, edge)
             position = run.start + run.length * run.periods
         for fixed in range(position, len(self.larger)):
             self._emit(out, keys, pending, ("fixed", fixed), 0, layers, "middle")
@@ -322,6 +234,9 @@ class LayerTemplate:
         if program is None:
             program = self._programs[slot, edge] = self._program(slot, edge)
         event, target, parts, numbers = program
+        if target is None and not numbers and event.kind != "alloc":  # an operator's event: the same at any count
+            out.append(event)
+            return
         key = event.key
         if event.kind == "alloc":
             key = keys[(slot, period)] = len(keys) + 1
@@ -388,7 +303,7 @@ def _target_period(target: tuple, period: int, layers: int) -> int:
         return _evaluate(target[2], period, layers)
     _, _, source, goal, offset = target
     wanted = _evaluate(source, period, layers) + offset  # the layer of the storage named
-    numerator = wanted - goal[0] - goal[2] * layers
+    numerator = wanted - goal[0] - layer_terms(goal, layers)
     if type(numerator) is int and type(goal[1]) is int:  # whole coefficients: no Fraction (most of making a log)
         found, rest = divmod(numerator, goal[1])
     else:
@@ -397,3 +312,8 @@ def _target_period(target: tuple, period: int, layers: int) -> int:
     if rest:
         raise NoReplay(f"no period of a run has layer {wanted}")
     return found
+
+
+def _excess(layers, smallest) -> tuple[int, ...]:
+    """How many layers of each kind `layers` has over `smallest` (counts, or counts per kind)."""
+    return (layers - smallest,) if type(layers) is int else tuple(a - b for a, b in zip(layers, smallest))
