@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from bench.analysis import layer_replay, predict
-from bench.measure import layer_template
+from bench.measure import layer_alignment, layer_template
 from bench.measure.memory import MemoryEvent
 from bench.analysis.fake_engine import PredictionMeter, bound_device, tracked_step
 from bench.measure import cuda_allocator
@@ -271,3 +271,30 @@ def test_alignment_finds_a_period_whose_first_event_recurs_inside_it():
     assert layer_template.align(smaller, larger) == [(25, 8), (36, 1)]
     with pytest.raises(layer_template.NoReplay):
         layer_template.align(smaller, [0] + period * 4 + [1, 9, 1, 1])
+
+
+def _expanded(base: list[int], runs: list, extra: tuple[int, int]) -> list[int]:
+    """The base log's tokens with each run grown by its kinds' extra layers."""
+    out, position = [], 0
+    for run in runs:
+        out += base[position:run.start]
+        periods = run.periods + sum(grows * more for grows, more in zip(run.growth, extra))
+        out += base[run.start:run.start + run.length] * periods
+        position = run.start + run.length * run.periods
+    return out + base[position:]
+
+
+@pytest.mark.parametrize("head, tail", [([0], [9]), ([0, 3, 4], [9]), ([0], [3, 4, 9])])
+def test_runs_of_two_kinds_that_share_the_events_where_they_meet_are_cut_apart(head, tail):
+    # each checkpointed layer is u then v, each plain one v then w (a layer ends and the next begins with the same
+    # events, as an FSDP rank's gathers): the runs each kind's alignment finds overlap by v; turned or shortened
+    # by a period, they must make the log at any counts
+    u, v, w = [1, 2], [3, 4], [5, 6]
+
+    def log(checkpointed: int, plain: int) -> list[int]:
+        return head + (u + v) * (checkpointed - 1) + u + (v + w) * plain + tail
+
+    runs = layer_alignment.kinds_runs(log(3, 2), [log(4, 2), log(3, 3)])
+    assert all(a.start + a.length * a.periods <= b.start for a, b in zip(runs, runs[1:]))
+    for checkpointed, plain in ((3, 2), (4, 2), (3, 3), (25, 7)):
+        assert _expanded(log(3, 2), runs, (checkpointed - 3, plain - 2)) == log(checkpointed, plain)

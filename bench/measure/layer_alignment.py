@@ -146,11 +146,16 @@ def kinds_runs(base: list[int], larger: Sequence[list[int]]) -> list[Run]:
 def _turned_apart(tokens: list[int], before: Run, after: Run, overlap: int) -> tuple[Run, Run]:
     """Two runs whose periods share `overlap` events where they meet, made to meet without: the later one's periods
     start `overlap` events on, or the earlier one's that many before, where the events there repeat (the alignment
-    cut each kind's periods where its own logs first differed)."""
+    cut each kind's periods where its own logs first differed); else one of them a period shorter where they meet,
+    the rest of that period fixed events (an FSDP rank's layers end and begin with the same gathers)."""
     end = after.start + after.length * after.periods
     if overlap < after.length and tokens[end:end + overlap] == tokens[after.start:after.start + overlap]:
         return before, Run(after.start + overlap, after.length, after.periods, after.growth)
     start, end = before.start - overlap, before.start + before.length * before.periods
     if overlap < before.length and start >= 0 and tokens[start:before.start] == tokens[end - overlap:end]:
         return Run(start, before.length, before.periods, before.growth), after
+    if overlap <= before.length and before.periods > 1:
+        return Run(before.start, before.length, before.periods - 1, before.growth), after
+    if overlap <= after.length and after.periods > 1:
+        return before, Run(after.start + after.length, after.length, after.periods - 1, after.growth)
     raise NoReplay("runs of two kinds of layers overlap")
