@@ -17,10 +17,10 @@ WORKLOAD = "gpt_mini:layers=2:width=64:heads=2:seq_len=128"  # checkpoint and am
 BATCH = 8
 FIGURES = plan_cost.gpu_figures(gpus.find_gpu("H100 80GB"))
 # a search of five candidates (and the settings the case refuses): checkpoint with amp the only combination
-FEW = ("checkpoint", "amp:dtype=float16", "bf16_weights")
+FEW = ("checkpoint", "amp:dtype=bfloat16", "bf16_weights")
 
 
-PAIR = "checkpoint+amp:dtype=float16"
+PAIR = "checkpoint+amp:dtype=bfloat16"
 
 
 def _request(limit_bytes: int = 2**40, **changes) -> plan.PlanRequest:
@@ -92,13 +92,14 @@ def test_a_combination_stops_only_where_it_cannot_fit_and_says_how_much_it_had_r
     assert plan_step.stopped_over_limit(low) and not low["fits"] and low["est_step_time_ms"] is None
     reserved = int(low["message"].split(" B, over the limit")[0].rsplit(" ", 1)[1].replace(",", ""))
     assert LOW < reserved <= full["judged_bytes"]  # a bound its full prediction reaches
+    assert f"{plan_step.BACKWARD} of warm-up step 1" in low["message"]  # its forward already held more
 
 
 def test_a_setting_whose_ratios_combinations_need_runs_to_the_end_even_over_the_limit(searches):
     """The baseline and the settings that keep what is trained feed the search's combinations: never stopped. One
     that changes what is trained combines only with --allow-different: stopped without it, not with it."""
     low, full = _by_spec(searches["low"]), _by_spec(searches["full"])
-    for spec in ("baseline", "checkpoint", "amp:dtype=float16"):
+    for spec in ("baseline", "checkpoint", "amp:dtype=bfloat16"):
         assert not low[spec]["fits"] and not plan_step.stopped_over_limit(low[spec]), spec
     assert plan_step.stopped_over_limit(low["bf16_weights"]) and low["bf16_weights"]["differs_by_design"]
     allowed = plan.evaluate(_request(LOW, allow_different=True), "bf16_weights", 1, FIGURES, may_stop=True)
@@ -128,6 +129,6 @@ def test_the_command_says_which_candidates_it_stopped_and_claims_no_smallest_rea
     request, searched = _request(LOW), searches["low"]
     said = commands_plan._nothing_fits(request, searched, tmp_path / "plan.csv")
     assert "no candidate fits" in said and "smallest reachable" not in said
-    assert "stopped after their first warm-up step" in said and PAIR in said
+    assert "stopped in their warm-up steps" in said and PAIR in said
     summary = commands_plan._summary(request, "a test limit", searched, 1.0, 1.0, "")
-    assert "stopped after their first warm-up step" in summary
+    assert "stopped in their warm-up steps" in summary

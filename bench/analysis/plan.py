@@ -107,8 +107,8 @@ def _stopped_row(row: Row, stopped: plan_step.OverLimit, request: PlanRequest) -
     """The row of a candidate stopped once over the limit: no peak, no time, why it cannot fit."""
     judged = stopped.reserved_bytes + request.context_bytes
     row.update(fits=False, message=(
-        f"{plan_step.STOPPED_OVER_LIMIT}: after warm-up step {stopped.step} the caching allocator had reserved "
-        f"{format_size(stopped.reserved_bytes)}; with the CUDA context that is {judged:,} B, over the limit "
+        f"{plan_step.STOPPED_OVER_LIMIT}: {stopped.when} of warm-up step {stopped.step} the caching allocator had "
+        f"reserved {format_size(stopped.reserved_bytes)}; with the CUDA context that is {judged:,} B, over the limit "
         f"({request.limit_bytes:,} B), and reserved memory never shrinks: its peak and time were not predicted"))
     return row
 
@@ -125,9 +125,9 @@ def evaluate(request: PlanRequest, spec: str, members: int, figures: plan_cost.D
 
     `may_stop`: the caller needs no figure of a candidate that cannot fit, but for a single setting whose memory and
     time ratios may make combinations (one that keeps what is trained, or any with `allow_different`). Such a
-    candidate's CUDA step on one rank stops at the end of its first warm-up step where the caching allocator's model
-    has already reserved more than the limit allows (`plan_step.reserved_check`): its row says so, with no peak and
-    no time (`plan_step.stopped_over_limit`)."""
+    candidate's CUDA step on one rank stops in its warm-up steps once the caching allocator's model has reserved more
+    than the limit allows (`plan_step.ReservedCheck`): its row says so, with no peak and no time
+    (`plan_step.stopped_over_limit`)."""
     row = empty_row(request, spec, members)
     case = request.case(spec)
     cuda = request.device == "cuda"
@@ -144,6 +144,8 @@ def evaluate(request: PlanRequest, spec: str, members: int, figures: plan_cost.D
     stop = may_stop and cuda and not strategy.distributed \
         and (members >= 2 or (not request.allow_different and bool(strategy.differs_by_design())))
     for engine in engines:
+        check = plan_step.ReservedCheck(request.limit_bytes, request.context_bytes, request.capability) \
+            if stop else None
         counter = plan_step.MeasuredStepCounter() if warmup else OperatorCostCounter()
         rank_counters: dict[int, OperatorCostCounter] = {}
 
@@ -159,8 +161,7 @@ def evaluate(request: PlanRequest, spec: str, members: int, figures: plan_cost.D
             planned.plan(PredictionMeter(case))
             step = tracked_step(case, spec, engine, 1, cuda_autocast=cuda, ranks=request.ranks, record_events=cuda,
                                 warmup_steps=warmup,
-                                planned=plan_step.counted(planned, counter, warmup, plan_step.reserved_check(
-                                    request.limit_bytes, request.context_bytes, request.capability) if stop else None),
+                                planned=plan_step.counted(planned, counter, warmup, check),
                                 rank_strategy=rank_strategy if strategy.distributed else None)
             counter = rank_counters.get(step.rank, counter)
             break

@@ -186,7 +186,7 @@ def _stopped_early(rows: list) -> str:
     stopped = [r["strategy"] for r in rows if plan_step.stopped_over_limit(r)]
     if not stopped:
         return ""
-    return (f"{len(stopped)} candidates stopped after their first warm-up step, their reserved memory already over "
+    return (f"{len(stopped)} candidates stopped in their warm-up steps, their reserved memory already over "
             f"the limit: they do not fit, their peak and time not predicted ({_listed(stopped, 4)}; the CSV says "
             "how much each had reserved)")
 
