@@ -22,9 +22,10 @@ from bench.measure.layer_template import NoReplay
 
 
 # the sharded strategies whose ranks' logs make a template, tried at small size (Llama, 2 ranks, fake CUDA): fsdp with
-# and without a mixed-precision policy did; ddp, zero1 and zero2 made none (their logs part at an event that repeats
-# no period), zero3 none after a long search, and tp refuses the small Llamas' tied embeddings. The others are traced
-# in full without trying, so that a prediction never pays for a replay refused every time.
+# and without a mixed-precision policy did; ddp, zero1, zero2 and zero3 made none (their logs part at an event that
+# repeats no period; zero3's three small traces alone took 70-110 s on the loaded machine), and tp refuses the small
+# Llamas' tied embeddings. The others are traced in full without trying: a prediction never pays for a replay that is
+# refused every time.
 REPLAYED_SHARDINGS = frozenset({"fsdp"})
 
 
