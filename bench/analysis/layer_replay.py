@@ -152,41 +152,63 @@ def tracked_step_by_layers(case, spec: str, engine: str, warmup_steps: int | Non
     carries the replayed log; its `tracker` is None (no snapshot) and `peak_bytes` is the log's live-bytes peak."""
     from dataclasses import replace
 
-    from bench.analysis.fake_engine import PredictionMeter, TrackedStep, bound_device, tracked_step
+    from bench.analysis.fake_engine import TrackedStep, bound_device
     from bench.run.case import bind_case
     from workloads import get_workload
 
     layers = layers_of(get_workload(case.workload))
-    traced = [SMALLEST_TRACE_LAYERS, SMALLEST_TRACE_LAYERS + 1, SMALLEST_TRACE_LAYERS + 2]
     tried = (re.sub(r":seq_len=\d+", "", case.workload), spec, engine)
     if tried in _REFUSED:
         return None, f"{_REFUSED[tried]}, found on an earlier case of this model and strategy"
-
-    def trace(count: int, plain: int | None = None):
-        """The step at `count` layers; with `plain`, `count` checkpointed layers, each alone, and `plain` after."""
-        small = replace(case, workload=with_layers(case.workload, count + (plain or 0)))
-        planned = bind_case(replace(small, device=bound_device(engine)), 1)[0]
-        if plain is not None:
-            for member in getattr(planned, "members", [planned]):
-                if member.name == "checkpoint":
-                    member.plan_used = tuple((layer,) for layer in range(count))
-        planned.plan(PredictionMeter(small))
-        return tracked_step(small, spec, engine, 1, cuda_autocast=True, ranks=1, record_events=True,
-                            warmup_steps=warmup_steps, planned=planned, capability=capability)
-
     kinds = layer_kinds(bind_case(replace(case, device=bound_device(engine)), 1)[0], layers)
     try:
-        if kinds is None:
-            steps, events, plan = _replayed(trace, traced, layers)
-            calls = [step.cpu_sdpa_calls for step in steps]
-            calls_at_layers = calls[0] + (calls[1] - calls[0]) * (layers - traced[0])
-        else:
-            steps, events, plan, calls_at_layers = replayed_kinds(trace, *kinds)
+        steps, events, plan, calls = replayed(tracer(case, spec, engine, warmup_steps, capability), layers, kinds)
     except NoReplay as why:
         _REFUSED[tried] = str(why)
         return None, str(why)
-    return TrackedStep(_live_peak(events), events, engine, None, {}, steps[0].sdpa_kernel, calls_at_layers, plan,
-                       None), None
+    return TrackedStep(live_peak(events), events, engine, None, {}, steps[0].sdpa_kernel, calls, plan, None), None
+
+
+def tracer(case, spec: str, engine: str, warmup_steps: int | None, capability: tuple[int, int] | None,
+           ranks: int = 1, rank: int | None = None):
+    """`trace(count, plain=None)`: the case's step at `count` layers, or with `plain`, at `count` checkpointed layers,
+    each alone, and `plain` after them; with `rank`, as that rank of `ranks` in PyTorch's fake process group (the
+    strategy bound and planned inside it)."""
+    import contextlib
+    from dataclasses import replace
+
+    from bench.analysis.fake_engine import PredictionMeter, bound_device, tracked_step
+    from bench.run.case import bind_case
+    from bench.run.ranks import fake_process_group
+
+    device = bound_device(engine)
+
+    def trace(count: int, plain: int | None = None):
+        small = replace(case, workload=with_layers(case.workload, count + (plain or 0)))
+        group = (fake_process_group(ranks, rank, device="cuda" if device == "cuda" else None) if rank is not None
+                 else contextlib.nullcontext())
+        with group:
+            planned = bind_case(replace(small, device=device), ranks if rank is not None else 1)[0]
+            if plain is not None:
+                for member in getattr(planned, "members", [planned]):
+                    if member.name == "checkpoint":
+                        member.plan_used = tuple((layer,) for layer in range(count))
+            planned.plan(PredictionMeter(small))
+            return tracked_step(small, spec, engine, 1, cuda_autocast=True, ranks=ranks, record_events=True,
+                                warmup_steps=warmup_steps, planned=planned, capability=capability)
+    return trace
+
+
+def replayed(trace, layers: int, kinds: tuple[int, int] | None) -> tuple[list, list[MemoryEvent], str, int]:
+    """(the small steps, the log at `layers`, its recompute plan, its calls of the CPU's attention kernel) by layer
+    replay, `trace` tracing the step at a few layers (`tracer`); `kinds`: the plan's checkpointed and plain layers,
+    where they differ (`layer_kinds`). NoReplay where the log made for the last traced count is not its trace's."""
+    if kinds is not None:
+        return replayed_kinds(trace, *kinds)
+    traced = [SMALLEST_TRACE_LAYERS, SMALLEST_TRACE_LAYERS + 1, SMALLEST_TRACE_LAYERS + 2]
+    steps, events, plan = _replayed(trace, traced, layers)
+    calls = [step.cpu_sdpa_calls for step in steps]
+    return steps, events, plan, calls[0] + (calls[1] - calls[0]) * (layers - traced[0])
 
 
 def _replayed(trace, traced: list[int], layers: int) -> tuple[list, list[MemoryEvent], str]:
@@ -272,7 +294,7 @@ def measured_log(events: list[MemoryEvent]) -> list[MemoryEvent]:
     return list(events[:ends[0] + 1])
 
 
-def _live_peak(events: list[MemoryEvent]) -> int:
+def live_peak(events: list[MemoryEvent]) -> int:
     """The most bytes live at once after the log's last peak reset, counted event by event."""
     sizes: dict[int, int] = {}
     live = peak = 0

@@ -15,7 +15,6 @@ is refused, the full trace runs, as for one rank.
 from __future__ import annotations
 
 import re
-from dataclasses import replace
 
 from bench.analysis import layer_replay
 from bench.measure.layer_template import NoReplay
@@ -34,9 +33,7 @@ def tracked_ranks_by_layers(case, spec: str, engine: str, warmup_steps: int | No
     """(the case's sharded step built by layer replay, rank by rank, or None, and why not); `strategy` is the
     case's strategy bound for `ranks` (its checkpoint plan says whether layers come in two kinds). The step is the
     largest rank's, with `rank` and `ranks_traced` set as the full trace sets them."""
-    from bench.analysis.fake_engine import PredictionMeter, TrackedStep, bound_device, tracked_step
-    from bench.run.case import bind_case
-    from bench.run.ranks import fake_process_group
+    from bench.analysis.fake_engine import TrackedStep
 
     unproven = sorted({member.name for member in getattr(strategy, "members", [strategy])
                        if member.distributed and member.name not in REPLAYED_SHARDINGS})
@@ -47,23 +44,6 @@ def tracked_ranks_by_layers(case, spec: str, engine: str, warmup_steps: int | No
     tried = (re.sub(r":seq_len=\d+", "", case.workload), spec, engine, ranks)
     if tried in _REFUSED:
         return None, f"{_REFUSED[tried]}, found on an earlier case of this model and strategy"
-    group_device = "cuda" if bound_device(engine) == "cuda" else None
-
-    def trace_of(rank: int):
-        def trace(count: int, plain: int | None = None):
-            """Rank `rank`'s step at `count` layers (with `plain`: `count` checkpointed, each alone, then `plain`)."""
-            small = replace(case, workload=layer_replay.with_layers(case.workload, count + (plain or 0)))
-            with fake_process_group(ranks, rank, device=group_device):
-                planned = bind_case(replace(small, device=bound_device(engine)), ranks)[0]
-                if plain is not None:
-                    for member in getattr(planned, "members", [planned]):
-                        if member.name == "checkpoint":
-                            member.plan_used = tuple((layer,) for layer in range(count))
-                planned.plan(PredictionMeter(small))
-                return tracked_step(small, spec, engine, 1, cuda_autocast=True, ranks=ranks, record_events=True,
-                                    warmup_steps=warmup_steps, planned=planned, capability=capability)
-        return trace
-
     kinds = layer_replay.layer_kinds(strategy, layers)
     replayed: dict[int, tuple] = {}  # rank -> (its small steps, its log at `layers`, recompute plan, attention calls)
     signatures, seen = None, set()
@@ -72,7 +52,8 @@ def tracked_ranks_by_layers(case, spec: str, engine: str, warmup_steps: int | No
             signature = signatures[rank] if signatures is not None else None
             if signature is not None and signature in seen:
                 continue
-            replayed[rank] = _replayed_rank(trace_of(rank), layers, kinds)
+            replayed[rank] = layer_replay.replayed(
+                layer_replay.tracer(case, spec, engine, warmup_steps, capability, ranks, rank), layers, kinds)
             signatures = signatures or replayed[rank][0][0].rank_signatures
             if signatures is not None and signatures[rank] is not None:
                 seen.add(signatures[rank])
@@ -81,21 +62,11 @@ def tracked_ranks_by_layers(case, spec: str, engine: str, warmup_steps: int | No
     except NoReplay as why:
         _REFUSED[tried] = str(why)
         return None, str(why)
-    peaks = {rank: layer_replay._live_peak(events) for rank, (_, events, _, _) in replayed.items()}
+    peaks = {rank: layer_replay.live_peak(events) for rank, (_, events, _, _) in replayed.items()}
     largest = max(peaks, key=lambda rank: peaks[rank])  # the first of equal peaks, as the full trace takes it
     steps, events, plan, calls = replayed[largest]
     return TrackedStep(peaks[largest], events, engine, None, {}, steps[0].sdpa_kernel, calls, plan, None,
                        signatures, tuple(replayed), largest), None
-
-
-def _replayed_rank(trace, layers: int, kinds: tuple[int, int] | None) -> tuple:
-    """One rank's (small steps, log at `layers`, recompute plan, attention calls), `trace` tracing that rank."""
-    if kinds is not None:
-        return layer_replay.replayed_kinds(trace, *kinds)
-    traced = [layer_replay.SMALLEST_TRACE_LAYERS + extra for extra in range(3)]
-    steps, events, plan = layer_replay._replayed(trace, traced, layers)
-    calls = [step.cpu_sdpa_calls for step in steps]
-    return steps, events, plan, calls[0] + (calls[1] - calls[0]) * (layers - traced[0])
 
 
 # why a sharded replay was refused, by (workload spec without its length, strategy spec, engine, ranks)
