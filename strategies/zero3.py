@@ -10,15 +10,19 @@ class Zero3(Zero3Mechanism):
     (strategies/framework/deepspeed_zero3.py, with the DeepSpeed source it follows): each parameter split into N
     partitions of ceil(numel / N) elements, held in one flat buffer, the float32 master copy and the optimizer state
     of the rank's partitions, a persistent gradient-partition buffer and bucket; each module's own parameters
-    all-gathered just before its forward and its backward and freed after, those of the modules that ran next
-    gathered ahead up to `prefetch_bucket_size` elements within `max_live_parameters`; a parameter of at most
+    all-gathered just before its forward and its backward and freed after unless used again within
+    `max_reuse_distance` elements of the modules that follow (DeepSpeed's default, 1e9, keeps a smaller model's
+    parameters gathered from their forward to their backward), those next in the first micro-batch's order gathered
+    ahead up to `prefetch_bucket_size` elements within `max_live_parameters`; a parameter of at most
     `param_persistence_threshold` elements kept whole on every rank. Options: those of `zero2`, `sub_group_size`,
-    the three above (DeepSpeed's `stage3_` keys) and `offload_param=cpu` (the 16-bit partitions on the host; CUDA
+    the four above (DeepSpeed's `stage3_` keys) and `offload_param=cpu` (the 16-bit partitions on the host; CUDA
     only). Exact up to float summation order in float32.
 
     Limitations: it needs `--ranks 2` or more; a BatchNorm model differs from the single process. DeepSpeed's engine
-    is not run (see zero2's limitations); the prefetch follows the order the modules ran in the previous step, ignoring
-    `stage3_max_reuse_distance` (a parameter used twice is gathered twice); a parameter read outside its own module's
+    is not run (see zero2's limitations); in backward only the root and the modules with parameters of their own are
+    fetched (DeepSpeed fetches every module: its prefetch can run a module earlier there); DeepSpeed frees the
+    persistent parameters in its first micro-batch and gathers them again in the second, membench keeps them whole
+    (tests/test_deepspeed_gathered.py); a parameter read outside its own module's
     forward (a parent reading a child's weight directly) is not gathered for it. In backward a trainable parameter
     is freed once its gradient is accumulated, where DeepSpeed frees it when its module's backward ends: a weight
     shared by two modules (an embedding tied to the output head) stays gathered from the head's backward to the end of

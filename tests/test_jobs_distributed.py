@@ -87,7 +87,7 @@ def test_a_deepspeed_config_file_is_read_key_by_key_with_accelerates_auto():
     ds_keys = [k for k in fates if k.startswith("deepspeed_config_file.")]
     flat = json.loads(DS_JSON.read_text())
     assert len(ds_keys) == len(flat) - 1 + len(flat["zero_optimization"])  # every key of the JSON accounted for
-    assert fates["deepspeed_config_file.zero_optimization.stage3_max_reuse_distance"] == NOT_MODELLED
+    assert fates["deepspeed_config_file.zero_optimization.stage3_max_reuse_distance"] == USED
     assert fates["deepspeed_config.deepspeed_config_file"] == USED
 
 

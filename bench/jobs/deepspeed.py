@@ -14,7 +14,8 @@ What membench makes of each (DeepSpeed 0.19.8's `DeepSpeedZeroConfig`, runtime/z
 - `bf16.enabled`: the model in bfloat16 (`bf16_weights`), float32 masters kept by the stage; `fp16.enabled`: predicted
   as bfloat16 (the same bytes; DeepSpeed's loss scaler is not modelled);
 - `reduce_bucket_size`, `overlap_comm`, `contiguous_gradients`, `sub_group_size`, `stage3_prefetch_bucket_size`,
-  `stage3_max_live_parameters`, `stage3_param_persistence_threshold`, `offload_optimizer.device`,
+  `stage3_max_live_parameters`, `stage3_max_reuse_distance`, `stage3_param_persistence_threshold`,
+  `offload_optimizer.device`,
   `offload_param.device`: the strategy's options of the same names (`nvme` offload is refused: not modelled);
 - `train_micro_batch_size_per_gpu` x `gradient_accumulation_steps` the batch per device (`grad_accumulation`),
   `train_batch_size` with both gives the ranks (train_batch_size / (micro x accumulation));
@@ -42,9 +43,10 @@ SIZE_OPTIONS = {"zero_optimization.reduce_bucket_size": "reduce_bucket_size",
                 "zero_optimization.sub_group_size": "sub_group_size",
                 "zero_optimization.stage3_prefetch_bucket_size": "prefetch_bucket_size",
                 "zero_optimization.stage3_max_live_parameters": "max_live_parameters",
+                "zero_optimization.stage3_max_reuse_distance": "max_reuse_distance",
                 "zero_optimization.stage3_param_persistence_threshold": "param_persistence_threshold"}
-STAGE3_ONLY = ("sub_group_size", "prefetch_bucket_size", "max_live_parameters", "param_persistence_threshold",
-               "offload_param")
+STAGE3_ONLY = ("sub_group_size", "prefetch_bucket_size", "max_live_parameters", "max_reuse_distance",
+               "param_persistence_threshold", "offload_param")
 
 KEYS = (
     Key("zero_optimization.stage", USED, "zero2 or zero3"),
@@ -65,7 +67,7 @@ KEYS = (
                                                                  "buffer: no bucket modelled"),
     Key("zero_optimization.reduce_scatter", IGNORED, "reduce-scatter or all-reduce: the same bucket"),
     Key("zero_optimization.round_robin_gradients", NOT_MODELLED, "the partitions' order: the same sizes assumed"),
-    Key("zero_optimization.stage3_max_reuse_distance", NOT_MODELLED, "a parameter used again is gathered again"),
+    Key("zero_optimization.stage3_max_reuse_distance", USED, "zero3:max_reuse_distance"),
     Key("zero_optimization.stage3_gather_16bit_weights_on_model_save", IGNORED, _HOST),
     Key("zero_optimization.stage3_gather_fp16_weights_on_model_save", IGNORED, _HOST),
     Key("zero_optimization.gather_16bit_weights_on_model_save", IGNORED, _HOST),
@@ -82,7 +84,7 @@ KEYS = (
                    "zero_quantized_gradients", "pipeline_loading_checkpoint", "override_module_apply",
                    "log_trace_cache_warnings", "enable_sanity_checks", "save_muon_momentum_buffer_in_memory",
                    "leaf_module", "parameter_alignment", "zenflow", "mics_shard_size",
-                   "mics_hierarchical_params_gather", "legacy_stage1", "stage3_max_reuse_distance")),
+                   "mics_hierarchical_params_gather", "legacy_stage1")),
     Key("bf16.enabled", USED, "bf16_weights (16-bit model, float32 masters)"),
     Key("bf16.*", NOT_MODELLED, "a bf16 setting membench does not read: DeepSpeed's default"),
     Key("fp16.enabled", USED, "16-bit model, float32 masters (the loss scaler not modelled)"),

@@ -10,10 +10,14 @@ ZeRO-3 (stage3.py `DeepSpeedZeroOptimizer_Stage3`, partition_parameters.py, para
 - one bucket of `reduce_bucket_size` elements, allocated once (`ipg_buckets`; one buffer with `overlap_comm` too),
   and the partitioned gradients of all parameters as one buffer (`grad_partitions_flat_buffer`), kept between steps;
 - in the forward and backward, each module's own parameters all-gathered into one buffer just before it runs
-  (`fetch_sub_module`, `all_gather_coalesced`) and freed after (`release_sub_module`), persistent ones excepted;
-  `stage3_prefetch_bucket_size` elements of the modules that ran next the previous step are gathered ahead, as long
-  as the gathered parameters stay within `stage3_max_live_parameters` elements
-  (`PartitionedParameterCoordinator`);
+  (`fetch_sub_module`, `all_gather_coalesced`) and freed after (`release_sub_module`), persistent ones excepted
+  (`PartitionedParameterCoordinator`). The first micro-batch records the order the modules were fetched in, forward
+  and backward (its trace, complete from the second forward on); then, at each fetch, the parameters next in the
+  trace not yet gathered are gathered ahead (a queue consumed as it goes) up to `stage3_prefetch_bucket_size`
+  elements, fewer where `stage3_max_live_parameters` less those gathered allows, and a module's parameter is not
+  freed where the trace uses it again within `stage3_max_reuse_distance` elements of the modules after this one
+  (`__params_to_release`: at DeepSpeed's default of 1e9, a model of fewer elements keeps each parameter gathered
+  from its forward to its backward) or where a prefetch passed over a later use of it;
 - each gradient copied into the bucket as it is accumulated, the bucket reduce-scattered when the next would not fit
   (`__reduce_and_partition_ipg_grads`) and each parameter's share added into its partition of the flat gradient
   buffer; in the step, each sub-group in turn: its gradients flattened and converted to float32
@@ -22,6 +26,8 @@ ZeRO-3 (stage3.py `DeepSpeedZeroOptimizer_Stage3`, partition_parameters.py, para
 """
 
 from __future__ import annotations
+
+import collections
 
 import torch
 import torch.distributed as dist
@@ -52,7 +58,8 @@ class Zero3Mechanism(DeepSpeedZero):
 
     stage = 3
     options = {**DeepSpeedZero.options, "overlap_comm": True, "prefetch_bucket_size": 50_000_000,
-               "max_live_parameters": 1_000_000_000, "param_persistence_threshold": 100_000,
+               "max_live_parameters": 1_000_000_000, "max_reuse_distance": 1_000_000_000,
+               "param_persistence_threshold": 100_000,
                "sub_group_size": DEFAULT_SUB_GROUP_ELEMENTS, "offload_param": "none"}
 
     def wrap_optimizer(self, optimizer, model):
@@ -103,13 +110,17 @@ class Zero3Mechanism(DeepSpeedZero):
         self.masters = masters
         self.bucket = _Bucket(self.settings["reduce_bucket_size"], dtype, device, 1)  # one, overlap_comm or not
         self.whole = False
-        self.order: list[nn.Module] = []  # the modules in the order they ran in the last forward
+        self.trace: list[nn.Module] | None = None  # the modules fetched in the first micro-batch, in order
         self.recording: list[nn.Module] = []
-        self.prefetched: list[nn.Module] = []
+        self.step_id = 0  # fetches so far in this micro-batch: the position in the trace
+        self.queue: collections.deque = collections.deque()  # (part, the step it is used at) not yet passed
+        self.fetched_for: dict[int, int] = {}  # a part's latest use a fetch or prefetch passed over
+        model.register_forward_pre_hook(self._reset_step)
         for module in model.modules():
-            if any(True for _ in module.parameters(recurse=False)):
-                module.register_forward_pre_hook(self._before_forward)
-                module.register_forward_hook(lambda m, args, output: self._after(m))
+            # every module's forward is fetched, as DeepSpeed hooks every module: each fetch may prefetch
+            module.register_forward_pre_hook(lambda m, args: self._fetch(m))
+            module.register_forward_hook(lambda m, args, output: self._after(m))
+            if any(True for _ in module.parameters(recurse=False)):  # a container's outputs may be no tensors
                 module.register_full_backward_pre_hook(lambda m, grad_output: self._fetch(m))
                 module.register_full_backward_hook(lambda m, grad_input, grad_output: self._after(m, frozen_only=True))
         for part in trainable:
@@ -161,41 +172,78 @@ class Zero3Mechanism(DeepSpeedZero):
 
     def _release(self, parts: list[_Partitioned]) -> None:
         for part in parts:
-            if not part.persistent and part.users == 0 and not self.whole:
+            if not part.persistent and part.users == 0 and not self.whole and not self._used_again(part):
                 part.param.data = part.param.data.new_empty(0)
+
+    def _used_again(self, part: _Partitioned) -> bool:
+        """Whether DeepSpeed keeps `part` gathered for a later use (`__params_to_release`): a prefetch passed over a
+        later use of it, or the trace uses it within `max_reuse_distance` elements of the modules after this step."""
+        if self.trace is None:
+            return False
+        if self.fetched_for.get(id(part), -1) > self.step_id:
+            return True
+        traversed, limit = 0, self.settings["max_reuse_distance"]
+        for module in self.trace[self.step_id:]:
+            if traversed >= limit:
+                return False
+            for other in self._own(module):
+                if other is part:
+                    return True
+                traversed += other.numel
+        return False
 
     def _live_elements(self) -> int:
         return sum(p.numel for p in self.by_param.values() if not p.persistent and p.param.data.numel())
 
-    def _before_forward(self, module, args) -> None:
-        self.recording.append(module)
-        self._fetch(module)
+    def _reset_step(self, model, args) -> None:
+        """At each forward's start (`reset_step`): the first micro-batch's order becomes the trace at the second."""
+        if self.trace is None and self.recording:
+            self.trace, self.recording = self.recording, []
+        self.step_id = 0
+        self.fetched_for = {}
+        self.queue = collections.deque((part, step) for step, module in enumerate(self.trace or [])
+                                       for part in self._own(module))
 
     def _fetch(self, module: nn.Module) -> None:
-        """The module's parameters gathered (and those of the modules that ran after it last time, up to
-        `prefetch_bucket_size` elements within `max_live_parameters`), marked in use."""
+        """The module's parameters gathered and marked in use; with a trace, those next in it gathered ahead
+        (`_fetch_sub_module_impl`)."""
         parts = self._own(module)
         self._gather(parts)
         for part in parts:
             part.users += 1
-        if module in self.prefetched:
-            self.prefetched.remove(module)
+        if self.trace is None:
+            self.recording.append(module)
+        else:
+            self._prefetch(parts)
+        self.step_id += 1
+
+    def _prefetch(self, parts: list[_Partitioned]) -> None:
+        """The module's own uses taken off the queue, then the queue's next parameters not gathered, up to
+        `prefetch_bucket_size` elements or what `max_live_parameters` leaves (the last one may pass it, as
+        DeepSpeed's loop checks before it takes one)."""
+        not_passed = [p for p in parts if self.fetched_for.get(id(p), -1) < self.step_id]
+        for _ in not_passed:
+            if not self.queue:
+                break
+            part, step = self.queue.popleft()
+            self.fetched_for[id(part)] = step
         budget = self.settings["prefetch_bucket_size"]
-        if budget and module in self.order:
-            at = self.order.index(module)
-            for following in self.order[at + 1:]:
-                missing = [p for p in self._own(following) if not p.persistent and not p.param.data.numel()]
-                size = sum(p.numel for p in missing)
-                if size > budget or self._live_elements() + size > self.settings["max_live_parameters"]:
-                    break
-                self._gather(missing)
-                self.prefetched.append(following)
-                budget -= size
+        if not budget:
+            return
+        limit, chosen, numel = min(self.settings["max_live_parameters"] - self._live_elements(), budget), [], 0
+        while self.queue and numel < limit:
+            part, step = self.queue.popleft()
+            self.fetched_for[id(part)] = max(self.fetched_for.get(id(part), -1), step)
+            if not part.persistent and not part.param.data.numel() and part not in chosen:
+                chosen.append(part)
+                numel += part.numel
+        self._gather(chosen)
 
     def _after(self, module: nn.Module, frozen_only: bool = False) -> None:
-        """The module's parameters no longer in use by it; freed where no other module uses them. In backward
-        (`frozen_only`) a trainable parameter is freed once its gradient is accumulated (`_gradient_ready`): a
-        module's backward hook fires when its inputs' gradients exist, which may be before its weight's."""
+        """The module's parameters no longer in use by it; freed where no other module uses them and DeepSpeed
+        would not keep them for a later use. In backward (`frozen_only`) a trainable parameter is freed once its
+        gradient is accumulated (`_gradient_ready`): a module's backward hook fires when its inputs' gradients
+        exist, which may be before its weight's."""
         parts = self._own(module)
         for part in parts:
             part.users = max(0, part.users - 1)
@@ -204,9 +252,11 @@ class Zero3Mechanism(DeepSpeedZero):
     # --- the gradients reduce-scattered through the bucket ---
 
     def backward(self, loss):
+        if not self._own(self.model):  # the model's output's gradient comes first: DeepSpeed fetches the root then
+            self._fetch(self.model)
         loss.backward()
         self._reduce()
-        self.order, self.recording = self.recording, []
+        self.step_id = len(self.trace or [])  # the trace's end: nothing is used again
         for part in self.by_param.values():
             part.users = 0
         self._release(list(self.by_param.values()))
