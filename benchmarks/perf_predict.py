@@ -85,11 +85,14 @@ def _figures(kind: str, folder: Path) -> str:
     if kind == "fit":
         return "; ".join(f"{r.strategy}: seq_len {r.seq_len} judged {r.judged_bytes:.0f} next {r.next_judged_bytes:.0f}"
                          for r in table.itertuples())
-    evaluated = table[table["status"] == "ok"]
+    ok = table[table["status"] == "ok"]
+    evaluated = ok[ok["judged_bytes"].notna()]  # the others were stopped as certain not to fit (no figure)
+    stopped = len(ok) - len(evaluated)
     pairs = ",".join(f"{r.ranks}:{r.strategy}:{r.judged_bytes:.0f}" for r in evaluated.itertuples())
     answer = table[table["answer"].fillna("").astype(str) != ""] if "answer" in table else table.iloc[:0]
     chosen = "; ".join(f"{r.answer} {r.strategy} ({r.ranks} ranks) {r.judged_bytes:.0f}" for r in answer.itertuples())
-    return (f"{len(evaluated)} of {len(table)} candidates evaluated, judged digest "
+    return (f"{len(evaluated)} of {len(table)} candidates predicted to the end, {stopped} stopped as certain not "
+            f"to fit, judged digest "
             f"{hashlib.sha256(pairs.encode()).hexdigest()[:12]}; {chosen or 'no answer'}")
 
 
