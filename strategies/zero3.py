@@ -14,7 +14,8 @@ class Zero3(Zero3Mechanism):
     `max_reuse_distance` elements of the modules that follow (DeepSpeed's default, 1e9, keeps a smaller model's
     parameters gathered from their forward to their backward), those next in the first micro-batch's order gathered
     ahead up to `prefetch_bucket_size` elements within `max_live_parameters`; a parameter of at most
-    `param_persistence_threshold` elements kept whole on every rank. Options: those of `zero2`, `sub_group_size`,
+    `param_persistence_threshold` elements kept whole on every rank; in the forward `F.linear` saves the weight
+    parameter itself (DeepSpeed's memory-efficient linear), so a released weight is not kept by autograd. Options: those of `zero2`, `sub_group_size`,
     the four above (DeepSpeed's `stage3_` keys) and `offload_param=cpu` (the 16-bit partitions on the host; CUDA
     only). Exact up to float summation order in float32.
 

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from strategies import STRATEGIES
+from strategies.framework.deepspeed_zero3 import _TORCH_LINEAR as TORCH_LINEAR
 from tests.deepspeed_gathered import MICRO_BATCHES, SETTINGS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,3 +63,47 @@ def test_zero3_gathers_and_frees_what_deepspeed_does():
         assert settled["kept_for_the_backward"][-1] == whole
         assert 0 < max(settled["kept_within_the_reuse_distance"]) < whole
         assert max(settled["prefetched_within_max_live"]) > settled["kept_within_the_reuse_distance"][0]
+
+
+def _saved_storage_bytes(loss) -> list[int]:
+    """The bytes of each distinct storage autograd saved for the backward of `loss`'s graph."""
+    import torch
+
+    seen, stack, storages = set(), [loss.grad_fn], {}
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        saved = [getattr(node, name) for name in dir(node) if name.startswith("_saved_")]
+        saved += list(getattr(node, "saved_tensors", ()) or ())
+        for tensor in saved:
+            if isinstance(tensor, torch.Tensor) and tensor.numel():
+                storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return list(storages.values())
+
+
+def test_a_released_weight_is_not_kept_by_autograd_until_its_backward():
+    """DeepSpeed's ZeRO-3 replaces F.linear with a linear that saves the weight parameter itself (runtime/zero/
+    linear.py), so a weight released after its forward frees its gathered data; torch's linear saves a transposed view
+    of it, which would keep every gathered weight until the backward."""
+    import torch
+    from torch import nn
+
+    from bench.run.ranks import fake_process_group
+    from tests.deepspeed_ranks import WIDTH, batch, model
+
+    with fake_process_group(2, 0):
+        strategy = STRATEGIES.get("zero3")(param_persistence_threshold=30, prefetch_bucket_size=0,
+                                           max_reuse_distance=0, reduce_bucket_size=1000)
+        net = model()
+        strategy.wrap_optimizer(torch.optim.AdamW(net.parameters()), net)
+        x, y = batch()
+        for _ in range(2):  # the second micro-batch runs with the first's trace
+            loss = nn.functional.cross_entropy(net(x), y)
+            weight_bytes = WIDTH * WIDTH * 4
+            assert strategy._live_elements() == 0
+            assert max(_saved_storage_bytes(loss)) < weight_bytes, "a gathered weight is kept by autograd"
+            strategy.backward(loss)
+        assert torch.nn.functional.linear is TORCH_LINEAR  # outside the model's forward, torch's own

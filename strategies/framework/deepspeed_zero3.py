@@ -18,6 +18,10 @@ ZeRO-3 (stage3.py `DeepSpeedZeroOptimizer_Stage3`, partition_parameters.py, para
   freed where the trace uses it again within `stage3_max_reuse_distance` elements of the modules after this one
   (`__params_to_release`: at DeepSpeed's default of 1e9, a model of fewer elements keeps each parameter gathered
   from its forward to its backward) or where a prefetch passed over a later use of it;
+- `torch.nn.functional.linear` replaced, in the modules' forward, by one that saves the weight parameter itself for
+  its backward (`memory_efficient_linear`, default true: `LinearFunctionForZeroStage3`, installed by `zero.Init`,
+  which the engine runs on a model built without it); torch's own saves a transposed view of the gathered weight,
+  which would keep every gathered weight from its forward to its backward. Under autocast torch's is used;
 - each gradient copied into the bucket as it is accumulated, the bucket reduce-scattered when the next would not fit
   (`__reduce_and_partition_ipg_grads`) and each parameter's share added into its partition of the flat gradient
   buffer; in the step, each sub-group in turn: its gradients flattened and converted to float32
@@ -38,6 +42,45 @@ from strategies.framework.deepspeed_zero import (ALL_GATHER, DEFAULT_SUB_GROUP_E
                                                  REDUCE_SCATTER, DeepSpeedZero, _Bucket, _collective,
                                                  _master_of, _rebuilt_optimizer)
 from strategies.framework.sharding import gloo_copy_of_input, rank_and_world
+
+
+_TORCH_LINEAR = torch.nn.functional.linear
+
+
+class _LinearSavingWeight(torch.autograd.Function):
+    """DeepSpeed's `LinearFunctionForZeroStage3` (runtime/zero/linear.py): the weight saved as the parameter, so that
+    its gathered data is freed when the parameter is released, and gathered again for the backward."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias=None):
+        ctx.save_for_backward(input, weight, bias)
+        if input.dim() == 2 and bias is not None:
+            return torch.addmm(bias, input, weight.t())
+        output = input.matmul(weight.t())
+        if bias is not None:
+            output += bias
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input, weight, bias = ctx.saved_tensors
+        grad_input = grad_weight = grad_bias = None
+        dim = grad_output.dim()
+        if ctx.needs_input_grad[0]:
+            grad_input = grad_output.matmul(weight)
+        if ctx.needs_input_grad[1]:
+            grad_weight = (grad_output.reshape(-1, grad_output.shape[-1]).t().matmul(input.reshape(-1, input.shape[-1]))
+                           if dim > 2 else grad_output.t().matmul(input) if dim == 2
+                           else grad_output.unsqueeze(-1) * input.unsqueeze(0))
+        if bias is not None and ctx.needs_input_grad[2]:
+            grad_bias = grad_output.sum(list(range(dim - 1))) if dim > 1 else grad_output
+        return grad_input, grad_weight, grad_bias
+
+
+def _zero3_linear(input, weight, bias=None):
+    if torch.is_autocast_enabled(input.device.type):  # DeepSpeed's own autocast handling is not modelled
+        return _TORCH_LINEAR(input, weight, bias)
+    return _LinearSavingWeight.apply(input, weight, bias)
 
 
 class _Partitioned:
@@ -113,13 +156,14 @@ class Zero3Mechanism(DeepSpeedZero):
         self.trace: list[nn.Module] | None = None  # the modules fetched in the first micro-batch, in order
         self.recording: list[nn.Module] = []
         self.step_id = 0  # fetches so far in this micro-batch: the position in the trace
+        self.depth = 0
         self.queue: collections.deque = collections.deque()  # (part, the step it is used at) not yet passed
         self.fetched_for: dict[int, int] = {}  # a part's latest use a fetch or prefetch passed over
         model.register_forward_pre_hook(self._reset_step)
         for module in model.modules():
             # every module's forward is fetched, as DeepSpeed hooks every module: each fetch may prefetch
-            module.register_forward_pre_hook(lambda m, args: self._fetch(m))
-            module.register_forward_hook(lambda m, args, output: self._after(m))
+            module.register_forward_pre_hook(lambda m, args: self._enter(m))
+            module.register_forward_hook(lambda m, args, output: self._leave(m))
             if any(True for _ in module.parameters(recurse=False)):  # a container's outputs may be no tensors
                 module.register_full_backward_pre_hook(lambda m, grad_output: self._fetch(m))
                 module.register_full_backward_hook(lambda m, grad_input, grad_output: self._after(m, frozen_only=True))
@@ -200,9 +244,22 @@ class Zero3Mechanism(DeepSpeedZero):
         if self.trace is None and self.recording:
             self.trace, self.recording = self.recording, []
         self.step_id = 0
+        self.depth = 0  # modules whose forward is running
         self.fetched_for = {}
         self.queue = collections.deque((part, step) for step, module in enumerate(self.trace or [])
                                        for part in self._own(module))
+
+    def _enter(self, module: nn.Module) -> None:
+        """A module's forward begins: DeepSpeed's linear in place while any module runs, its parameters fetched."""
+        self.depth += 1
+        torch.nn.functional.linear = _zero3_linear
+        self._fetch(module)
+
+    def _leave(self, module: nn.Module) -> None:
+        self._after(module)
+        self.depth = max(0, self.depth - 1)
+        if not self.depth:
+            torch.nn.functional.linear = _TORCH_LINEAR
 
     def _fetch(self, module: nn.Module) -> None:
         """The module's parameters gathered and marked in use; with a trace, those next in it gathered ahead
@@ -252,6 +309,7 @@ class Zero3Mechanism(DeepSpeedZero):
     # --- the gradients reduce-scattered through the bucket ---
 
     def backward(self, loss):
+        torch.nn.functional.linear, self.depth = _TORCH_LINEAR, 0  # a forward that raised may have left it in place
         if not self._own(self.model):  # the model's output's gradient comes first: DeepSpeed fetches the root then
             self._fetch(self.model)
         loss.backward()
