@@ -74,7 +74,8 @@ KEYS = (
     Key("zero_optimization.elastic_checkpoint", IGNORED, _HOST),
     Key("zero_optimization.load_from_fp32_weights", IGNORED, _HOST),
     Key("zero_optimization.ignore_unused_parameters", IGNORED, "every parameter is used by the workloads"),
-    Key("zero_optimization.memory_efficient_linear", NOT_MODELLED, "torch's linear assumed"),
+    Key("zero_optimization.memory_efficient_linear", NOT_MODELLED, "zero3 predicts DeepSpeed's default, true (the "
+                                                                   "weight saved as the parameter); false not read"),
     # the rest of DeepSpeedZeroConfig's fields (runtime/zero/config.py), by name: a misspelt key is refused
     *(Key(f"zero_optimization.{name}", NOT_MODELLED, "a ZeRO setting membench does not read: DeepSpeed's default")
       for name in ("cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory", "model_persistence_threshold",
