@@ -143,28 +143,21 @@ def test_a_log_of_two_kinds_of_layers_is_built_from_traces_of_few_of_each(monkey
         layer_replay.replayed_kinds(trace, 25, 7)
 
 
-def test_default_checkpoint_plan_replayed_to_the_byte():
+@pytest.mark.parametrize("workload, spec, plan", [
     # segments=auto over 7 layers: 5 checkpointed, each alone, and 2 plain (kept as they are, the others varied)
-    case = Case("hf:llama-3.2-1b:seq_len=32:layers=7", "lora+checkpoint", "train", 1, "cuda")
-    replayed, why = layer_replay.tracked_step_by_layers(case, case.strategy, "fake", MEMORY_WARMUP_STEPS["cuda"],
-                                                        None)
-    assert why is None, why
-    full = _full_trace(case)
-    assert replayed.events == layer_replay.measured_log(full.events)
-    assert replayed.recompute_plan == full.recompute_plan == "0 1 2 3 4"
-    assert replayed.cpu_sdpa_calls == full.cpu_sdpa_calls > 0
-
-
-def test_a_plan_of_many_plain_layers_replayed_to_the_byte_from_one_template_over_both_counts():
+    ("hf:llama-3.2-1b:seq_len=32:layers=7", "lora+checkpoint", "0 1 2 3 4"),
     # segments=3 over 11 layers: 6 checkpointed, each alone, and 5 plain; the template from 3+2, 4+2 and 3+3 layers,
     # proven at 5+4, makes the 6+5-layer log (past the proof in both counts)
-    case = Case("hf:llama-3.2-1b:seq_len=32:layers=11", "lora+checkpoint:segments=3", "train", 1, "cuda")
+    ("hf:llama-3.2-1b:seq_len=32:layers=11", "lora+checkpoint:segments=3", "0 1 2 3 4 5"),
+])
+def test_a_plan_of_checkpointed_then_plain_layers_replayed_to_the_byte(workload, spec, plan):
+    case = Case(workload, spec, "train", 1, "cuda")
     replayed, why = layer_replay.tracked_step_by_layers(case, case.strategy, "fake", MEMORY_WARMUP_STEPS["cuda"],
                                                         None)
     assert why is None, why
     full = _full_trace(case)
     assert replayed.events == layer_replay.measured_log(full.events)
-    assert replayed.recompute_plan == full.recompute_plan == "0 1 2 3 4 5"
+    assert replayed.recompute_plan == full.recompute_plan == plan
     assert replayed.cpu_sdpa_calls == full.cpu_sdpa_calls > 0
 
 
