@@ -146,24 +146,34 @@ def _largest_rank(case, spec: str, engine: str, block_bytes: int, cuda_autocast:
     """The step of the rank with the largest peak, each rank run in turn in this process as that rank of PyTorch's
     fake process group (on fake-cuda the group, as NCCL, serves CUDA tensors only); a rank whose signature an
     earlier rank had is not run again (see `tracked_step`)."""
-    traced: dict = {}  # rank signature -> the step of the first rank that had it
-    signatures: tuple | None = None
-    steps, ran = [], []
-    for rank in range(ranks):
-        signature = signatures[rank] if signatures is not None else None
-        if not every_rank and signature is not None and signature in traced:
-            continue
+    def run(rank: int) -> TrackedStep:
         with fake_process_group(ranks, rank, device="cuda" if device == "cuda" else None):
             step = tracked_step(case, spec, engine, block_bytes, cuda_autocast, ranks, record_events,
                                 warmup_steps, planned=rank_strategy(rank) if rank_strategy else None,
                                 capability=capability)
         step.rank = rank
-        signatures = signatures or step.rank_signatures
+        return step
+
+    steps = one_rank_of_each_signature(ranks, run, lambda step: step.rank_signatures, every_rank)
+    return replace(max(steps.values(), key=lambda step: step.peak_bytes), ranks_traced=tuple(steps))
+
+
+def one_rank_of_each_signature(ranks: int, run: Callable[[int], Any], signatures_of: Callable[[Any], tuple | None],
+                               every_rank: bool = False) -> dict[int, Any]:
+    """{rank: run(rank)} for the ranks a sharded step traces, in order: each rank whose `rank_signature` no earlier
+    traced rank had (every rank with `every_rank`), the signatures read from the first result (`signatures_of`)."""
+    results: dict[int, Any] = {}
+    seen: set = set()
+    signatures = None
+    for rank in range(ranks):
+        signature = signatures[rank] if signatures is not None else None
+        if not every_rank and signature is not None and signature in seen:
+            continue
+        results[rank] = run(rank)
+        signatures = signatures or signatures_of(results[rank])
         if signatures is not None and signatures[rank] is not None:
-            traced.setdefault(signatures[rank], step)
-        steps.append(step)
-        ran.append(rank)
-    return replace(max(steps, key=lambda step: step.peak_bytes), ranks_traced=tuple(ran))
+            seen.add(signatures[rank])
+    return results
 
 
 def _file_logits(session, tracker: breakdown.CategorizedTracker) -> None:

@@ -33,7 +33,7 @@ def tracked_ranks_by_layers(case, spec: str, engine: str, warmup_steps: int | No
     """(the case's sharded step built by layer replay, rank by rank, or None, and why not); `strategy` is the
     case's strategy bound for `ranks` (its checkpoint plan says whether layers come in two kinds). The step is the
     largest rank's, with `rank` and `ranks_traced` set as the full trace sets them."""
-    from bench.analysis.fake_engine import TrackedStep
+    from bench.analysis.fake_engine import TrackedStep, one_rank_of_each_signature
 
     unproven = sorted({member.name for member in getattr(strategy, "members", [strategy])
                        if member.distributed and member.name not in REPLAYED_SHARDINGS})
@@ -45,18 +45,12 @@ def tracked_ranks_by_layers(case, spec: str, engine: str, warmup_steps: int | No
     if tried in _REFUSED:
         return None, f"{_REFUSED[tried]}, found on an earlier case of this model and strategy"
     kinds = layer_replay.layer_kinds(strategy, layers)
-    replayed: dict[int, tuple] = {}  # rank -> (its small steps, its log at `layers`, recompute plan, attention calls)
-    signatures, seen = None, set()
     try:
-        for rank in range(ranks):
-            signature = signatures[rank] if signatures is not None else None
-            if signature is not None and signature in seen:
-                continue
-            replayed[rank] = layer_replay.replayed(
-                layer_replay.tracer(case, spec, engine, warmup_steps, capability, ranks, rank), layers, kinds)
-            signatures = signatures or replayed[rank][0][0].rank_signatures
-            if signatures is not None and signatures[rank] is not None:
-                seen.add(signatures[rank])
+        # rank -> (its small steps, its log at `layers`, recompute plan, attention calls)
+        replayed = one_rank_of_each_signature(
+            ranks, lambda rank: layer_replay.replayed(
+                layer_replay.tracer(case, spec, engine, warmup_steps, capability, ranks, rank), layers, kinds),
+            lambda result: result[0][0].rank_signatures)
         if len({plan for _, _, plan, _ in replayed.values()}) > 1:
             raise NoReplay("recompute plans that differ by rank")
     except NoReplay as why:
@@ -66,7 +60,7 @@ def tracked_ranks_by_layers(case, spec: str, engine: str, warmup_steps: int | No
     largest = max(peaks, key=lambda rank: peaks[rank])  # the first of equal peaks, as the full trace takes it
     steps, events, plan, calls = replayed[largest]
     return TrackedStep(peaks[largest], events, engine, None, {}, steps[0].sdpa_kernel, calls, plan, None,
-                       signatures, tuple(replayed), largest), None
+                       steps[0].rank_signatures, tuple(replayed), largest), None
 
 
 # why a sharded replay was refused, by (workload spec without its length, strategy spec, engine, ranks)
