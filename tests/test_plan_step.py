@@ -132,3 +132,57 @@ def test_the_command_says_which_candidates_it_stopped_and_claims_no_smallest_rea
     assert "stopped in their warm-up steps" in said and PAIR in said
     summary = commands_plan._summary(request, "a test limit", searched, 1.0, 1.0, "")
     assert "stopped in their warm-up steps" in summary
+
+
+# --- on several ranks: every candidate is sharded, and any may stop -----------------------------------------------
+
+SHARDED = ("checkpoint", "fsdp", "zero2")
+
+
+def _on_two_ranks(limit_bytes: int, known: list) -> plan.PlanRequest:
+    return dataclasses.replace(_request(limit_bytes).on_ranks(2), sharded_only=True, known_rows=known,
+                               strategies=SHARDED)
+
+
+@pytest.fixture(scope="module")
+def ranked() -> dict:
+    """A search on two ranks of fsdp and zero2 with checkpoint (what one rank found known), at 1 MiB ("low")
+    and at the judged bytes of checkpoint:segments=all+fsdp traced to the end ("fit"); "full": every candidate at
+    1 MiB traced to the end."""
+    one = plan_search.search(dataclasses.replace(_request(LOW), strategies=SHARDED))
+    known = [dict(r) for r in one.rows if r["status"] == Status.OK.value and not plan_step.stopped_over_limit(r)]
+    found = {"low": plan_search.search(_on_two_ranks(LOW, known))}
+    with pytest.MonkeyPatch.context() as to_the_end:
+        _to_the_end(to_the_end)
+        found["full"] = plan_search.search(_on_two_ranks(LOW, known))
+    limit = _by_spec(found["full"])["checkpoint:segments=all+fsdp"]["judged_bytes"]
+    found["fit"] = plan_search.search(_on_two_ranks(limit, known))
+    return found
+
+
+def test_on_ranks_a_sharded_setting_alone_stops_and_still_combines(ranked):
+    low, full = _by_spec(ranked["low"]), _by_spec(ranked["full"])
+    for spec in ("fsdp", "zero2"):
+        assert plan_step.stopped_over_limit(low[spec]) and not plan_step.stopped_over_limit(full[spec]), spec
+    # it combines all the same: every candidate the full search ran is tried, each stopped, and more (a setting
+    # stopped promises no saving and no cost, where zero2's full figures on two ranks promised nothing useful)
+    assert set(full) <= set(low) and len(full) >= 6
+    assert all(plan_step.stopped_over_limit(row) for row in low.values() if row["status"] == Status.OK.value)
+    assert all(full[spec]["judged_bytes"] > LOW for spec in full if plan_step.stopped_over_limit(low[spec]))
+
+
+def test_on_ranks_a_stopped_candidate_does_not_fit_and_the_answer_is_the_full_traces(ranked):
+    fit, full = ranked["fit"], [dict(r) for r in ranked["full"].rows]
+    limit = fit.rows[0]["limit_bytes"]
+    judged_there = [dict(r, fits=r["judged_bytes"] is not None and r["judged_bytes"] <= limit) for r in full]
+    by_spec = {r["strategy"]: r for r in judged_there}
+    stopped = [r for r in fit.rows if plan_step.stopped_over_limit(r)]
+    assert stopped
+    for row in stopped:  # each over the limit when traced to the end
+        to_the_end = by_spec.get(row["strategy"]) or plan.evaluate(_on_two_ranks(limit, []), row["strategy"],
+                                                                    row["members"], FIGURES)
+        assert to_the_end["judged_bytes"] > limit, row["strategy"]
+    ran = [r for r in fit.rows if r["status"] == Status.OK.value and not plan_step.stopped_over_limit(r)]
+    assert all(_figures(r) == _figures(by_spec[r["strategy"]]) for r in ran)
+    answers = [plan.decide(rows, allow_different=False) for rows in ([dict(r) for r in fit.rows], judged_there)]
+    assert answers[0] is not None and answers[0]["strategy"] == answers[1]["strategy"]

@@ -7,12 +7,12 @@ Each candidate (`bench.analysis.plan_candidates`) runs one tracked step on fake 
 estimated against the device's figures (`bench.analysis.plan_cost`). The search (`bench.analysis.plan_search`) tries
 every declared setting alone and combinations of the settings that helped, by what can still be the answer. Each
 candidate is a row of the declared plan table (`bench.core.results.PLAN`). The operators are counted in the measured
-step only, and a candidate whose figures the search does not need once it cannot fit (a combination) stops as soon
-as its CUDA step certainly cannot (`bench.analysis.plan_step`).
+step only, and a candidate whose figures the search does not need once it cannot fit (a combination; on several
+ranks, any) stops as soon as its CUDA step, or one of its ranks' steps, certainly cannot (`bench.analysis.plan_step`).
 
-A sharded strategy's step runs rank by rank in this process (PyTorch's fake process group); its time estimate is the
-compute of the rank with the largest peak: communication is not modelled. Times are estimates for ranking: the
-confirmation measures.
+A sharded strategy's step runs rank by rank in this process (PyTorch's fake process group); its time estimate is that
+of the rank with the largest peak: its compute, and its collectives over the links their groups cross, added
+without overlap (`bench.analysis.plan_cost`). Times are estimates for ranking: the confirmation measures.
 """
 
 from __future__ import annotations
@@ -124,10 +124,10 @@ def evaluate(request: PlanRequest, spec: str, members: int, figures: plan_cost.D
     time, and what it changes in training; `unsupported` or `error` with why.
 
     `may_stop`: the caller needs no figure of a candidate that cannot fit, but for a single setting whose memory and
-    time ratios may make combinations (one that keeps what is trained, or any with `allow_different`). Such a
-    candidate's CUDA step on one rank stops in its warm-up steps once the caching allocator's model has reserved more
-    than the limit allows (`plan_step.ReservedCheck`): its row says so, with no peak and no time
-    (`plan_step.stopped_over_limit`)."""
+    time ratios may make combinations (one that keeps what is trained, or any with `allow_different`; on several
+    ranks, any). Such a candidate's CUDA step stops in its warm-up steps once the caching allocator's model has
+    reserved more than the limit allows (`plan_step.ReservedCheck`; a sharded step, once one of its ranks has): its
+    row says so, with no peak and no time (`plan_step.stopped_over_limit`)."""
     row = empty_row(request, spec, members)
     case = request.case(spec)
     cuda = request.device == "cuda"
@@ -141,20 +141,28 @@ def evaluate(request: PlanRequest, spec: str, members: int, figures: plan_cost.D
     engines, notes = _engines(request.device, strategy.distributed), []
     # the counter counts the measured step only where the warm-up steps are known (CUDA's: passed to tracked_step)
     warmup = MEMORY_WARMUP_STEPS["cuda"] if cuda else None
-    stop = may_stop and cuda and not strategy.distributed \
-        and (members >= 2 or (not request.allow_different and bool(strategy.differs_by_design())))
-    for engine in engines:
-        check = plan_step.ReservedCheck(request.limit_bytes, request.context_bytes, request.capability) \
+    # on several ranks every candidate is sharded (`PlanRequest.sharded_only`), and a sharded setting alone that
+    # cannot fit still combines (`plan_search`), so the search needs no figure of any candidate that cannot fit
+    stop = may_stop and cuda and (members >= 2 or request.sharded_only
+                                  or (not request.allow_different and bool(strategy.differs_by_design())))
+
+    def reserved_check() -> plan_step.ReservedCheck | None:
+        return plan_step.ReservedCheck(request.limit_bytes, request.context_bytes, request.capability) \
             if stop else None
+
+    for engine in engines:
+        check = reserved_check()
         counter = plan_step.MeasuredStepCounter() if warmup else OperatorCostCounter()
         rank_counters: dict[int, OperatorCostCounter] = {}
 
         def rank_strategy(rank: int, device: str = bound_device(engine)):
-            """A rank's own strategy, its operators counted apart (the largest rank's step is timed)."""
+            """A rank's own strategy, its operators counted apart (the largest rank's step is timed), stopped as a
+            whole candidate is once its own step certainly cannot fit: the row's judged memory is its largest
+            rank's."""
             rank_counters[rank] = plan_step.MeasuredStepCounter() if warmup else OperatorCostCounter()
             ranked = bind_for_plan(replace(case, device=device), request.ranks)[0]
             ranked.plan(PredictionMeter(case))
-            return plan_step.counted(ranked, rank_counters[rank], warmup)
+            return plan_step.counted(ranked, rank_counters[rank], warmup, reserved_check())
 
         try:
             planned = bind_for_plan(replace(case, device=bound_device(engine)), request.ranks)[0]
@@ -191,9 +199,12 @@ def evaluate(request: PlanRequest, spec: str, members: int, figures: plan_cost.D
     if ops:
         totals = step_totals(ops)
         row.update(step_flops=totals["flops"], step_moved_bytes=totals["bytes"],
-                   host_transfer_bytes=totals["transfer_bytes"], step_ops=totals["ops"])
+                   host_transfer_bytes=totals["transfer_bytes"], step_collective_bytes=totals["collective_bytes"],
+                   step_ops=totals["ops"])
         try:
-            row["est_step_time_ms"] = figures.seconds(ops) * 1e3
+            communication_s = figures.communication_seconds(ops, request.gpus_per_node)
+            row["est_step_time_ms"] = (figures.compute_seconds(ops) + communication_s) * 1e3
+            row["est_comm_time_ms"] = communication_s * 1e3
             row["time_estimator"] = f"{plan_cost.ESTIMATOR}; {figures.name}: {figures.source}"
         except Unsupported as error:
             row.update(status=Status.UNSUPPORTED.value)
@@ -201,8 +212,8 @@ def evaluate(request: PlanRequest, spec: str, members: int, figures: plan_cost.D
     else:
         notes.append("no time estimate: no operator of its step was counted")
     if strategy.distributed:
-        notes.append(f"time: the compute of rank {step.rank}, the largest of {request.ranks}; communication not "
-                     "modelled")
+        notes.append(f"time: rank {step.rank}'s (the largest of {request.ranks}), its compute plus its "
+                     "collectives, not overlapped (an upper bound)")
     row["message"] = "; ".join(notes)
     return row
 

@@ -36,7 +36,7 @@ from typing import Callable
 
 import torch
 
-from bench.analysis import plan, plan_candidates, plan_cost, pools
+from bench.analysis import plan, plan_candidates, plan_cost, plan_step, pools
 from bench.analysis.fake_cuda_worker import run_in_fake_cuda
 from bench.core.results import PLAN, Status
 from bench.core.schema import Row
@@ -76,9 +76,18 @@ class Searched:
 
 
 def _ratio(row: Row | None, base: Row, column: str) -> float:
+    if row is not None and _sharded_and_stopped(row):
+        return 1.0  # no figure (it cannot fit alone): promises neither a saving nor a cost
     if row is None or row["status"] != Status.OK.value or row[column] is None or not base[column]:
         return math.inf
     return row[column] / base[column]
+
+
+def _sharded_and_stopped(row: Row) -> bool:
+    """A sharded setting alone stopped once it could not fit (on several ranks every candidate may stop): what it
+    saves is unknown, and sharding exists to combine with what saves the rest."""
+    return plan_step.stopped_over_limit(row) and row["members"] == 1 \
+        and any(STRATEGIES.get(member.split(":")[0]).distributed for member in row["strategy"].split("+"))
 
 
 def _declaration_rank(settings: list) -> dict[str, int]:
@@ -162,7 +171,7 @@ class _Queue:
             row = self.rows.get(setting.spec)
             if row is not None and row["status"] == Status.OK.value \
                     and (self.request.allow_different or not row["differs_by_design"]) \
-                    and (_ratio(row, base, "judged_bytes") < USEFUL_MEMORY_RATIO
+                    and (_sharded_and_stopped(row) or _ratio(row, base, "judged_bytes") < USEFUL_MEMORY_RATIO
                          or _ratio(row, base, "est_step_time_ms") < USEFUL_TIME_RATIO):
                 found.append(setting)
         return found
