@@ -80,15 +80,16 @@ def _per_rank_count(request: plan.PlanRequest, how: str, counts: list, seconds: 
 
 
 def _front_on(count: plan_ranks.RankCount) -> str:
-    """The answer's rank count's Pareto front, memory per GPU against the estimated step time, each candidate with
-    its mesh (none is both smaller and faster than another)."""
+    """The answer's rank count's Pareto front, memory per GPU against the estimated step time (of which its
+    collectives: `comm ms`), each candidate with its mesh (none is both smaller and faster than another)."""
     front = sorted((r for r in count.searched.rows if r["on_front"]), key=lambda r: r["est_step_time_ms"])
     lines = [f"  the front on {count.ranks} GPU{'s' if count.ranks > 1 else ''} (memory per GPU against estimated "
              "step time):",
-             f"    {'mesh':<18} {'strategy':<48} {'judged MiB':>10} {'est. ms':>10}  fits"]
+             f"    {'mesh':<18} {'strategy':<48} {'judged MiB':>10} {'est. ms':>10} {'comm ms':>9}  fits"]
     for r in front:
         lines.append(f"    {plan_ranks.mesh_of(r['strategy'], count.ranks):<18} {r['strategy']:<48} "
-                     f"{mib_or_dash(r['judged_bytes']):>10} {ms_or_dash(r['est_step_time_ms']):>10}  "
+                     f"{mib_or_dash(r['judged_bytes']):>10} {ms_or_dash(r['est_step_time_ms']):>10} "
+                     f"{ms_or_dash(r['est_comm_time_ms']):>9}  "
                      f"{'yes' if r['fits'] else 'no'}" + ("  <- answer" if r["answer"] else ""))
     return "\n".join(lines)
 
@@ -108,7 +109,8 @@ def _answer(request: plan.PlanRequest, answered, counts: list) -> str:
     mesh = f" as {plan_ranks.mesh_of(row['strategy'], answered.ranks)}" if answered.ranks > 1 else ""
     lines = [f"\nanswer: {gpus}{mesh}, with {row['strategy']}: {mib_or_dash(row['judged_bytes'])} MiB predicted per "
              f"GPU of {mib_or_dash(request.limit_bytes)} MiB, estimated {ms_or_dash(row['est_step_time_ms'])} ms per "
-             "step" + (" (the largest rank's compute; communication not modelled)" if answered.ranks > 1 else "")]
+             "step" + (f" (the largest rank's compute plus {ms_or_dash(row['est_comm_time_ms'])} ms of "
+                       "collectives, not overlapped)" if answered.ranks > 1 else "")]
     lines.append(_front_on(answered))
     if answered.searched.stopped:
         lines.append("  (its search was cut short: a faster plan on as many GPUs may exist)")

@@ -1,5 +1,6 @@
-"""A table of common GPUs (memory, dense FLOPS per dtype, memory bandwidth, host link) that `python -m bench plan
---gpu NAME` plans for, and the CUDA context every process pays on top of what PyTorch allocates.
+"""A table of common GPUs (memory, dense FLOPS per dtype, memory bandwidth, host link, GPU-to-GPU link) that `python -m
+bench plan --gpu NAME` plans for, the network between nodes and a collective's latency that a sharded plan's step time
+counts, and the CUDA context every process pays on top of what PyTorch allocates.
 
 The figures are the vendors' published peak figures for dense arithmetic (no 2:4 sparsity), with the source of
 each in a comment. A peak figure is what a kernel at best reaches: the planner uses them to *rank* candidates by
@@ -38,7 +39,7 @@ def limit_with_headroom(memory_bytes: int, headroom: float = DEFAULT_HEADROOM) -
 @dataclass(frozen=True)
 class GPU:
     """One GPU's published figures: memory, dense peak FLOPS per dtype (None: no such arithmetic in hardware),
-    memory bandwidth and host link (one direction), in bytes and per second."""
+    memory bandwidth, host link and link to another GPU of its node (one direction), in bytes and per second."""
 
     name: str
     memory_bytes: int
@@ -50,6 +51,13 @@ class GPU:
     host_link_bytes_per_s: float  # PCIe, one direction
     capability: tuple[int, int]
     source: str
+    # to another GPU of the node, one direction: NVLink on the SXM parts; None: over PCIe (host_link_bytes_per_s)
+    nvlink_bytes_per_s: float | None = None
+
+    @property
+    def peer_link_bytes_per_s(self) -> float:
+        """What one direction of its link to another GPU of the node carries: NVLink, else its PCIe link."""
+        return self.nvlink_bytes_per_s or self.host_link_bytes_per_s
 
     def flops(self, dtype: str) -> float | None:
         """Peak dense FLOPS for arithmetic in `dtype` (float32, float16, bfloat16); None when the GPU has none.
@@ -60,6 +68,20 @@ class GPU:
 PCIE3_X16 = 15.75 * GB_PER_S  # PCI-SIG: 8 GT/s x16, 128b/130b encoding
 PCIE4_X16 = 31.5 * GB_PER_S  # 16 GT/s x16
 PCIE5_X16 = 63.0 * GB_PER_S  # 32 GT/s x16
+# NVLink, one direction (the datasheets give both directions together: half of it each way). NVLink 2 (V100 SXM2):
+# 6 links, 300 GB/s; NVLink 3 (A100 SXM4): 12 links, 600 GB/s; NVLink 4 (H100 and H200 SXM): 18 links, 900 GB/s
+# (NVIDIA Tesla V100, A100 and H100/H200 Tensor Core GPU datasheets; nvidia.com/data-center/nvlink)
+NVLINK2_EACH_WAY = 150 * GB_PER_S
+NVLINK3_EACH_WAY = 300 * GB_PER_S
+NVLINK4_EACH_WAY = 450 * GB_PER_S
+# Between nodes, a GPU's share of the network: one 400 Gb/s NDR InfiniBand NIC a GPU, as in DGX H100/H200 (eight
+# single-port ConnectX-7 VPI, up to 400 Gb/s each: NVIDIA DGX H100 User Guide, "Network Modules"; NVIDIA DGX
+# BasePOD reference architecture, "Core Components"). What `plan` assumes of a collective whose group spans nodes.
+NETWORK_BYTES_PER_S = 400e9 / 8
+# The fixed cost of one collective, whatever its size: NCCL's own cost model starts every ring collective of its
+# Simple protocol at 8.4 us before the per-step latencies (NVIDIA/nccl src/graph/tuning.cc, baseLat, Ring/Simple);
+# nccl-tests' doc/PERFORMANCE.md: "time ... roughly equal to overhead + size / bw"
+COLLECTIVE_LATENCY_S = 8.4e-6
 
 GPUS: dict[str, GPU] = {gpu.name: gpu for gpu in (
     # TU117 (Turing without tensor cores): 896 CUDA cores at 1665 MHz boost; FP16 at twice the FP32 rate; no BF16.
@@ -79,23 +101,24 @@ GPUS: dict[str, GPU] = {gpu.name: gpu for gpu in (
     # NVIDIA Tesla V100 datasheet (SXM2): FP32 15.7, tensor (FP16 with FP32 accumulate) 125; no TF32 or BF16;
     # 16 GB HBM2 at 900 GB/s
     GPU("V100", 16 * GiB, 15.7 * TFLOPS, None, 125 * TFLOPS, None, 900 * GB_PER_S, PCIE3_X16, (7, 0),
-        "NVIDIA Tesla V100 GPU datasheet (SXM2)"),
+        "NVIDIA Tesla V100 GPU datasheet (SXM2)", NVLINK2_EACH_WAY),
     # NVIDIA Ampere GA102 whitepaper, appendix A (RTX 3090): FP32 35.6, TF32 35.6, FP16/BF16 (FP32 acc.) 71 (dense);
     # 24 GB GDDR6X at 936 GB/s
     GPU("RTX 3090", 24 * GiB, 35.6 * TFLOPS, 35.6 * TFLOPS, 71 * TFLOPS, 71 * TFLOPS, 936 * GB_PER_S, PCIE4_X16,
         (8, 6), "NVIDIA Ampere GA102 GPU architecture whitepaper, appendix A"),
     # NVIDIA A100 datasheet (SXM): FP32 19.5, TF32 156, FP16/BF16 312 (dense); 1,555 GB/s (40GB), 2,039 GB/s (80GB)
     GPU("A100 40GB", 40 * GiB, 19.5 * TFLOPS, 156 * TFLOPS, 312 * TFLOPS, 312 * TFLOPS, 1555 * GB_PER_S, PCIE4_X16,
-        (8, 0), "NVIDIA A100 Tensor Core GPU datasheet (SXM4)"),
+        (8, 0), "NVIDIA A100 Tensor Core GPU datasheet (SXM4)", NVLINK3_EACH_WAY),
     GPU("A100 80GB", 80 * GiB, 19.5 * TFLOPS, 156 * TFLOPS, 312 * TFLOPS, 312 * TFLOPS, 2039 * GB_PER_S, PCIE4_X16,
-        (8, 0), "NVIDIA A100 Tensor Core GPU datasheet (SXM4)"),
+        (8, 0), "NVIDIA A100 Tensor Core GPU datasheet (SXM4)", NVLINK3_EACH_WAY),
     # NVIDIA H100 datasheet (SXM5): FP32 67; TF32 989 and FP16/BF16 1,979 with sparsity (halved here); 3.35 TB/s
     GPU("H100 80GB", 80 * GiB, 67 * TFLOPS, 494.5 * TFLOPS, 989.5 * TFLOPS, 989.5 * TFLOPS, 3350 * GB_PER_S,
-        PCIE5_X16, (9, 0), "NVIDIA H100 Tensor Core GPU datasheet (SXM5)"),
+        PCIE5_X16, (9, 0), "NVIDIA H100 Tensor Core GPU datasheet (SXM5)", NVLINK4_EACH_WAY),
     # NVIDIA H200 datasheet (SXM): the H100's arithmetic; 141 GB HBM3e at 4.8 TB/s. Memory as the card reports it
     # (nvidia-smi: 143,771 MiB on the H200 of results/reference/gpu/h200-20261127)
     GPU("H200", 143771 * 2**20, 67 * TFLOPS, 494.5 * TFLOPS, 989.5 * TFLOPS, 989.5 * TFLOPS, 4800 * GB_PER_S,
-        PCIE5_X16, (9, 0), "NVIDIA H200 Tensor Core GPU datasheet (SXM); nvidia-smi for its memory"),
+        PCIE5_X16, (9, 0), "NVIDIA H200 Tensor Core GPU datasheet (SXM); nvidia-smi for its memory",
+        NVLINK4_EACH_WAY),
 )}
 
 
@@ -155,13 +178,16 @@ def find_gpu(name: str) -> GPU:
 def format_gpus() -> str:
     """`plan --list-gpus`: the table, one GPU a line."""
     header = (f"{'GPU':<10} {'memory GiB':>10} {'FP32 TFLOPS':>11} {'FP16 TFLOPS':>11} {'BF16 TFLOPS':>11} "
-              f"{'memory GB/s':>11} {'host GB/s':>9}  source")
+              f"{'memory GB/s':>11} {'host GB/s':>9} {'GPU link GB/s':>13}  source")
     lines = [header, "-" * len(header)]
     for gpu in GPUS.values():
         bf16 = f"{gpu.bf16_flops / TFLOPS:.1f}" if gpu.bf16_flops else "-"
         lines.append(f"{gpu.name:<10} {gpu.memory_bytes / GiB:>10.0f} {gpu.fp32_flops / TFLOPS:>11.1f} "
                      f"{gpu.fp16_flops / TFLOPS:>11.1f} {bf16:>11} {gpu.bandwidth_bytes_per_s / GB_PER_S:>11,.0f} "
-                     f"{gpu.host_link_bytes_per_s / GB_PER_S:>9.1f}  {gpu.source}")
-    lines.append(f"dense peaks (no sparsity); each process also holds a CUDA context, counted as "
-                 f"{CUDA_CONTEXT_BYTES / 2**20:.0f} MiB")
+                     f"{gpu.host_link_bytes_per_s / GB_PER_S:>9.1f} "
+                     f"{gpu.peer_link_bytes_per_s / GB_PER_S:>8.1f} {'NVL' if gpu.nvlink_bytes_per_s else 'PCIe':<4}"
+                     f"  {gpu.source}")
+    lines.append(f"dense peaks (no sparsity); links one direction (GPU link: to another GPU of the node; between "
+                 f"nodes {NETWORK_BYTES_PER_S / GB_PER_S:.0f} GB/s a GPU); each process also holds a CUDA context, "
+                 f"counted as {CUDA_CONTEXT_BYTES / 2**20:.0f} MiB")
     return "\n".join(lines)

@@ -176,7 +176,9 @@ FIT = Table("fit", FIT_SCHEMA_VERSION, [
 # `python -m bench plan`: one row per candidate combination of techniques (bench.analysis.plan)
 # 1: the first plan files
 # 2: `config`, the trainer configuration the case was derived from (`plan --config`), last
-PLAN_SCHEMA_VERSION = 2
+# 3: `step_collective_bytes` and `est_comm_time_ms`, the step's collectives (est_step_time_ms now includes them);
+#    step_moved_bytes no longer counts them
+PLAN_SCHEMA_VERSION = 3
 PLAN = Table("plan", PLAN_SCHEMA_VERSION, [
     *columns("int", "schema_version"),
     *columns("text", "workload"), *columns("int", "batch_size ranks"), *columns("text", "device target strategy"),
@@ -184,8 +186,8 @@ PLAN = Table("plan", PLAN_SCHEMA_VERSION, [
     # memory: predicted, what the limit is compared with (reserved + CUDA context on CUDA, live bytes on the CPU)
     *columns("int", "predicted_peak_bytes predicted_reserved_bytes judged_bytes limit_bytes"), *columns("bool", "fits"),
     # time: the step's operators and the estimate from them (bench.analysis.plan_cost)
-    *columns("int", "step_flops step_moved_bytes host_transfer_bytes step_ops"),
-    *columns("float", "est_step_time_ms"), *columns("text", "time_estimator"),
+    *columns("int", "step_flops step_moved_bytes host_transfer_bytes step_collective_bytes step_ops"),
+    *columns("float", "est_step_time_ms est_comm_time_ms"), *columns("text", "time_estimator"),
     # what is trained: why the candidate cannot give the baseline's result, and whether it may be the answer
     *columns("text", "differs_by_design"), *columns("bool", "eligible on_front answer"),
     # --confirm / --confirm-front: the harness's measurement (bench.run.runner) of the candidate

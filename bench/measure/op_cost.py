@@ -1,11 +1,19 @@
 """What each operator of a training step costs, counted while the step runs (on fake tensors too): FLOPs by
-PyTorch's own formulas (`torch.utils.flop_counter`), bytes read and written, bytes moved between devices; and the
-CPU's measured speed to turn them into seconds.
+PyTorch's own formulas (`torch.utils.flop_counter`), bytes read and written, bytes moved between devices, and each
+collective of a sharded step with its payload and its group; and the CPU's measured speed to turn them into seconds.
 
 `OperatorCostCounter` is a TorchDispatchMode: entered around a step (a strategy's `session()`), it records one
 `OpCost` per operator and cuts the records into steps where the step ends. `measure_cpu_speed()` times a matmul,
 a convolution and a copy on this CPU in each dtype, in a second or two, so that an estimate on the CPU is
 calibrated by what this CPU does, emulated 16-bit arithmetic included.
+
+A collective (`COLLECTIVE`) is an operator of torch.distributed's dispatcher namespaces as it arrives under PyTorch's
+fake process group: `c10d.*` (what `dist.all_gather_into_tensor`, `dist.all_reduce`, ... issue: FSDP2's all-gathers
+and reduce-scatters, the ZeRO mechanism's, ZeroRedundancyOptimizer's broadcasts, DDP's bucket all-reduces as
+`strategies.framework.sharding.data_parallel` issues them there) and `_c10d_functional.*` (DTensor's, tensor
+parallelism's). Its record names the collective (ALL_GATHER, ...), its payload (nccl-tests' size S: the whole
+array, the all-gather's output, the reduce-scatter's input) and its group's global ranks, which decide the link it
+crosses (`bench.analysis.plan_cost`). Waiting on one (`wait_tensor`) runs no kernel and is not recorded.
 
 Limitations: bytes are the sizes of the operator's tensor inputs and outputs (what a kernel that reads each input
 once and writes each output once moves); caches, fusion and views are not modelled (a view moves nothing).
@@ -29,8 +37,28 @@ with quiet_loggers("torch.utils.flop_counter"):  # a CUDA torch without triton w
 
 aten = torch.ops.aten
 
-# operator kinds, by what bounds them: matrix units (matmul, attention), convolutions, or memory
-MATMUL, CONV, MEMORY, TRANSFER = "matmul", "conv", "memory", "transfer"
+# operator kinds, by what bounds them: matrix units (matmul, attention), convolutions, memory, the host link, or the
+# link between ranks
+MATMUL, CONV, MEMORY, TRANSFER, COLLECTIVE = "matmul", "conv", "memory", "transfer", "collective"
+# the collectives, as nccl-tests' doc/PERFORMANCE.md names them (each has its bus-bandwidth factor there);
+# POINT_TO_POINT is a send or receive (its payload over the link once), BARRIER moves nothing
+ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, ALL_TO_ALL = "all_gather", "reduce_scatter", "all_reduce", "all_to_all"
+BROADCAST, REDUCE, POINT_TO_POINT, BARRIER = "broadcast", "reduce", "point_to_point", "barrier"
+# the dispatcher's collective operators (torch 2.13) by name, trailing `_` (in place) dropped; an operator of these
+# namespaces that names a process group but is not listed counts as POINT_TO_POINT (its payload over the link once)
+COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd", "_dtensor")
+COLLECTIVE_OPERATORS = {
+    **dict.fromkeys(("_allgather_base", "allgather", "allgather_coalesced", "allgather_into_tensor_coalesced",
+                     "all_gather_into_tensor", "all_gather_into_tensor_out", "all_gather_into_tensor_coalesced"),
+                    ALL_GATHER),
+    **dict.fromkeys(("_reduce_scatter_base", "reduce_scatter", "reduce_scatter_tensor_coalesced",
+                     "reduce_scatter_tensor", "reduce_scatter_tensor_out"), REDUCE_SCATTER),
+    **dict.fromkeys(("allreduce", "allreduce_coalesced", "all_reduce", "all_reduce_coalesced"), ALL_REDUCE),
+    **dict.fromkeys(("alltoall", "alltoall_base", "all_to_all_single", "shard_dim_alltoall"), ALL_TO_ALL),
+    "broadcast": BROADCAST, "reduce": REDUCE, "gather": REDUCE, "scatter": BROADCAST,
+    **dict.fromkeys(("send", "recv", "recv_any_source", "isend", "irecv", "batch_p2p_ops"), POINT_TO_POINT),
+    **dict.fromkeys(("barrier", "monitored_barrier"), BARRIER),
+}
 _CONV_PACKETS = {aten.convolution, aten._convolution, aten.convolution_backward, aten.cudnn_convolution,
                  aten.convolution_overrideable, aten._slow_conv2d_forward}
 
@@ -53,13 +81,61 @@ for _name, _formula in (("_scaled_dot_product_flash_attention_for_cpu", _cpu_fla
 
 @dataclass(frozen=True)
 class OpCost:
-    """One operator call: its kind (MATMUL, CONV, MEMORY, TRANSFER), the dtype of its arithmetic, its FLOPs and
-    the bytes it reads and writes (for TRANSFER, the bytes copied between devices)."""
+    """One operator call: its kind (MATMUL, CONV, MEMORY, TRANSFER, COLLECTIVE), the dtype of its arithmetic, its
+    FLOPs and the bytes it reads and writes (for TRANSFER, the bytes copied between devices; for COLLECTIVE, its
+    payload: nccl-tests' size S). A collective also names which (`collective`: ALL_GATHER, ...) and the global ranks
+    of its group (`group_ranks`)."""
 
     kind: str
     dtype: str
     flops: int
     bytes: int
+    collective: str = ""
+    group_ranks: tuple[int, ...] = ()
+
+
+def _process_group(value: Any):
+    """The process group a collective's argument names: a ProcessGroup boxed for the dispatcher (`c10d.*`), or a
+    group's registered name (`_c10d_functional.*`); None for anything else."""
+    import torch.distributed as dist
+
+    if isinstance(value, str):
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        return _resolve_process_group(value)
+    if isinstance(value, torch.ScriptObject) and value._type().qualified_name().endswith(".ProcessGroup"):
+        return dist.ProcessGroup.unbox(value)
+    return None
+
+
+def collective_cost(func, args: tuple, kwargs: dict, out: Any,
+                    group_ranks: dict[str, tuple[int, ...]] | None = None) -> OpCost | None:
+    """The record of `func` when it is a collective of torch.distributed (module docstring): its payload is the
+    largest of its buffers, an argument's tensors or its result (the all-gather's output, the reduce-scatter's input,
+    the all-reduced tensors); None for any other operator, and for one of those namespaces that names no process
+    group (`wait_tensor`, autograd's wrapper: no kernel). `group_ranks` caches each group's ranks by its name (valid
+    within one process group's life: the next rank traced in this process names its groups alike)."""
+    if func.namespace not in COLLECTIVE_NAMESPACES:
+        return None
+    import torch.distributed as dist
+
+    named = dict(kwargs)
+    named.update((argument.name, value) for argument, value in zip(func._schema.arguments, args))
+    group = None
+    for key in ("process_group", "group_name"):
+        if named.get(key) is not None:
+            group = _process_group(named[key])
+            break
+    if group is None:
+        return None
+    name = func._schema.name.split("::")[-1].rstrip("_")
+    cache = {} if group_ranks is None else group_ranks
+    ranks = cache.get(group.group_name)
+    if ranks is None:
+        ranks = cache[group.group_name] = tuple(dist.get_process_group_ranks(group))
+    payload = max((_nbytes(_tensors(value)) for value in (*named.values(), out)), default=0)
+    dtype = _dtype_name(_tensors((args, out)))
+    return OpCost(COLLECTIVE, dtype, 0, payload, COLLECTIVE_OPERATORS.get(name, POINT_TO_POINT), ranks)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -93,6 +169,7 @@ class OperatorCostCounter(CompiledCodeMode):
         super().__init__()
         self.current: list[OpCost] = []
         self.steps: list[list[OpCost]] = []
+        self.group_ranks: dict[str, tuple[int, ...]] = {}  # a counter counts one rank's steps: its groups stay
 
     def end_step(self) -> None:
         self.steps.append(self.current)
@@ -102,6 +179,11 @@ class OperatorCostCounter(CompiledCodeMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if func.is_view or func.overloadpacket in (aten.detach, aten.lift_fresh, aten.alias):
+            return out
+        if func.namespace in COLLECTIVE_NAMESPACES:  # never a kernel of arithmetic or memory traffic
+            collective = collective_cost(func, args, kwargs, out, self.group_ranks)
+            if collective is not None:
+                self.current.append(collective)
             return out
         result = out
         args, kwargs, out = _local_shards((args, kwargs, out))
@@ -122,10 +204,12 @@ class OperatorCostCounter(CompiledCodeMode):
 
 
 def step_totals(ops: list[OpCost]) -> dict[str, int]:
-    """A step's FLOPs, bytes read and written, bytes moved between devices, and operator count."""
+    """A step's FLOPs, bytes read and written, bytes moved between devices, its collectives' payload, and operator
+    count."""
     return {"flops": sum(op.flops for op in ops),
-            "bytes": sum(op.bytes for op in ops if op.kind != TRANSFER),
+            "bytes": sum(op.bytes for op in ops if op.kind not in (TRANSFER, COLLECTIVE)),
             "transfer_bytes": sum(op.bytes for op in ops if op.kind == TRANSFER),
+            "collective_bytes": sum(op.bytes for op in ops if op.kind == COLLECTIVE),
             "ops": len(ops)}
 
 
