@@ -92,7 +92,7 @@ def test_a_combination_stops_only_where_it_cannot_fit_and_says_how_much_it_had_r
     assert plan_step.stopped_over_limit(low) and not low["fits"] and low["est_step_time_ms"] is None
     reserved = int(low["message"].split(" B, over the limit")[0].rsplit(" ", 1)[1].replace(",", ""))
     assert LOW < reserved <= full["judged_bytes"]  # a bound its full prediction reaches
-    assert f"{plan_step.BACKWARD} of warm-up step 1" in low["message"]  # its forward already held more
+    assert f"{plan_step.FORWARD} of warm-up step 1" in low["message"]  # stopped before its forward ended
 
 
 def test_a_setting_whose_ratios_combinations_need_runs_to_the_end_even_over_the_limit(searches):

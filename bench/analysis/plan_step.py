@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from bench.core.schema import Row
@@ -22,7 +23,8 @@ from bench.measure.op_cost import OperatorCostCounter
 # what the message of a candidate stopped once over the limit begins with (its peak and time are not predicted)
 STOPPED_OVER_LIMIT = "does not fit (stopped early)"
 # the moments of a warm-up step where a candidate may stop (`counted`)
-BACKWARD, OPTIMIZER, END = "at the start of the backward", "at the start of the optimizer step", "at the end"
+FORWARD, BACKWARD = "in the forward (before a module ran)", "at the start of the backward"
+OPTIMIZER, END = "at the start of the optimizer step", "at the end"
 
 
 class MeasuredStepCounter(OperatorCostCounter):
@@ -60,15 +62,24 @@ def counted(strategy, counter: OperatorCostCounter, warmup_steps: int | None = N
     """`strategy` with `counter` entered around its session and told where each step ends. With `warmup_steps` (a
     `MeasuredStepCounter`) the counter is armed for the step after them, the measured one; `check` (`ReservedCheck`)
     looks at each warm-up step where the strategy's hooks are called between operators, never inside one (an
-    exception raised inside an operator of the backward ends the process): when its backward starts, when its
-    optimizer step starts, and at its end."""
+    exception raised inside an operator of the backward ends the process): before each module's forward in the
+    forward (a global forward pre-hook, silent from the backward's start, where a checkpoint's recompute runs
+    modules inside an operator of the backward), when its backward starts, when its optimizer step starts, and at
+    its end."""
     session, end_step = strategy.session, strategy.end_step
     backward, optimizer_step = strategy.backward, strategy.optimizer_step
     ended = [0]
+    forwarding = [True]
+
+    def look_in_forward(module, args):
+        if forwarding[0] and in_warmup():
+            check.look(ended[0] + 1, FORWARD)
 
     @contextlib.contextmanager
     def counted_session():
-        with session(), counter:
+        with session(), counter, contextlib.ExitStack() as hooks:
+            if check is not None:
+                hooks.callback(torch.nn.modules.module.register_module_forward_pre_hook(look_in_forward).remove)
             yield
 
     def in_warmup() -> bool:
@@ -80,10 +91,12 @@ def counted(strategy, counter: OperatorCostCounter, warmup_steps: int | None = N
         if in_warmup():
             check.look(ended[0] + 1, END, always=ended[0] == 0)
         ended[0] += 1
+        forwarding[0] = True
         if warmup_steps:
             counter.armed = ended[0] == warmup_steps
 
     def checked_backward(loss):
+        forwarding[0] = False
         if in_warmup():
             check.look(ended[0] + 1, BACKWARD)
         return backward(loss)
