@@ -138,9 +138,14 @@ class FSDP(Sharded):
     @classmethod
     def plan_settings(cls, space):
         """On several ranks, FSDP2 as it is; on CUDA also with parameters, gradients and optimizer state on the host
-        (`offload=cpu`), what lets a model whose sharded states exceed its GPUs train on fewer of them."""
+        (`offload=cpu`), what lets a model whose sharded states exceed its GPUs train on fewer of them, and each
+        with the mixed precision policy FSDP2 is almost always run with (torchtitan's default: parameters
+        all-gathered and computed in bfloat16, gradients reduced in float32)."""
         settings = super().plan_settings(space)
-        return settings + [{"offload": "cpu"}] if settings and space.context.device == "cuda" else settings
+        if not settings or space.context.device != "cuda":
+            return settings
+        mixed = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
+        return settings + [{"offload": "cpu"}, mixed, {"offload": "cpu", **mixed}]
 
     def __init__(self, **options):
         super().__init__(**options)

@@ -205,8 +205,14 @@ class TensorParallel(Sharded):
     @classmethod
     def plan_companions(cls, options, space):
         """fsdp, where the mesh has more than one data-parallel replica (`fsdp+tp:degree=T`, torchtitan's FSDP x
-        TP): tp alone cannot average their gradients."""
-        return ("fsdp",) if space.context.ranks > options.get("degree", cls.options["degree"]) else ()
+        TP): tp alone cannot average their gradients. On CUDA also fsdp with the mixed precision policy torchtitan
+        runs its meshes with (parameters in bfloat16, gradients reduced in float32), on one replica too: it is
+        how a tensor-parallel step computes in 16 bits (tp refuses amp's autocast)."""
+        dp_replicas = space.context.ranks > options.get("degree", cls.options["degree"])
+        alternatives = [("fsdp",) if dp_replicas else ()]
+        if space.context.device == "cuda":
+            alternatives.append(("fsdp:param_dtype=bfloat16:reduce_dtype=float32",))
+        return alternatives
 
     def __init__(self, **options):
         super().__init__(**options)

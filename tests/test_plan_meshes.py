@@ -133,3 +133,18 @@ def test_a_ranks_operator_costs_are_those_of_its_shards():
         sharded.end_step()
     assert out.to_local().shape == (3, 4)
     assert step_totals(sharded.steps[0])["flops"] * 2 == step_totals(whole.steps[0])["flops"] > 0
+
+
+def test_on_cuda_each_mesh_and_fsdp_are_also_tried_with_fsdps_mixed_precision_policy():
+    """torchtitan's meshes run FSDP2 with parameters in bfloat16 and gradients reduced in float32 (tp refuses amp's
+    autocast: this is how a mesh computes in 16 bits); on the CPU, where the planner tries no 16-bit policy, not."""
+    mixed = "fsdp:param_dtype=bfloat16:reduce_dtype=float32"
+    tried = {}
+    for device in ("cuda", "cpu"):
+        context = plan.bind_for_plan(Case("hf:llama-3.1-8b:seq_len=16", "baseline", "train", 8, device,
+                                          data="synthetic"), 4)[1]
+        accepted, _ = plan_candidates.settings(PlanSpace(context, 2**40, 8))
+        tried[device] = {s.spec for s in accepted if s.strategy in ("fsdp", "tp")}
+    assert tried["cuda"] == {"tp:degree=4", f"tp:degree=4+{mixed}", "tp+fsdp", f"tp+{mixed}", "fsdp",
+                             "fsdp:offload=cpu", mixed, "fsdp:offload=cpu:param_dtype=bfloat16:reduce_dtype=float32"}
+    assert tried["cpu"] == {"tp:degree=4", "tp+fsdp", "fsdp"}

@@ -59,16 +59,21 @@ def settings(space: PlanSpace) -> tuple[list[Setting], list[Refused]]:
             except UsageError as error:  # a declared setting this version does not take
                 refused.append(Refused(f"{name}:{options}", str(error)))
                 continue
-            companions = cls.plan_companions(options, space)
             try:
                 _bound(strategy, space.context).check(space.context)
-                if companions:  # one candidate of the setting and its companions (tp's mesh: fsdp+tp:degree=T)
-                    strategy = _bound(StrategySpec("+".join([*companions, strategy.spec()])).build(), space.context)
-                    strategy.check(space.context)
             except (Unsupported, UsageError) as error:  # refused under the strategy's own spec (its row's name)
-                refused.append(Refused(cls(**options).spec(), str(error)))
+                refused.append(Refused(strategy.spec(), str(error)))
                 continue
-            accepted.append(Setting(strategy.spec(), name))
+            for companions in cls.plan_companions(options, space):
+                # one candidate of the setting and each set of its companions (tp's mesh: fsdp+tp:degree=T)
+                try:
+                    candidate = _bound(StrategySpec("+".join([*companions, strategy.spec()])).build(), space.context)
+                    candidate.check(space.context)
+                except (Unsupported, UsageError) as error:
+                    refused.append(Refused(cls(**options).spec() if not companions
+                                           else "+".join([*companions, cls(**options).spec()]), str(error)))
+                    continue
+                accepted.append(Setting(candidate.spec(), name))
     return list({s.spec: s for s in accepted}.values()), refused
 
 

@@ -217,11 +217,11 @@ class Strategy:
         return [dict(options) for options in cls.plan_options]
 
     @classmethod
-    def plan_companions(cls, options: dict[str, Any], space: PlanSpace) -> tuple[str, ...]:
-        """The strategies (their defaults) that a plan setting of it (`options`) runs composed with, as one
-        candidate: none, unless the setting cannot train alone on the space's ranks (tp's dp x tp mesh with more
-        than one data-parallel replica needs fsdp to shard and average over its dp dimension)."""
-        return ()
+    def plan_companions(cls, options: dict[str, Any], space: PlanSpace) -> list[tuple[str, ...]]:
+        """The strategies (specs) that a plan setting of it (`options`) runs composed with, each tuple one
+        candidate: `[()]`, none, unless the setting cannot train alone on the space's ranks (tp's dp x tp mesh
+        needs fsdp to shard and average over its dp dimension, with or without its mixed precision policy)."""
+        return [()]
 
     @classmethod
     def expected_outcome(cls, traits: Collection[str]) -> Expected:
