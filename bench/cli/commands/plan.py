@@ -38,7 +38,8 @@ def add_arguments(parser) -> None:
                         "off, plan for --ranks)")
     p.add_argument("--gpus-per-node", type=positive_int, default=8, metavar="G",
                    help="GPUs in a node: on several ranks the dp x tp meshes tried keep each tensor-parallel group "
-                        "inside a node (a tp degree dividing G) (default 8)")
+                        "inside a node (a tp degree dividing G), and a collective whose group spans nodes (G "
+                        "consecutive ranks a node) is timed over the network instead of the GPU link (default 8)")
     p.add_argument("--over", default="batch",
                    help="batch (the fastest plan at --batch-size) or seq_len (the plan that trains the longest "
                         "sequence at --batch-size, default 1; a workload with a seq_len option) (default batch)")
