@@ -128,3 +128,13 @@ def test_a_dp_x_tp_mesh_counts_its_tensor_parallel_collectives_inside_a_node():
     assert len({row["step_collective_bytes"] for row in rows.values()}) == 1
     # 8 -> 2 a node: the dp groups' collectives (FSDP's) cross the network; 2 -> 1: so do the tp groups' (DTensor's)
     assert rows[8]["est_comm_time_ms"] < rows[2]["est_comm_time_ms"] < rows[1]["est_comm_time_ms"]
+
+
+def test_a_two_rank_ddp_step_counts_its_bucket_all_reduces():
+    """DDP's gradient buckets are all-reduced on the fake process group too (its comm hook issues them there): every
+    gradient once, at 2(2-1)/2 = 1 byte over the link per byte; its buffers' broadcasts, factor 1 as well."""
+    row = _row("ddp", 2)
+    payload = row["step_collective_bytes"]
+    assert payload >= 4 * sum(p.numel() for p in _model_parameters())
+    collectives = (row["est_comm_time_ms"] / 1e3 - payload / 450e9) / gpus.COLLECTIVE_LATENCY_S
+    assert collectives == pytest.approx(round(collectives), abs=1e-6) and round(collectives) >= 1
