@@ -307,11 +307,16 @@ class LiveTensorTracker(CompiledCodeMode):
         self._ops += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
         if func in _METADATA_OPS:
             # a fake tensor answers `.device` through the dispatcher: asking it is no use of the tensor, and
-            # registering it here would file a tensor that `track()` is about to register under "untracked"
-            return func(*args, **kwargs)
+            # registering it here would file a tensor that `track()` is about to register under "untracked".
+            # C++ asks it of a fake tensor several times an operator (two thirds of a fake step's dispatches): the
+            # answer is the one FakeTensorMode gives (its `_device_handler`: the tensor's `device` property), given
+            # here rather than through every mode below
+            if type(args[0]) is FakeTensor:
+                return args[0].device
+            return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
         if self._allocating and self._allocating[-1][0] == memory_categories.FUSED_KERNEL:
             return func(*args, **kwargs)  # one kernel's arithmetic: its intermediates are no memory (see there)
         for t in _tensors_in((args, tuple(kwargs.values()))):
