@@ -319,15 +319,42 @@ class LiveTensorTracker(CompiledCodeMode):
         kwargs = kwargs or {}
         if self._allocating and self._allocating[-1][0] == memory_categories.FUSED_KERNEL:
             return func(*args, **kwargs)  # one kernel's arithmetic: its intermediates are no memory (see there)
-        for t in _tensors_in((args, tuple(kwargs.values()))):
-            self._register(t, "untracked")
+        self._register_inputs(args)
+        if kwargs:
+            self._register_inputs(kwargs.values())
         if self.record_events:
             self.events.append(MemoryEvent("op", stage=self.stage, op=func.__name__))
         out = func(*args, **kwargs)
-        for t in _tensors_in((out,)):
-            self._register_output(t)
+        if isinstance(out, torch.Tensor):
+            if not self._seen(out):
+                self._register_output(out)
+        else:
+            for t in _tensors_in((out,)):
+                if not self._seen(t):
+                    self._register_output(t)
         self._update_peak(func.__name__)
         return out
+
+    def _register_inputs(self, values: Iterable) -> None:
+        """Registers the tensors among an operator's arguments that are not yet (in lists and tuples at any depth,
+        in order: `_tensors_in`), as "untracked"."""
+        for value in values:
+            if isinstance(value, torch.Tensor):
+                if not self._seen(value):
+                    self._register(value, "untracked")
+            elif isinstance(value, (list, tuple)):
+                self._register_inputs(value)
+
+    def _seen(self, t: torch.Tensor) -> bool:
+        """Whether `t` is a fake tensor whose storage is registered already, for which `_register` (this class's
+        and its subclasses') does nothing: asked first, it spares those calls for most tensors an operator takes,
+        and for its views and in-place results."""
+        if type(t) is not FakeTensor:
+            return False
+        try:
+            return id(t.untyped_storage()) in self._storages.by_id
+        except (RuntimeError, NotImplementedError):  # sparse or opaque tensors have no storage
+            return False
 
 
 def _tensors_in(values: Iterable) -> Iterable[torch.Tensor]:
