@@ -252,9 +252,10 @@ class Checkpoint(Strategy):
 
     @classmethod
     def plan_settings(cls, space):
-        """The default plan, the sqrt(N) plan, every unit (the published recipes' plan), and the plan of least
-        recompute that fits the planner's limit."""
-        return [{}, {"segments": "sqrt"}, {"segments": "all"}, {"budget": f"{space.budget_bytes // 2**20}MiB"}]
+        """Every unit (the published recipes' plan: transformers' gradient_checkpointing, torchtune's and
+        torchtitan's full activation checkpointing), first: the one the search combines before the others; then
+        the default plan, the sqrt(N) plan, and the plan of least recompute that fits the planner's limit."""
+        return [{"segments": "all"}, {}, {"segments": "sqrt"}, {"budget": f"{space.budget_bytes // 2**20}MiB"}]
 
     def __init__(self, **options):
         super().__init__(**options)

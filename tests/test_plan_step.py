@@ -186,3 +186,15 @@ def test_on_ranks_a_stopped_candidate_does_not_fit_and_the_answer_is_the_full_tr
     assert all(_figures(r) == _figures(by_spec[r["strategy"]]) for r in ran)
     answers = [plan.decide(rows, allow_different=False) for rows in ([dict(r) for r in fit.rows], judged_there)]
     assert answers[0] is not None and answers[0]["strategy"] == answers[1]["strategy"]
+
+
+def test_on_ranks_a_setting_the_one_rank_search_did_not_reach_still_combines(ranked):
+    """A one-rank search cut short after its baseline: checkpoint's settings, never tried alone (they cannot run
+    alone on two ranks), combine with the sharded ones all the same, as the combinations of a full one-rank search
+    do (neutral ratios: nothing known of them)."""
+    one = plan_search.search(dataclasses.replace(_request(LOW), strategies=("checkpoint",), max_candidates=1))
+    assert [r["strategy"] for r in one.rows if r["status"] == Status.OK.value] == ["baseline"]
+    cut_short = plan_search.search(_on_two_ranks(LOW, [dict(r) for r in one.rows]))
+    tried = {r["strategy"] for r in cut_short.rows}
+    assert {"checkpoint:segments=all+fsdp", "checkpoint+fsdp", "checkpoint:segments=all+zero2"} <= tried
+    assert {r["strategy"] for r in ranked["low"].rows} <= tried

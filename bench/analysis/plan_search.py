@@ -169,12 +169,24 @@ class _Queue:
         found = []
         for setting in self.accepted:
             row = self.rows.get(setting.spec)
-            if row is not None and row["status"] == Status.OK.value \
+            if self._unknown_member(setting):
+                found.append(setting)
+            elif row is not None and row["status"] == Status.OK.value \
                     and (self.request.allow_different or not row["differs_by_design"]) \
                     and (_sharded_and_stopped(row) or _ratio(row, base, "judged_bytes") < USEFUL_MEMORY_RATIO
                          or _ratio(row, base, "est_step_time_ms") < USEFUL_TIME_RATIO):
                 found.append(setting)
         return found
+
+    def _unknown_member(self, setting) -> bool:
+        """A setting that shards nothing, in a search of sharded candidates, that the one-rank search did not get
+        to (cut short): it cannot run alone here, and what it saves is unknown, so it combines with neutral ratios
+        (`_ratio` of no row) rather than not at all."""
+        return self.request.sharded_only and bool(self.known) and setting.spec not in self.rows \
+            and not STRATEGIES.get(setting.strategy).distributed
+
+    def _member_ratio(self, setting, column: str) -> float:
+        return 1.0 if self._unknown_member(setting) else _ratio(self.rows[setting.spec], self.base(), column)
 
     def _combination(self, members: tuple) -> str | None:
         key = frozenset(m.spec for m in members)
@@ -219,8 +231,8 @@ class _Queue:
                 if spec in self.rows or (len(members) > 2 and not self._pairs_ran(members)) \
                         or not self._may_run(members):
                     continue
-                memory = math.prod(_ratio(self.rows[m.spec], base, "judged_bytes") for m in members)
-                speed = math.prod(_ratio(self.rows[m.spec], base, "est_step_time_ms") for m in members)
+                memory = math.prod(self._member_ratio(m, "judged_bytes") for m in members)
+                speed = math.prod(self._member_ratio(m, "est_step_time_ms") for m in members)
                 fits = memory * base["judged_bytes"] <= self.request.limit_bytes
                 if fits and speed * (base["est_step_time_ms"] or 0) < fastest:  # may be the answer
                     ready.append(((0, len(members), speed), spec, len(members)))
