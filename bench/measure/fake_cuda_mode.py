@@ -95,7 +95,9 @@ class FakeCudaMode(FakeTensorMode):
             copy = super().__torch_dispatch__(torch.ops.aten.clone.default, types, (args[0],), {})
             self.pinned.add(id(copy))
             return copy
-        return super().__torch_dispatch__(func, types, args, kwargs)
+        # FakeTensorMode's dispatch itself: its __torch_dispatch__ around it only counts the call for torch's
+        # statistics and disables dynamo a second time (this method already runs with it disabled)
+        return self.dispatch(func, types, args, kwargs)
 
     def _prep_args_for_hash(self, result: list, args, state, id_hashed_objects: list) -> None:
         """FakeTensorMode's dispatch-cache key for an operator's arguments, made in a quarter of the time (its own cost
