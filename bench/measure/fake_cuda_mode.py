@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Callable, ContextManager, Iterable, Iterator
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, _BypassDispatchCache
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, _BypassDispatchCache, in_kernel_invocation_manager
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -129,6 +129,28 @@ class FakeCudaMode(FakeTensorMode):
                 self._prep_args_for_hash(result, arg, state, id_hashed_objects)
             else:
                 super()._prep_args_for_hash(result, (arg,), state, id_hashed_objects)
+
+    def _get_output_tensor_from_cache_entry(self, state, entry, key, func, args):
+        """FakeTensorMode's output made from a cache entry, in two thirds of the time for a new tensor: without a
+        shape environment the entry's sizes are plain numbers (torch resolves each through a generator), and a
+        view's storage is set in the same kernel-invocation context the empty tensor is made in (torch enters it
+        twice). In-place results, constants and a mode with a shape environment take torch's way."""
+        metadata = entry.metadata
+        if self.shape_env is not None or metadata is None or entry.inplace_idx is not None:
+            return super()._get_output_tensor_from_cache_entry(state, entry, key, func, args)
+        # a view's storage is its input's (the cache keeps which input)
+        storage = (args[entry.view_idx].untyped_storage()
+                   if isinstance(func, torch._ops.OpOverload) and func.is_view else None)
+        with in_kernel_invocation_manager(self):
+            empty = torch.empty_strided(metadata.shape, metadata.stride, dtype=metadata.dtype, layout=metadata.layout,
+                                        device="meta", requires_grad=metadata.requires_grad)
+            if metadata.is_conj:
+                torch._C._set_conj(empty, True)
+            if metadata.is_neg:
+                torch._C._set_neg(empty, True)
+            if storage is not None:
+                empty.set_(storage, metadata.storage_offset, metadata.shape, metadata.stride)
+        return FakeTensor(self, empty, metadata.device)
 
 
 # arguments that FakeTensorMode's cache key holds as their type and value (its last case)
