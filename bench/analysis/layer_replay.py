@@ -145,11 +145,12 @@ def _recompute_plan_at(plans: list[str], traced: list[int], layers: int) -> str 
 
 
 def tracked_step_by_layers(case, spec: str, engine: str, warmup_steps: int | None,
-                           capability: tuple[int, int] | None):
+                           capability: tuple[int, int] | None, prepare=None):
     """(the case's tracked step built by layer replay, or None, and why not): the step traced at
     SMALLEST_TRACE_LAYERS layers and one more, the log at the case's layers made from them, used only where the
     log it makes for two more layers equals a real trace of them event for event (see the module). The step
-    carries the replayed log; its `tracker` is None (no snapshot) and `peak_bytes` is the log's live-bytes peak."""
+    carries the replayed log; its `tracker` is None (no snapshot) and `peak_bytes` is the log's live-bytes peak.
+    `prepare`: as `tracer`'s (the plan counts each small trace's operators with it)."""
     from dataclasses import replace
 
     from bench.analysis.fake_engine import TrackedStep, bound_device
@@ -162,7 +163,8 @@ def tracked_step_by_layers(case, spec: str, engine: str, warmup_steps: int | Non
         return None, f"{_REFUSED[tried]}, found on an earlier case of this model and strategy"
     kinds = layer_kinds(bind_case(replace(case, device=bound_device(engine)), 1)[0], layers)
     try:
-        steps, events, plan, calls = replayed(tracer(case, spec, engine, warmup_steps, capability), layers, kinds)
+        steps, events, plan, calls = replayed(tracer(case, spec, engine, warmup_steps, capability, prepare=prepare),
+                                              layers, kinds)
     except NoReplay as why:
         _REFUSED[tried] = str(why)
         return None, str(why)
@@ -170,10 +172,11 @@ def tracked_step_by_layers(case, spec: str, engine: str, warmup_steps: int | Non
 
 
 def tracer(case, spec: str, engine: str, warmup_steps: int | None, capability: tuple[int, int] | None,
-           ranks: int = 1, rank: int | None = None):
+           ranks: int = 1, rank: int | None = None, prepare=None):
     """`trace(count, plain=None)`: the case's step at `count` layers, or with `plain`, at `count` checkpointed layers,
     each alone, and `plain` after them; with `rank`, as that rank of `ranks` in PyTorch's fake process group (the
-    strategy bound and planned inside it)."""
+    strategy bound and planned inside it). `prepare(strategy, count, plain)`, where given, returns the strategy the
+    trace runs, made from the bound and planned one (`bench.analysis.plan` wraps an operator counter into it)."""
     import contextlib
     from dataclasses import replace
 
@@ -194,6 +197,8 @@ def tracer(case, spec: str, engine: str, warmup_steps: int | None, capability: t
                     if member.name == "checkpoint":
                         member.plan_used = tuple((layer,) for layer in range(count))
             planned.plan(PredictionMeter(small))
+            if prepare is not None:
+                planned = prepare(planned, count, plain)
             return tracked_step(small, spec, engine, 1, cuda_autocast=True, ranks=ranks, record_events=True,
                                 warmup_steps=warmup_steps, planned=planned, capability=capability)
     return trace

@@ -1,0 +1,111 @@
+"""A plan candidate by layer replay (`bench.analysis.plan.evaluate`, `bench.analysis.layer_replay`): its row, its
+memory from the replayed log and its time from the operator totals extrapolated from the small traces, has every
+figure of the row made by tracing every layer (MEMBENCH_FULL_TRACE=1); totals that the proof trace does not confirm
+send the candidate to the full trace."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from bench.analysis import layer_replay, plan, plan_cost
+from bench.core import gpus
+from bench.measure.op_cost import COLLECTIVE, MATMUL, MEMORY, OpCost
+
+from .conftest import unavailable_reason
+
+pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=unavailable_reason() or "")
+
+WORKLOAD = "hf:llama-3.2-1b:seq_len=32:layers=7"  # traced at 3, 4 and 5 layers
+FIGURES = plan_cost.gpu_figures(gpus.find_gpu("H100 80GB"))
+TIME_COLUMNS = ("est_step_time_ms", "est_comm_time_ms")
+
+
+def _request() -> plan.PlanRequest:
+    return plan.PlanRequest(WORKLOAD, "synthetic", 2, "cuda", "H100 80GB", 2**40, 524288000,
+                            plan_cost.to_json(FIGURES), capability=(9, 0), max_search_s=600)
+
+
+@pytest.fixture(autouse=True)
+def _no_refusal_remembered():
+    """Each test finds its own refusals (a refusal is remembered per model and strategy)."""
+    plan._TIME_REFUSED.clear()
+    layer_replay._REFUSED.clear()
+    yield
+    plan._TIME_REFUSED.clear()
+    layer_replay._REFUSED.clear()
+
+
+@pytest.mark.parametrize("spec", ["baseline", "checkpoint:segments=all"])
+def test_a_candidate_by_layer_replay_has_every_figure_of_the_full_trace(spec, monkeypatch):
+    replayed = plan.evaluate(_request(), spec, 0 if spec == "baseline" else 1, FIGURES, may_stop=True)
+    monkeypatch.setenv(layer_replay.FULL_TRACE_ENV, "1")
+    full = plan.evaluate(_request(), spec, 0 if spec == "baseline" else 1, FIGURES, may_stop=True)
+    assert replayed["status"] == full["status"] == "ok", (replayed["message"], full["message"])
+    assert "layer replay: traced at 3, 4 and 5 layers, the 7-layer log" in replayed["message"]
+    assert "operator totals and time extrapolated" in replayed["message"]
+    assert "layer replay" not in full["message"]
+    assert replayed["step_ops"] > 0 and replayed["est_step_time_ms"] > 0
+    exact = [name for name in full if name != "message" and name not in TIME_COLUMNS]
+    assert {name: replayed[name] for name in exact} == {name: full[name] for name in exact}
+    for name in TIME_COLUMNS:
+        assert math.isclose(replayed[name], full[name], rel_tol=1e-9, abs_tol=0.0), name
+
+
+def test_totals_the_proof_trace_does_not_confirm_send_the_candidate_to_the_full_trace(monkeypatch):
+    # one operator more in the 5-layer trace than the 3- and 4-layer ones make for it: not affine in the layers
+    counted = plan._trace_totals
+
+    def one_more_at_five_layers(ops, figures, gpus_per_node):
+        totals = counted(ops, figures, gpus_per_node)
+        return {**totals, "ops": totals["ops"] + 1} if traced[0] == 2 else totals
+
+    traced = [-1]
+
+    def counting(ops, figures, gpus_per_node):
+        traced[0] += 1
+        return one_more_at_five_layers(ops, figures, gpus_per_node)
+
+    monkeypatch.setattr(plan, "_trace_totals", counting)
+    row = plan.evaluate(_request(), "baseline", 0, FIGURES)
+    monkeypatch.setattr(plan, "_trace_totals", counted)
+    monkeypatch.setenv(layer_replay.FULL_TRACE_ENV, "1")
+    full = plan.evaluate(_request(), "baseline", 0, FIGURES)
+    assert row["status"] == "ok"
+    assert "layer replay refused (the operators' ops made for 5+0 layers" in row["message"]
+    assert "every layer traced" in row["message"]
+    assert row["step_ops"] == full["step_ops"] and row["judged_bytes"] == full["judged_bytes"]
+
+
+class _Counted:
+    def __init__(self, ops):
+        self.steps = [[], ops]
+
+
+def _ops(layers: int, proof_extra: int = 0) -> list[OpCost]:
+    """A step of `layers` layers: a fixed head, two operators a layer, an optimizer operator growing with them."""
+    layer = [OpCost(MATMUL, "bfloat16", 4_000_000, 3_000), OpCost(MEMORY, "float32", 0, 5_000)]
+    return ([OpCost(MATMUL, "bfloat16", 9_000_000, 7_000)] + layer * layers
+            + [OpCost(MEMORY, "float32", 0, 11_000 * layers + 13 + proof_extra),
+               OpCost(COLLECTIVE, "float32", 0, 64 * layers, "all_reduce", (0,))])
+
+
+def test_the_totals_at_n_layers_are_those_of_the_step_at_n_layers():
+    counters = {(3, 0): _Counted(_ops(3)), (4, 0): _Counted(_ops(4)), (5, 0): _Counted(_ops(5))}
+    columns = plan._extrapolated_time(counters, (80, 0), FIGURES, 8, 1)
+    ops = _ops(80)
+    assert columns["step_ops"] == len(ops) == 1 + 2 * 80 + 2
+    assert columns["step_moved_bytes"] == sum(op.bytes for op in ops if op.kind != COLLECTIVE)
+    assert columns["step_collective_bytes"] == 64 * 80
+    assert math.isclose(columns["est_step_time_ms"], FIGURES.seconds(ops) * 1e3, rel_tol=1e-9)
+    # two kinds of layers: the slopes of each from the traces one layer apart in it
+    counters = {(3, 2): _Counted(_ops(3 + 2)), (4, 2): _Counted(_ops(4 + 2)), (3, 3): _Counted(_ops(3 + 3)),
+                (5, 4): _Counted(_ops(5 + 4))}
+    assert plan._extrapolated_time(counters, (65, 15), FIGURES, 8, 1)["step_ops"] == 1 + 2 * 80 + 2
+
+
+def test_a_proof_trace_off_by_one_byte_is_refused():
+    counters = {(3, 0): _Counted(_ops(3)), (4, 0): _Counted(_ops(4)), (5, 0): _Counted(_ops(5, proof_extra=1))}
+    with pytest.raises(plan._NotAffine, match="bytes made for 5\\+0 layers"):
+        plan._extrapolated_time(counters, (80, 0), FIGURES, 8, 1)
