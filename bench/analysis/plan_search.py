@@ -179,11 +179,12 @@ class _Queue:
         return found
 
     def _unknown_member(self, setting) -> bool:
-        """A setting that shards nothing, in a search of sharded candidates, that the one-rank search did not get
-        to (cut short): it cannot run alone here, and what it saves is unknown, so it combines with neutral ratios
-        (`_ratio` of no row) rather than not at all."""
+        """A setting that shards nothing, its strategy's first declared one, in a search of sharded candidates, that
+        the one-rank search did not get to (cut short): it cannot run alone here, and what it saves is unknown, so
+        it combines with neutral ratios (`_ratio` of no row) rather than not at all. A strategy's later settings
+        wait for the one-rank search that tries them (--max-search-s): each would multiply the candidates."""
         return self.request.sharded_only and bool(self.known) and setting.spec not in self.rows \
-            and not STRATEGIES.get(setting.strategy).distributed
+            and self.rank[setting.spec] == 0 and not STRATEGIES.get(setting.strategy).distributed
 
     def _member_ratio(self, setting, column: str) -> float:
         return 1.0 if self._unknown_member(setting) else _ratio(self.rows[setting.spec], self.base(), column)
@@ -223,8 +224,10 @@ class _Queue:
         base, ready = self.base(), []
         for setting in self.accepted:
             if setting.spec not in self.rows and self._may_run((setting,)):
-                ready.append(((1 if self.rank[setting.spec] == 0 else 3, self.rank[setting.spec], 0.0),
-                              setting.spec, 1))
+                # on several ranks every sharded setting alone is an early one: it stops once it cannot fit, and
+                # the combinations need it (fsdp's offload, its mixed precision policy)
+                first = self.rank[setting.spec] == 0 or self.request.sharded_only
+                ready.append(((1 if first else 3, self.rank[setting.spec], 0.0), setting.spec, 1))
         if base is not None and base["status"] == Status.OK.value and base["judged_bytes"]:
             fastest = self._fastest_fitting()
             for members, spec in self.combinations():
