@@ -1,15 +1,19 @@
-"""The fake-CUDA mode's dispatch-cache key (`FakeCudaMode._prep_args_for_hash`): it tells apart the arguments torch's
-own key tells apart, and no others, and an operator answered from the cache gives what the uncached dispatch gives,
-for inputs that differ from one another in one property each."""
+"""The fake-CUDA dispatch's shortcuts give what torch's way gives: the dispatch-cache key
+(`FakeCudaMode._prep_args_for_hash`) tells apart the arguments torch's own key tells apart, and no others, and an
+operator answered from the cache gives what the uncached dispatch gives, for inputs that differ from one another in
+one property each; the tracker answers a fake tensor's device as the fake mode does; the heap frozen while inside
+`fake_cuda()` is thawed at the outermost exit."""
 
+import gc
 import itertools
 import types
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode, _CacheKeyState
+from torch._subclasses.fake_tensor import FakeTensorMode, _CacheKeyState, in_kernel_invocation_manager
 
-from bench.measure.fake_cuda_mode import FakeCudaMode
+from bench.measure.breakdown import CategorizedTracker
+from bench.measure.fake_cuda_mode import FakeCudaMode, fake_cuda, heap_frozen
 
 aten = torch.ops.aten
 
@@ -118,3 +122,31 @@ def test_the_key_tells_apart_what_torchs_key_tells_apart():
     assert len(set(ours)) == len(set(torchs)) > len(calls) // 2
     for (i, a), (j, b) in itertools.combinations(enumerate(ours), 2):
         assert (a == b) == (torchs[i] == torchs[j]), (calls[i], calls[j])
+
+
+def test_the_tracker_answers_a_fake_tensors_device_as_the_fake_mode_does():
+    mode = FakeCudaMode()
+    with mode:
+        t = torch.empty(2, 3, device="cuda")
+        expected = torch.ops.prim.device.default(t)
+        with in_kernel_invocation_manager(mode):
+            expected_in_kernel = torch.ops.prim.device.default(t)
+    assert (expected.type, expected_in_kernel.type) == ("cuda", "meta")
+    with fake_cuda(), CategorizedTracker("cuda", block_bytes=512, record_events=True) as tracker:
+        t = torch.empty(2, 3, device="cuda")
+        tracker.track([t], "batch")
+        assert torch.ops.prim.device.default(t) == expected
+        assert torch.ops.prim.device.default(t.to(torch.bfloat16)) == expected
+    # asking the device is no operator of the step
+    assert [event.op for event in tracker.events if event.kind == "op"] == ["empty.memory_format", "_to_copy.default"]
+
+
+def test_the_heap_is_frozen_inside_and_thawed_at_the_outermost_exit():
+    assert gc.get_freeze_count() == 0
+    with heap_frozen():
+        frozen = gc.get_freeze_count()
+        with heap_frozen():
+            made_inside = [object() for _ in range(10)]
+        assert gc.get_freeze_count() == frozen > 0  # the inner exit thawed nothing
+    assert gc.get_freeze_count() == 0
+    assert gc.is_tracked(made_inside) and made_inside
