@@ -128,3 +128,10 @@ def test_the_handed_over_process_imports_the_plugins_as_the_worker_did(tmp_path,
         monkeypatch.delitem(sys.modules, "membench_handover_plugin", raising=False)
         if hasattr(builtins, "handover_plugin_imported"):
             del builtins.handover_plugin_imported
+
+
+def test_the_fake_cuda_python_holds_pytorchs_cpp_log_to_errors_unless_asked():
+    """The fake process group's ranks make ProcessGroup's C++ warn that no backend registered hooks: noise on the
+    user's terminal that says nothing of the prediction; a TORCH_CPP_LOG_LEVEL the user set is kept."""
+    assert fake_cuda.python_environment({})["TORCH_CPP_LOG_LEVEL"] == "ERROR"
+    assert fake_cuda.python_environment({"TORCH_CPP_LOG_LEVEL": "INFO"})["TORCH_CPP_LOG_LEVEL"] == "INFO"

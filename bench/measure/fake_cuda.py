@@ -61,8 +61,11 @@ def unavailable_reason(venv: Path | None = None) -> str | None:
 def python_environment(base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment variables under which that Python imports this membench: `base` (default: this process's),
     with a checkout first on PYTHONPATH (the environment does not install a checkout; an installed membench has its
-    own copy there, and this one's site-packages must stay off its path: its torch is a CPU build)."""
+    own copy there, and this one's site-packages must stay off its path: its torch is a CPU build). PyTorch's C++
+    log is held to errors there unless TORCH_CPP_LOG_LEVEL says otherwise: the fake process group's ranks make
+    ProcessGroup warn, once a process, that no backend registered hooks, which says nothing of a prediction."""
     env = dict(os.environ if base is None else base)
+    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     if IN_CHECKOUT:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     return env
