@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from bench.analysis import layer_replay, plan, plan_cost
+from bench.analysis import layer_replay, layer_replay_ranks, plan, plan_cost
 from bench.core import gpus
 from bench.measure.op_cost import COLLECTIVE, MATMUL, MEMORY, OpCost
 
@@ -22,31 +22,36 @@ FIGURES = plan_cost.gpu_figures(gpus.find_gpu("H100 80GB"))
 TIME_COLUMNS = ("est_step_time_ms", "est_comm_time_ms")
 
 
-def _request() -> plan.PlanRequest:
-    return plan.PlanRequest(WORKLOAD, "synthetic", 2, "cuda", "H100 80GB", 2**40, 524288000,
-                            plan_cost.to_json(FIGURES), capability=(9, 0), max_search_s=600)
+def _request(ranks: int = 1) -> plan.PlanRequest:
+    return plan.PlanRequest(WORKLOAD, "synthetic", 3 if ranks > 1 else 2, "cuda", "H100 80GB", 2**40, 524288000,
+                            plan_cost.to_json(FIGURES), ranks=ranks, capability=(9, 0), max_search_s=600)
 
 
 @pytest.fixture(autouse=True)
 def _no_refusal_remembered():
     """Each test finds its own refusals (a refusal is remembered per model and strategy)."""
-    plan._TIME_REFUSED.clear()
-    layer_replay._REFUSED.clear()
+    for refused in (plan._TIME_REFUSED, layer_replay._REFUSED, layer_replay_ranks._REFUSED):
+        refused.clear()
     yield
-    plan._TIME_REFUSED.clear()
-    layer_replay._REFUSED.clear()
+    for refused in (plan._TIME_REFUSED, layer_replay._REFUSED, layer_replay_ranks._REFUSED):
+        refused.clear()
 
 
-@pytest.mark.parametrize("spec", ["baseline", "checkpoint:segments=all"])
-def test_a_candidate_by_layer_replay_has_every_figure_of_the_full_trace(spec, monkeypatch):
-    replayed = plan.evaluate(_request(), spec, 0 if spec == "baseline" else 1, FIGURES, may_stop=True)
+@pytest.mark.parametrize("spec, ranks", [("baseline", 1), ("checkpoint:segments=all", 1),
+                                         # of 3 ranks, 0 and 2 traced (the last holds smaller chunks)
+                                         ("fsdp+checkpoint:segments=all", 3)])
+def test_a_candidate_by_layer_replay_has_every_figure_of_the_full_trace(spec, ranks, monkeypatch):
+    members = len(spec.split("+")) if spec != "baseline" else 0
+    replayed = plan.evaluate(_request(ranks), spec, members, FIGURES, may_stop=True)
     monkeypatch.setenv(layer_replay.FULL_TRACE_ENV, "1")
-    full = plan.evaluate(_request(), spec, 0 if spec == "baseline" else 1, FIGURES, may_stop=True)
+    full = plan.evaluate(_request(ranks), spec, members, FIGURES, may_stop=True)
     assert replayed["status"] == full["status"] == "ok", (replayed["message"], full["message"])
     assert "layer replay: traced at 3, 4 and 5 layers, the 7-layer log" in replayed["message"]
     assert "operator totals and time extrapolated" in replayed["message"]
     assert "layer replay" not in full["message"]
     assert replayed["step_ops"] > 0 and replayed["est_step_time_ms"] > 0
+    if ranks > 1:
+        assert replayed["step_collective_bytes"] > 0 and replayed["est_comm_time_ms"] > 0
     exact = [name for name in full if name != "message" and name not in TIME_COLUMNS]
     assert {name: replayed[name] for name in exact} == {name: full[name] for name in exact}
     for name in TIME_COLUMNS:

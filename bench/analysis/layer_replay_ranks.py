@@ -29,10 +29,12 @@ REPLAYED_SHARDINGS = frozenset({"fsdp"})
 
 
 def tracked_ranks_by_layers(case, spec: str, engine: str, warmup_steps: int | None,
-                            capability: tuple[int, int] | None, ranks: int, strategy):
+                            capability: tuple[int, int] | None, ranks: int, strategy, prepare=None):
     """(the case's sharded step built by layer replay, rank by rank, or None, and why not); `strategy` is the
     case's strategy bound for `ranks` (its checkpoint plan says whether layers come in two kinds). The step is the
-    largest rank's, with `rank` and `ranks_traced` set as the full trace sets them."""
+    largest rank's, with `rank` and `ranks_traced` set as the full trace sets them. `prepare(strategy, count, plain,
+    rank)`, where given, returns the strategy each small trace of a rank runs (`layer_replay.tracer`'s, with the
+    rank)."""
     from bench.analysis.fake_engine import TrackedStep, one_rank_of_each_signature
 
     unproven = sorted({member.name for member in getattr(strategy, "members", [strategy])
@@ -49,7 +51,8 @@ def tracked_ranks_by_layers(case, spec: str, engine: str, warmup_steps: int | No
         # rank -> (its small steps, its log at `layers`, recompute plan, attention calls)
         replayed = one_rank_of_each_signature(
             ranks, lambda rank: layer_replay.replayed(
-                layer_replay.tracer(case, spec, engine, warmup_steps, capability, ranks, rank), layers, kinds),
+                layer_replay.tracer(case, spec, engine, warmup_steps, capability, ranks, rank,
+                                    _for_rank(prepare, rank)), layers, kinds),
             lambda result: result[0][0].rank_signatures)
         if len({plan for _, _, plan, _ in replayed.values()}) > 1:
             raise NoReplay("recompute plans that differ by rank")
@@ -61,6 +64,14 @@ def tracked_ranks_by_layers(case, spec: str, engine: str, warmup_steps: int | No
     steps, events, plan, calls = replayed[largest]
     return TrackedStep(peaks[largest], events, engine, None, {}, steps[0].sdpa_kernel, calls, plan, None,
                        steps[0].rank_signatures, tuple(replayed), largest), None
+
+
+def _for_rank(prepare, rank: int):
+    """`prepare` (see `tracked_ranks_by_layers`) for `rank`'s traces, as `layer_replay.tracer` calls it; None for
+    None."""
+    if prepare is None:
+        return None
+    return lambda strategy, count, plain: prepare(strategy, count, plain, rank)
 
 
 # why a sharded replay was refused, by (workload spec without its length, strategy spec, engine, ranks)

@@ -9,6 +9,9 @@ every declared setting alone and combinations of the settings that helped, by wh
 candidate is a row of the declared plan table (`bench.core.results.PLAN`). The operators are counted in the measured
 step only, and a candidate whose figures the search does not need once it cannot fit (a combination; on several
 ranks, any) stops as soon as its CUDA step, or one of its ranks' steps, certainly cannot (`bench.analysis.plan_step`).
+A full-size model whose layers `predict` replays is traced at a few layers instead (`bench.analysis.layer_replay`):
+its event log built from them, its operator totals extrapolated from theirs, each proven on one more trace
+(`_replayed_candidate`).
 
 A sharded strategy's step runs rank by rank in this process (PyTorch's fake process group); its time estimate is that
 of the rank with the largest peak: its compute, and its collectives over the links their groups cross, added
@@ -18,13 +21,14 @@ without overlap (`bench.analysis.plan_cost`). Times are estimates for ranking: t
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from dataclasses import dataclass, field, replace
 
 import torch
 from torch._subclasses import fake_tensor
 
-from bench.analysis import plan_cost, plan_step
+from bench.analysis import layer_replay, layer_replay_ranks, plan_cost, plan_step
 from bench.analysis.fake_engine import PredictionMeter, bound_device, cublas_workspace, tracked_step
 from bench.core.errors import Unsupported
 from bench.core.gpus import DEFAULT_MAX_CANDIDATES, DEFAULT_MAX_SEARCH_S
@@ -173,6 +177,8 @@ def evaluate(request: PlanRequest, spec: str, members: int, figures: plan_cost.D
                 _memory(row, replayed[0], request)
                 row["differs_by_design"] = planned.differs_by_design()
                 row.update(replayed[1])
+                if strategy.distributed:
+                    notes.append(_largest_rank_note(replayed[0].rank, request.ranks))
                 row["message"] = "; ".join(notes)
                 return row
             step = tracked_step(case, spec, engine, 1, cuda_autocast=cuda, ranks=request.ranks, record_events=cuda,
@@ -220,10 +226,15 @@ def evaluate(request: PlanRequest, spec: str, members: int, figures: plan_cost.D
     else:
         notes.append("no time estimate: no operator of its step was counted")
     if strategy.distributed:
-        notes.append(f"time: rank {step.rank}'s (the largest of {request.ranks}), its compute plus its "
-                     "collectives, not overlapped (an upper bound)")
+        notes.append(_largest_rank_note(step.rank, request.ranks))
     row["message"] = "; ".join(notes)
     return row
+
+
+def _largest_rank_note(rank: int, ranks: int) -> str:
+    """What a sharded candidate's row says of its time."""
+    return (f"time: rank {rank}'s (the largest of {ranks}), its compute plus its collectives, not overlapped (an "
+            "upper bound)")
 
 
 # --- a candidate by layer replay --------------------------------------------------------------------------------
@@ -241,40 +252,41 @@ _TIME_REFUSED: dict[tuple, str] = {}
 def _replayed_candidate(case: Case, spec: str, engine: str, planned, request: PlanRequest,
                         figures: plan_cost.DeviceFigures, warmup: int | None, notes: list[str]):
     """(the candidate's step built by layer replay, its time columns) where layer replay applies as it does for
-    `predict` (`layer_replay.why_not_replayable`; one rank) and both its event log and its operator totals are
-    proven; else None, and where it applied but was refused, why, in `notes`.
+    `predict` (`layer_replay.why_not_replayable`: one rank, or fsdp's ranks by `layer_replay_ranks`) and both its
+    event log and its operator totals are proven; else None, and where it applied but was refused, why, in `notes`.
 
-    The small traces (`layer_replay.tracked_step_by_layers`) each count their measured step's operators; a total
-    of the N-layer step is the affine function of the layer counts through the traces but the last
-    (`_affine_at`), used only where the same function gives the last trace's own totals: integers exactly, the
-    compute and communication seconds within SECONDS_RELATIVE_TOLERANCE. No trace stops early (`may_stop`): each
-    holds a few layers, and the candidate gets all its figures."""
-    import re
-
-    from bench.analysis import layer_replay
-
-    if request.ranks != 1 or warmup is None or planned.distributed \
-            or layer_replay.why_not_replayable(case, planned, request.ranks, engine, snapshot=False) is not None:
+    The small traces (`layer_replay.tracked_step_by_layers`; of a sharded step, each rank's) each count their
+    measured step's operators; a total of the N-layer step (of a sharded one, its largest rank's, as the full trace
+    times it) is the affine function of the layer counts through the traces but the last (`_affine_at`), used only
+    where the same function gives the last trace's own totals: integers exactly, the compute and communication
+    seconds within SECONDS_RELATIVE_TOLERANCE. No trace stops early (`may_stop`): each holds a few layers, and the
+    candidate gets all its figures."""
+    if warmup is None or layer_replay.why_not_replayable(case, planned, request.ranks, engine, snapshot=False):
         return None
-    tried = (re.sub(r":seq_len=\d+", "", case.workload), spec, engine)
+    tried = (re.sub(r":seq_len=\d+", "", case.workload), spec, engine, request.ranks)
     if tried in _TIME_REFUSED:
         notes.append(f"layer replay refused ({_TIME_REFUSED[tried]}, found on an earlier candidate of this model "
                      "and strategy): every layer traced")
         return None
-    counters: dict[tuple[int, int], plan_step.MeasuredStepCounter] = {}
+    counters: dict[int | None, dict[tuple[int, int], plan_step.MeasuredStepCounter]] = {}
 
-    def counted_trace(strategy, count: int, plain: int | None):
-        counters[(count, plain or 0)] = plan_step.MeasuredStepCounter()
-        return plan_step.counted(strategy, counters[(count, plain or 0)], warmup)
+    def counted_trace(strategy, count: int, plain: int | None, rank: int | None = None):
+        counter = counters.setdefault(rank, {})[(count, plain or 0)] = plan_step.MeasuredStepCounter()
+        return plan_step.counted(strategy, counter, warmup)
 
-    step, why = layer_replay.tracked_step_by_layers(case, spec, engine, warmup, None, prepare=counted_trace)
+    if planned.distributed:
+        step, why = layer_replay_ranks.tracked_ranks_by_layers(case, spec, engine, warmup, None, request.ranks,
+                                                               planned, prepare=counted_trace)
+    else:
+        step, why = layer_replay.tracked_step_by_layers(case, spec, engine, warmup, None, prepare=counted_trace)
     if step is None:
         notes.append(f"layer replay refused ({why}): every layer traced")
         return None
     layers = layer_replay.layers_of_case(case)
     kinds = layer_replay.layer_kinds(planned, layers)
     try:
-        columns = _extrapolated_time(counters, kinds or (layers, 0), figures, request.gpus_per_node, warmup)
+        columns = _extrapolated_time(counters[step.rank], kinds or (layers, 0), figures, request.gpus_per_node,
+                                     warmup)
     except Unsupported as refused:  # the device lacks a dtype's arithmetic: the full trace's row says so
         notes.append(f"layer replay not used ({refused}): every layer traced")
         return None
