@@ -248,7 +248,7 @@ class Checkpoint(Strategy):
     # Train 221,420,444 -> 201,534,524 (0.910, segments=6) on captcha_resnet18. At batch 8 ~180 MB of the peak are
     # weights, grads and Adam state, so the ~40 MB of activations are all checkpointing can touch.
     memory_effect = {"train": (0.85, 0.95)}
-    refusals = (r"exceeds the \d+ checkpoint units",)
+    refusals = (r"exceeds the \d+ checkpoint units", r"checkpoint:budget plans from one process's step")
 
     @classmethod
     def plan_settings(cls, space):
@@ -286,6 +286,11 @@ class Checkpoint(Strategy):
 
     def check(self, context):
         super().check(context)
+        if self.settings["budget"] and context.ranks > 1:
+            # its plan predicts the composed step in this process, outside the ranks' process group, where a sharded
+            # strategy cannot build its mesh
+            raise Unsupported(f"checkpoint:budget plans from one process's step, not a sharded step on --ranks "
+                              f"{context.ranks}: give checkpoint:segments (all, sqrt or a number)")
         segments = str(self.settings["segments"])
         if segments.isdigit() and not self.settings["budget"] and context.workload is not None:
             units = context.workload.checkpoint_unit_count()

@@ -215,3 +215,20 @@ def test_the_cli_rewrites_its_own_csv_after_the_second_rank_count(tmp_path, caps
     (csv,) = tmp_path.glob("plan-*.csv")
     assert set(pd.read_csv(csv)["ranks"]) == {1, 2}
     assert code == 1  # nothing fits in 1 KiB
+
+
+def test_a_checkpoint_budget_with_a_sharded_strategy_is_refused_with_why():
+    """The budget's plan predicts the composed step in one process, where fsdp cannot build its mesh: on several
+    ranks the combination is an unsupported row saying what to give instead, not an error of the mesh."""
+    from bench.analysis.plan_candidates import compose, Setting
+    from bench.core.errors import Unsupported
+    from strategies import StepContext, StrategySpec
+    from workloads import get_workload
+
+    composite = StrategySpec("checkpoint:budget=100MiB+fsdp").build()
+    composite.bind(StepContext("train", "cuda", get_workload("hf:tiny-llama:seq_len=16"), 4, ranks=2))
+    with pytest.raises(Unsupported, match="give checkpoint:segments"):
+        composite.check(composite.context)
+    context = StepContext("train", "cuda", get_workload("hf:tiny-llama:seq_len=16"), 4, ranks=2)
+    assert compose((Setting("checkpoint:budget=100MiB", "checkpoint"), Setting("fsdp", "fsdp")), context) is None
+    assert compose((Setting("checkpoint:segments=all", "checkpoint"), Setting("fsdp", "fsdp")), context) is not None
