@@ -12,7 +12,6 @@ import pytest
 
 from bench.analysis import plan, plan_cost, plan_ranks, plan_search
 from bench.cli.main import main
-from bench.core.results import Status
 from bench.measure.op_cost import CONV, MATMUL, CpuSpeed
 from strategies import STRATEGIES
 
