@@ -25,15 +25,22 @@ Options (`hf:llama-3.2-1b:layers=2:seq_len=256:attn=eager`):
   causal LM a copy of the input ids, which transformers' `ForCausalLMLoss` pads and shifts; for a packed row -100 at
   each later document's first token; the masked-LM or class targets otherwise), the model returns the loss and the
   step drops its logits there, as the Trainer's `compute_loss` does. The loss is the same cross-entropy, but for a
-  causal LM over one position fewer per row (the last predicts nothing: its next token is not in the row).
+  causal LM over one position fewer per row (the last predicts nothing: its next token is not in the row);
+  or `shifted`, causal LM only, the loss as transformers' models computed it from `labels=` before 4.46 (GPT-2's
+  `lm_logits[..., :-1, :].contiguous()` against `labels[..., 1:]`, nn.CrossEntropyLoss) and as training scripts of
+  that time wrote it (ColossalAI's GPTLMLoss): in the logits' own dtype, with no float32 copy, over a contiguous copy
+  of all positions but the last; computed in the step from the batch's `labels` (as for `model`), the logits dropped
+  before the backward. Every other choice runs the loss in float32 (the session converts the output; transformers'
+  `ForCausalLMLoss` calls `logits.float()` since 4.46), whose log-softmax and its two gradients are each twice the
+  16-bit logits' bytes.
 
 Data: `text`, the standard library's source (`workloads.framework.text_data`) mapped into the vocabulary without a
 tokenizer: each token is two consecutive bytes, `(256 * first + second) % vocab_size`, deterministic; or
 `synthetic`, token ids drawn uniformly from the vocabulary with the workload's seed. The loss is computed here
-(unless `loss=model`), not by transformers, so that `loss(output, target)` gets the logits like any workload: causal
-LM, cross-entropy against the next token (what transformers' `labels=` computes after its shift); masked LM, 15% of
-each sequence's positions replaced by the mask token and predicted (-100 elsewhere, as transformers' data collator
-marks them); classification, one label per sequence.
+(unless `loss=model` or `shifted`), not by transformers, so that `loss(output, target)` gets the logits like any
+workload: causal LM, cross-entropy against the next token (what transformers' `labels=` computes after its shift);
+masked LM, 15% of each sequence's positions replaced by the mask token and predicted (-100 elsewhere, as
+transformers' data collator marks them); classification, one label per sequence.
 
 Checkpoint units: the model's decoder/encoder layers (the ModuleList of `num_hidden_layers` blocks). They do not
 chain in membench's sense (the model passes each one the attention mask and rotary embeddings as arguments), so
@@ -70,7 +77,9 @@ from workloads.framework.hf_presets import MASK_TOKEN_IDS, PRESETS
 INSTALL_HINT = "pip install 'membench[hf]' (in a checkout: make install)"
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 TASKS = ("causal_lm", "masked_lm", "seq_cls")
-LOSSES = ("logits", "model")  # the loss computed here from the logits, or the model's own from labels=
+# the loss computed here from the logits, the model's own from labels=, or transformers' of before 4.46 (in the
+# logits' dtype, over a shifted contiguous copy), computed in the step
+LOSSES = ("logits", "model", "shifted")
 MASKED_FRACTION = 0.15  # BERT's: the share of positions a masked-LM batch predicts
 IGNORE_INDEX = -100  # transformers' label for positions without a loss
 
@@ -179,6 +188,16 @@ def token_windows(batch_size: int, tokens: int, vocab_size: int, seed: int) -> t
     return (256 * data[..., 0] + data[..., 1]) % vocab_size
 
 
+def shifted_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """A causal LM's loss as transformers' GPT-2 computed it from `labels=` before 4.46 (and ColossalAI's GPTLMLoss
+    of 2022): the logits of all positions but the last copied contiguous, cross-entropy against the labels shifted by
+    one, in the logits' own dtype (no float32 copy: a 16-bit model's log-softmax and its gradients are 16-bit)."""
+    shift_logits = logits[..., :-1, :].contiguous()
+    shift_labels = labels[..., 1:].contiguous()
+    return F.cross_entropy(shift_logits.view(-1, shift_logits.size(-1)), shift_labels.view(-1),
+                           ignore_index=IGNORE_INDEX)
+
+
 # --- the workload --------------------------------------------------------------------------------------------
 
 @register_workload
@@ -229,6 +248,9 @@ class HfWorkload(Workload):
             raise UsageError(f"unknown task {s['task']!r} for hf:{s['model']} ({self.model_type}); valid choices: "
                              f"{', '.join(['auto', *tasks])}")
         self.task = tasks[0] if s["task"] == "auto" else s["task"]
+        if s["loss"] == "shifted" and self.task != "causal_lm":
+            raise UsageError(f"hf:{s['model']}:loss=shifted is a causal LM's loss (this task: {self.task}); valid "
+                             f"choices: logits, model")
         self._values = values
         if hf_moe.is_moe(full):  # its experts' grouped products on meta and fake tensors (workloads.framework.hf_moe)
             hf_moe.register_grouped_mm_meta_kernel()
@@ -264,13 +286,20 @@ class HfWorkload(Workload):
 
     @property
     def model_loss(self) -> bool:
-        """Whether the model computes its own loss from `labels=` (`loss=model`)."""
-        return self.settings["loss"] == "model"
+        """Whether the step computes the loss from the batch's `labels`, the logits dropped in it (`loss=model`, the
+        model's own; `loss=shifted`, transformers' of before 4.46)."""
+        return self.settings["loss"] in ("model", "shifted")
 
     def run_model(self, model: nn.Module, inputs) -> torch.Tensor:
         """The logits: transformers' models return a ModelOutput, the loss is computed here (see `loss`). With
         `loss=model` the model's own loss (the batch holds `labels`): the ModelOutput, and the logits in it, are
-        dropped here, as the Trainer's `compute_loss` drops them."""
+        dropped here, as the Trainer's `compute_loss` drops them. With `loss=shifted` the same, the loss computed
+        here from the logits as transformers computed it before 4.46 (`shifted_cross_entropy`)."""
+        if self.settings["loss"] == "shifted":
+            labels = inputs["labels"]
+            with sequences_not_packed(bool(self.settings["packed"])):
+                logits = model(**{key: value for key, value in inputs.items() if key != "labels"}).logits
+            return shifted_cross_entropy(logits, labels)
         with sequences_not_packed(bool(self.settings["packed"])):
             output = model(**inputs)
         if self.model_loss:
@@ -344,7 +373,8 @@ class HfWorkload(Workload):
         return {"input_ids": inputs}, ids.masked_fill(~masked, IGNORE_INDEX)
 
     def has_output_head(self) -> bool:
-        """A causal LM's, with the loss computed here: with `loss=model` the model applies its head and loss."""
+        """A causal LM's, with the loss computed here: with `loss=model` (`shifted`) the step applies the head and
+        the loss itself."""
         return self.task == "causal_lm" and not self.model_loss
 
     def output_head(self, model: nn.Module) -> nn.Linear | None:
@@ -361,7 +391,7 @@ class HfWorkload(Workload):
     def loss(self, output: torch.Tensor | DeferredHead, target: torch.Tensor) -> torch.Tensor:
         if isinstance(output, DeferredHead):  # the head and this loss computed by chunks (strategies.chunked_loss)
             return output.loss(target)
-        if self.model_loss:  # the model's own loss, computed by run_model from the batch's labels
+        if self.model_loss:  # the loss computed by run_model from the batch's labels (the model's own, or shifted)
             return output
         if self.task == "seq_cls":
             return F.cross_entropy(output, target)
