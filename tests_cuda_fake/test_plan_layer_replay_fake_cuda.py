@@ -22,18 +22,19 @@ FIGURES = plan_cost.gpu_figures(gpus.find_gpu("H100 80GB"))
 TIME_COLUMNS = ("est_step_time_ms", "est_comm_time_ms")
 
 
-def _request(ranks: int = 1) -> plan.PlanRequest:
-    return plan.PlanRequest(WORKLOAD, "synthetic", 3 if ranks > 1 else 2, "cuda", "H100 80GB", 2**40, 524288000,
-                            plan_cost.to_json(FIGURES), ranks=ranks, capability=(9, 0), max_search_s=600)
+def _request(ranks: int = 1, limit_bytes: int = 2**40, **changes) -> plan.PlanRequest:
+    return plan.PlanRequest(WORKLOAD, "synthetic", 3 if ranks > 1 else 2, "cuda", "H100 80GB", limit_bytes,
+                            524288000, plan_cost.to_json(FIGURES), ranks=ranks, capability=(9, 0), max_search_s=600,
+                            **changes)
 
 
 @pytest.fixture(autouse=True)
 def _no_refusal_remembered():
     """Each test finds its own refusals (a refusal is remembered per model and strategy)."""
-    for refused in (plan._TIME_REFUSED, layer_replay._REFUSED, layer_replay_ranks._REFUSED):
+    for refused in (plan._REPLAY_REFUSED, layer_replay._REFUSED, layer_replay_ranks._REFUSED):
         refused.clear()
     yield
-    for refused in (plan._TIME_REFUSED, layer_replay._REFUSED, layer_replay_ranks._REFUSED):
+    for refused in (plan._REPLAY_REFUSED, layer_replay._REFUSED, layer_replay_ranks._REFUSED):
         refused.clear()
 
 
@@ -56,6 +57,22 @@ def test_a_candidate_by_layer_replay_has_every_figure_of_the_full_trace(spec, ra
     assert {name: replayed[name] for name in exact} == {name: full[name] for name in exact}
     for name in TIME_COLUMNS:
         assert math.isclose(replayed[name], full[name], rel_tol=1e-9, abs_tol=0.0), name
+
+
+@pytest.mark.parametrize("over_limit", [True, False])
+def test_a_candidate_that_may_stop_stops_at_full_size_or_is_replayed(over_limit, monkeypatch):
+    # every candidate may stop (as on several ranks); its weights alone are over a limit of 100 MiB past the context
+    request = _request(limit_bytes=524288000 + (100 * 2**20 if over_limit else 2**40), sharded_only=True)
+    probed = plan.evaluate(request, "checkpoint:segments=all", 1, FIGURES, may_stop=True)
+    monkeypatch.setenv(layer_replay.FULL_TRACE_ENV, "1")
+    full = plan.evaluate(request, "checkpoint:segments=all", 1, FIGURES, may_stop=True)
+    if over_limit:  # stopped in its full-size forward, as the full trace stops
+        assert probed["message"].startswith("does not fit (stopped early): in the forward"), probed["message"]
+        assert probed == full
+    else:  # its forward got under the limit to its end: replayed, with every figure
+        assert probed["message"].startswith("layer replay: traced at 3, 4 and 5 layers"), probed["message"]
+        exact = [name for name in full if name != "message" and name not in TIME_COLUMNS]
+        assert {name: probed[name] for name in exact} == {name: full[name] for name in exact}
 
 
 def test_totals_the_proof_trace_does_not_confirm_send_the_candidate_to_the_full_trace(monkeypatch):

@@ -28,6 +28,12 @@ from bench.measure.layer_template import NoReplay
 REPLAYED_SHARDINGS = frozenset({"fsdp"})
 
 
+def unreplayed_shardings(strategy) -> list[str]:
+    """The sharded members of `strategy` whose ranks are traced in full without trying (not in REPLAYED_SHARDINGS)."""
+    return sorted({member.name for member in getattr(strategy, "members", [strategy])
+                   if member.distributed and member.name not in REPLAYED_SHARDINGS})
+
+
 def tracked_ranks_by_layers(case, spec: str, engine: str, warmup_steps: int | None,
                             capability: tuple[int, int] | None, ranks: int, strategy, prepare=None):
     """(the case's sharded step built by layer replay, rank by rank, or None, and why not); `strategy` is the
@@ -37,8 +43,7 @@ def tracked_ranks_by_layers(case, spec: str, engine: str, warmup_steps: int | No
     rank)."""
     from bench.analysis.fake_engine import TrackedStep, one_rank_of_each_signature
 
-    unproven = sorted({member.name for member in getattr(strategy, "members", [strategy])
-                       if member.distributed and member.name not in REPLAYED_SHARDINGS})
+    unproven = unreplayed_shardings(strategy)
     if unproven:
         return None, (f"{', '.join(unproven)} ranks: only {', '.join(sorted(REPLAYED_SHARDINGS))} ranks are "
                       "replayed (the others' logs made no template at small size)")
