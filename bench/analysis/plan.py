@@ -283,7 +283,8 @@ def _replayed_candidate(case: Case, spec: str, engine: str, planned, request: Pl
     where the same function gives the last trace's own totals: integers exactly, the compute and communication
     seconds within SECONDS_RELATIVE_TOLERANCE. No trace stops early (`may_stop`): each holds a few layers, and the
     candidate gets all its figures."""
-    if warmup is None or layer_replay.why_not_replayable(case, planned, request.ranks, engine, snapshot=False):
+    if warmup is None or layer_replay.why_not_replayable(case, planned, _stepping_ranks(planned, request), engine,
+                                                         snapshot=False):
         return None
     tried = _replay_key(case, spec, engine, request)
     if tried in _REPLAY_REFUSED:
@@ -326,10 +327,17 @@ def _replay_key(case: Case, spec: str, engine: str, request: PlanRequest) -> tup
     return re.sub(r":seq_len=\d+", "", case.workload), spec, engine, request.ranks
 
 
+def _stepping_ranks(planned, request: PlanRequest) -> int:
+    """The ranks whose steps a candidate traces: a strategy that shards nothing runs one process's step whatever
+    `--ranks` says (its row is the same on every rank count)."""
+    return request.ranks if planned.distributed else 1
+
+
 def _replay_applies(case: Case, spec: str, engine: str, planned, request: PlanRequest, warmup: int | None) -> bool:
     """Whether `_replayed_candidate` will trace the small steps (not whether it will be proven)."""
     return (warmup is not None and _replay_key(case, spec, engine, request) not in _REPLAY_REFUSED
-            and layer_replay.why_not_replayable(case, planned, request.ranks, engine, snapshot=False) is None
+            and layer_replay.why_not_replayable(case, planned, _stepping_ranks(planned, request), engine,
+                                                snapshot=False) is None
             and not (planned.distributed and layer_replay_ranks.unreplayed_shardings(planned)))
 
 
