@@ -99,6 +99,27 @@ def test_each_key_becomes_its_spec_member(overrides, present, absent):
         assert job.batch_size == 4  # 32 over 8 data-parallel ranks of local batch 1: 4 accumulated micro-batches
 
 
+def test_compile_on_a_tensor_parallel_mesh_is_left_out_and_said_not_modelled():
+    """torchtitan's 405B file compiles its blocks on an 8-way tp mesh; membench's compile and tp do not compose, so
+    the job is predicted without compile (each compile key not modelled), not refused."""
+    job = derive_job(LLAMA3_70B, ["compile.enable=true"], ranks=64)
+    assert "compile" not in {m.split(":")[0] for m in job.strategy.split("+")} and "tp:degree=8" in job.strategy
+    assert "checkpoint:segments=all" in job.strategy
+    uses = {use.key: use for use in job.keys}
+    for key in ("compile.enable", "compile.components"):  # the file's compile keys (it sets no backend)
+        assert uses[key].fate == "not modelled", key
+    assert "predicted without compile" in uses["compile.enable"].detail
+    budget = derive_job(LLAMA3_70B, ["compile.enable=true", "activation_checkpoint.mode=memory_budget",
+                                     "activation_checkpoint.memory_budget=0.3"], ranks=64)
+    assert "checkpoint" not in budget.strategy and "compile" not in budget.strategy
+    fates = {use.key: use.fate for use in budget.keys}
+    assert fates["activation_checkpoint.memory_budget"] == fates["activation_checkpoint.mode"] == "not modelled"
+    # without tp the compiler's budget and compile stay (the 8B file)
+    assert "compile:budget=0.3" in derive_job(LLAMA3_8B, ["compile.enable=true", "activation_checkpoint.mode="
+                                                          "memory_budget", "activation_checkpoint.memory_budget=0.3"]
+                                              ).strategy
+
+
 def test_every_kth_layer_is_not_modelled_and_says_what_is_predicted():
     # float8's keys: tests/test_float8.py
     job = derive_job(LLAMA3_8B, ["activation_checkpoint.selective_ac_option=2"])

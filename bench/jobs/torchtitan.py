@@ -55,7 +55,7 @@ def read_torchtitan(values: dict[str, Any], source: str, overrides: tuple[str, .
     mesh = _mesh(reading, ranks)
     members = _precision_and_sharding(reading, mesh)
     members += _float8(reading, mesh)
-    members += _activation_checkpointing_and_compile(reading)
+    members += _activation_checkpointing_and_compile(reading, mesh)
     members += _optimizer(reading)
     batch, global_batch = _batch(reading, mesh, members)
     seq_len = reading.get("training.seq_len", 2048, types=(int,))
@@ -266,11 +266,15 @@ def _precision_and_sharding(reading: Reading, mesh: dict[str, int]) -> list[str]
     return members
 
 
-def _activation_checkpointing_and_compile(reading: Reading) -> list[str]:
+def _activation_checkpointing_and_compile(reading: Reading, mesh: dict[str, int]) -> list[str]:
+    """The checkpointing and compile members. A job that compiles on a tensor-parallel mesh is predicted without
+    torch.compile: membench's compile and tp do not compose (each replaces the step's backward), and each compile
+    key is said not modelled (a compiler's memory budget: no checkpointing predicted)."""
     members = []
     mode = reading.get("activation_checkpoint.mode", "selective", types=(str,), choices=AC_MODES)
     option = str(reading.get("activation_checkpoint.selective_ac_option", "2", types=(str, int)))
-    compile_on = reading.get("compile.enable", False, types=(bool,))
+    compile_asked = reading.get("compile.enable", False, types=(bool,))
+    compile_on = compile_asked and mesh["tp"] == 1
     components = reading.get("compile.components", ["model", "loss"], types=(list,))
     unknown = [c for c in components if c not in COMPILE_COMPONENTS]
     if unknown:
@@ -301,6 +305,11 @@ def _activation_checkpointing_and_compile(reading: Reading) -> list[str]:
         else:
             raise UsageError(f"torchtitan key activation_checkpoint.selective_ac_option={option!r}: valid choices: "
                              "op, or a positive integer k (every k-th block)")
+    elif mode == "memory_budget" and compile_asked and not compile_on:
+        reading.not_modelled("activation_checkpoint.mode", "memory_budget: the compiler's budget, not applied "
+                                                           "without compile (tensor parallelism): no activation "
+                                                           "checkpointing predicted")
+        reading.ignored("activation_checkpoint.selective_ac_option", "mode memory_budget: the compiler decides")
     elif mode == "memory_budget":
         if not (compile_on and "model" in components):
             raise UsageError("torchtitan key activation_checkpoint.mode=memory_budget: the budget is the "
@@ -314,10 +323,18 @@ def _activation_checkpointing_and_compile(reading: Reading) -> list[str]:
         reading.ignored("activation_checkpoint.selective_ac_option", "mode none")
     if mode != "memory_budget":
         reading.ignored("activation_checkpoint.memory_budget", f"mode {mode}: no compiler budget")
+    elif not compile_on:
+        reading.not_modelled("activation_checkpoint.memory_budget", "not applied without compile")
     else:
         reading.used("activation_checkpoint.memory_budget", f"compile:budget={budget}")
     backend = reading.get("compile.backend", "inductor", types=(str,))
-    if compile_on and components:
+    if compile_asked and not compile_on:
+        reading.not_modelled("compile.enable", "torch.compile with tensor parallelism is not composed in membench "
+                                               "(both replace the backward): predicted without compile, its fusions "
+                                               "not applied")
+        for key in ("compile.components", "compile.backend"):
+            reading.not_modelled(key, "compile not applied (tensor parallelism)")
+    elif compile_on and components:
         options = ["scope=layers"] if "model" in components else []
         options += ["loss=true"] if "loss" in components else []
         options += [f"budget={budget}"] if mode == "memory_budget" else []
