@@ -103,6 +103,8 @@ def layer_terms(coefficients, layers):
     """The layer count's part of an affine function's value (exact)."""
     if type(layers) is int:
         return coefficients[2] * layers
+    if len(layers) == 2:  # two kinds of layers (checkpointed, plain): most of building a log's numbers
+        return coefficients[2] * layers[0] + coefficients[3] * layers[1]
     return sum(coefficient * count for coefficient, count in zip(coefficients[2:], layers))
 
 
