@@ -416,6 +416,14 @@ def _memory(row: Row, step, request: PlanRequest) -> None:
                    predicted_reserved_bytes=replayed.max_reserved_bytes,
                    judged_bytes=replayed.max_reserved_bytes + request.context_bytes)
     row["fits"] = row["judged_bytes"] <= request.limit_bytes
+    row["offload_host_peak_bytes"] = getattr(step, "offload_host_peak_bytes", None) or None
+
+
+def host_note(row: Row) -> str:
+    """What an offloading candidate asks of each rank's host, which the limit does not judge ('' for the others)."""
+    host = row["offload_host_peak_bytes"]
+    return (f"  (its offloaded copies hold {format_size(host)} of host memory a rank at most, which the limit does "
+            "not judge)") if host else ""
 
 
 # --- the answer -----------------------------------------------------------------------------------------------

@@ -224,6 +224,8 @@ def _answer_lines(request: plan.PlanRequest, searched: plan_search.Searched, ans
     lines = [f"\nanswer: {answer['strategy']}: {mib_or_dash(answer['judged_bytes'])} MiB predicted of "
              f"{mib_or_dash(request.limit_bytes)} MiB, estimated {ms_or_dash(answer['est_step_time_ms'])} ms per "
              f"step{relative}"]
+    if plan.host_note(answer):
+        lines.append(plan.host_note(answer))
     if searched.stopped:
         lines.append(f"  (the fastest of the {searched.tried} candidates tried: {searched.untried()} not tried may be "
                      f"faster; {_option_for_more(request, searched)} tries them)")

@@ -111,6 +111,8 @@ def _answer(request: plan.PlanRequest, answered, counts: list) -> str:
              f"GPU of {mib_or_dash(request.limit_bytes)} MiB, estimated {ms_or_dash(row['est_step_time_ms'])} ms per "
              "step" + (f" (the largest rank's compute plus {ms_or_dash(row['est_comm_time_ms'])} ms of "
                        "collectives, not overlapped)" if answered.ranks > 1 else "")]
+    if plan.host_note(row):
+        lines.append(plan.host_note(row))
     lines.append(_front_on(answered))
     if answered.searched.stopped:
         lines.append("  (its search was cut short: a faster plan on as many GPUs may exist)")

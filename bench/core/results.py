@@ -178,13 +178,16 @@ FIT = Table("fit", FIT_SCHEMA_VERSION, [
 # 2: `config`, the trainer configuration the case was derived from (`plan --config`), last
 # 3: `step_collective_bytes` and `est_comm_time_ms`, the step's collectives (est_step_time_ms now includes them);
 #    step_moved_bytes no longer counts them
-PLAN_SCHEMA_VERSION = 3
+# 4: `offload_host_peak_bytes` (the host memory an offloading candidate holds, which the limit does not judge), after
+#    `fits`
+PLAN_SCHEMA_VERSION = 4
 PLAN = Table("plan", PLAN_SCHEMA_VERSION, [
     *columns("int", "schema_version"),
     *columns("text", "workload"), *columns("int", "batch_size ranks"), *columns("text", "device target strategy"),
     *columns("int", "members"), *columns("text", "status message engine"),
     # memory: predicted, what the limit is compared with (reserved + CUDA context on CUDA, live bytes on the CPU)
     *columns("int", "predicted_peak_bytes predicted_reserved_bytes judged_bytes limit_bytes"), *columns("bool", "fits"),
+    *columns("int", "offload_host_peak_bytes"),
     # time: the step's operators and the estimate from them (bench.analysis.plan_cost)
     *columns("int", "step_flops step_moved_bytes host_transfer_bytes step_collective_bytes step_ops"),
     *columns("float", "est_step_time_ms est_comm_time_ms"), *columns("text", "time_estimator"),
