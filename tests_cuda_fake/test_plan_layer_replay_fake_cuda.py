@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from bench.analysis import layer_replay, layer_replay_ranks, plan, plan_cost
+from bench.analysis import layer_replay, layer_replay_ranks, plan, plan_cost, plan_replay
 from bench.core import gpus
 from bench.measure.op_cost import COLLECTIVE, MATMUL, MEMORY, OpCost
 
@@ -31,10 +31,10 @@ def _request(ranks: int = 1, limit_bytes: int = 2**40, **changes) -> plan.PlanRe
 @pytest.fixture(autouse=True)
 def _no_refusal_remembered():
     """Each test finds its own refusals (a refusal is remembered per model and strategy)."""
-    for refused in (plan._REPLAY_REFUSED, layer_replay._REFUSED, layer_replay_ranks._REFUSED):
+    for refused in (plan_replay.REPLAY_REFUSED, layer_replay._REFUSED, layer_replay_ranks._REFUSED):
         refused.clear()
     yield
-    for refused in (plan._REPLAY_REFUSED, layer_replay._REFUSED, layer_replay_ranks._REFUSED):
+    for refused in (plan_replay.REPLAY_REFUSED, layer_replay._REFUSED, layer_replay_ranks._REFUSED):
         refused.clear()
 
 
@@ -79,7 +79,7 @@ def test_a_candidate_that_may_stop_stops_at_full_size_or_is_replayed(over_limit,
 
 def test_totals_the_proof_trace_does_not_confirm_send_the_candidate_to_the_full_trace(monkeypatch):
     # one operator more in the 5-layer trace than the 3- and 4-layer ones make for it: not affine in the layers
-    counted = plan._trace_totals
+    counted = plan_replay._trace_totals
 
     def one_more_at_five_layers(ops, figures, gpus_per_node):
         totals = counted(ops, figures, gpus_per_node)
@@ -91,9 +91,9 @@ def test_totals_the_proof_trace_does_not_confirm_send_the_candidate_to_the_full_
         traced[0] += 1
         return one_more_at_five_layers(ops, figures, gpus_per_node)
 
-    monkeypatch.setattr(plan, "_trace_totals", counting)
+    monkeypatch.setattr(plan_replay, "_trace_totals", counting)
     row = plan.evaluate(_request(), "baseline", 0, FIGURES)
-    monkeypatch.setattr(plan, "_trace_totals", counted)
+    monkeypatch.setattr(plan_replay, "_trace_totals", counted)
     monkeypatch.setenv(layer_replay.FULL_TRACE_ENV, "1")
     full = plan.evaluate(_request(), "baseline", 0, FIGURES)
     assert row["status"] == "ok"
@@ -117,7 +117,7 @@ def _ops(layers: int, proof_extra: int = 0) -> list[OpCost]:
 
 def test_the_totals_at_n_layers_are_those_of_the_step_at_n_layers():
     counters = {(3, 0): _Counted(_ops(3)), (4, 0): _Counted(_ops(4)), (5, 0): _Counted(_ops(5))}
-    columns = plan._extrapolated_time(counters, (80, 0), FIGURES, 8, 1)
+    columns = plan_replay._extrapolated_time(counters, (80, 0), FIGURES, 8, 1)
     ops = _ops(80)
     assert columns["step_ops"] == len(ops) == 1 + 2 * 80 + 2
     assert columns["step_moved_bytes"] == sum(op.bytes for op in ops if op.kind != COLLECTIVE)
@@ -126,10 +126,10 @@ def test_the_totals_at_n_layers_are_those_of_the_step_at_n_layers():
     # two kinds of layers: the slopes of each from the traces one layer apart in it
     counters = {(3, 2): _Counted(_ops(3 + 2)), (4, 2): _Counted(_ops(4 + 2)), (3, 3): _Counted(_ops(3 + 3)),
                 (5, 4): _Counted(_ops(5 + 4))}
-    assert plan._extrapolated_time(counters, (65, 15), FIGURES, 8, 1)["step_ops"] == 1 + 2 * 80 + 2
+    assert plan_replay._extrapolated_time(counters, (65, 15), FIGURES, 8, 1)["step_ops"] == 1 + 2 * 80 + 2
 
 
 def test_a_proof_trace_off_by_one_byte_is_refused():
     counters = {(3, 0): _Counted(_ops(3)), (4, 0): _Counted(_ops(4)), (5, 0): _Counted(_ops(5, proof_extra=1))}
-    with pytest.raises(plan._NotAffine, match="bytes made for 5\\+0 layers"):
-        plan._extrapolated_time(counters, (80, 0), FIGURES, 8, 1)
+    with pytest.raises(plan_replay._NotAffine, match="bytes made for 5\\+0 layers"):
+        plan_replay._extrapolated_time(counters, (80, 0), FIGURES, 8, 1)

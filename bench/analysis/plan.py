@@ -11,7 +11,7 @@ step only, and a candidate whose figures the search does not need once it cannot
 ranks, any) stops as soon as its CUDA step, or one of its ranks' steps, certainly cannot (`bench.analysis.plan_step`).
 A full-size model whose layers `predict` replays is traced at a few layers instead (`bench.analysis.layer_replay`):
 its event log built from them, its operator totals extrapolated from theirs, each proven on one more trace
-(`_replayed_candidate`); one that may stop runs its full-size step up to its first backward first (`_ForwardProbe`).
+(`bench.analysis.plan_replay`); one that may stop runs its full-size step up to its first backward first.
 
 A sharded strategy's step runs rank by rank in this process (PyTorch's fake process group); its time estimate is that
 of the rank with the largest peak: its compute, and its collectives over the links their groups cross, added
@@ -21,14 +21,13 @@ without overlap (`bench.analysis.plan_cost`). Times are estimates for ranking: t
 from __future__ import annotations
 
 import math
-import re
 import warnings
 from dataclasses import dataclass, field, replace
 
 import torch
 from torch._subclasses import fake_tensor
 
-from bench.analysis import layer_replay, layer_replay_ranks, plan_cost, plan_step
+from bench.analysis import plan_cost, plan_replay, plan_step
 from bench.analysis.fake_engine import PredictionMeter, bound_device, cublas_workspace, tracked_step
 from bench.core.errors import Unsupported
 from bench.core.gpus import DEFAULT_MAX_CANDIDATES, DEFAULT_MAX_SEARCH_S
@@ -132,8 +131,8 @@ def evaluate(request: PlanRequest, spec: str, members: int, figures: plan_cost.D
     ranks, any). Such a candidate's CUDA step stops in its warm-up steps once the caching allocator's model has
     reserved more than the limit allows (`plan_step.ReservedCheck`; a sharded step, once one of its ranks has): its
     row says so, with no peak and no time (`plan_step.stopped_over_limit`). Where layer replay applies
-    (`_replayed_candidate`), such a candidate's full-size step is looked at only up to its first backward: one that
-    got there is replayed, with every figure."""
+    (`plan_replay.replayed_candidate`), such a candidate's full-size step is looked at only up to its first
+    backward: one that got there is replayed, with every figure."""
     row = empty_row(request, spec, members)
     case = request.case(spec)
     cuda = request.device == "cuda"
@@ -155,13 +154,13 @@ def evaluate(request: PlanRequest, spec: str, members: int, figures: plan_cost.D
     def reserved_check(probe: bool = False) -> plan_step.ReservedCheck | None:
         if not stop:
             return None
-        kind = _ForwardProbe if probe else plan_step.ReservedCheck
+        kind = plan_replay.ForwardProbe if probe else plan_step.ReservedCheck
         return kind(request.limit_bytes, request.context_bytes, request.capability)
 
     for engine in engines:
         def trace(engine: str, planned, probe: bool = False):
             """(the candidate's step traced at full size on `engine`, the operator counter of its measured step);
-            `probe`: the check gives up at the first warm-up step's backward (`_ForwardProbe`)."""
+            `probe`: the check gives up at the first warm-up step's backward (`plan_replay.ForwardProbe`)."""
             counter = plan_step.MeasuredStepCounter() if warmup else OperatorCostCounter()
             rank_counters: dict[int, OperatorCostCounter] = {}
 
@@ -188,16 +187,16 @@ def evaluate(request: PlanRequest, spec: str, members: int, figures: plan_cost.D
 
         try:
             planned = planned_on(engine)
-            if stop and _replay_applies(case, spec, engine, planned, request, warmup):
+            if stop and plan_replay.replay_applies(case, spec, engine, planned, request, warmup):
                 # a candidate that may stop: its full-size step first, up to its first backward; one over the limit
                 # in that forward stops there (its weights alone: before its first module, in a fraction of what
                 # its replay costs), one that got to its backward is replayed
                 try:
                     step, counter = trace(engine, planned, probe=True)
                     break  # no backward was looked at: the step ran to its end, its figures the full trace's
-                except _ProbePassed:
+                except plan_replay.ProbePassed:
                     planned = planned_on(engine)
-            replayed = _replayed_candidate(case, spec, engine, planned, request, figures, warmup, notes)
+            replayed = plan_replay.replayed_candidate(case, spec, engine, planned, request, figures, warmup, notes)
             if replayed is not None:
                 row["engine"] = engine
                 _memory(row, replayed[0], request)
@@ -257,153 +256,6 @@ def _largest_rank_note(rank: int, ranks: int) -> str:
     """What a sharded candidate's row says of its time."""
     return (f"time: rank {rank}'s (the largest of {ranks}), its compute plus its collectives, not overlapped (an "
             "upper bound)")
-
-
-# --- a candidate by layer replay --------------------------------------------------------------------------------
-
-# the integer totals of a step's operators (`step_totals`) and the row's columns they fill
-_TOTAL_COLUMNS = {"flops": "step_flops", "bytes": "step_moved_bytes", "transfer_bytes": "host_transfer_bytes",
-                  "collective_bytes": "step_collective_bytes", "ops": "step_ops"}
-# how close an extrapolated estimate (in seconds) must come to the proof trace's own: sums of floats in another order
-SECONDS_RELATIVE_TOLERANCE = 1e-9
-# why layer replay of a model and strategy was refused (its log or its operator totals), by (workload spec without
-# its length, strategy spec, engine, ranks): a later candidate of them is traced in full without trying again
-_REPLAY_REFUSED: dict[tuple, str] = {}
-
-
-def _replayed_candidate(case: Case, spec: str, engine: str, planned, request: PlanRequest,
-                        figures: plan_cost.DeviceFigures, warmup: int | None, notes: list[str]):
-    """(the candidate's step built by layer replay, its time columns) where layer replay applies as it does for
-    `predict` (`layer_replay.why_not_replayable`: one rank, or fsdp's ranks by `layer_replay_ranks`) and both its
-    event log and its operator totals are proven; else None, and where it applied but was refused, why, in `notes`.
-
-    The small traces (`layer_replay.tracked_step_by_layers`; of a sharded step, each rank's) each count their
-    measured step's operators; a total of the N-layer step (of a sharded one, its largest rank's, as the full trace
-    times it) is the affine function of the layer counts through the traces but the last (`_affine_at`), used only
-    where the same function gives the last trace's own totals: integers exactly, the compute and communication
-    seconds within SECONDS_RELATIVE_TOLERANCE. No trace stops early (`may_stop`): each holds a few layers, and the
-    candidate gets all its figures."""
-    if warmup is None or layer_replay.why_not_replayable(case, planned, _stepping_ranks(planned, request), engine,
-                                                         snapshot=False):
-        return None
-    tried = _replay_key(case, spec, engine, request)
-    if tried in _REPLAY_REFUSED:
-        notes.append(f"layer replay refused ({_REPLAY_REFUSED[tried]}, found on an earlier candidate of this model "
-                     "and strategy): every layer traced")
-        return None
-    counters: dict[int | None, dict[tuple[int, int], plan_step.MeasuredStepCounter]] = {}
-
-    def counted_trace(strategy, count: int, plain: int | None, rank: int | None = None):
-        counter = counters.setdefault(rank, {})[(count, plain or 0)] = plan_step.MeasuredStepCounter()
-        return plan_step.counted(strategy, counter, warmup)
-
-    if planned.distributed:
-        step, why = layer_replay_ranks.tracked_ranks_by_layers(case, spec, engine, warmup, None, request.ranks,
-                                                               planned, prepare=counted_trace)
-    else:
-        step, why = layer_replay.tracked_step_by_layers(case, spec, engine, warmup, None, prepare=counted_trace)
-    if step is None:
-        _REPLAY_REFUSED[tried] = why
-        notes.append(f"layer replay refused ({why}): every layer traced")
-        return None
-    layers = layer_replay.layers_of_case(case)
-    kinds = layer_replay.layer_kinds(planned, layers)
-    try:
-        columns = _extrapolated_time(counters[step.rank], kinds or (layers, 0), figures, request.gpus_per_node,
-                                     warmup)
-    except Unsupported as refused:  # the device lacks a dtype's arithmetic: the full trace's row says so
-        notes.append(f"layer replay not used ({refused}): every layer traced")
-        return None
-    except _NotAffine as refused:
-        _REPLAY_REFUSED[tried] = str(refused)
-        notes.append(f"layer replay refused ({refused}): every layer traced")
-        return None
-    notes.append(layer_replay.replay_note(layers, kinds) + "; its operator totals and time extrapolated from the "
-                 "same traces (equal to the last one's)")
-    return step, columns
-
-
-def _replay_key(case: Case, spec: str, engine: str, request: PlanRequest) -> tuple:
-    return re.sub(r":seq_len=\d+", "", case.workload), spec, engine, request.ranks
-
-
-def _stepping_ranks(planned, request: PlanRequest) -> int:
-    """The ranks whose steps a candidate traces: a strategy that shards nothing runs one process's step whatever
-    `--ranks` says (its row is the same on every rank count)."""
-    return request.ranks if planned.distributed else 1
-
-
-def _replay_applies(case: Case, spec: str, engine: str, planned, request: PlanRequest, warmup: int | None) -> bool:
-    """Whether `_replayed_candidate` will trace the small steps (not whether it will be proven)."""
-    return (warmup is not None and _replay_key(case, spec, engine, request) not in _REPLAY_REFUSED
-            and layer_replay.why_not_replayable(case, planned, _stepping_ranks(planned, request), engine,
-                                                snapshot=False) is None
-            and not (planned.distributed and layer_replay_ranks.unreplayed_shardings(planned)))
-
-
-class _ProbePassed(Exception):
-    """A candidate's full-size step reached its first backward under the limit (`_ForwardProbe`)."""
-
-
-class _ForwardProbe(plan_step.ReservedCheck):
-    """The check of a candidate that may stop and that layer replay can predict: it looks as `ReservedCheck` does
-    (stopping the candidate once over the limit), and gives up once the first warm-up step's forward is over
-    (`_ProbePassed`, raised where the check looks, between operators): past it the replay costs less than the
-    rest of the full-size step (Llama-3.1-70B on one H100 at 4096 tokens stops before its first forward, in 0.3 s
-    of CPU where its replay takes 3.3)."""
-
-    def look(self, step: int, when: str, always: bool = False) -> None:
-        super().look(step, when, always)
-        if when != plan_step.FORWARD:
-            raise _ProbePassed()
-
-
-class _NotAffine(Exception):
-    """The operator totals of the small traces are not one affine function of their layer counts."""
-
-
-def _affine_at(values: dict[tuple[int, int], float], at: tuple[int, int]) -> float:
-    """The affine function of the (checkpointed or only, plain) layer counts through `values` at `at`: the traces
-    differ from the first by one layer of one kind each (`layer_replay.kinds_traced`), which gives its slopes."""
-    (base, first), *others = values.items()
-    value = first
-    for (count, plain), other in others:
-        if (count - base[0], plain - base[1]) not in ((1, 0), (0, 1)):
-            raise _NotAffine(f"traces at {base} and {(count, plain)} layers, not one layer apart")
-        value += (other - first) * ((at[0] - base[0]) if count != base[0] else (at[1] - base[1]))
-    return value
-
-
-def _trace_totals(ops, figures: plan_cost.DeviceFigures, gpus_per_node: int) -> dict:
-    """A step's integer totals (`step_totals`) and its compute and communication seconds."""
-    return {**step_totals(ops), "compute_s": figures.compute_seconds(ops),
-            "communication_s": figures.communication_seconds(ops, gpus_per_node)}
-
-
-def _extrapolated_time(counters: dict, layers: tuple[int, int], figures: plan_cost.DeviceFigures,
-                       gpus_per_node: int, warmup: int) -> dict:
-    """The time columns of the step at `layers` (checkpointed or only, plain) from the operators counted in the
-    small traces (`counters` by their layer counts, in the order they ran, the proof last); _NotAffine where the
-    proof's totals are not those its layer counts give."""
-    if any(len(counter.steps) != warmup + 1 for counter in counters.values()):
-        raise _NotAffine("a trace whose operator counter saw another number of steps")
-    totals = {at: _trace_totals(counter.steps[-1], figures, gpus_per_node) for at, counter in counters.items()}
-    *fitted, proof = totals
-    for name, proven in totals[proof].items():
-        made = _affine_at({at: totals[at][name] for at in fitted}, proof)
-        if not (made == proven if isinstance(proven, int)
-                else math.isclose(made, proven, rel_tol=SECONDS_RELATIVE_TOLERANCE, abs_tol=0.0)):
-            raise _NotAffine(f"the operators' {name} made for {proof[0]}+{proof[1]} layers, {made}, differ from "
-                             f"their trace's, {proven}")
-    at_layers = {name: _affine_at({at: totals[at][name] for at in fitted}, layers) for name in totals[proof]}
-    if not at_layers["ops"]:
-        raise _NotAffine("no operator of its step was counted")
-    columns = {column: at_layers[name] for name, column in _TOTAL_COLUMNS.items()}
-    communication_s = at_layers["communication_s"]
-    columns.update(est_step_time_ms=(at_layers["compute_s"] + communication_s) * 1e3,
-                   est_comm_time_ms=communication_s * 1e3,
-                   time_estimator=f"{plan_cost.ESTIMATOR}; {figures.name}: {figures.source}")
-    return columns
 
 
 def _memory(row: Row, step, request: PlanRequest) -> None:
