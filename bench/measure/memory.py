@@ -1,4 +1,5 @@
-"""Memory measurement: CUDA peak statistics, and an exact live-tensor-bytes tracker for the CPU (and fake tensors).
+"""Memory measurement: an exact live-tensor-bytes tracker for the CPU and fake tensors (CUDA's own peak statistics:
+bench.measure.cuda_peak).
 
 Memory is measured in its own pass: nothing here runs while steps are timed.
 """
@@ -6,7 +7,7 @@ Memory is measured in its own pass: nothing here runs while steps are timed.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterable, NamedTuple
 
 import torch
@@ -15,32 +16,9 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from bench.core import memory_categories
 from bench.measure.dispatch_modes import CompiledCodeMode
+from bench.measure.storage_table import StorageInfo, StorageTable
 
 STAGES = ("setup", "forward", "backward", "optimizer")
-
-
-@dataclass
-class CudaPeak:
-    """Peak bytes of one CUDA step, from the caching allocator's statistics."""
-
-    allocated_bytes: int
-    reserved_bytes: int
-
-
-def cuda_peak(step: Callable[[], None]) -> CudaPeak:
-    """Resets the peak statistics, runs one step, and reads `max_memory_allocated` / `max_memory_reserved`."""
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    step()
-    torch.cuda.synchronize()
-    return CudaPeak(torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
-
-
-@dataclass
-class _StorageInfo:
-    nbytes: int
-    category: str
-    key: int = 0  # the storage's number in `events` (0 while resized to no bytes)
 
 
 class MemoryEvent(NamedTuple):
@@ -107,7 +85,7 @@ class LiveTensorTracker(CompiledCodeMode):
         self.block_bytes = block_bytes
         self.record_timeline = record_timeline
         self.stage = "setup"
-        self._storages = _StorageTable()
+        self._storages = StorageTable()
         # the weak reference that tells of each live storage's release (a callback runs only while its reference
         # lives), by id; each one drops itself when it has told, so a pass's bookkeeping is its live storages'
         self._refs: dict[int, weakref.ref] = {}
@@ -227,7 +205,7 @@ class LiveTensorTracker(CompiledCodeMode):
             return
         self._keys += 1
         nbytes = st.nbytes()
-        info = _StorageInfo(-(-nbytes // self.block_bytes) * self.block_bytes, category, self._keys)
+        info = StorageInfo(-(-nbytes // self.block_bytes) * self.block_bytes, category, self._keys)
         if self.record_events:
             module = self.module_of() if self.module_of else ""
             self.events.append(MemoryEvent("alloc", info.key, nbytes, self.stage, module=module, category=category))
@@ -250,12 +228,12 @@ class LiveTensorTracker(CompiledCodeMode):
                 self.live_by_category[category] = self.live_by_category.get(category, 0) + info.nbytes
                 info.category = category
 
-    def _released(self, ref: weakref.ref, info: _StorageInfo, storage_id: int) -> None:
+    def _released(self, ref: weakref.ref, info: StorageInfo, storage_id: int) -> None:
         self._refs.pop(id(ref), None)
         self._storages.by_id.pop(storage_id, None)  # before the id can name another storage
         self._freed(info)
 
-    def _freed(self, info: _StorageInfo) -> None:
+    def _freed(self, info: StorageInfo) -> None:
         if self.record_events and info.key:  # key 0: resized to nothing, its block already freed
             self.events.append(MemoryEvent("free", info.key, stage=self.stage, category=info.category))
         self.live_bytes -= info.nbytes
@@ -366,33 +344,6 @@ def _tensors_in(values: Iterable) -> Iterable[torch.Tensor]:
             yield value
         elif isinstance(value, (list, tuple)):
             yield from _tensors_in(value)
-
-
-class _StorageTable:
-    """A tracker's live storages (storage -> `_StorageInfo`), by the storage object's identity: what torch's
-    WeakIdKeyDictionary gave (`get`, `in`, `values`, in the order registered) without making a weak reference per
-    look-up, once or more per tensor of every operator. An entry leaves when its storage is released (the tracker's
-    own weak reference to it: `LiveTensorTracker._released`), before its id can be another object's."""
-
-    __slots__ = ("by_id",)
-
-    def __init__(self):
-        self.by_id: dict[int, _StorageInfo] = {}
-
-    def get(self, storage, default=None):
-        return self.by_id.get(id(storage), default)
-
-    def __contains__(self, storage) -> bool:
-        return id(storage) in self.by_id
-
-    def __setitem__(self, storage, info: _StorageInfo) -> None:
-        self.by_id[id(storage)] = info
-
-    def __len__(self) -> int:
-        return len(self.by_id)
-
-    def values(self):
-        return self.by_id.values()
 
 
 _RESIZE_WATCHERS: list[LiveTensorTracker] = []  # the trackers entered now, told of each storage resize

@@ -19,6 +19,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from bench.core import progress
 from bench.measure.op_cost import FlopCounterMode  # imported quietly there
+from bench.measure.cuda_peak import cuda_peak
 from bench.measure import allocator_events, breakdown, memory, snapshot, timing
 from bench.measure.stats import summarize_timing
 from bench.run.case import Case, bind_case
@@ -159,7 +160,7 @@ def _cuda_memory_pass(case: Case, strategy: Strategy, warmup: int, growth: int,
             ends.append(torch.cuda.memory_allocated())
         collect_warmup_garbage()
         with snapshot.cuda_history({}) if record_snapshot else contextlib.nullcontext({}) as recorded:
-            peak = memory.cuda_peak(session.step)
+            peak = cuda_peak(session.step)
         ends.append(torch.cuda.memory_allocated())
         ends += _growth_steps(session.step, torch.cuda.memory_allocated, growth)
     return MemoryResult({"peak_mem_bytes": peak.allocated_bytes, "peak_reserved_bytes": peak.reserved_bytes,
