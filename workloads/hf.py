@@ -65,7 +65,6 @@ from torch import nn
 from torch.nn import functional as F
 
 from bench.core.errors import UsageError
-from bench.core.quiet_import import import_torchao
 from workloads import DeferredHead, Trait, Workload, register_workload
 from workloads.framework import hf_checks, hf_moe, text_data
 from workloads.framework.hf_config import (  # noqa: F401
@@ -73,8 +72,8 @@ from workloads.framework.hf_config import (  # noqa: F401
     remote_tasks, resolve_config,
 )
 from workloads.framework.hf_presets import MASK_TOKEN_IDS, PRESETS
+from workloads.framework.transformers_import import import_transformers  # noqa: F401 - membench.hf imports it here
 
-INSTALL_HINT = "pip install 'membench[hf]' (in a checkout: make install)"
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 TASKS = ("causal_lm", "masked_lm", "seq_cls")
 # the loss computed here from the logits, the model's own from labels=, or transformers' of before 4.46 (in the
@@ -82,54 +81,6 @@ TASKS = ("causal_lm", "masked_lm", "seq_cls")
 LOSSES = ("logits", "model", "shifted")
 MASKED_FRACTION = 0.15  # BERT's: the share of positions a masked-LM batch predicts
 IGNORE_INDEX = -100  # transformers' label for positions without a loss
-
-_torchvision_stand_ins: list[torch.library.Library] = []  # kept alive: a Library's definitions die with it
-
-
-# --- importing transformers ----------------------------------------------------------------------------------
-
-def _import_torchvision_without_ops() -> None:
-    """Makes torchvision's Python code importable when its compiled operators do not load.
-
-    transformers imports torchvision when it is installed. PyPI's x86_64 torchvision is a CUDA build whose
-    operators do not load beside a CPU torch of the same release ("operator torchvision::nms does not exist", see
-    `workloads.timm_models`); declaring the two operators its import registers fake kernels for lets it import.
-    No-op where torchvision is absent or imports (also after timm's workload has done the same)."""
-    try:
-        import torchvision  # noqa: F401
-        return
-    except ImportError:
-        return
-    except RuntimeError as error:
-        if "torchvision::" not in str(error):
-            raise
-    for name in [n for n in sys.modules if n.split(".")[0] == "torchvision"]:
-        del sys.modules[name]  # the halves of the failed import
-    library = torch.library.Library("torchvision", "DEF")
-    for op in ("nms", "qnms"):
-        library.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-    _torchvision_stand_ins.append(library)
-    import torchvision  # noqa: F401,F811
-
-
-def import_transformers():
-    """The transformers module; a one-line UsageError naming the extra to install when it is missing."""
-    try:
-        _import_torchvision_without_ops()
-        with contextlib.suppress(ImportError):
-            # transformers imports these where torchao is installed (the second when it builds a model), and their
-            # imports warn (bench.core.quiet_import)
-            import_torchao("torchao")
-            import_torchao("torchao.prototype.mx_formats")
-        import transformers
-        from transformers import CONFIG_MAPPING  # noqa: F401 - fails here, not later, when the install is broken
-    except ModuleNotFoundError as error:
-        if error.name in (None, "transformers"):
-            raise UsageError(f"workload 'hf' needs the transformers package, not installed: {INSTALL_HINT}") from None
-        raise UsageError(f"transformers is installed but its dependency {error.name!r} is not: "
-                         f"{INSTALL_HINT}") from None
-    return transformers
-
 
 def _auto_classes(transformers) -> dict[str, Any]:
     """task -> (transformers' Auto class, its mapping from model_type to architecture name)."""
