@@ -2,7 +2,7 @@
 scripts of 2022 wrote it (ColossalAI's GPTLMLoss), in the logits' own dtype over a shifted contiguous copy, the
 logits dropped before the backward. Checked against the source's own code run for real on the CPU, byte for byte
 (the live-tensor tracker), and against membench's default float32 loss, which holds a float32 log-softmax and its
-two gradients (issue 46: a 16-bit model's loss predicted at 7 copies of its logits where the source's step holds 3).
+two gradients (a 16-bit model's loss was predicted at 7 copies of its logits where the source's step holds 3).
 
 Small: a two-layer GPT-2 of width 32 and a 512-word vocabulary (its logits are most of its step), 64 tokens.
 """
