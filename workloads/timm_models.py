@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from bench.core.errors import UsageError
 from workloads import Workload, register_workload, tensors_of
+from workloads.framework.torchvision_ops import torchvision_stand_ins
 
 INSTALL_HINT = "pip install 'membench[timm]' (in a checkout: make install)"
 TRUNK_NAMES = ("blocks", "stages", "layers", "features")  # timm's names for the container of a model's blocks
@@ -70,9 +71,7 @@ def _import_timm_beside_torchvision_without_ops(error: RuntimeError):
     for name in [n for n in sys.modules if n.split(".")[0] in ("timm", "torchvision")]:
         del sys.modules[name]  # the halves of the failed import
     try:
-        library = torch.library.Library("torchvision", "DEF")
-        for op in ("nms", "qnms"):
-            library.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+        library = torchvision_stand_ins()
         import timm
     except Exception as again:  # noqa: BLE001 - whatever it is, the user's fix is the same
         raise UsageError(f"timm cannot import beside torch {torch.__version__} ({error}; then {again}); install the "

@@ -10,6 +10,7 @@ import torch
 
 from bench.core.errors import UsageError
 from bench.core.quiet_import import import_torchao
+from workloads.framework.torchvision_ops import torchvision_stand_ins
 
 INSTALL_HINT = "pip install 'membench[hf]' (in a checkout: make install)"
 
@@ -33,10 +34,7 @@ def _import_torchvision_without_ops() -> None:
             raise
     for name in [n for n in sys.modules if n.split(".")[0] == "torchvision"]:
         del sys.modules[name]  # the halves of the failed import
-    library = torch.library.Library("torchvision", "DEF")
-    for op in ("nms", "qnms"):
-        library.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-    _torchvision_stand_ins.append(library)
+    _torchvision_stand_ins.append(torchvision_stand_ins())
     import torchvision  # noqa: F401,F811
 
 
