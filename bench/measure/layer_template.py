@@ -214,57 +214,102 @@ class LayerTemplate:
             out[index] = out[index]._replace(key=found)
         return out
 
-    def _emit_all(self, out: list, keys: dict, pending: list, layers: int) -> None:
+    def _emit_all(self, out: list, keys: dict, pending: list, layers) -> None:
+        """Appends the log at `layers` to `out`: each slot's program compiled once per edge for this count
+        (`_compiled`), then walked period by period."""
+        compiled: dict[tuple, tuple] = {}
+
+        def programs(slots: list, edge: str) -> list:
+            return [compiled.get((slot, edge)) or compiled.setdefault((slot, edge), self._compiled(slot, edge, layers))
+                    for slot in slots]
+
         position = 0
         for index, run in enumerate(self.runs):
-            for fixed in range(position, run.start):
-                self._emit(out, keys, pending, ("fixed", fixed), 0, layers, "middle")
+            self._emit_period(out, keys, pending, programs([("fixed", f) for f in range(position, run.start)],
+                                                             "middle"), 0)
             periods = self._periods(run, layers)
             slots = [("run", index, offset) for offset in range(run.length)]
+            by_edge: dict[str, list] = {}
             for period in range(periods):
                 edge = "first" if period == 0 else "last" if period == periods - 1 else "middle"
-                for slot in slots:
-                    self._emit(out, keys, pending, slot, period, layers, edge)
+                walked = by_edge.get(edge) or by_edge.setdefault(edge, programs(slots, edge))
+                self._emit_period(out, keys, pending, walked, period)
             position = run.start + run.length * run.periods
-        for fixed in range(position, len(self.larger)):
-            self._emit(out, keys, pending, ("fixed", fixed), 0, layers, "middle")
+        self._emit_period(out, keys, pending, programs([("fixed", f) for f in range(position, len(self.larger))],
+                                                       "middle"), 0)
 
-    def _emit(self, out: list, keys: dict, pending: list, slot: tuple, period: int, layers: int, edge: str) -> None:
+    def _emit_period(self, out: list, keys: dict, pending: list, programs: list, period: int) -> None:
+        """Appends one period's events (`_compiled` programs) to `out`."""
+        append, identified, counts, by_layer = out.append, self._identified, self._counts, self._by_layer
+        for slot, event, target, shape, parts, numbers in programs:
+            if slot is None:  # an operator's event: the same at any count
+                append(event)
+                continue
+            key = event.key
+            if shape is not None:  # an alloc
+                key = keys[(slot, period)] = len(keys) + 1
+                if by_layer:  # what it is, for the events that name their storage by it
+                    kind = (shape, _whole(numbers[0][0] + numbers[0][1] * period) if numbers else None)
+                    count = counts[kind] = counts.get(kind, -1) + 1
+                    identified[(*kind, count)] = key
+            elif target is not None:
+                how = target[0]
+                if how == "key":
+                    key = target[1]
+                elif how == "identity":
+                    named = (target[1], _whole(target[2] + target[3] * period), target[4])
+                    key = identified.get(named, 0)
+                    if not key:
+                        pending.append((len(out), ("identity", *named)))
+                else:
+                    if how == "affine":
+                        found = _whole(target[2] + target[3] * period)
+                    else:  # by layer: the storage's layer, then the period of the target run that has it
+                        wanted = _whole(target[2] + target[3] * period) + target[4]
+                        found, rest = _divide(wanted - target[5], target[6])
+                        if rest:
+                            raise NoReplay(f"no period of a run has layer {wanted}")
+                    named = (target[1], found)
+                    key = keys.get(named, 0)
+                    if not key:
+                        pending.append((len(out), named))
+            module = event.module
+            if numbers:
+                if len(numbers) == 1:
+                    base, per_period = numbers[0]
+                    module = parts[0] + str(_whole(base + per_period * period)) + parts[1]
+                else:
+                    pieces = [parts[0]]
+                    for (base, per_period), part in zip(numbers, parts[1:]):
+                        pieces.append(str(_whole(base + per_period * period)))
+                        pieces.append(part)
+                    module = "".join(pieces)
+            append(_new_event((event.kind, key, event.nbytes, event.stage, event.op, module, event.category)))
+
+    def _compiled(self, slot: tuple, edge: str, layers) -> tuple:
+        """A slot's program (`_program`) at `layers`: (None, event, None...) for an event the same at any count, else
+        (slot, event, target, alloc shape, module parts, numbers), each affine function of the period and the count
+        in it turned into (its value at period 0, its step per period) at this count. The target: ("key", key),
+        ("identity", shape, layer at 0, step, count), ("affine", slot, period at 0, step) or ("layer", slot, source
+        layer at 0, step, offset, target run's layer at 0, its step): the storage's layer is the source's plus the
+        offset, and the period of the target run with that layer is the target's (`_target_period`)."""
         program = self._programs.get((slot, edge))
         if program is None:
             program = self._programs[slot, edge] = self._program(slot, edge)
         event, target, parts, numbers = program
-        if target is None and not numbers and event.kind != "alloc":  # an operator's event: the same at any count
-            out.append(event)
-            return
-        key = event.key
-        if event.kind == "alloc":
-            key = keys[(slot, period)] = len(keys) + 1
-            if self._by_layer:  # what it is, for the events that name their storage by it
-                kind = (target, _evaluate(numbers[0], period, layers) if numbers else None)
-                count = self._counts[kind] = self._counts.get(kind, -1) + 1
-                self._identified[(*kind, count)] = key
-        elif target is not None:
-            if target[0] == "key":
-                key = target[1]
-            elif target[0] == "identity":
-                named = (target[1], _evaluate(target[2], period, layers), target[3])
-                key = self._identified.get(named, 0)
-                if not key:
-                    pending.append((len(out), ("identity", *named)))
-            else:
-                named = (target[1], _target_period(target, period, layers))
-                key = keys.get(named, 0)
-                if not key:
-                    pending.append((len(out), named))
-        module = event.module
-        if numbers:
-            pieces = [parts[0]]
-            for coefficients, part in zip(numbers, parts[1:]):
-                pieces.append(str(_evaluate(coefficients, period, layers)))
-                pieces.append(part)
-            module = "".join(pieces)
-        out.append(MemoryEvent(event.kind, key, event.nbytes, event.stage, event.op, module, event.category))
+        if target is None and not numbers and event.kind != "alloc":
+            return None, event, None, None, None, None
+        shape = target if event.kind == "alloc" else None
+        if shape is not None:
+            target = None
+        elif target is not None and target[0] == "affine":
+            target = ("affine", target[1], *_at(target[2], layers))
+        elif target is not None and target[0] == "identity":
+            target = ("identity", target[1], *_at(target[2], layers), target[3])
+        elif target is not None and target[0] == "layer":
+            _, named, source, goal, offset = target
+            target = ("layer", named, *_at(source, layers), offset, *_at(goal, layers))
+        return slot, event, target, shape, parts, [_at(coefficients, layers) for coefficients in numbers]
 
     def _program(self, slot: tuple, edge: str) -> tuple:
         """What `_emit` needs for a slot in periods at `edge`: its event in the larger log, how it names its storage
@@ -297,21 +342,32 @@ class LayerTemplate:
         return model
 
 
-def _target_period(target: tuple, period: int, layers: int) -> int:
-    """The period of the storage an event names (see `LayerTemplate._program`), at `period` and `layers`."""
-    if target[0] == "affine":
-        return _evaluate(target[2], period, layers)
-    _, _, source, goal, offset = target
-    wanted = _evaluate(source, period, layers) + offset  # the layer of the storage named
-    numerator = wanted - goal[0] - layer_terms(goal, layers)
-    if type(numerator) is int and type(goal[1]) is int:  # whole coefficients: no Fraction (most of making a log)
-        found, rest = divmod(numerator, goal[1])
-    else:
-        exact = Fraction(numerator) / goal[1]
-        found, rest = int(exact), exact.denominator != 1
-    if rest:
-        raise NoReplay(f"no period of a run has layer {wanted}")
-    return found
+def _at(coefficients, layers) -> tuple:
+    """An affine function of (period, layers) at `layers`: (its value at period 0, its step per period), exact."""
+    return coefficients[0] + layer_terms(coefficients, layers), coefficients[1]
+
+
+def _whole(value) -> int:
+    """`value` (an int, or a Fraction from a fractional fit) as an int; NotWhole where it is a fraction."""
+    if type(value) is int:
+        return value
+    if value.denominator != 1:
+        raise NotWhole("a fitted number is not whole at this layer count")
+    return int(value)
+
+
+def _divide(numerator, step) -> tuple[int, bool]:
+    """(numerator // step, whether it leaves a rest), exact: without Fractions where both are whole (most of making
+    a log)."""
+    if type(numerator) is int and type(step) is int:
+        found, rest = divmod(numerator, step)
+        return found, bool(rest)
+    exact = Fraction(numerator) / step
+    return int(exact), exact.denominator != 1
+
+
+def _new_event(fields: tuple) -> MemoryEvent:
+    return tuple.__new__(MemoryEvent, fields)
 
 
 def _excess(layers, smallest) -> tuple[int, ...]:
