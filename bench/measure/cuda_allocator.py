@@ -36,6 +36,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from bench.core.collector import collector_paused
 from bench.core.memory_categories import OUTSIDE_ALLOCATOR
 from bench.core.units import KiB, MiB
 
@@ -214,6 +215,7 @@ def thread_of(stage: str) -> str:
     return "autograd" if stage == "backward" else "main"
 
 
+@collector_paused()
 def replay(events: Iterable, workspace_bytes: int = CUBLAS_DEFAULT_WORKSPACE_BYTES) -> ReplayResult:
     """Runs a tracker's event log (`bench.measure.memory.MemoryEvent`s) through a fresh `CachingAllocatorModel`,
     with one cuBLAS workspace of `workspace_bytes` per thread that runs a cuBLAS operator (0: none); the allocated

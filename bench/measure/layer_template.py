@@ -19,6 +19,7 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import Sequence
 
+from bench.core.collector import collector_paused
 from bench.measure.exact_affine import NotWhole, evaluate as _evaluate, layer_terms, solve as _solve
 from bench.measure.layer_alignment import NoReplay, align, kinds_runs, runs_of, tokens
 from bench.measure.layer_identity import (MODULE_INDEX as _MODULE_INDEX, alloc_shape as _alloc_shape, by_layer_model,
@@ -33,6 +34,7 @@ class LayerTemplate:
     """The log of a step at any layer count, made from its logs at `layers` and `layers + 1` (see the module); by
     `of_kinds`, at any counts of two kinds of layers."""
 
+    @collector_paused()
     def __init__(self, smaller: Sequence[MemoryEvent], larger: Sequence[MemoryEvent], layers: int):
         codes: dict = {}
         large_tokens = tokens(larger, codes)
@@ -42,6 +44,7 @@ class LayerTemplate:
         self._make(runs_of(large_tokens, sites), larger, layers + 1, layers, ((smaller, layers), (larger, layers + 1)))
 
     @classmethod
+    @collector_paused()
     def of_kinds(cls, base: Sequence[MemoryEvent], more: Sequence[Sequence[MemoryEvent]],
                  layers: tuple[int, ...]) -> LayerTemplate:
         """The template over counts of several kinds of layers (checkpointed, plain) from the log at `layers` and,
@@ -194,6 +197,7 @@ class LayerTemplate:
         periods = self._periods(self.runs[slot[1]], layers)
         return "first" if period == 0 else "last" if period == periods - 1 else "middle"
 
+    @collector_paused()
     def events(self, layers: int) -> list[MemoryEvent]:
         """The step's log at `layers` layers (at least the smaller log's)."""
         if min(_excess(layers, self.layers)) < 0:
