@@ -8,6 +8,7 @@ import sys
 
 import torch
 
+from bench.core.collector import frozen_after
 from bench.core.errors import UsageError
 from bench.core.quiet_import import import_torchao
 from workloads.framework.torchvision_ops import torchvision_stand_ins
@@ -38,6 +39,7 @@ def _import_torchvision_without_ops() -> None:
     import torchvision  # noqa: F401,F811
 
 
+@frozen_after()
 def import_transformers():
     """The transformers module; a one-line UsageError naming the extra to install when it is missing."""
     try:

@@ -23,9 +23,10 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from bench.cli.commands_analysis import cmd_explain  # torch and the models, imported only when the command runs
+    from bench.core.collector import imported_paused
 
-    return cmd_explain(args)
+    # torch and the models, imported only when the command runs
+    return imported_paused("bench.cli.commands_analysis", "cmd_explain")(args)
 
 
 COMMAND = Command("explain", "break one case's peak memory down (weights, gradients, optimizer, activations, ...) "

@@ -38,9 +38,10 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from bench.cli.commands_analysis import cmd_fit  # torch and the models, imported only when the command runs
+    from bench.core.collector import imported_paused
 
-    return cmd_fit(args)
+    # torch and the models, imported only when the command runs
+    return imported_paused("bench.cli.commands_analysis", "cmd_fit")(args)
 
 
 COMMAND = Command("fit", "find the largest batch size whose peak stays under a memory budget, per strategy, "

@@ -66,9 +66,10 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from bench.cli.commands_plan import cmd_plan  # torch and the models, imported only when the command runs
+    from bench.core.collector import imported_paused
 
-    return cmd_plan(args)
+    # torch and the models, imported only when the command runs
+    return imported_paused("bench.cli.commands_plan", "cmd_plan")(args)
 
 
 COMMAND = Command("plan", "find the fastest combination of techniques whose step fits a memory limit (--budget or "

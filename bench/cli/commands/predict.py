@@ -45,9 +45,10 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from bench.cli.commands_analysis import cmd_predict  # torch and the models, imported only when the command runs
+    from bench.core.collector import imported_paused
 
-    return cmd_predict(args)
+    # torch and the models, imported only when the command runs
+    return imported_paused("bench.cli.commands_analysis", "cmd_predict")(args)
 
 
 COMMAND = Command("predict", "estimate the peak memory of each strategy (CUDA's by default) without running on that "
