@@ -26,11 +26,11 @@ FULL_TRACE_ENV = "MEMBENCH_FULL_TRACE"  # "1": every prediction traces all its l
 SMALLEST_TRACE_LAYERS = 3  # the layers of the smallest trace: at 2 the first layer's backward has no period before it
 SMALLEST_PLAIN_LAYERS = 2  # of a plan that leaves layers plain after checkpointed ones (`kinds_traced`)
 # a plan of two kinds of layers replays where its traces hold at most this share of the full trace's layers: each of
-# its four traces costs besides its layers about as much as two more (the model, embedding, loss and optimizer of
-# three steps), and its template costs too. Llama-3.1-8B at 4096 tokens, 25+7 layers, 26 traced: the same logs, in
-# CPU seconds by replay / by the full trace, lora+checkpoint 5.4-5.6 / 5.4, bf16_weights+qlora+checkpoint 19.7 / 21.0
-# (one process, the machine loaded); `perf_predict` of both, 42.2 / 40.6 (2026-11-29): no gain, so it is traced whole
-KINDS_MOST_TRACED_SHARE = 2 / 3
+# its four traces costs besides its layers about as much as a layer more (the model, embedding, loss and optimizer of
+# three steps), and its template as much as about four more. Llama-3.1-8B at 4096 tokens, 25+7 layers, 26 traced, one
+# process, quiet, seconds of the prediction by replay / by the full trace (the same bytes): lora+checkpoint 3.07-3.10
+# / 3.30-3.40, bf16_weights+qlora+checkpoint 8.70-8.81 / 9.03-9.22 (2026-11-29, after the template's collector pause)
+KINDS_MOST_TRACED_SHARE = 0.85
 
 
 def full_trace_forced() -> bool:

@@ -69,7 +69,7 @@ ASSUMPTIONS = [
     " built for all of them from the first two (layer replay), used only where the one built for 5 equals the"
     " 5-layer trace event for event (the row says so; MEMBENCH_FULL_TRACE=1 traces every layer), nothing"
     " extrapolated otherwise; a checkpoint plan of checkpointed then plain layers is traced with both kinds kept"
-    " (c+p layers) and proven the same way, where those traces hold at most 2/3 of its layers; each traced rank"
+    " (c+p layers) and proven the same way, where those traces hold at most 85% of its layers; each traced rank"
     " of fsdp is replayed the same way from its own traces",
 ]
 
