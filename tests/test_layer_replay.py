@@ -87,8 +87,11 @@ def test_the_kinds_of_layers_of_checkpoint_plans():
     llama_8b = Case(FULL_SIZE, "lora+checkpoint", "train", 1, "cuda")  # 32 layers: 25+7, 26 traced (81%)
     assert layer_replay.why_not_replayable(llama_8b, bind_case(llama_8b, 1)[0], 1, "fake", snapshot=False) is None
     llama_28_layers = Case(f"{FULL_SIZE}:layers=28", "lora+checkpoint", "train", 1, "cuda")  # 28 layers, 26 traced
-    assert "would trace 26 layers" in layer_replay.why_not_replayable(llama_28_layers, bind_case(llama_28_layers, 1)[0], 1, "fake",
-                                                                      snapshot=False)
+    assert "would trace 26 layers" in layer_replay.why_not_replayable(
+        llama_28_layers, bind_case(llama_28_layers, 1)[0], 1, "fake", snapshot=False)
+    compiled = Case(FULL_SIZE, "lora+checkpoint+compile:scope=layers", "train", 1, "cuda")  # compiles per trace
+    assert "with compile (each of the four traces compiles" in layer_replay.why_not_replayable(
+        compiled, bind_case(compiled, 1)[0], 1, "fake", snapshot=False)
 
 
 def _operators(stage: str, first: str, layer: int) -> list:

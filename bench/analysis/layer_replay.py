@@ -93,6 +93,9 @@ def why_not_replayable(case, strategy, ranks: int, engine: str, snapshot: bool) 
         if member.distributed and ranks == 1:
             return "a sharded strategy on one rank"
     kinds = layer_kinds(strategy, layers)
+    whole = [member for member in getattr(strategy, "members", [strategy]) if member.layer_kinds_traced_whole]
+    if kinds is not None and whole:
+        return f"a checkpoint plan of two kinds of layers with {whole[0].name} ({whole[0].layer_kinds_traced_whole})"
     traced = kinds and sum(c + p for c, p in kinds_traced(*kinds))
     if kinds is not None and traced > KINDS_MOST_TRACED_SHARE * layers:
         return (f"a checkpoint plan of {kinds[0]} checkpointed and {kinds[1]} plain layers: its replay would trace "

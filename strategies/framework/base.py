@@ -190,6 +190,9 @@ class Strategy:
     plan_excluded: str | None = None
     # what a prediction of it (predict, plan) assumes that its measurement does not: said in the prediction's row
     prediction_note: str | None = None
+    # why a prediction traces every layer of a checkpoint plan of checkpointed then plain layers with it, where it
+    # would otherwise build the log from traces at a few layers of each kind (None: it does; bench.analysis.layer_replay)
+    layer_kinds_traced_whole: str | None = None
     # the option settings `python -m bench plan` tries ({} is the defaults; see `plan_settings()`)
     plan_options: tuple[dict[str, Any], ...] = ({},)
     # What the tests expect of it on the CPU (tests/conformance.py): its outcome on a workload none of whose traits
