@@ -168,10 +168,11 @@ def tracked_step_by_layers(case, spec: str, engine: str, warmup_steps: int | Non
     try:
         steps, events, plan, calls = replayed(tracer(case, spec, engine, warmup_steps, capability, prepare=prepare),
                                               layers, kinds)
+        host = host_peak(steps, layers, kinds)
     except NoReplay as why:
         _REFUSED[tried] = str(why)
         return None, str(why)
-    return TrackedStep(live_peak(events), events, engine, None, {}, steps[0].sdpa_kernel, calls, plan, None), None
+    return TrackedStep(live_peak(events), events, engine, None, {}, steps[0].sdpa_kernel, calls, plan, host), None
 
 
 def tracer(case, spec: str, engine: str, warmup_steps: int | None, capability: tuple[int, int] | None,
@@ -281,10 +282,29 @@ def replayed_kinds(trace, checkpointed: int, plain: int) -> tuple[list, list[Mem
 _REFUSED: dict[tuple, str] = {}
 
 
+def host_peak(steps: list, layers: int, kinds: tuple[int, int] | None) -> int | None:
+    """An offloading strategy's host peak (`offload_host_peak_bytes`) at `layers` from the small steps `replayed`
+    traced (`kinds`: as `replayed`'s); None where no trace kept host copies. It is the exact affine function of the
+    layer counts (of each kind) through every trace, the proof's included, which is one more than such a function
+    needs: NoReplay where none goes through them all."""
+    figures = [step.offload_host_peak_bytes for step in steps]
+    if all(figure is None for figure in figures):
+        return None
+    if any(figure is None for figure in figures):
+        raise NoReplay("host copies in some traces only")
+    # (period, layers) as exact_affine takes them: a plan's checkpointed and plain layers, else the layer count alone
+    counts = kinds_traced(*kinds) if kinds is not None else [(0, SMALLEST_TRACE_LAYERS + n) for n in range(len(steps))]
+    coefficients = solve([(first, second, figure) for (first, second), figure in zip(counts, figures)])
+    try:
+        if coefficients is None:
+            raise NotWhole
+        return evaluate(coefficients, *(kinds if kinds is not None else (0, layers)))
+    except NotWhole:
+        raise NoReplay("host copies that do not grow by the same bytes per layer") from None
+
+
 def _check_alike(steps: list) -> None:
     """NoReplay where the small traces cannot stand for the full one, beyond their logs."""
-    if any(step.offload_host_peak_bytes is not None for step in steps):
-        raise NoReplay("an offloading strategy's host copies")
     if len({step.sdpa_kernel for step in steps}) > 1:
         raise NoReplay("attention kernels that differ by layer count")
 

@@ -61,13 +61,14 @@ def tracked_ranks_by_layers(case, spec: str, engine: str, warmup_steps: int | No
             lambda result: result[0][0].rank_signatures)
         if len({plan for _, _, plan, _ in replayed.values()}) > 1:
             raise NoReplay("recompute plans that differ by rank")
+        peaks = {rank: layer_replay.live_peak(events) for rank, (_, events, _, _) in replayed.items()}
+        largest = max(peaks, key=lambda rank: peaks[rank])  # the first of equal peaks, as the full trace takes it
+        steps, events, plan, calls = replayed[largest]
+        host = layer_replay.host_peak(steps, layers, kinds)
     except NoReplay as why:
         _REFUSED[tried] = str(why)
         return None, str(why)
-    peaks = {rank: layer_replay.live_peak(events) for rank, (_, events, _, _) in replayed.items()}
-    largest = max(peaks, key=lambda rank: peaks[rank])  # the first of equal peaks, as the full trace takes it
-    steps, events, plan, calls = replayed[largest]
-    return TrackedStep(peaks[largest], events, engine, None, {}, steps[0].sdpa_kernel, calls, plan, None,
+    return TrackedStep(peaks[largest], events, engine, None, {}, steps[0].sdpa_kernel, calls, plan, host,
                        steps[0].rank_signatures, tuple(replayed), largest), None
 
 
