@@ -89,7 +89,7 @@ def _figures(kind: str, folder: Path) -> str:
     evaluated = ok[ok["judged_bytes"].notna()]  # the others were stopped as certain not to fit (no figure)
     stopped = len(ok) - len(evaluated)
     pairs = ",".join(f"{r.ranks}:{r.strategy}:{r.judged_bytes:.0f}" for r in evaluated.itertuples())
-    answer = table[table["answer"].fillna("").astype(str) != ""] if "answer" in table else table.iloc[:0]
+    answer = table[table["answer"].fillna(False).astype(str) == "True"] if "answer" in table else table.iloc[:0]
     chosen = "; ".join(f"{r.answer} {r.strategy} ({r.ranks} ranks) {r.judged_bytes:.0f}" for r in answer.itertuples())
     return (f"{len(evaluated)} of {len(table)} candidates predicted to the end, {stopped} stopped as certain not "
             f"to fit, judged digest "
@@ -111,6 +111,8 @@ def run_goal(goal: Goal, python: str) -> tuple[float, str]:
         done = subprocess.run([python, "-m", "bench", *goal.argv, "--out", folder], cwd=ROOT, capture_output=True,
                               text=True)
         seconds = time.perf_counter() - start
+        if done.returncode == 1 and goal.argv[0] == "plan":  # nothing fits: the plan's answer, its CSV written
+            return seconds, "exit 1 (no candidate fits): " + _figures("plan", Path(folder))
         if done.returncode != 0:
             return seconds, f"exit {done.returncode}: " + (done.stderr.strip().splitlines() or [""])[-1][:200]
         return seconds, _figures(goal.argv[0], Path(folder))
