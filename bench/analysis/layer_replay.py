@@ -310,16 +310,41 @@ def _check_alike(steps: list) -> None:
 
 
 def measured_log(events: list[MemoryEvent]) -> list[MemoryEvent]:
-    """A step's log up to the end of its measured window (its "end" event): what follows are the frees of the
-    session's teardown, in an order the garbage collector chooses, which move no figure of the replay (no storage is
-    allocated there and no matrix product runs: checked, NoReplay otherwise)."""
+    """A step's log up to the end of its measured window (its "end" event), each run of consecutive frees in the
+    order of their storages' keys (`frees_in_key_order`). What follows the window are the frees of the session's
+    teardown, in an order the garbage collector chooses, which move no figure of the replay (no storage is allocated
+    there and no matrix product runs: checked, NoReplay otherwise)."""
     ends = [index for index, event in enumerate(events) if event.kind == "end"]
     if len(ends) != 1:
         raise NoReplay("a log without one end of its measured window")
     for event in events[ends[0] + 1:]:
         if event.kind == "alloc" or (event.kind == "op" and event.op.split(".")[0] in CUBLAS_OPS):
             raise NoReplay("a storage allocated or a matrix product run after the measured window")
-    return list(events[:ends[0] + 1])
+    return frees_in_key_order(events[:ends[0] + 1])
+
+
+def frees_in_key_order(events: list[MemoryEvent]) -> list[MemoryEvent]:
+    """`events` with each run of consecutive "free" events sorted by storage key (the order the tracker allocated
+    them). Such a run's order moves no figure: no byte is allocated or counted between its frees, and the caching
+    allocator's model ends a run with the same blocks whatever its order (a freed block merges with its free
+    neighbours, and the pools are ordered by size and address). Some runs come in an order no layer count predicts:
+    autocast's cache of casts, freed when the forward leaves autocast, in the order of a hash table of tensors."""
+    out: list[MemoryEvent] = []
+    run: list[MemoryEvent] = []
+    for event in events:
+        if event.kind == "free":
+            run.append(event)
+            continue
+        if run:
+            out += sorted(run, key=_key) if len(run) > 1 else run
+            run = []
+        out.append(event)
+    out += sorted(run, key=_key) if len(run) > 1 else run
+    return out
+
+
+def _key(event: MemoryEvent) -> int:
+    return event.key
 
 
 def live_peak(events: list[MemoryEvent]) -> int:
