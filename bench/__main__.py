@@ -2,7 +2,7 @@
 
 import sys
 
-from bench.core.processes import exit_status, stop_on_signals, stopped_by
+from bench.core.processes import exit_status, exit_without_teardown, stop_on_signals, stopped_by
 
 # SIGTERM (timeout, a scheduler, a container stop) and SIGHUP stop a command as Ctrl-C does: its worker processes are
 # ended and its temporary files and folders removed, then it exits 143 / 129 (bench.core.processes)
@@ -19,4 +19,4 @@ except Exception as error:
         raise
     print(f"\n{interrupt.note()}", file=sys.stderr)
     status = exit_status(stopped)
-sys.exit(status)
+exit_without_teardown(status)
