@@ -1,5 +1,6 @@
-"""bench.core.processes.exit_without_teardown, `python -m bench`'s exit: the status, the buffered output and atexit's
-handlers as `sys.exit` gives them, without the interpreter's teardown; with another thread running, `sys.exit`."""
+"""`python -m bench`'s exit (bench.core.processes): the status, the buffered output and atexit's handlers as `sys.exit`
+gives them, without the interpreter's teardown (with another thread running, `sys.exit`); and a reader that went away
+(`| head`) ends the command with 141 and no traceback."""
 
 from __future__ import annotations
 
@@ -41,3 +42,13 @@ def test_another_thread_running_gets_the_usual_exit(tmp_path):
     assert done.returncode == 3 and done.stdout == "buffered, no newline"
     assert (tmp_path / "atexit.thread").read_text() == "done"  # the teardown waited for it
     assert (tmp_path / "atexit").read_text() == "handler ran"
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly():
+    # `python -m bench list | head -1`: the pipe closed before the command writes, as `head` closes it
+    command = subprocess.Popen([sys.executable, "-m", "bench", "list"], cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
+    command.stdout.close()
+    errors = command.stderr.read().decode()
+    assert command.wait(timeout=60) == 141  # 128 + SIGPIPE, as the shell reports a tool the signal ended
+    assert "Traceback" not in errors and "BrokenPipeError" not in errors, errors

@@ -247,6 +247,15 @@ def exit_without_teardown(status: int | None) -> NoReturn:
     os._exit(status or 0)
 
 
+def output_closed_status() -> int:
+    """The exit status of a command whose reader went away (`| head`: a write raised BrokenPipeError), its standard
+    output pointed at /dev/null so that nothing writes to the closed pipe again: 141, 128 + SIGPIPE, as the shell
+    reports a Unix tool that the signal ended (Python ignores SIGPIPE, so the write raises instead)."""
+    with contextlib.suppress(Exception):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 128 + signal.SIGPIPE
+
+
 def _flushed() -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):  # a closed pipe (`| head`): what the teardown would ignore too
