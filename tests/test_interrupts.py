@@ -11,6 +11,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 
 from bench.core import results
 from cli_helpers import ROOT
@@ -73,6 +75,7 @@ SLOW_AT_BATCH_2 = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow  # in .ci/run's long tests of make test
 def test_an_interrupt_names_the_file_and_the_exact_resume_command(tmp_path):
     """Ctrl-C during the second case (a slow one): the message names the CSV holding the first and the command
     that finishes the run; that command, run as printed, does."""

@@ -160,6 +160,7 @@ def ranked() -> dict:
     return found
 
 
+@pytest.mark.slow  # in .ci/run's long tests of make test
 def test_on_ranks_a_sharded_setting_alone_stops_and_still_combines(ranked):
     low, full = _by_spec(ranked["low"]), _by_spec(ranked["full"])
     for spec in ("fsdp", "zero2"):
@@ -171,6 +172,7 @@ def test_on_ranks_a_sharded_setting_alone_stops_and_still_combines(ranked):
     assert all(full[spec]["judged_bytes"] > LOW for spec in full if plan_step.stopped_over_limit(low[spec]))
 
 
+@pytest.mark.slow  # in .ci/run's long tests of make test
 def test_on_ranks_a_stopped_candidate_does_not_fit_and_the_answer_is_the_full_traces(ranked):
     fit, full = ranked["fit"], [dict(r) for r in ranked["full"].rows]
     limit = fit.rows[0]["limit_bytes"]
@@ -188,6 +190,7 @@ def test_on_ranks_a_stopped_candidate_does_not_fit_and_the_answer_is_the_full_tr
     assert answers[0] is not None and answers[0]["strategy"] == answers[1]["strategy"]
 
 
+@pytest.mark.slow  # in .ci/run's long tests of make test
 def test_on_ranks_a_setting_the_one_rank_search_did_not_reach_still_combines(ranked):
     """A one-rank search cut short after its baseline: checkpoint's first setting, never tried alone (it cannot
     run alone on two ranks), combines with the sharded ones all the same, as the combinations of a full one-rank

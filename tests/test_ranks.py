@@ -171,6 +171,7 @@ def test_merged_row_takes_the_largest_rank_and_its_breakdown():
     assert failed["status"] == "error" and failed["message"] == "boom"
 
 
+@pytest.mark.slow  # in .ci/run's "slow: ranks" step
 def test_a_port_taken_before_rank_0_listens_is_retried_on_another(monkeypatch):
     """The port found free is taken by another process before rank 0's store listens on it (a second run, a test
     session's other worker): the ranks start again on a fresh port and the case is measured."""

@@ -43,6 +43,7 @@ RUN_ARGS = ["--strategies", "baseline", "--phases", "eval", "--batch-size", "1,2
             "--data", "synthetic", "--warmup", "0", "--steps", "1", "--threads", "1", "--no-isolate"]
 
 
+@pytest.mark.slow  # in .ci/run's long tests of make test
 def test_a_killed_sweep_resumes_and_holds_each_case_once(tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
