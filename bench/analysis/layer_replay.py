@@ -14,6 +14,8 @@ full trace runs and the row says why. MEMBENCH_FULL_TRACE=1 always runs the full
 
 from __future__ import annotations
 
+import itertools
+import operator
 import os
 import re
 
@@ -330,21 +332,9 @@ def frees_in_key_order(events: list[MemoryEvent]) -> list[MemoryEvent]:
     neighbours, and the pools are ordered by size and address). Some runs come in an order no layer count predicts:
     autocast's cache of casts, freed when the forward leaves autocast, in the order of a hash table of tensors."""
     out: list[MemoryEvent] = []
-    run: list[MemoryEvent] = []
-    for event in events:
-        if event.kind == "free":
-            run.append(event)
-            continue
-        if run:
-            out += sorted(run, key=_key) if len(run) > 1 else run
-            run = []
-        out.append(event)
-    out += sorted(run, key=_key) if len(run) > 1 else run
+    for frees, group in itertools.groupby(events, key=lambda event: event.kind == "free"):
+        out += sorted(group, key=operator.attrgetter("key")) if frees else group
     return out
-
-
-def _key(event: MemoryEvent) -> int:
-    return event.key
 
 
 def live_peak(events: list[MemoryEvent]) -> int:

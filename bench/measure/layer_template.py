@@ -296,7 +296,7 @@ class LayerTemplate:
         in it turned into (its value at period 0, its step per period) at this count. The target: ("key", key),
         ("identity", shape, layer at 0, step, count), ("affine", slot, period at 0, step) or ("layer", slot, source
         layer at 0, step, offset, target run's layer at 0, its step): the storage's layer is the source's plus the
-        offset, and the period of the target run with that layer is the target's (`_target_period`)."""
+        offset, and the period of the target run with that layer is the target's."""
         program = self._programs.get((slot, edge))
         if program is None:
             program = self._programs[slot, edge] = self._program(slot, edge)
