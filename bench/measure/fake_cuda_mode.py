@@ -44,6 +44,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, _BypassDis
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils.weak import WeakIdKeyDictionary
 
+from bench.core.collector import frozen_after
 from bench.core.memory_categories import OUTSIDE_ALLOCATOR
 from bench.measure.fake_cuda import WORKER_FLAG
 from bench.measure.memory import LiveTensorTracker
@@ -346,6 +347,8 @@ def fake_cuda(allocator: FakeAllocator | None = None, inner: Iterable[ContextMan
     limit but the memory fraction) counts the fake CUDA bytes and answers torch.cuda's memory statistics; `inner`
     are entered last, inside all of that (a dispatch mode that should see what reaches the fake tensors)."""
     _clear_tensor_caches()  # cached tensors are fake tensors of one mode: none may outlive it
+    with frozen_after():  # FakeTensorMode's first construction imports torch._dynamo: 0.5 s, its objects frozen after
+        import torch._dynamo  # noqa: F401
     # CUDA initialised now, as a GPU step's earlier work would have: torch.utils.checkpoint refuses a device state
     # first initialised in a checkpointed forward (a first case that checkpoints would fail otherwise)
     torch.cuda.init()
