@@ -130,9 +130,9 @@ def _evaluate_on_ray(request: dict, spec: str, members: int, may_stop: bool, pla
     return row
 
 
-def _executor(jobs: int):
+def _executor(jobs: int, workload: str):
     """The forked workers of a local search (`bench.analysis.pools.local`)."""
-    return pools.local(jobs, __name__)
+    return pools.local(jobs, __name__, workload)
 
 
 def _lost(request: plan.PlanRequest, spec: str, error: BaseException) -> Row:
@@ -314,11 +314,13 @@ def search(request: plan.PlanRequest, progress: Callable[[str], None] = lambda t
     pool = pools.ray(request.jobs or None, ray_address, request.workload) if on_ray else pools.Inline()
     jobs, task = (pool.slots, _evaluate_on_ray) if on_ray else (max(1, request.jobs), _evaluate)
     extra = (str(fake_cuda.VENV),) if on_ray else ()
+    if not on_ray:
+        pools.start_server(jobs, __name__, request.workload)  # its imports beside the baseline's step
     as_json = asdict(request)
     try:
         while True:
             if isinstance(pool, pools.Inline) and jobs > 1 and queue.base() is not None:
-                pool = _executor(jobs)
+                pool = _executor(jobs, request.workload)
             while len(running) < (pool.slots if queue.base() is not None else 1):
                 late = queue.rows and time.monotonic() - started > request.max_search_s
                 full = queue.tried() >= request.max_candidates

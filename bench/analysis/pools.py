@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures as futures
 import contextlib
 import multiprocessing
+import multiprocessing.forkserver
 import signal
 from concurrent.futures.process import BrokenProcessPool
 
@@ -68,18 +69,33 @@ class _Local(futures.ProcessPoolExecutor):
         return _Local(self.slots, self.context)
 
 
-def local(jobs: int, preload: str):
+def local(jobs: int, preload: str, workload: str | None = None):
     """One job: this process. More: forked workers; where this torch sees CUDA (the fake-CUDA environment's, or a
     GPU), which a forked child cannot use again, workers forked from a fresh server process that imported the
-    module `preload` once."""
+    module `preload` once, and what a `workload`'s steps import that does not initialise CUDA (`start_server`)."""
     if jobs <= 1:
         return Inline()
     if torch.cuda.is_available():
+        start_server(jobs, preload, workload)
         context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload([preload])
     else:
         context = multiprocessing.get_context("fork")
     return _Local(jobs, context)
+
+
+def start_server(jobs: int, preload: str, workload: str | None = None) -> None:
+    """Where `local` forks its workers from a server (`jobs` > 1, a torch that sees CUDA), that server started now, if
+    it is not running yet: its imports then run beside what this process does first (a search's baseline), not
+    after it. It imports the module `preload`, torch._dynamo (every fake-CUDA step's FakeTensorMode imports it) and
+    for an `hf:` workload transformers (`workloads.framework.transformers_preload`), none of which asks torch about
+    CUDA devices (a child forked after that could not use CUDA): each worker's first candidate imported them."""
+    if jobs <= 1 or not torch.cuda.is_available():
+        return
+    modules = [preload, "torch._dynamo"]
+    if workload is not None and workload.startswith("hf:"):
+        modules.append("workloads.framework.transformers_preload")
+    multiprocessing.forkserver.set_forkserver_preload(modules)
+    multiprocessing.forkserver.ensure_running()
 
 
 def ray(jobs: int | None, address: str | None, workload: str | None = None):
@@ -112,7 +128,7 @@ def probe_pool(jobs: int, executor: str, ray_address: str | None, preload: str, 
     (`jobs` at once; 0: the cluster's CPUs; the `workload`'s file travels to them)."""
     if executor == RAY:
         return ray(jobs or None, ray_address, workload)
-    return local(jobs, preload) if jobs > 1 else None
+    return local(jobs, preload, workload) if jobs > 1 else None
 
 
 @contextlib.contextmanager

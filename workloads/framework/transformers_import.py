@@ -18,6 +18,15 @@ INSTALL_HINT = "pip install 'membench[hf]' (in a checkout: make install)"
 _torchvision_stand_ins: list[torch.library.Library] = []  # kept alive: a Library's definitions die with it
 
 
+def import_transformers_before_cuda() -> None:
+    """transformers and torchvision imported as `import_transformers` imports them: neither asks torch about CUDA
+    devices (torchao and transformers' modeling_utils do, and a child forked after that cannot use CUDA), so a fork
+    server imports them before it forks workers that use CUDA (`workloads.framework.transformers_preload`).
+    ImportError where one is missing."""
+    _import_torchvision_without_ops()
+    from transformers import CONFIG_MAPPING  # noqa: F401 - fails here, not later, when the install is broken
+
+
 def _import_torchvision_without_ops() -> None:
     """Makes torchvision's Python code importable when its compiled operators do not load.
 
@@ -43,14 +52,13 @@ def _import_torchvision_without_ops() -> None:
 def import_transformers():
     """The transformers module; a one-line UsageError naming the extra to install when it is missing."""
     try:
-        _import_torchvision_without_ops()
+        import_transformers_before_cuda()
         with contextlib.suppress(ImportError):
             # transformers imports these where torchao is installed (the second when it builds a model), and their
             # imports warn (bench.core.quiet_import)
             import_torchao("torchao")
             import_torchao("torchao.prototype.mx_formats")
         import transformers
-        from transformers import CONFIG_MAPPING  # noqa: F401 - fails here, not later, when the install is broken
     except ModuleNotFoundError as error:
         if error.name in (None, "transformers"):
             raise UsageError(f"workload 'hf' needs the transformers package, not installed: {INSTALL_HINT}") from None
