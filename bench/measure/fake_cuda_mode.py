@@ -47,6 +47,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from bench.core.collector import frozen_after
 from bench.core.memory_categories import OUTSIDE_ALLOCATOR
 from bench.measure.fake_cuda import WORKER_FLAG
+from bench.measure.fake_tensor_new import new_fake_tensor
 from bench.measure.memory import LiveTensorTracker
 
 
@@ -78,7 +79,9 @@ class FakeCudaMode(FakeTensorMode):
 
         def from_meta_and_device(fake_mode, meta, device, pytype=None, dispatch_keys=None):
             """FakeTensorConverter.from_meta_and_device without the weak memo (the meta tensor is fresh anyway)."""
-            return FakeTensor(fake_mode, meta, device, pytype=pytype, dispatch_keys=dispatch_keys)
+            if pytype is not None or dispatch_keys is not None:
+                return FakeTensor(fake_mode, meta, device, pytype=pytype, dispatch_keys=dispatch_keys)
+            return new_fake_tensor(fake_mode, meta, device)
 
         self.fake_tensor_converter.from_meta_and_device = from_meta_and_device
 
@@ -153,7 +156,7 @@ class FakeCudaMode(FakeTensorMode):
                 torch._C._set_neg(empty, True)
             if storage is not None:
                 empty.set_(storage, metadata.storage_offset, metadata.shape, metadata.stride)
-        return FakeTensor(self, empty, metadata.device)
+        return new_fake_tensor(self, empty, metadata.device)
 
 
 # arguments that FakeTensorMode's cache key holds as their type and value (its last case)
