@@ -276,12 +276,12 @@ def test_a_combination_that_promises_to_fit_runs_before_the_settings_not_yet_tri
     queue = plan_search._Queue(_request(400), accepted, space.context)
     queue.rows.update(baseline=_row("baseline", 1000, 100, 0), checkpoint=_row("checkpoint", 600, 120),
                       amp=_row("amp", 600, 80), del_intermediates=_row("del_intermediates", 650, 130))
-    assert queue.next() == ("checkpoint+amp", 2)  # promises 360 bytes at 96 ms; amp+del_intermediates at 104 ms
+    assert queue.next() == ("checkpoint+amp", 2, True)  # promises 360 bytes at 96 ms; amp+del_intermediates 104 ms
     queue.rows["checkpoint+amp"] = None  # running
-    assert queue.next() == ("amp+del_intermediates", 2)  # nothing that fits ran yet: it may be the answer
+    assert queue.next() == ("amp+del_intermediates", 2, True)  # nothing that fits ran yet: it may be the answer
     queue.rows["checkpoint+amp"] = _row("checkpoint+amp", 350, 90, 2)
     following = queue.next()
-    assert following[1] == 1 and following[0] not in queue.rows  # a setting not tried, before a slower promise
+    assert following[1:] == (1, False) and following[0] not in queue.rows  # an untried setting, before a slower promise
     assert all(spec in queue.untried()[0] for spec in ("inplace_relu", "checkpoint:segments=sqrt"))
     assert "amp+del_intermediates" in queue.untried()[1]
 

@@ -77,6 +77,19 @@ def test_a_candidate_that_may_stop_stops_at_full_size_or_is_replayed(over_limit,
         assert {name: probed[name] for name in exact} == {name: full[name] for name in exact}
 
 
+def test_a_candidate_not_probed_is_replayed_with_every_figure_even_over_the_limit(monkeypatch):
+    # the search's combinations that promise to fit skip the look at their full-size forward (probe=False): one that
+    # does not fit after all is not stopped but replayed, with the figures of the full trace that does not stop
+    request = _request(limit_bytes=524288000 + 100 * 2**20, sharded_only=True)
+    unprobed = plan.evaluate(request, "checkpoint:segments=all", 1, FIGURES, may_stop=True, probe=False)
+    monkeypatch.setenv(layer_replay.FULL_TRACE_ENV, "1")
+    full = plan.evaluate(request, "checkpoint:segments=all", 1, FIGURES)
+    assert unprobed["message"].startswith("layer replay: traced at 3, 4 and 5 layers"), unprobed["message"]
+    assert unprobed["fits"] is False and unprobed["judged_bytes"] > request.limit_bytes
+    exact = [name for name in full if name != "message" and name not in TIME_COLUMNS]
+    assert {name: unprobed[name] for name in exact} == {name: full[name] for name in exact}
+
+
 def test_totals_the_proof_trace_does_not_confirm_send_the_candidate_to_the_full_trace(monkeypatch):
     # one operator more in the 5-layer trace than the 3- and 4-layer ones make for it: not affine in the layers
     counted = plan_replay._trace_totals

@@ -122,7 +122,7 @@ def _engines(device: str, distributed: bool) -> list[str]:
 
 
 def evaluate(request: PlanRequest, spec: str, members: int, figures: plan_cost.DeviceFigures,
-             may_stop: bool = False) -> Row:
+             may_stop: bool = False, probe: bool = True) -> Row:
     """One candidate's row: its predicted peak (and on CUDA reserved memory), its step's operators and estimated
     time, and what it changes in training; `unsupported` or `error` with why.
 
@@ -132,7 +132,9 @@ def evaluate(request: PlanRequest, spec: str, members: int, figures: plan_cost.D
     reserved more than the limit allows (`plan_step.ReservedCheck`; a sharded step, once one of its ranks has): its
     row says so, with no peak and no time (`plan_step.stopped_over_limit`). Where layer replay applies
     (`plan_replay.replayed_candidate`), such a candidate's full-size step is looked at only up to its first
-    backward: one that got there is replayed, with every figure."""
+    backward: one that got there is replayed, with every figure. With `probe` False it is replayed at once: the
+    search's combinations whose members' ratios promise that they fit, whose look at the forward (a third of what
+    their replay costs) was passed and thrown away; one that does not fit after all gets every figure."""
     row = empty_row(request, spec, members)
     case = request.case(spec)
     cuda = request.device == "cuda"
@@ -187,7 +189,7 @@ def evaluate(request: PlanRequest, spec: str, members: int, figures: plan_cost.D
 
         try:
             planned = planned_on(engine)
-            if stop and plan_replay.replay_applies(case, spec, engine, planned, request, warmup):
+            if stop and probe and plan_replay.replay_applies(case, spec, engine, planned, request, warmup):
                 # a candidate that may stop: its full-size step first, up to its first backward; one over the limit
                 # in that forward stops there (its weights alone: before its first module, in a fraction of what
                 # its replay costs), one that got to its backward is replayed

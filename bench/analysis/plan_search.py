@@ -102,30 +102,31 @@ def _declaration_rank(settings: list) -> dict[str, int]:
 
 # --- running a candidate here, in a worker process or as a Ray task ----------------------------------------------
 
-def _evaluate(request: dict, spec: str, members: int, may_stop: bool = False) -> Row:
+def _evaluate(request: dict, spec: str, members: int, may_stop: bool = False, probe: bool = True) -> Row:
     """`plan.evaluate` of a JSON request; `may_stop`: the search's candidates (a combination, or a setting that
-    changes what is trained, stops once it certainly cannot fit: the search needs no figure of it then)."""
+    changes what is trained, stops once it certainly cannot fit: the search needs no figure of it then); `probe`:
+    as `plan.evaluate`'s (False for a combination whose members' ratios promise that it fits)."""
     values = {**request, "capability": tuple(request["capability"]) if request.get("capability") else None}
     the_request = plan.PlanRequest(**values)
-    return plan.evaluate(the_request, spec, members, plan_cost.from_json(the_request.figures), may_stop)
+    return plan.evaluate(the_request, spec, members, plan_cost.from_json(the_request.figures), may_stop, probe)
 
 
-def _evaluate_on_ray(request: dict, spec: str, members: int, may_stop: bool, planner_venv: str) -> Row:
+def _evaluate_on_ray(request: dict, spec: str, members: int, may_stop: bool, probe: bool, planner_venv: str) -> Row:
     """A Ray task's candidate (`bench.run.ray_executor.RayPool`: one thread). A CUDA plan on a node whose torch
     sees no CUDA runs it in a fake-CUDA environment (`make cuda-fake-env`) where the node has one, as the search
     does on one machine: the planner's (`planner_venv`: there on a local Ray, and on nodes that share its paths),
     else one beside the code the task got; else on the CPU's operators, its row's message saying so."""
     if request["device"] != "cuda" or torch.cuda.is_available():
-        return _evaluate(request, spec, members, may_stop)
+        return _evaluate(request, spec, members, may_stop, probe)
     python = fake_cuda.environment_python(Path(planner_venv)) or fake_cuda.environment_python()
     why = fake_cuda.unavailable_reason(Path(planner_venv))
     if python is not None:
         answer, why = run_in_fake_cuda(python, "bench.analysis._plan_worker",
-                                       {"candidate": [spec, members, may_stop], "request": request})
+                                       {"candidate": [spec, members, may_stop, probe], "request": request})
         if answer is not None:
             return PLAN.row(answer[0])
         why = f"the fake-CUDA environment failed ({why[:200]})"
-    row = _evaluate(request, spec, members, may_stop)
+    row = _evaluate(request, spec, members, may_stop, probe)
     row["message"] = "; ".join(x for x in (row["message"], f"{why}: predicted on the CPU's operators") if x)[:500]
     return row
 
@@ -217,17 +218,18 @@ class _Queue:
     def _pairs_ran(self, members: tuple) -> bool:
         return all(self.rows.get(self._combination(pair)) is not None for pair in _combinations_of(list(members), 2))
 
-    def next(self) -> tuple[str, int] | None:
-        """The candidate to start now (spec, members), or None when none may start yet (or at all)."""
+    def next(self) -> tuple[str, int, bool] | None:
+        """The candidate to start now (spec, members, whether its members' ratios promise that it fits), or None
+        when none may start yet (or at all)."""
         if "baseline" not in self.rows:
-            return "baseline", 0
+            return "baseline", 0, False
         base, ready = self.base(), []
         for setting in self.accepted:
             if setting.spec not in self.rows and self._may_run((setting,)):
                 # on several ranks every sharded setting alone is an early one: it stops once it cannot fit, and
                 # the combinations need it (fsdp's offload, its mixed precision policy)
                 first = self.rank[setting.spec] == 0 or self.request.sharded_only
-                ready.append(((1 if first else 3, self.rank[setting.spec], 0.0), setting.spec, 1))
+                ready.append(((1 if first else 3, self.rank[setting.spec], 0.0), setting.spec, 1, False))
         if base is not None and base["status"] == Status.OK.value and base["judged_bytes"]:
             fastest = self._fastest_fitting()
             for members, spec in self.combinations():
@@ -238,14 +240,14 @@ class _Queue:
                 speed = math.prod(self._member_ratio(m, "est_step_time_ms") for m in members)
                 fits = memory * base["judged_bytes"] <= self.request.limit_bytes
                 if fits and speed * (base["est_step_time_ms"] or 0) < fastest:  # may be the answer
-                    ready.append(((0, len(members), speed), spec, len(members)))
+                    ready.append(((0, len(members), speed), spec, len(members), True))
                 else:  # fits but promises to be slower than one that fits, or does not promise to fit
-                    ready.append(((2, 0 if fits else 1, speed if fits else memory), spec, len(members)))
+                    ready.append(((2, 0 if fits else 1, speed if fits else memory), spec, len(members), fits))
         if not ready:
             return None
         # the order of declaration among equals: stable, the same in every process count
-        _, spec, members = min(ready, key=lambda item: item[0])
-        return spec, members
+        _, spec, members, fits = min(ready, key=lambda item: item[0])
+        return spec, members, fits
 
     def _may_run(self, members: tuple) -> bool:
         """Whether a candidate of `members` is this search's to run: any, but for a search of sharded candidates only
@@ -330,11 +332,12 @@ def search(request: plan.PlanRequest, progress: Callable[[str], None] = lambda t
                 candidate = queue.next()
                 if candidate is None:
                     break
-                spec, members = candidate
+                spec, members, promises_to_fit = candidate
                 queue.rows[spec] = None
                 progress(f"[{queue.tried()}/{request.max_candidates} at most, {time.monotonic() - started:.0f} s] "
                          f"{spec} ...{_left(queue, request, time.monotonic() - started)}")
-                running[pool.submit(task, as_json, spec, members, True, *extra)] = spec
+                # one that promises to fit is replayed without a look at its full-size forward first (`plan.evaluate`)
+                running[pool.submit(task, as_json, spec, members, True, not promises_to_fit, *extra)] = spec
             if not running:
                 break
             done, _ = futures.wait(running, return_when=futures.FIRST_COMPLETED)
