@@ -15,8 +15,9 @@ from bench.analysis.fake_cuda_worker import serve
 
 def search(values: dict) -> dict:
     """The whole search; or, for {"candidate": [spec, members, may_stop, probe], "request": ...}, that one
-    candidate's row (a Ray task's, `plan_search._evaluate_on_ray`); or, for {"candidates": [[request, spec, members], ...]}, each one's
-    row in turn, each with a request of its own (a dry run's changes, which may change the workload)."""
+    candidate's row (a Ray task's, `plan_search._evaluate_on_ray`); or, for {"candidates": [[request, spec,
+    members], ...]}, each one's row in turn, each with a request of its own (a dry run's changes, which may change
+    the workload)."""
     from bench.analysis import plan, plan_search
 
     if "candidate" in values:
