@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from bench.analysis.fake_engine import tracked_step
 from bench.analysis.predict import predict_case
@@ -133,3 +134,25 @@ def test_make_install_builds_the_deepspeed_the_mechanism_follows_after_torch():
     assert f"follows DeepSpeed {pinned} " in followed
     if HAS_DEEPSPEED:
         assert importlib.metadata.version("deepspeed") == pinned
+
+
+def test_a_zero3_step_stopped_inside_a_module_leaves_torchs_linear_in_place():
+    # a plan candidate stopped once over its limit raises inside a module's forward, where ZeRO-3's linear is in
+    # place: the process's later cases (a plan worker's next candidates) must run torch's own
+    from strategies.framework.deepspeed_zero3 import _TORCH_LINEAR
+
+    class Stopped(Exception):
+        pass
+
+    def stop_at_a_linear(module, args):
+        if isinstance(module, torch.nn.Linear):
+            raise Stopped()
+
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(stop_at_a_linear)
+    try:
+        with fake_process_group(2, 0), pytest.raises(Stopped):
+            tracked_step(_case(ZERO3), ZERO3, "cpu", ranks=2, cuda_autocast=False)
+        assert torch.nn.functional.linear is _TORCH_LINEAR
+    finally:
+        hook.remove()
+        torch.nn.functional.linear = _TORCH_LINEAR
