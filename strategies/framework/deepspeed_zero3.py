@@ -176,18 +176,15 @@ class Zero3Mechanism(DeepSpeedZero):
 
     @contextlib.contextmanager
     def session(self):
-        """The base's session, torch's `F.linear` back at its end however the steps ended: a forward stopped in a
-        module (a plan candidate over its limit) left DeepSpeed's linear for the process's later cases (70B
-        checkpoint+fsdp:offload=cpu on 2 ranks judged 162,405,548,032 B after zero3 stopped, 145,225,678,848 alone)."""
-        try:
-            with super().session():
-                yield
-        finally:
-            torch.nn.functional.linear, self.depth = _TORCH_LINEAR, 0
+        """The base's session, torch's `F.linear` back at its end however the steps ended (a forward stopped in a
+        module, as a plan candidate over its limit is, left DeepSpeed's to the process's later cases)."""
+        with contextlib.ExitStack() as stack:
+            stack.callback(setattr, torch.nn.functional, "linear", _TORCH_LINEAR)
+            stack.enter_context(super().session())
+            yield
 
     def rank_signature(self, rank, world):
-        """Every rank holds ceil(numel / N) elements of every parameter: ranks differ only by their share of the
-        batch."""
+        """Ranks differ only by their share of the batch: each holds ceil(numel / N) of every parameter."""
         return ("samples", self.samples_of_rank(rank, world))
 
     def _sub_groups(self, parts: list[_Partitioned]) -> list[list[_Partitioned]]:
@@ -364,9 +361,8 @@ class Zero3Mechanism(DeepSpeedZero):
                 part.param.grad = whole.narrow(0, 0, part.numel).view(part.shape).to(part.param.dtype)
 
     def optimizer_step(self, optimizer):
-        """Each sub-group (of at most `sub_group_size` elements) in turn, as DeepSpeed steps them: its gradients
-        flattened and converted to float32 (or copied into its host buffer), the optimizer stepped on it alone, its
-        master copied back into the 16-bit partitions, its float32 gradient freed."""
+        """Each sub-group (at most `sub_group_size` elements) in turn, as DeepSpeed: its gradients flattened as float32
+        (or copied into its host buffer), stepped on alone, its master copied into the 16-bit partitions, freed."""
         offset = 0
         for index, (master, lp) in enumerate(zip(self.masters, self.lp_groups)):
             for other in self.masters:
