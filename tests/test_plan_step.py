@@ -43,7 +43,7 @@ def _to_the_end(monkeypatch) -> None:
     evaluate = plan.evaluate
     monkeypatch.setattr(plan_step.MeasuredStepCounter, "__torch_dispatch__",
                         plan_step.OperatorCostCounter.__torch_dispatch__)
-    monkeypatch.setattr(plan, "evaluate", lambda request, spec, members, figures, may_stop=False:
+    monkeypatch.setattr(plan, "evaluate", lambda request, spec, members, figures, may_stop=False, probe=True:
                         evaluate(request, spec, members, figures))
 
 
