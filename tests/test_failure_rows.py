@@ -343,6 +343,7 @@ def test_a_model_that_never_returns_is_a_timeout_row_and_the_sweep_goes_on(tmp_p
     assert elapsed < 2 * limit + 60, elapsed
 
 
+@pytest.mark.slow  # in .ci/run's long tests of make test
 def test_the_pre_flight_of_a_model_that_never_returns_ends_at_its_bounds(tmp_path):
     """The pre-flight runs the user's forward too (the meta-device memory estimate, then two calibration steps on
     the CPU), each bounded (here 2 s and 2 s, in the child process --isolate uses): a model that never returns

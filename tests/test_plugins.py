@@ -119,6 +119,7 @@ def test_a_new_strategy_is_one_file(drop_in):
         conformance.check_strategy_on_workload("deep_mlp", name, phase)
 
 
+@pytest.mark.slow  # in .ci/run's long tests of make test
 def test_a_new_workload_is_one_file(drop_in):
     """The new workload is registered, declares what the registry-wide tests need, and passes each kind of their
     checks: the grid (a strategy that matches, one that differs by design, one the model gives nothing to do, a

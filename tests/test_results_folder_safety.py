@@ -99,6 +99,7 @@ def test_a_symlinked_snapshot_folder_is_not_written_through_on_resume(tmp_path, 
     assert list(elsewhere.iterdir()) == []
 
 
+@pytest.mark.slow  # in .ci/run's long tests of make test
 def test_a_workload_that_changes_directory_does_not_move_a_relative_out(tmp_path, monkeypatch):
     (tmp_path / "wander.py").write_text(WANDERING)
     monkeypatch.chdir(tmp_path)

@@ -109,6 +109,7 @@ def test_fake_cuda_prediction_snapshot(tmp_path, monkeypatch):
     assert replay_peaks(snapshot) == (row["predicted_bytes"], row["predicted_reserved_bytes"])
 
 
+@pytest.mark.slow  # in .ci/run's long tests of make test
 def test_each_rank_writes_its_snapshot_with_its_own_peak_and_the_report_sets_them_side_by_side(tmp_path):
     results = tmp_path / "20990101T000000Z-cpu-rank.csv"
     row = run_case(_case("zero1", workload=UNIFORM), env={},

@@ -48,7 +48,7 @@ EXACT_COLUMNS = {"params": "peak_params_bytes", "grads": "peak_grads_bytes",
 
 
 @pytest.mark.parametrize("spec,ranks", [
-    ("tp:degree=2", 2),
+    pytest.param("tp:degree=2", 2, marks=pytest.mark.slow),  # in .ci/run's long tests of make test
     pytest.param(NO_SEQUENCE_OR_LOSS_PARALLEL, 2, marks=pytest.mark.slow),
     pytest.param("fsdp+tp:degree=2", 4, marks=pytest.mark.slow),  # a 2 x 2 mesh: FSDP2 over dp, TP inside
 ])
