@@ -8,12 +8,14 @@ import sys
 from pathlib import Path
 
 import pandas as pd
+import pytest
 
 from bench.core.check_tables import GPU_CHECK
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow  # in .ci/run's long tests of make test
 def test_each_case_is_measured_and_predicted_in_its_own_process_and_an_unsupported_one_is_a_row(tmp_path):
     done = subprocess.run([sys.executable, "tools/gpu/check.py", "--device", "cpu", "--no-anchors", "--out",
                            str(tmp_path), "--jobs", "2", "--case", "captcha_resnet18,no_grad_eval,eval,2",

@@ -45,6 +45,7 @@ def test_progress_shows_the_step_within_a_case():
         assert text in shown, (text, shown)
 
 
+@pytest.mark.slow  # in .ci/run's long tests of make test
 def test_fit_and_predict_show_progress(tmp_path):
     # in a fresh process, whose first command is predict: a warning PyTorch gives once per process is not hidden
     # by an earlier test's

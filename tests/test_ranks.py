@@ -38,9 +38,7 @@ def _row(strategy: str, workload: str = WORKLOAD) -> dict:
 MIXED = "fsdp:param_dtype=bfloat16:reduce_dtype=float32"  # FSDP2's mixed precision as it is usually configured
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero1", "fsdp", "fsdp+checkpoint",
-                                      pytest.param("fsdp+amp", marks=pytest.mark.slow),  # in .ci/run's "slow: ranks"
-                                      MIXED])
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "fsdp", "fsdp+checkpoint", "fsdp+amp", MIXED])
 def test_sharded_step_matches_one_process_on_the_global_batch(strategy):
     row = _row(strategy, CHECKED_ON.get(strategy, WORKLOAD))
     assert row["status"] == "ok", row["message"]
@@ -48,7 +46,6 @@ def test_sharded_step_matches_one_process_on_the_global_batch(strategy):
     assert row["rank_peak_min_bytes"] <= row["rank_peak_max_bytes"] == row["peak_mem_bytes"]
 
 
-@pytest.mark.slow  # in .ci/run's "slow: ranks"
 def test_fsdp_holds_less_per_rank_than_ddp_and_zero1_halves_the_optimizer_state():
     ddp, zero1, fsdp = _row("ddp", UNIFORM), _row("zero1", UNIFORM), _row("fsdp", UNIFORM)
     assert fsdp["rank_peak_max_bytes"] < zero1["rank_peak_max_bytes"] < ddp["rank_peak_max_bytes"]

@@ -93,6 +93,7 @@ print(json.dumps({"grown": grown, "left": resident.current_rss_bytes() - rest}))
 """
 
 
+@pytest.mark.slow  # in .ci/run's long tests of make test
 @linux_only
 def test_a_freed_tensor_goes_back_to_the_system_not_into_a_hole_in_the_heap():
     # glibc raises its mmap threshold to each freed mmapped block's size; a step's tensors under it then come from
