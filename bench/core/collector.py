@@ -43,12 +43,9 @@ def frozen_after() -> Iterator[None]:
     collector when a fake-CUDA mode ends (`heap_frozen` unfreezes every frozen object), so nothing stays out of
     its reach for good."""
     modules = len(sys.modules)
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if len(sys.modules) != modules:  # before the collector is back: its first collection would walk them all
-            gc.freeze()
-        if was_enabled:
-            gc.enable()
+    with collector_paused():
+        try:
+            yield
+        finally:
+            if len(sys.modules) != modules:  # before the collector is back: its first collection would walk them all
+                gc.freeze()
