@@ -119,7 +119,7 @@ def tracked_step(case, spec: str, engine: str = "fake", block_bytes: int = 1, cu
                                f"stubs' fake one of the fake-CUDA environment ({fake_cuda.VENV.name})")
         # no capacity: a prediction may exceed the device torch sees (the stubs' 80 GiB, or this GPU's)
         attention = SdpaKernelChoice(capability)
-        with fake_cuda_tensors(allocator=FakeAllocator(limit_bytes=sys.maxsize), inner=[attention]):
+        with fake_cuda_tensors(allocator=FakeAllocator(limit_bytes=sys.maxsize, counted_by=tracker), inner=[attention]):
             measured = memory_pass(replace(case, device="cuda"), strategy, tracker=tracker, **options)
     else:
         # a CUDA case on the CPU's operators: its attention calls are counted (they run the CPU's kernel)

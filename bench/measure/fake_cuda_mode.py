@@ -51,9 +51,9 @@ from bench.measure.fake_tensor_new import new_fake_tensor
 from bench.measure.memory import LiveTensorTracker
 
 
-_PLACEHOLDER_OPS = frozenset({torch.ops.aten._local_scalar_dense.default, torch.ops.aten.equal.default,
-                              torch.ops.aten.allclose.default})
-_PINNED_OPS = frozenset({torch.ops.aten._pin_memory.default, torch.ops.aten.is_pinned.default})
+_PLACEHOLDER_OPS = frozenset(map(id, (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.equal.default,
+                                       torch.ops.aten.allclose.default)))
+_PINNED_OPS = frozenset(map(id, (torch.ops.aten._pin_memory.default, torch.ops.aten.is_pinned.default)))
 
 
 class FakeCudaMode(FakeTensorMode):
@@ -90,12 +90,12 @@ class FakeCudaMode(FakeTensorMode):
         docstring: autograd's thread never entered the mode); placeholder values and pinned memory answered here."""
         if not torch._C._only_lift_cpu_tensors():
             torch._C._set_only_lift_cpu_tensors(True)
-        if func in _PLACEHOLDER_OPS:
+        if id(func) in _PLACEHOLDER_OPS:  # by id, as these sets hold them: an OpOverload hashes in Python
             if func is torch.ops.aten._local_scalar_dense.default:
                 tensor = args[0]
                 return False if tensor.dtype == torch.bool else 1.0 if tensor.is_floating_point() else 1
             return True
-        if func in _PINNED_OPS:
+        if id(func) in _PINNED_OPS:
             if func is torch.ops.aten.is_pinned.default:
                 return id(args[0]) in self.pinned
             copy = super().__torch_dispatch__(torch.ops.aten.clone.default, types, (args[0],), {})
@@ -204,12 +204,29 @@ class FakeAllocator(LiveTensorTracker):
     """Live bytes of fake CUDA tensors (512-byte blocks, as CUDA's allocator rounds), with an out-of-memory error past
     `limit_bytes`, or past the memory fraction of the device's memory when no limit is given. It stands for CUDA's
     caching allocator, so a storage made in a category that allocator never serves (`OUTSIDE_ALLOCATOR`: unified
-    memory, bitsandbytes' paged optimizer state) is not counted."""
+    memory, bitsandbytes' paged optimizer state) is not counted.
 
-    def __init__(self, limit_bytes: int | None = None):
+    `counted_by`: a tracker of the fake CUDA bytes that, while it is entered, counts every storage this allocator
+    would (a prediction's memory pass: it registers the parameters, buffers and batch made before it, and every
+    operator's tensors). Meanwhile this allocator leaves the operators to it, rather than registering each one's
+    tensors a second time (a tenth of a traced step), and torch.cuda's statistics are its figures: allocated and
+    reserved its live bytes, their maxima its peak, which a reset of torch.cuda's peak leaves alone (the tracker's
+    window is the measurement). After it, this allocator's own count lacks what was made inside and is still live."""
+
+    def __init__(self, limit_bytes: int | None = None, counted_by: LiveTensorTracker | None = None):
         super().__init__("cuda", block_bytes=512)
         self.limit_bytes = limit_bytes
+        self.counted_by = counted_by
         self._outside: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storages the caching allocator never serves
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.counted_by is not None and self.counted_by.entered:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _counting(self) -> LiveTensorTracker:
+        """The tracker whose figures torch.cuda's statistics are now: `counted_by` while it is entered, else this."""
+        return self.counted_by if self.counted_by is not None and self.counted_by.entered else self
 
     def _register(self, t: torch.Tensor, category: str) -> None:
         if category not in OUTSIDE_ALLOCATOR and not self._outside:  # the usual case, at the usual cost
@@ -250,11 +267,11 @@ class FakeAllocator(LiveTensorTracker):
         names = ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved",
                  "reset_peak_memory_stats")
         saved = {name: getattr(cuda, name) for name in names}
-        answers = {"memory_allocated": lambda device=None: self.live_bytes,
-                   "max_memory_allocated": lambda device=None: self.peak_bytes,
-                   "memory_reserved": lambda device=None: self.live_bytes,
-                   "max_memory_reserved": lambda device=None: self.peak_bytes,
-                   "reset_peak_memory_stats": lambda device=None: self.reset_peak()}
+        answers = {"memory_allocated": lambda device=None: self._counting().live_bytes,
+                   "max_memory_allocated": lambda device=None: self._counting().peak_bytes,
+                   "memory_reserved": lambda device=None: self._counting().live_bytes,
+                   "max_memory_reserved": lambda device=None: self._counting().peak_bytes,
+                   "reset_peak_memory_stats": lambda device=None: self._counting() is self and self.reset_peak()}
         for name in names:
             setattr(cuda, name, answers[name])
         try:

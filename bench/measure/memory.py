@@ -48,8 +48,9 @@ class TimelinePoint:
     live_bytes: int
 
 
-# Operators that read a tensor's metadata and make no tensor.
-_METADATA_OPS = frozenset({torch.ops.prim.device.default})
+# Operators that read a tensor's metadata and make no tensor, by id: an OpOverload hashes in Python, and this is
+# asked of every operator
+_METADATA_OPS = frozenset({id(torch.ops.prim.device.default)})
 
 
 class LiveTensorTracker(CompiledCodeMode):
@@ -104,6 +105,7 @@ class LiveTensorTracker(CompiledCodeMode):
         self.window_end_categories: dict[int, str] = {}  # storage key -> category, at `close_window()`
         # (category, the dtypes it is for or None: all) declared by `memory_categories.allocating`, innermost last
         self._allocating: list[tuple[str, frozenset | None]] = []
+        self.entered = 0  # how many times this tracker is on the dispatch mode stack now
 
     # in-place storage resizes --------------------------------------------------------------------------
     def __enter__(self):
@@ -111,9 +113,12 @@ class LiveTensorTracker(CompiledCodeMode):
             _RESIZE_WATCHERS.append(self)
         _patch_storage_resize()
         memory_categories.listen(self)
-        return super().__enter__()
+        entered = super().__enter__()
+        self.entered += 1
+        return entered
 
     def __exit__(self, *exc):
+        self.entered -= 1
         if self in _RESIZE_WATCHERS:
             _RESIZE_WATCHERS.remove(self)
         memory_categories.stop_listening(self)
@@ -285,7 +290,7 @@ class LiveTensorTracker(CompiledCodeMode):
         self._ops += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in _METADATA_OPS:
+        if id(func) in _METADATA_OPS:
             # a fake tensor answers `.device` through the dispatcher: asking it is no use of the tensor, and
             # registering it here would file a tensor that `track()` is about to register under "untracked".
             # C++ asks it of a fake tensor several times an operator (two thirds of a fake step's dispatches): the
