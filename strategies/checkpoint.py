@@ -94,8 +94,12 @@ class UnitCheckpointer:
             return function(*args, **kwargs)
         if self.reentrant:
             return checkpoint(self._reentrant_fn(function), *args, use_reentrant=True)
-        if self.bn_fix or self._inner_context_fn is not None:
+        # under torch.compile the recomputation is the partitioner's, which never replays a buffer's update: no
+        # BatchNorm fix, and only a context torch.compile takes (a function of two dispatch modes, not a method)
+        if self._bn_buffers and not torch.compiler.is_compiling():
             return checkpoint(function, *args, use_reentrant=False, context_fn=self._context_fn, **kwargs)
+        if self._inner_context_fn is not None:
+            return checkpoint(function, *args, use_reentrant=False, context_fn=self._inner_context_fn, **kwargs)
         return checkpoint(function, *args, use_reentrant=False, **kwargs)
 
     def install(self, group: list[nn.Module]) -> None:

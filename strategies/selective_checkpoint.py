@@ -111,16 +111,21 @@ class SelectiveCheckpoint(Strategy):
             raise choices_error("selective_checkpoint policy", self.settings["policy"], list(POLICIES))
         self._policy = policy_fn(POLICIES[self.settings["policy"]])
 
-    def _contexts(self):
-        if self.settings["policy"] == "every_other_mm":  # counts its calls: a fresh one for each checkpoint
-            return create_selective_checkpoint_contexts(every_other_mm_policy())
-        return create_selective_checkpoint_contexts(self._policy)
+    def _context_fn(self):
+        """Each checkpoint's `context_fn`: its policy's (forward, recompute) contexts. A plain function, not a method:
+        torch.compile, tracing through checkpoint, calls a method's function without its object."""
+        policy, fresh = self._policy, self.settings["policy"] == "every_other_mm"
+
+        def contexts():
+            # every_other_mm counts its calls: a fresh one for each checkpoint
+            return create_selective_checkpoint_contexts(every_other_mm_policy() if fresh else policy)
+        return contexts
 
     def prepare_model(self, model, units):
         if not units:
             owner = self.model_owner()
             raise Unsupported(f"selective_checkpoint needs checkpoint units; {owner} names none")
-        checkpointer = UnitCheckpointer(model, context_fn=self._contexts)
+        checkpointer = UnitCheckpointer(model, context_fn=self._context_fn())
         for unit in units:
             checkpointer.install([unit])
         return model
