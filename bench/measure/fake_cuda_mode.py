@@ -208,10 +208,8 @@ class FakeAllocator(LiveTensorTracker):
 
     `counted_by`: a tracker of the fake CUDA bytes that, while it is entered, counts every storage this allocator
     would (a prediction's memory pass: it registers the parameters, buffers and batch made before it, and every
-    operator's tensors). Meanwhile this allocator leaves the operators to it, rather than registering each one's
-    tensors a second time (a tenth of a traced step), and torch.cuda's statistics are its figures: allocated and
-    reserved its live bytes, their maxima its peak, which a reset of torch.cuda's peak leaves alone (the tracker's
-    window is the measurement). After it, this allocator's own count lacks what was made inside and is still live."""
+    operator's tensors). Meanwhile this allocator leaves the operators to it (registering them twice was a tenth of a
+    traced step) and torch.cuda's statistics are its figures; after it, its own count lacks what was made inside."""
 
     def __init__(self, limit_bytes: int | None = None, counted_by: LiveTensorTracker | None = None):
         super().__init__("cuda", block_bytes=512)
@@ -220,13 +218,18 @@ class FakeAllocator(LiveTensorTracker):
         self._outside: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storages the caching allocator never serves
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.counted_by is not None and self.counted_by.entered:
+        if self._counting() is not self:
             return func(*args, **(kwargs or {}))
         return super().__torch_dispatch__(func, types, args, kwargs)
 
     def _counting(self) -> LiveTensorTracker:
         """The tracker whose figures torch.cuda's statistics are now: `counted_by` while it is entered, else this."""
         return self.counted_by if self.counted_by is not None and self.counted_by.entered else self
+
+    def _reset_peak_statistic(self) -> None:
+        """torch.cuda.reset_peak_memory_stats: this count's peak restarts; `counted_by`'s window is left alone."""
+        if self._counting() is self:
+            self.reset_peak()
 
     def _register(self, t: torch.Tensor, category: str) -> None:
         if category not in OUTSIDE_ALLOCATOR and not self._outside:  # the usual case, at the usual cost
@@ -271,7 +274,7 @@ class FakeAllocator(LiveTensorTracker):
                    "max_memory_allocated": lambda device=None: self._counting().peak_bytes,
                    "memory_reserved": lambda device=None: self._counting().live_bytes,
                    "max_memory_reserved": lambda device=None: self._counting().peak_bytes,
-                   "reset_peak_memory_stats": lambda device=None: self._counting() is self and self.reset_peak()}
+                   "reset_peak_memory_stats": lambda device=None: self._reset_peak_statistic()}
         for name in names:
             setattr(cuda, name, answers[name])
         try:
