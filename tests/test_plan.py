@@ -167,6 +167,7 @@ def test_candidates_that_change_what_is_trained_are_kept_out_unless_allowed(sear
     assert all(r["eligible"] for r in different)
 
 
+@pytest.mark.slow  # in .ci/run's long tests of make test
 def test_a_confirmed_peak_matches_its_prediction():
     """The harness's measured peak within 1% of the plan's prediction (on a tiny GPT, whose batch of token ids is a
     negligible part of the peak: the fake engine does not count the batch's bytes, 4% of deep_mlp's tiny peak)."""

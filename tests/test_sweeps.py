@@ -160,6 +160,7 @@ def isolated_sweep(tmp_path_factory):
     return rows, out
 
 
+@pytest.mark.slow  # in .ci/run's long tests of make test
 def test_a_crashing_worker_becomes_an_error_row_and_the_sweep_goes_on(isolated_sweep):
     rows, out = isolated_sweep
     assert [r["status"] for r in rows] == ["error", "error", "ok"]
@@ -169,6 +170,7 @@ def test_a_crashing_worker_becomes_an_error_row_and_the_sweep_goes_on(isolated_s
     assert all(not k.startswith("_") for r in rows for k in r)
 
 
+@pytest.mark.slow  # in .ci/run's long tests of make test (shares the crashing sweep above)
 def test_isolated_and_in_process_runs_give_the_same_cpu_peak(isolated_sweep):
     isolated = isolated_sweep[0][2]
     in_process = run_case(_case(), options=ONE_THREAD)
