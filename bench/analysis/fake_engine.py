@@ -23,7 +23,7 @@ from bench.measure.sdpa_kernel import SdpaCalls, SdpaKernelChoice
 from bench.run.fake_pass import FakeSession, fake_memory_pass
 from bench.run.ranks import fake_process_group, in_rank_process
 from bench.run.case import bind_case
-from bench.run.runner import CaseMeter, forget_traceback, memory_pass
+from bench.run.runner import MEMORY_WARMUP_STEPS, CaseMeter, forget_traceback, memory_pass
 from strategies.framework.composite import recompute_plan_of
 
 __all__ = ["CUDA_BLOCK_BYTES", "FakeSession", "PredictionMeter", "TrackedStep", "UsesAutocast", "bound_device",
@@ -87,7 +87,7 @@ def bound_device(engine: str) -> str:
 def tracked_step(case, spec: str, engine: str = "fake", block_bytes: int = 1, cuda_autocast: bool = True,
                  ranks: int = 1, record_events: bool = False, warmup_steps: int | None = None,
                  planned=None, capability: tuple[int, int] | None = None, every_rank: bool = False,
-                 rank_strategy: Callable[[int], Any] | None = None) -> TrackedStep:
+                 rank_strategy: Callable[[int], Any] | None = None, repeat_warmup: bool = False) -> TrackedStep:
     """One steady-state step of `case` tracked on `engine` (fake-cuda, fake, meta or cpu: the case's device is
     ignored but by fake-cuda, which needs a fake CUDA device in this process); for a sharded strategy, the rank with
     the largest peak of its `ranks` ranks, each run in turn in this process as that rank of PyTorch's fake process
@@ -95,7 +95,10 @@ def tracked_step(case, spec: str, engine: str = "fake", block_bytes: int = 1, cu
     help; shards of the batch and of parameters differ by rank). `planned`: the strategy bound to the engine's device
     whose `plan()` has run (a checkpoint budget's plan), used as it is. On fake-cuda each call of
     scaled_dot_product_attention runs the kernel CUDA would choose on a device of `capability` (default: the device
-    torch sees; `bench.measure.sdpa_kernel`), named in the step's `sdpa_kernel`.
+    torch sees; `bench.measure.sdpa_kernel`), named in the step's `sdpa_kernel`. A fake-cuda step that records its
+    events prepares its breakdown before its last warm-up step as well (`memory_pass`'s `steady_warmup`: that step's
+    log is then the measured step's), and with `repeat_warmup` builds the measured step's log from it instead of
+    running it (bench.analysis.layer_replay's smaller traces, whose result it proves).
 
     Of a sharded strategy's ranks, one of each `rank_signature` is traced (ranks that hold chunks and batch shares of
     the same sizes allocate the same: tests/test_rank_signature.py compares with every rank traced, to the byte);
@@ -119,8 +122,10 @@ def tracked_step(case, spec: str, engine: str = "fake", block_bytes: int = 1, cu
                                f"stubs' fake one of the fake-CUDA environment ({fake_cuda.VENV.name})")
         # no capacity: a prediction may exceed the device torch sees (the stubs' 80 GiB, or this GPU's)
         attention = SdpaKernelChoice(capability)
+        steady = record_events and steady_warmup_possible(engine, warmup_steps)
         with fake_cuda_tensors(allocator=FakeAllocator(limit_bytes=sys.maxsize, counted_by=tracker), inner=[attention]):
-            measured = memory_pass(replace(case, device="cuda"), strategy, tracker=tracker, **options)
+            measured = memory_pass(replace(case, device="cuda"), strategy, tracker=tracker, steady_warmup=steady,
+                                   repeat_warmup=repeat_warmup and steady, **options)
     else:
         # a CUDA case on the CPU's operators: its attention calls are counted (they run the CPU's kernel)
         cpu_attention = SdpaCalls() if case.device == "cuda" else None
@@ -138,6 +143,12 @@ def tracked_step(case, spec: str, engine: str = "fake", block_bytes: int = 1, cu
                        cpu_attention.calls if cpu_attention is not None else 0,
                        recompute_plan_of(strategy) if case.phase == "train" else "none",
                        strategy.columns().get("offload_host_peak_bytes"), signatures)
+
+
+def steady_warmup_possible(engine: str, warmup_steps: int | None) -> bool:
+    """Whether `tracked_step` on `engine` runs its last warm-up step as the measured one (two warm-up steps or more on
+    fake-cuda), so that `repeat_warmup` can build the measured step from it."""
+    return engine == "fake-cuda" and (MEMORY_WARMUP_STEPS["cuda"] if warmup_steps is None else warmup_steps) >= 2
 
 
 def _largest_rank(case, spec: str, engine: str, block_bytes: int, cuda_autocast: bool, ranks: int,

@@ -23,6 +23,7 @@ from bench.measure.cuda_allocator import CUBLAS_OPS
 from bench.measure.exact_affine import NotWhole, evaluate, solve
 from bench.measure.layer_template import LayerTemplate, NoReplay
 from bench.measure.memory import MemoryEvent
+from bench.measure.step_repeat import NotSteady
 
 FULL_TRACE_ENV = "MEMBENCH_FULL_TRACE"  # "1": every prediction traces all its layers (no layer replay)
 SMALLEST_TRACE_LAYERS = 3  # the layers of the smallest trace: at 2 the first layer's backward has no period before it
@@ -181,18 +182,20 @@ def tracer(case, spec: str, engine: str, warmup_steps: int | None, capability: t
            ranks: int = 1, rank: int | None = None, prepare=None):
     """`trace(count, plain=None)`: the case's step at `count` layers, or with `plain`, at `count` checkpointed layers,
     each alone, and `plain` after them; with `rank`, as that rank of `ranks` in PyTorch's fake process group (the
-    strategy bound and planned inside it). `prepare(strategy, count, plain)`, where given, returns the strategy the
-    trace runs, made from the bound and planned one (`bench.analysis.plan` wraps an operator counter into it)."""
+    strategy bound and planned inside it). `prepare(strategy, count, plain, repeated)`, where given, returns the
+    strategy the trace runs, made from the bound and planned one (`bench.analysis.plan` wraps an operator counter
+    into it); `repeated`: whether the trace's measured step is its last warm-up step repeated (`repeat_warmup`, as
+    `tracked_step`'s, where the engine allows it), not run."""
     import contextlib
     from dataclasses import replace
 
-    from bench.analysis.fake_engine import PredictionMeter, bound_device, tracked_step
+    from bench.analysis.fake_engine import PredictionMeter, bound_device, steady_warmup_possible, tracked_step
     from bench.run.case import bind_case
     from bench.run.ranks import fake_process_group
 
     device = bound_device(engine)
 
-    def trace(count: int, plain: int | None = None):
+    def trace(count: int, plain: int | None = None, repeat_warmup: bool = False):
         small = replace(case, workload=with_layers(case.workload, count + (plain or 0)))
         group = (fake_process_group(ranks, rank, device="cuda" if device == "cuda" else None) if rank is not None
                  else contextlib.nullcontext())
@@ -203,30 +206,60 @@ def tracer(case, spec: str, engine: str, warmup_steps: int | None, capability: t
                     if member.name == "checkpoint":
                         member.plan_used = tuple((layer,) for layer in range(count))
             planned.plan(PredictionMeter(small))
+            repeated = repeat_warmup and steady_warmup_possible(engine, warmup_steps)
             if prepare is not None:
-                planned = prepare(planned, count, plain)
+                planned = prepare(planned, count, plain, repeated)
             return tracked_step(small, spec, engine, 1, cuda_autocast=True, ranks=ranks, record_events=True,
-                                warmup_steps=warmup_steps, planned=planned, capability=capability)
+                                warmup_steps=warmup_steps, planned=planned, capability=capability,
+                                repeat_warmup=repeated)
+    trace.model_and_strategy = (re.sub(r":seq_len=\d+", "", case.workload), spec, engine, ranks, rank)
     return trace
+
+
+class ProofFailed(NoReplay):
+    """The log a template made for the proof's layer count is not that trace's."""
+
+
+# the models and strategies (`tracer`'s `model_and_strategy`) whose smaller traces' repeated steps failed a proof
+# that their steps run proved: a step that is not steady (torchao's low-bit AdamW compiles its update anew in the
+# second step); their smaller traces run every step from then on
+UNSTEADY: set[tuple] = set()
 
 
 def replayed(trace, layers: int, kinds: tuple[int, int] | None) -> tuple[list, list[MemoryEvent], str, int]:
     """(the small steps, the log at `layers`, its recompute plan, its calls of the CPU's attention kernel) by layer
     replay, `trace` tracing the step at a few layers (`tracer`); `kinds`: the plan's checkpointed and plain layers,
-    where they differ (`layer_kinds`). NoReplay where the log made for the last traced count is not its trace's."""
+    where they differ (`layer_kinds`). NoReplay where the log made for the last traced count is not its trace's.
+    The smaller traces repeat their last warm-up step for the measured one (`tracked_step`'s `repeat_warmup`); where
+    the proof fails with them (or a step cannot be repeated: `NotSteady`), they run again with every step, and the
+    model and strategy are marked `UNSTEADY`."""
+    key = getattr(trace, "model_and_strategy", None)
+    repeat = key not in UNSTEADY
+    try:
+        return _replayed_by_kind(trace, layers, kinds, repeat)
+    except (ProofFailed, NotSteady):
+        if not repeat:
+            raise
+        if key is not None:
+            UNSTEADY.add(key)
+        return _replayed_by_kind(trace, layers, kinds, False)
+
+
+def _replayed_by_kind(trace, layers: int, kinds: tuple[int, int] | None, repeat: bool):
     if kinds is not None:
-        return replayed_kinds(trace, *kinds)
+        return replayed_kinds(trace, *kinds, repeat=repeat)
     traced = [SMALLEST_TRACE_LAYERS, SMALLEST_TRACE_LAYERS + 1, SMALLEST_TRACE_LAYERS + 2]
-    steps, events, plan = _replayed(trace, traced, layers)
+    steps, events, plan = _replayed(trace, traced, layers, repeat)
     calls = [step.cpu_sdpa_calls for step in steps]
     return steps, events, plan, calls[0] + (calls[1] - calls[0]) * (layers - traced[0])
 
 
-def _replayed(trace, traced: list[int], layers: int) -> tuple[list, list[MemoryEvent], str]:
+def _replayed(trace, traced: list[int], layers: int, repeat: bool = True) -> tuple[list, list[MemoryEvent], str]:
     """(the small steps, the log at `layers`, its recompute plan), `trace(count)` tracing the step at `count`
     layers; NoReplay where the log made for `traced[2]` layers is not their trace's. The template is made first:
-    where the two smaller logs make none, the third trace is not run."""
-    steps = [trace(traced[0]), trace(traced[1])]
+    where the two smaller logs make none, the third trace is not run. `repeat`: the two smaller traces repeat their
+    last warm-up step for the measured one."""
+    steps = [trace(traced[0], repeat_warmup=repeat), trace(traced[1], repeat_warmup=repeat)]
     _check_alike(steps)
     template = LayerTemplate(measured_log(steps[0].events), measured_log(steps[1].events), traced[0])
     steps.append(trace(traced[2]))
@@ -238,19 +271,20 @@ def _replayed(trace, traced: list[int], layers: int) -> tuple[list, list[MemoryE
     if plan is None:
         raise NoReplay("a recompute plan that differs by layer count")
     if template.events(traced[2]) != measured_log(steps[2].events):
-        raise NoReplay(f"the log made for {traced[2]} layers differs from their trace")
+        raise ProofFailed(f"the log made for {traced[2]} layers differs from their trace")
     return steps, template.events(layers), plan
 
 
-def replayed_kinds(trace, checkpointed: int, plain: int) -> tuple[list, list[MemoryEvent], str, int]:
+def replayed_kinds(trace, checkpointed: int, plain: int, repeat: bool = True) -> tuple[list, list[MemoryEvent], str,
+                                                                                      int]:
     """(the small steps, the log of `checkpointed` layers then `plain` ones, its recompute plan, its calls of the CPU's
     attention kernel), `trace(c, p)` tracing the step at c checkpointed and p plain layers (`kinds_traced`); NoReplay
     where the log made for the last traced counts is not their trace's. Few plain layers are kept and the
     checkpointed ones vary, as `_replayed` varies every layer; otherwise one template over both counts
     (`LayerTemplate.of_kinds`: a run of periods grows with the layers of the kinds it repeats for; a storage named
-    across the kinds, by the optimizer of every layer, is named by its layer)."""
+    across the kinds, by the optimizer of every layer, is named by its layer). `repeat`: as `_replayed`'s."""
     counts = kinds_traced(checkpointed, plain)
-    steps = [trace(*count) for count in counts[:-1]]
+    steps = [trace(*count, repeat_warmup=repeat) for count in counts[:-1]]
     _check_alike(steps)
     logs = [measured_log(step.events) for step in steps]
     if len(counts) == 3:
@@ -271,7 +305,7 @@ def replayed_kinds(trace, checkpointed: int, plain: int) -> tuple[list, list[Mem
     if calls is None:
         raise NoReplay("attention calls not the same per layer of each kind")
     if build(*counts[-1]) != measured_log(steps[-1].events):
-        raise NoReplay(f"the log made for {counts[-1][0]}+{counts[-1][1]} layers differs from their trace")
+        raise ProofFailed(f"the log made for {counts[-1][0]}+{counts[-1][1]} layers differs from their trace")
     try:
         calls_at_layers = evaluate(calls, checkpointed, plain)
     except NotWhole:

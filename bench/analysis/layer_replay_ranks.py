@@ -39,8 +39,8 @@ def tracked_ranks_by_layers(case, spec: str, engine: str, warmup_steps: int | No
     """(the case's sharded step built by layer replay, rank by rank, or None, and why not); `strategy` is the
     case's strategy bound for `ranks` (its checkpoint plan says whether layers come in two kinds). The step is the
     largest rank's, with `rank` and `ranks_traced` set as the full trace sets them. `prepare(strategy, count, plain,
-    rank)`, where given, returns the strategy each small trace of a rank runs (`layer_replay.tracer`'s, with the
-    rank)."""
+    repeated, rank)`, where given, returns the strategy each small trace of a rank runs (`layer_replay.tracer`'s,
+    with the rank)."""
     from bench.analysis.fake_engine import TrackedStep, one_rank_of_each_signature
 
     unproven = unreplayed_shardings(strategy)
@@ -77,7 +77,7 @@ def _for_rank(prepare, rank: int):
     None."""
     if prepare is None:
         return None
-    return lambda strategy, count, plain: prepare(strategy, count, plain, rank)
+    return lambda strategy, count, plain, repeated: prepare(strategy, count, plain, repeated, rank)
 
 
 # why a sharded replay was refused, by (workload spec without its length, strategy spec, engine, ranks)

@@ -49,9 +49,10 @@ def replayed_candidate(case: Case, spec: str, engine: str, planned, request,
         return None
     counters: dict[int | None, dict[tuple[int, int], plan_step.MeasuredStepCounter]] = {}
 
-    def counted_trace(strategy, count: int, plain: int | None, rank: int | None = None):
+    def counted_trace(strategy, count: int, plain: int | None, repeated: bool, rank: int | None = None):
         counter = counters.setdefault(rank, {})[(count, plain or 0)] = plan_step.MeasuredStepCounter()
-        return plan_step.counted(strategy, counter, warmup)
+        # a measured step repeated from the last warm-up step (not run): that step's operators are its
+        return plan_step.counted(strategy, counter, warmup - 1 if repeated else warmup)
 
     if planned.distributed:
         step, why = layer_replay_ranks.tracked_ranks_by_layers(case, spec, engine, warmup, None, request.ranks,

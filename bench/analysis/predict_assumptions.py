@@ -68,7 +68,9 @@ ASSUMPTIONS = [
     " draws no number); a decoder whose layers are all alike is traced at 3, 4 and 5 layers and its step's log"
     " built for all of them from the first two (layer replay), used only where the one built for 5 equals the"
     " 5-layer trace event for event (the row says so; MEMBENCH_FULL_TRACE=1 traces every layer), nothing"
-    " extrapolated otherwise; a checkpoint plan of checkpointed then plain layers is traced with both kinds kept"
+    " extrapolated otherwise; the measured step of each trace but that proof's is its last warm-up step's log"
+    " repeated, not run (a steady step allocates and frees what the step before it did; the proof runs every step);"
+    " a checkpoint plan of checkpointed then plain layers is traced with both kinds kept"
     " (c+p layers) and proven the same way, where those traces hold at most 85% of its layers; each traced rank"
     " of fsdp is replayed the same way from its own traces",
 ]

@@ -15,6 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from bench.core import memory_categories
+from bench.measure import step_repeat
 from bench.measure.dispatch_modes import CompiledCodeMode
 from bench.measure.storage_table import StorageInfo, StorageTable
 
@@ -279,6 +280,18 @@ class LiveTensorTracker(CompiledCodeMode):
         if self.record_events:
             self.events.append(MemoryEvent("end", stage=self.stage))
             self.window_end_categories = {info.key: info.category for info in self._storages.values()}
+
+    def log_repeated_step(self, start: int, end: int, stage: str) -> None:
+        """Logs the step after the one logged at `events[start:end]`, in place of running it, as that step repeated
+        (`bench.measure.step_repeat`), and ends in `stage` (that step's last); the peak, its stage and its bytes by
+        category are that log's, counted event by event from what is live now."""
+        live = {info.key: (info.nbytes, info.category) for info in self._storages.values() if info.key}
+        repeated = step_repeat.repeated_step(self.events, start, end, self._keys + 1)
+        self._keys += sum(event.kind == "alloc" for event in repeated)
+        self.events.extend(repeated)
+        self.peak_bytes, self.peak_stage, self.peak_by_category = step_repeat.window_peak(repeated, live,
+                                                                                          self.storage_bytes)
+        self.stage = stage
 
     def _update_peak(self, op: str) -> None:
         if self.live_bytes > self.peak_bytes:

@@ -123,7 +123,8 @@ def memory_pass(case: Case, strategy: Strategy, record_timeline: bool = False,
                 tracker: memory.LiveTensorTracker | None = None,
                 prepare: Callable[[Session, memory.LiveTensorTracker], None] | None = None,
                 session_class: Callable[..., Session] = Session, warmup_steps: int | None = None,
-                growth_steps: int | None = None, record_snapshot: bool = False) -> MemoryResult:
+                growth_steps: int | None = None, record_snapshot: bool = False, steady_warmup: bool = False,
+                repeat_warmup: bool = False) -> MemoryResult:
     """The peak of one steady-state step: CUDA's allocator statistics, or the exact live-tensor count on the CPU.
 
     On the CPU (or meta) the row also gets the breakdown of the peak (`bench.measure.breakdown.BREAKDOWN_COLUMNS`);
@@ -135,6 +136,11 @@ def memory_pass(case: Case, strategy: Strategy, record_timeline: bool = False,
     After the measured step `MEMORY_GROWTH_STEPS` more run, outside the peak, for `mem_growth_bytes_per_step`.
     `record_snapshot`: the tracker logs the step's allocations with their modules (`bench.measure.snapshot`), or on
     CUDA the allocator records its history (the result's `cuda_snapshot`).
+    With a `tracker` that records events and two warm-up steps or more: `steady_warmup` prepares the breakdown (and
+    runs `prepare`) before the last warm-up step as well, so that its log is the measured step's (the categories the
+    measured step files its storages under, from the same point); `repeat_warmup` (which implies it) does not run the
+    measured step but builds its log from the last warm-up step's (`bench.measure.step_repeat`), its peak counted
+    event by event over that log. Neither moves the measured window's figures of a steady step (a test).
     """
     warmup = MEMORY_WARMUP_STEPS.get(case.device, 1) if warmup_steps is None else warmup_steps
     growth = MEMORY_GROWTH_STEPS if growth_steps is None else growth_steps
@@ -144,7 +150,10 @@ def memory_pass(case: Case, strategy: Strategy, record_timeline: bool = False,
         return allocator_memory_pass(case, strategy)
     tracker = tracker or memory.LiveTensorTracker(case.device, record_timeline=record_timeline,
                                                   record_events=record_snapshot)
-    return _tracked_memory_pass(session_class(case, strategy, observe_grads=True), tracker, prepare, warmup, growth)
+    if (steady_warmup or repeat_warmup) and not (tracker.record_events and warmup >= 2):
+        raise ValueError("a steady or repeated warm-up step needs a tracker that records events and two warm-up steps")
+    return _tracked_memory_pass(session_class(case, strategy, observe_grads=True), tracker, prepare, warmup, growth,
+                                steady_warmup or repeat_warmup, repeat_warmup)
 
 
 def _cuda_memory_pass(case: Case, strategy: Strategy, warmup: int, growth: int,
@@ -170,9 +179,10 @@ def _cuda_memory_pass(case: Case, strategy: Strategy, warmup: int, growth: int,
 
 def _tracked_memory_pass(session: Session, tracker: memory.LiveTensorTracker,
                          prepare: Callable[[Session, memory.LiveTensorTracker], None] | None, warmup: int,
-                         growth: int) -> MemoryResult:
+                         growth: int, steady_warmup: bool = False, repeat_warmup: bool = False) -> MemoryResult:
     """The peak of one steady-state step of `session` counted by `tracker`, with its breakdown by category; the
-    tracker's timeline (when it records one) is the measured step's."""
+    tracker's timeline (when it records one) is the measured step's. `steady_warmup`, `repeat_warmup`: as
+    `memory_pass`'s."""
     strategy = session.strategy
     with strategy.session(), tracker, snapshot.ModuleScope(session.base_model, tracker):
         tracker.track(session.parameters(), "params")
@@ -182,18 +192,32 @@ def _tracked_memory_pass(session: Session, tracker: memory.LiveTensorTracker,
         def mark(stage: str) -> None:
             tracker.stage = stage
 
+        def prepared() -> list:
+            """What precedes a measured step (the breakdown's hooks, whose handles it returns, and `prepare`)."""
+            handles = breakdown.prepare_breakdown(session, tracker)
+            if prepare is not None:
+                prepare(session, tracker)
+            tracker.stage = "setup"
+            collect_warmup_garbage()
+            return handles
+
         progress.report("memory", 0, 1)
-        ends = []
-        for _ in range(warmup):
+        ends, handles, last_warmup = [], [], (0, 0, "")
+        for index in range(warmup):
+            if steady_warmup and index == warmup - 1:
+                handles = prepared()
+            start = len(tracker.events)
             session.step(mark)
+            last_warmup = (start, len(tracker.events), tracker.stage)
             ends.append(tracker.live_bytes)
-        handles = breakdown.prepare_breakdown(session, tracker)
-        if prepare is not None:
-            prepare(session, tracker)
-        tracker.stage = "setup"
-        collect_warmup_garbage()
+        for handle in handles:
+            handle.remove()
+        handles = prepared()
         tracker.reset_peak()
-        session.step(mark)
+        if repeat_warmup:
+            tracker.log_repeated_step(*last_warmup)
+        else:
+            session.step(mark)
         for handle in handles:
             handle.remove()
         ends.append(tracker.live_bytes)
