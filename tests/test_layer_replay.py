@@ -131,7 +131,7 @@ def _two_kinds_log(checkpointed: int, plain: int) -> list:
 
 
 def test_a_log_of_two_kinds_of_layers_is_built_from_traces_of_few_of_each(monkeypatch):
-    def trace(checkpointed: int, plain: int):
+    def trace(checkpointed: int, plain: int, repeat_warmup: bool = False):
         return SimpleNamespace(events=_two_kinds_log(checkpointed, plain), offload_host_peak_bytes=None,
                                sdpa_kernel=None, cpu_sdpa_calls=2 * checkpointed + plain,
                                recompute_plan=" ".join(map(str, range(checkpointed))))
