@@ -122,3 +122,28 @@ def test_a_step_that_is_not_steady_is_replayed_from_traces_that_run_every_step(t
     full = predict.predict_case(case, engine="fake-cuda")
     figures = [name for name in full if name != "message"]
     assert {name: replayed[name] for name in figures} == {name: full[name] for name in figures}
+
+
+@pytest.mark.parametrize("spec, ranks", [("checkpoint:segments=all", 1), ("fsdp+checkpoint:segments=all", 3)])
+def test_a_plan_candidate_from_repeated_steps_has_every_figure_of_the_full_trace(spec, ranks, two_warmup_steps,
+                                                                                monkeypatch):
+    """A plan candidate's time comes from its smaller traces' operator totals: where a trace's measured step is
+    repeated, the operators of the warm-up step it repeats are counted (`plan_replay`), and the row is the full
+    trace's."""
+    import math
+
+    from bench.analysis import plan, plan_replay
+
+    from .test_plan_layer_replay_fake_cuda import FIGURES, TIME_COLUMNS, _request
+
+    monkeypatch.setattr(plan_replay, "REPLAY_REFUSED", {})
+    monkeypatch.setattr(layer_replay, "UNSTEADY", set())
+    replayed = plan.evaluate(_request(ranks), spec, len(spec.split("+")), FIGURES, may_stop=True)
+    monkeypatch.setenv(layer_replay.FULL_TRACE_ENV, "1")
+    full = plan.evaluate(_request(ranks), spec, len(spec.split("+")), FIGURES, may_stop=True)
+    assert "operator totals and time extrapolated" in replayed["message"], replayed["message"]
+    assert not layer_replay.UNSTEADY and replayed["step_ops"] > 0
+    exact = [name for name in full if name != "message" and name not in TIME_COLUMNS]
+    assert {name: replayed[name] for name in exact} == {name: full[name] for name in exact}
+    for name in TIME_COLUMNS:
+        assert math.isclose(replayed[name], full[name], rel_tol=1e-9, abs_tol=0.0), name

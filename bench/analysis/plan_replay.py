@@ -50,8 +50,7 @@ def replayed_candidate(case: Case, spec: str, engine: str, planned, request,
     counters: dict[int | None, dict[tuple[int, int], plan_step.MeasuredStepCounter]] = {}
 
     def counted_trace(strategy, count: int, plain: int | None, repeated: bool, rank: int | None = None):
-        counter = counters.setdefault(rank, {})[(count, plain or 0)] = plan_step.MeasuredStepCounter()
-        # a measured step repeated from the last warm-up step (not run): that step's operators are its
+        counter = counters.setdefault(rank, {})[(count, plain or 0)] = plan_step.MeasuredStepCounter(repeated)
         return plan_step.counted(strategy, counter, warmup - 1 if repeated else warmup)
 
     if planned.distributed:
@@ -142,7 +141,7 @@ def _extrapolated_time(counters: dict, layers: tuple[int, int], figures: plan_co
     """The time columns of the step at `layers` (checkpointed or only, plain) from the operators counted in the
     small traces (`counters` by their layer counts, in the order they ran, the proof last); _NotAffine where the
     proof's totals are not those its layer counts give."""
-    if any(len(counter.steps) != warmup + 1 for counter in counters.values()):
+    if any(len(counter.steps) != warmup + 1 - counter.repeats_last_warmup for counter in counters.values()):
         raise _NotAffine("a trace whose operator counter saw another number of steps")
     totals = {at: _trace_totals(counter.steps[-1], figures, gpus_per_node) for at, counter in counters.items()}
     *fitted, proof = totals

@@ -30,11 +30,14 @@ OPTIMIZER, END = "at the start of the optimizer step", "at the end"
 class MeasuredStepCounter(OperatorCostCounter):
     """The operator counter of a candidate's step that counts only while `armed` (its measured step, the last): the
     warm-up steps' operators were counted and thrown away (the row reads the last step's), and counting costs a
-    tenth or more of a full-size trace. Unarmed it calls each operator as the counter does, and records nothing."""
+    tenth or more of a full-size trace. Unarmed it calls each operator as the counter does, and records nothing.
+    `repeats_last_warmup`: the trace's measured step is its last warm-up step repeated, not run (bench.measure.
+    step_repeat), whose operators are the measured step's: that step is the last it sees."""
 
-    def __init__(self):
+    def __init__(self, repeats_last_warmup: bool = False):
         super().__init__()
         self.armed = False
+        self.repeats_last_warmup = repeats_last_warmup
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not self.armed:
