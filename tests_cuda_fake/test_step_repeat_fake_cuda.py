@@ -58,6 +58,7 @@ def test_a_repeated_step_logs_what_the_step_run_logs(spec, ranks, two_warmup_ste
     real, repeated = _step(case, False, ranks, rank), _step(case, True, ranks, rank)
     assert layer_replay.measured_log(repeated.events) == layer_replay.measured_log(real.events)
     assert repeated.peak_bytes == real.peak_bytes
+    assert repeated.offload_host_peak_bytes == real.offload_host_peak_bytes
     assert _nonzero(repeated.peak_by_category) == _nonzero(real.peak_by_category)
     by_real = cuda_allocator.replay(layer_replay.measured_log(real.events))
     assert cuda_allocator.replay(layer_replay.measured_log(repeated.events)) == by_real
