@@ -116,8 +116,11 @@ def test_totals_the_proof_trace_does_not_confirm_send_the_candidate_to_the_full_
 
 
 class _Counted:
+    """A trace's `MeasuredStepCounter` with its steps' operators: a warm-up step, then the measured one, run."""
+
     def __init__(self, ops):
         self.steps = [[], ops]
+        self.repeats_last_warmup = False
 
 
 def _ops(layers: int, proof_extra: int = 0) -> list[OpCost]:
