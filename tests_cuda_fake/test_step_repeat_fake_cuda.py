@@ -5,6 +5,8 @@ a prediction. Run with CUDA's two warm-up steps (this suite's other tests run on
 
 from __future__ import annotations
 
+import contextlib
+import math
 from dataclasses import replace
 
 import pytest
@@ -17,6 +19,7 @@ from bench.measure.memory import MemoryEvent
 from bench.measure.step_repeat import NotSteady, repeated_step
 from bench.run import runner
 from bench.run.case import Case, bind_case
+from bench.run.ranks import fake_process_group
 
 from .conftest import unavailable_reason
 
@@ -31,9 +34,6 @@ def two_warmup_steps(monkeypatch):
 
 
 def _step(case: Case, repeat: bool, ranks: int = 1, rank: int | None = None):
-    from bench.run.ranks import fake_process_group
-    import contextlib
-
     group = fake_process_group(ranks, rank, device="cuda") if rank is not None else contextlib.nullcontext()
     with group:
         planned = bind_case(replace(case, device=bound_device("fake-cuda")), ranks)[0]
@@ -131,8 +131,6 @@ def test_a_plan_candidate_from_repeated_steps_has_every_figure_of_the_full_trace
     """A plan candidate's time comes from its smaller traces' operator totals: where a trace's measured step is
     repeated, the operators of the warm-up step it repeats are counted (`plan_replay`), and the row is the full
     trace's."""
-    import math
-
     from bench.analysis import plan, plan_replay
 
     from .test_plan_layer_replay_fake_cuda import FIGURES, TIME_COLUMNS, _request

@@ -23,7 +23,7 @@ from bench.measure.cuda_allocator import CUBLAS_OPS
 from bench.measure.exact_affine import NotWhole, evaluate, solve
 from bench.measure.layer_template import LayerTemplate, NoReplay
 from bench.measure.memory import MemoryEvent
-from bench.measure.step_repeat import NotSteady
+from bench.measure.step_repeat import NotSteady, log_peak
 
 FULL_TRACE_ENV = "MEMBENCH_FULL_TRACE"  # "1": every prediction traces all its layers (no layer replay)
 SMALLEST_TRACE_LAYERS = 3  # the layers of the smallest trace: at 2 the first layer's backward has no period before it
@@ -372,19 +372,8 @@ def frees_in_key_order(events: list[MemoryEvent]) -> list[MemoryEvent]:
 
 
 def live_peak(events: list[MemoryEvent]) -> int:
-    """The most bytes live at once after the log's last peak reset, counted event by event."""
-    sizes: dict[int, int] = {}
-    live = peak = 0
-    for event in events:
-        if event.kind == "alloc":
-            sizes[event.key] = event.nbytes
-            live += event.nbytes
-        elif event.kind == "free":
-            live -= sizes.pop(event.key, 0)
-        elif event.kind == "reset":
-            peak = live
-        peak = max(peak, live)
-    return peak
+    """The most bytes live at once after the log's last peak reset, counted event by event (`step_repeat.log_peak`)."""
+    return log_peak(events)[0]
 
 
 def replay_note(layers: int, kinds: tuple[int, int] | None = None) -> str:

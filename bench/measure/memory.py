@@ -289,8 +289,8 @@ class LiveTensorTracker(CompiledCodeMode):
         repeated = step_repeat.repeated_step(self.events, start, end, self._keys + 1)
         self._keys += sum(event.kind == "alloc" for event in repeated)
         self.events.extend(repeated)
-        self.peak_bytes, self.peak_stage, self.peak_by_category = step_repeat.window_peak(repeated, live,
-                                                                                          self.storage_bytes)
+        self.peak_bytes, self.peak_stage, self.peak_by_category = step_repeat.log_peak(repeated, live,
+                                                                                       self.storage_bytes)
         self.stage = stage
 
     def _update_peak(self, op: str) -> None:

@@ -15,7 +15,7 @@ against a trace whose every step ran.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 
 class NotSteady(Exception):
@@ -40,35 +40,46 @@ def repeated_step(events: Sequence, start: int, end: int, next_key: int) -> list
     return [event._replace(key=key_of.get(event.key, event.key)) if event.key else event for event in step]
 
 
-def window_peak(events: Sequence, live: dict[int, tuple[int, str]], storage_bytes) -> tuple:
-    """(peak bytes, its stage, bytes by category at the peak) of `events` that follow a peak reset, the storages live
-    at the reset given as `live` (key: (bytes, category)); each storage counts as `storage_bytes(nbytes)`."""
-    live = dict(live)
+def log_peak(events: Sequence, live: dict[int, tuple[int, str]] | None = None,
+             storage_bytes: Callable[[int], int] | None = None) -> tuple[int, str, dict[str, int]]:
+    """(peak bytes, its stage, bytes by category at the peak) of a tracker's log counted event by event from the
+    storages `live` at its start (key: (bytes, category); none by default), a "reset" restarting the peak from what
+    is live then (so: the peak of the log's last window); each storage counts as `storage_bytes(nbytes)`, exact by
+    default. A storage's category is its "alloc"'s, or the last "category" event's (one may come before the alloc,
+    as bench.measure.breakdown.CategorizedTracker logs it)."""
+    live = dict(live or {})
     by_category: dict[str, int] = {}
     for nbytes, category in live.values():
         by_category[category] = by_category.get(category, 0) + nbytes
     total = peak = sum(by_category.values())
     peak_stage, peak_by_category = "setup", dict(by_category)
-    pending_category: dict[int, str] = {}
+    filed_first: dict[int, str] = {}
     for event in events:
-        if event.kind == "category":
+        kind = event.kind
+        if kind == "alloc":
+            nbytes = storage_bytes(event.nbytes) if storage_bytes else event.nbytes
+            category = filed_first.pop(event.key, event.category)
+            live[event.key] = (nbytes, category)
+            by_category[category] = by_category.get(category, 0) + nbytes
+            total += nbytes
+        elif kind == "free":
+            if event.key not in live:
+                continue
+            nbytes, category = live.pop(event.key)
+            by_category[category] -= nbytes
+            total -= nbytes
+            continue
+        elif kind == "category":
             if event.key in live:
                 nbytes, old = live[event.key]
                 by_category[old] -= nbytes
                 by_category[event.op] = by_category.get(event.op, 0) + nbytes
                 live[event.key] = (nbytes, event.op)
-            else:  # filed before its "alloc" (bench.measure.breakdown.CategorizedTracker)
-                pending_category[event.key] = event.op
+            else:
+                filed_first[event.key] = event.op
             continue
-        if event.kind == "alloc":
-            nbytes, category = storage_bytes(event.nbytes), pending_category.pop(event.key, event.category)
-            live[event.key] = (nbytes, category)
-            by_category[category] = by_category.get(category, 0) + nbytes
-            total += nbytes
-        elif event.kind == "free" and event.key in live:
-            nbytes, category = live.pop(event.key)
-            by_category[category] -= nbytes
-            total -= nbytes
+        elif kind == "reset":
+            peak = -1  # the window starts here: what is live now is its first figure
         else:
             continue
         if total > peak:
