@@ -134,10 +134,24 @@ def time_steps(step: Callable[[], None], policy: TimingPolicy, device: str,
         step()
         synchronize(device)
         times.append((clock() - start) * 1e3)
-        reason = _stop_reason(policy, times, clock() - started)
+        reason = _agreed_by_every_rank(_stop_reason(policy, times, clock() - started), policy, device)
         progress.report("timing", len(times), policy.steps or 0)
         if reason:
             return TimingStats(times, reason)
+
+
+def _agreed_by_every_rank(reason: str | None, policy: TimingPolicy, device: str) -> str | None:
+    """On ranks (a process group of more than one), the reason every rank stops for after this step: an adaptive
+    pass decides on each rank's own times, and a rank that stopped alone would leave the others in a collective of
+    the next step (gloo: "Connection closed by peer" once it exits). Every rank stops with the first to stop; where
+    several stop at once, for the reason latest in STOP_REASONS."""
+    if not policy.adaptive or not torch.distributed.is_available() or not torch.distributed.is_initialized() \
+            or torch.distributed.get_world_size() == 1:
+        return reason
+    code = torch.tensor([STOP_REASONS.index(reason) + 1 if reason else 0],
+                        device=torch.cuda.current_device() if device == "cuda" else "cpu")
+    torch.distributed.all_reduce(code, op=torch.distributed.ReduceOp.MAX)
+    return STOP_REASONS[int(code.item()) - 1] if code.item() else None
 
 
 def _stop_reason(policy: TimingPolicy, times: list[float], elapsed_s: float) -> str | None:
