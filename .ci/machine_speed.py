@@ -10,6 +10,7 @@ the workload through the whole run (`sample`), and a step's factor is the median
 
     python3 .ci/machine_speed.py sample FILE [EVERY_S]   # one run every EVERY_S seconds, appended to FILE, forever
     python3 .ci/machine_speed.py factor FILE [SINCE]     # the median factor of the samples since SINCE (epoch s)
+    python3 .ci/machine_speed.py median FILE             # the median of all the samples, in seconds
 """
 
 from __future__ import annotations
@@ -63,14 +64,20 @@ def sample(path: str, every_s: float = SAMPLE_EVERY_S) -> None:
         time.sleep(every_s)
 
 
-def factor(path: str, since: float = 0.0) -> float:
-    """The median of the samples in `path` ended after `since` (all of them where none did) over REFERENCE_S."""
+def median_s(path: str, since: float = 0.0) -> float:
+    """The median of the samples in `path` ended after `since` (all of them where none did), in seconds; three runs
+    now where `path` holds none."""
     with open(path) as lines:
         samples = [tuple(map(float, line.split())) for line in lines if line.strip()]
     if not samples:
-        return statistics.median(one_run_s() for _ in range(3)) / REFERENCE_S
+        return statistics.median(one_run_s() for _ in range(3))
     recent = [seconds for ended, seconds in samples if ended >= since] or [seconds for _, seconds in samples]
-    return statistics.median(recent) / REFERENCE_S
+    return statistics.median(recent)
+
+
+def factor(path: str, since: float = 0.0) -> float:
+    """`median_s` over REFERENCE_S."""
+    return median_s(path, since) / REFERENCE_S
 
 
 def main(argv: list[str]) -> int:
@@ -79,6 +86,9 @@ def main(argv: list[str]) -> int:
         return 0
     if len(argv) >= 2 and argv[0] == "factor":
         print(f"{factor(argv[1], float(argv[2]) if len(argv) > 2 else 0.0):.2f}")
+        return 0
+    if len(argv) == 2 and argv[0] == "median":
+        print(f"{median_s(argv[1]):.3f}")
         return 0
     print(__doc__.strip().splitlines()[-2:], file=sys.stderr)
     return 2

@@ -46,7 +46,8 @@ summary() {
     factor=$(speed_factor "$ci_epoch_started")
     TOTAL_BUDGET_S=$(scaled "$TOTAL_BUDGET_S" "$factor" "$HARD_LIMIT_S")
     [[ -z "$speed_samples" ]] || echo "[ci] this machine ran Python $factor times as slowly as the reference machine" \
-        "(the median of $(wc -l < "$speed_samples") samples; .ci/machine_speed.py)"
+        "(the median of $(wc -l < "$speed_samples") samples, $(python3 "$ci_dir/machine_speed.py" median \
+        "$speed_samples") s; .ci/machine_speed.py)"
     [[ -z "$speed_samples" ]] || rm -f "$speed_samples"
     echo "[ci] durations:"
     for line in "${durations[@]}"; do echo "[ci]   $line"; done

@@ -55,9 +55,9 @@ def test_a_slower_machine_scales_every_budget_and_the_total_stops_short_of_cis_o
 def test_without_a_factor_the_machine_is_sampled_through_the_run():
     done = _ci('step "sampled" 30 sleep 2', CI_SPEED_FACTOR="", CI_SPEED_EVERY_S="0.5")
     assert done.returncode == 0, done.stderr
-    said = re.search(r"ran Python ([\d.]+) times as slowly as the reference machine \(the median of (\d+) samples",
-                     done.stdout)
-    assert said and float(said.group(1)) >= 1 and int(said.group(2)) >= 2, done.stdout
+    said = re.search(r"ran Python ([\d.]+) times as slowly as the reference machine \(the median of (\d+) samples, "
+                     r"([\d.]+) s;", done.stdout)
+    assert said and float(said.group(1)) >= 1 and int(said.group(2)) >= 2 and float(said.group(3)) > 0, done.stdout
     factor = re.search(r"sampled: \d+ s \(budget (\d+) s = 30 s x ([\d.]+)\)", done.stdout)
     assert factor and int(factor.group(1)) == int(30 * float(factor.group(2)) + 0.5), done.stdout
 
