@@ -90,7 +90,7 @@ def main(argv: list[str]) -> int:
     if len(argv) == 2 and argv[0] == "median":
         print(f"{median_s(argv[1]):.3f}")
         return 0
-    print(__doc__.strip().splitlines()[-2:], file=sys.stderr)
+    print("usage:\n" + "\n".join(__doc__.strip().splitlines()[-3:]), file=sys.stderr)
     return 2
 
 

@@ -45,10 +45,12 @@ summary() {
     [[ -z "$speed_samples" ]] || kill "$speed_sampler" 2>/dev/null || true
     factor=$(speed_factor "$ci_epoch_started")
     TOTAL_BUDGET_S=$(scaled "$TOTAL_BUDGET_S" "$factor" "$HARD_LIMIT_S")
-    [[ -z "$speed_samples" ]] || echo "[ci] this machine ran Python $factor times as slowly as the reference machine" \
-        "(the median of $(wc -l < "$speed_samples") samples, $(python3 "$ci_dir/machine_speed.py" median \
-        "$speed_samples") s; .ci/machine_speed.py)"
-    [[ -z "$speed_samples" ]] || rm -f "$speed_samples"
+    if [[ -n "$speed_samples" ]]; then
+        echo "[ci] this machine ran Python $factor times as slowly as the reference machine (the median of" \
+            "$(wc -l < "$speed_samples") samples, $(python3 "$ci_dir/machine_speed.py" median "$speed_samples") s;" \
+            ".ci/machine_speed.py)"
+        rm -f "$speed_samples"
+    fi
     echo "[ci] durations:"
     for line in "${durations[@]}"; do echo "[ci]   $line"; done
     echo "[ci] total: $total s (budget $TOTAL_BUDGET_S s)"

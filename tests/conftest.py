@@ -96,6 +96,10 @@ def pytest_collection_finish(session):
     (`bench.measure.resident.release_host_memory`, three times a case), and each full collection walked all of it
     again, 0.09 s of CPU and 0.8-1.4 s of wall time at a load average of 7. Everything a test makes after this is
     collected as before."""
+    _freeze_what_is_alive()
+
+
+def _freeze_what_is_alive():
     gc.collect()
     gc.freeze()
 
@@ -106,5 +110,4 @@ def pytest_runtest_teardown(item, nextitem):
     long-lived as the collection's imports, and the full collections of the harness around each case (three a case)
     walked them all again, 0.22 s each at 240,000 objects: a third of test_workloads.py's and test_strategies.py's
     time on a slow 2-core machine. One collection here walks only what the test made."""
-    gc.collect()
-    gc.freeze()
+    _freeze_what_is_alive()

@@ -151,7 +151,8 @@ def _agreed_by_every_rank(reason: str | None, policy: TimingPolicy, device: str)
     code = torch.tensor([STOP_REASONS.index(reason) + 1 if reason else 0],
                         device=torch.cuda.current_device() if device == "cuda" else "cpu")
     torch.distributed.all_reduce(code, op=torch.distributed.ReduceOp.MAX)
-    return STOP_REASONS[int(code.item()) - 1] if code.item() else None
+    agreed = int(code.item())
+    return STOP_REASONS[agreed - 1] if agreed else None
 
 
 def _stop_reason(policy: TimingPolicy, times: list[float], elapsed_s: float) -> str | None:
