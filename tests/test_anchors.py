@@ -4,6 +4,8 @@ row; nvidia-smi's terms. No full-size prediction runs here: the predictor is rep
 
 from __future__ import annotations
 
+import subprocess
+
 import pandas as pd
 import pytest
 
@@ -248,3 +250,23 @@ def test_packed_rows_reach_the_workload_and_every_source_technique_parses():
     assert {a.name for a in ALL if anchors.plan_row(a)[0] is None} == set()
     assert all("checkpoint:segments=all" in a.strategy for a in ALL
                if any(member.split(":")[0] == "checkpoint" for member in a.strategy.split("+")))
+
+
+def test_anchor_processes_run_at_once_fork_no_worker_for_their_traces(monkeypatch):
+    # `anchors --jobs N`: N fake-CUDA processes have the cores already (bench.analysis.proof_beside)
+    from bench.core.job_environment import PROOF_BESIDE_VARIABLE
+
+    environments = []
+
+    def run_child(command, env, **options):
+        environments.append(env)
+        return subprocess.CompletedProcess(command, 1, "", "no prediction here")
+
+    monkeypatch.setattr(anchors.fake_cuda, "environment_python", lambda: "python")
+    monkeypatch.setattr(anchors.fake_cuda, "python_environment", lambda: {"PATH": "/bin"})
+    monkeypatch.setattr(anchors.processes, "run_child", run_child)
+    anchors.predict_on_fake_cuda({}, 1, (9, 0))
+    with anchors.cores_shared(True):
+        anchors.predict_on_fake_cuda({}, 1, (9, 0))
+    anchors.predict_on_fake_cuda({}, 1, (9, 0))
+    assert [env.get(PROOF_BESIDE_VARIABLE) for env in environments] == [None, "0", None]

@@ -12,6 +12,7 @@ listed in the row's `not_modelled`; a row is `fully_modelled` only when nothing 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import resource
 import statistics
@@ -27,7 +28,7 @@ import yaml
 from bench.analysis import nvidia_smi
 from bench.core.errors import UsageError
 from bench.core.gpus import GPU, find_gpu
-from bench.core.job_environment import ANCHOR_WORKER_BYTES_VARIABLE, size_variable
+from bench.core.job_environment import ANCHOR_WORKER_BYTES_VARIABLE, PROOF_BESIDE_VARIABLE, size_variable
 from bench.core import processes
 from bench.core.anchors_table import ANCHORS
 from bench.core.schema import Row
@@ -220,6 +221,22 @@ def _limit_memory() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
+# whether the fake-CUDA processes of `predict_on_fake_cuda` run several at once (`cores_shared`)
+_CORES_SHARED = [False]
+
+
+@contextlib.contextmanager
+def cores_shared(shared: bool):
+    """Inside, with `shared`, `predict_on_fake_cuda`'s processes run several at once (`anchors --jobs N`): they have
+    the cores, and none forks a worker for layer replay's traces (bench.analysis.proof_beside)."""
+    saved = _CORES_SHARED[0]
+    _CORES_SHARED[0] = shared
+    try:
+        yield
+    finally:
+        _CORES_SHARED[0] = saved
+
+
 def predict_on_fake_cuda(case: dict, ranks: int, capability: tuple[int, int]) -> tuple[dict | None, str]:
     """One predict row of `case` from the fake-CUDA environment's Python, on fake CUDA only (never a real step: a
     full-size model would be allocated), its address space capped; or None and why."""
@@ -231,8 +248,9 @@ def predict_on_fake_cuda(case: dict, ranks: int, capability: tuple[int, int]) ->
     with tempfile.TemporaryDirectory(prefix="membench-anchor-") as folder:
         request_file, rows_file = Path(folder) / "request.json", Path(folder) / "rows.json"
         request_file.write_text(json.dumps(request))
+        environment = {**fake_cuda.python_environment(), **({PROOF_BESIDE_VARIABLE: "0"} if _CORES_SHARED[0] else {})}
         done = processes.run_child([str(python), "-m", "bench.analysis._predict_worker", str(request_file),
-                                    str(rows_file)], env=fake_cuda.python_environment(), stdout=subprocess.DEVNULL,
+                                    str(rows_file)], env=environment, stdout=subprocess.DEVNULL,
                                    stderr=subprocess.PIPE, text=True, preexec_fn=_limit_memory)
         answer = json.loads(rows_file.read_text()) if rows_file.exists() else {}
     if done.returncode == 130:

@@ -19,6 +19,7 @@ import operator
 import os
 import re
 
+from bench.analysis import proof_beside
 from bench.measure.cuda_allocator import CUBLAS_OPS
 from bench.measure.exact_affine import NotWhole, evaluate, solve
 from bench.measure.layer_template import LayerTemplate, NoReplay
@@ -213,6 +214,10 @@ def tracer(case, spec: str, engine: str, warmup_steps: int | None, capability: t
                                 warmup_steps=warmup_steps, planned=planned, capability=capability,
                                 repeat_warmup=repeated)
     trace.model_and_strategy = (re.sub(r":seq_len=\d+", "", case.workload), spec, engine, ranks, rank)
+    # what a worker process needs to make the same trace (bench.analysis.proof_beside); none with `prepare`, whose
+    # counters are this process's
+    trace.made_by = tracer
+    trace.arguments = None if prepare is not None else (case, spec, engine, warmup_steps, capability, ranks, rank)
     return trace
 
 
@@ -259,10 +264,11 @@ def _replayed(trace, traced: list[int], layers: int, repeat: bool = True) -> tup
     layers; NoReplay where the log made for `traced[2]` layers is not their trace's. The template is made first:
     where the two smaller logs make none, the third trace is not run. `repeat`: the two smaller traces repeat their
     last warm-up step for the measured one."""
+    proof = proof_beside.submit(trace, traced[2], None)
     steps = [trace(traced[0], repeat_warmup=repeat), trace(traced[1], repeat_warmup=repeat)]
     _check_alike(steps)
     template = LayerTemplate(measured_log(steps[0].events), measured_log(steps[1].events), traced[0])
-    steps.append(trace(traced[2]))
+    steps.append(proof_beside.result(proof, trace, traced[2], None))
     _check_alike(steps)
     calls = [step.cpu_sdpa_calls for step in steps]
     if calls[2] - calls[1] != calls[1] - calls[0]:
@@ -284,7 +290,12 @@ def replayed_kinds(trace, checkpointed: int, plain: int, repeat: bool = True) ->
     (`LayerTemplate.of_kinds`: a run of periods grows with the layers of the kinds it repeats for; a storage named
     across the kinds, by the optimizer of every layer, is named by its layer). `repeat`: as `_replayed`'s."""
     counts = kinds_traced(checkpointed, plain)
-    steps = [trace(*count, repeat_warmup=repeat) for count in counts[:-1]]
+    # a worker beside this process, where one stands by, takes the last of three smaller traces, then the proof
+    here, beside = (counts[:-2], counts[-2:-1]) if len(counts) == 4 else (counts[:-1], [])
+    sent = [proof_beside.submit(trace, *count, repeat_warmup=repeat) for count in beside]
+    proof = proof_beside.submit(trace, *counts[-1])
+    steps = [trace(*count, repeat_warmup=repeat) for count in here]
+    steps += [proof_beside.result(future, trace, *count, repeat_warmup=repeat) for future, count in zip(sent, beside)]
     _check_alike(steps)
     logs = [measured_log(step.events) for step in steps]
     if len(counts) == 3:
@@ -297,7 +308,7 @@ def replayed_kinds(trace, checkpointed: int, plain: int, repeat: bool = True) ->
 
         def build(checkpointed_layers: int, plain_layers: int) -> list[MemoryEvent]:
             return template.events((checkpointed_layers, plain_layers))
-    steps.append(trace(*counts[-1]))
+    steps.append(proof_beside.result(proof, trace, *counts[-1]))
     _check_alike(steps)
     if any(step.recompute_plan != " ".join(map(str, range(c))) for (c, _), step in zip(counts, steps)):
         raise NoReplay("a recompute plan other than each checkpointed layer alone")

@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from bench.analysis import layer_replay, layer_replay_ranks
+from bench.analysis import layer_replay, layer_replay_ranks, proof_beside
 from bench.analysis.fake_cuda_worker import run_in_fake_cuda
 from bench.analysis.fake_engine import (
     PredictionMeter, TrackedStep, UsesAutocast, bound_device, cublas_workspace, device_capability, real_step_refusal,
@@ -297,6 +297,8 @@ def predict_cases(cases: list, engine: str = "auto", ranks: int = 1, capability:
                          f"{', '.join(e for e in ENGINES if e not in CUDA_ONLY_ENGINES)}")
     in_subprocess = (engine in ("auto", "fake-cuda") and any(case.device == "cuda" for case in cases)
                      and not torch.cuda.is_available())
+    if engine in ("auto", "fake-cuda") and any(case.device == "cuda" for case in cases):
+        proof_beside.stand_by(cases[0].workload)  # before the first case's workload initialises CUDA
     note = ""
     if in_subprocess:
         python = fake_cuda.environment_python()

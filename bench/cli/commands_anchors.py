@@ -31,17 +31,18 @@ def cmd_anchors(args) -> int:
     start = time.perf_counter()
     finished: dict[int, dict] = {}
     pool = futures.ThreadPoolExecutor(max_workers=args.jobs)  # threads: each waits on its own process
-    try:
-        pending = {pool.submit(anchors.anchor_row, anchor): index for index, anchor in enumerate(selected)}
-        for count, done in enumerate(futures.as_completed(pending), 1):
-            index = pending[done]
-            finished[index] = done.result()
-            status(f"[{count}/{len(selected)}] {selected[index].name} on fake CUDA ({selected[index].gpu}): "
-                   f"{finished[index]['duration_s']:.0f} s")
-            # after each anchor (a long run interrupted keeps what it predicted); the first write creates the file
-            write_table(ANCHORS, [finished[i] for i in sorted(finished)], path, new=count == 1)
-    finally:  # an interrupt starts no other anchor; the running ones' processes got the signal too
-        pool.shutdown(wait=True, cancel_futures=True)
+    with anchors.cores_shared(args.jobs > 1):  # several processes at once have the cores
+        try:
+            pending = {pool.submit(anchors.anchor_row, anchor): index for index, anchor in enumerate(selected)}
+            for count, done in enumerate(futures.as_completed(pending), 1):
+                index = pending[done]
+                finished[index] = done.result()
+                status(f"[{count}/{len(selected)}] {selected[index].name} on fake CUDA ({selected[index].gpu}): "
+                       f"{finished[index]['duration_s']:.0f} s")
+                # after each anchor (a long run interrupted keeps what it predicted); the first write creates the file
+                write_table(ANCHORS, [finished[i] for i in sorted(finished)], path, new=count == 1)
+        finally:  # an interrupt starts no other anchor; the running ones' processes got the signal too
+            pool.shutdown(wait=True, cancel_futures=True)
     rows = [finished[i] for i in sorted(finished)]
     elapsed = time.perf_counter() - start
     print(anchors.format_table(rows))

@@ -36,6 +36,9 @@ MMAP_THRESHOLD_VARIABLE = "MEMBENCH_MMAP_THRESHOLD"
 MMAP_THRESHOLD_OFF = ("off", "none", "default", "0")
 # MEMBENCH_ANCHOR_WORKER_BYTES: the address space of each `anchors` fake-CUDA worker (bench.analysis.anchors)
 ANCHOR_WORKER_BYTES_VARIABLE = "MEMBENCH_ANCHOR_WORKER_BYTES"
+# MEMBENCH_PROOF_BESIDE: "0" keeps layer replay's proof traces in the predicting process, never in a worker beside
+# it (bench.analysis.proof_beside)
+PROOF_BESIDE_VARIABLE = "MEMBENCH_PROOF_BESIDE"
 # MEMBENCH_CACHE: the folder of generated data sets (workloads.framework.captcha_data)
 CACHE_VARIABLE = "MEMBENCH_CACHE"
 # MEMBENCH_CUDA_ENV: the fake-CUDA environment `predict --device cuda` uses (bench.measure.fake_cuda), where
