@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from bench.analysis import fake_engine
 from bench.analysis.layer_replay import frees_in_key_order
@@ -25,7 +26,13 @@ def test_inside_the_trackers_window_the_statistics_are_the_trackers_and_outside_
     with fake_cuda_mode.fake_cuda(allocator):
         before = torch.empty(MIB, dtype=torch.uint8, device="cuda")
         assert torch.cuda.memory_allocated() == allocator.live_bytes == MIB
+        assert _get_current_dispatch_mode_stack()[-1] is allocator
         with tracker:
+            # the allocator only passes operators on meanwhile: it is off the stack (bench.measure.mode_aside)
+            assert allocator not in _get_current_dispatch_mode_stack()
+            assert _get_current_dispatch_mode_stack()[-1] is tracker
+            with tracker:  # entered again (a nested pass): nothing below it is another tracker's to set aside
+                assert _get_current_dispatch_mode_stack()[-2:] == [tracker, tracker]
             tracker.track([before], "params")
             inside = torch.empty(2 * MIB, dtype=torch.uint8, device="cuda")
             assert allocator.live_bytes == MIB  # the operator was left to the tracker
@@ -35,6 +42,7 @@ def test_inside_the_trackers_window_the_statistics_are_the_trackers_and_outside_
             assert torch.cuda.max_memory_allocated() == tracker.peak_bytes == 3 * MIB
             torch.cuda.reset_peak_memory_stats()  # the tracker's window is the measurement: its peak stays
             assert tracker.peak_bytes == 3 * MIB
+        assert _get_current_dispatch_mode_stack()[-1] is allocator  # back under whatever comes next
         after = torch.empty(4 * MIB, dtype=torch.uint8, device="cuda")
         assert torch.cuda.memory_allocated() == allocator.live_bytes == 5 * MIB
         del before, after

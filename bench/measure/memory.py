@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from bench.core import memory_categories
-from bench.measure import step_repeat
+from bench.measure import mode_aside, step_repeat
 from bench.measure.dispatch_modes import CompiledCodeMode
 from bench.measure.storage_table import StorageInfo, StorageTable
 
@@ -107,6 +107,7 @@ class LiveTensorTracker(CompiledCodeMode):
         # (category, the dtypes it is for or None: all) declared by `memory_categories.allocating`, innermost last
         self._allocating: list[tuple[str, frozenset | None]] = []
         self.entered = 0  # how many times this tracker is on the dispatch mode stack now
+        self._set_aside: list = []  # per entry, the mode below it taken off the stack meanwhile (`mode_aside`)
 
     # in-place storage resizes --------------------------------------------------------------------------
     def __enter__(self):
@@ -116,9 +117,11 @@ class LiveTensorTracker(CompiledCodeMode):
         memory_categories.listen(self)
         entered = super().__enter__()
         self.entered += 1
+        self._set_aside.append(mode_aside.set_aside_below(self))
         return entered
 
     def __exit__(self, *exc):
+        mode_aside.put_back_below(self, self._set_aside.pop())
         self.entered -= 1
         if self in _RESIZE_WATCHERS:
             _RESIZE_WATCHERS.remove(self)
