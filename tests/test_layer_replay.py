@@ -296,3 +296,17 @@ def test_runs_of_two_kinds_that_share_the_events_where_they_meet_are_cut_apart(h
     assert all(a.start + a.length * a.periods <= b.start for a, b in zip(runs, runs[1:]))
     for checkpointed, plain in ((3, 2), (4, 2), (3, 3), (25, 7)):
         assert _expanded(log(3, 2), runs, (checkpointed - 3, plain - 2)) == log(checkpointed, plain)
+
+
+@pytest.mark.parametrize("spec, replays", [
+    ("hf:llama-3.1-8b:seq_len=4096", True),  # its preset's 32 layers
+    ("hf:llama-3.1-8b:layers=5", False),
+    ("hf:llama-3.2-1b:seq_len=32:layers=6", True),
+    ("hf:tiny-llama", False),  # membench's own small preset
+    ("hf:meta-llama/Llama-3.1-8B:seq_len=4096", True),  # a Hub id: its layers are not in the spec
+    ("gpt_mini", False),
+    ("captcha_resnet18", False),
+])
+def test_whether_a_workload_might_replay_is_read_from_its_spec_alone(spec, replays):
+    # `proof_beside.stand_by` forks its worker only for these, before anything reads the workload
+    assert layer_replay.might_replay(spec) is replays

@@ -50,6 +50,20 @@ _UNEVEN_LAYER_KEYS = ("first_k_dense_replace", "mlp_only_layers", "max_window_la
                       "decoder_sparse_step", "no_rope_layers", "cross_attention_layers")
 
 
+def might_replay(workload_spec: str) -> bool:
+    """Whether a prediction of the workload `workload_spec` may replay its layers, from the spec's text alone (reading
+    the workload would ask torch about CUDA, which `proof_beside.stand_by` must come before): an `hf:` model whose
+    `layers` option or preset has more than 5 layers, or says none (a Hub id, a folder)."""
+    from workloads.framework.hf_presets import PRESETS
+
+    head, *parts = str(workload_spec).strip().split(":")
+    if head != "hf" or not parts:
+        return False
+    options = dict(part.split("=", 1) for part in parts[1:] if "=" in part)
+    layers = options.get("layers") or PRESETS.get(parts[0], {}).get("num_hidden_layers")
+    return layers is None or not str(layers).isdigit() or int(layers) >= SMALLEST_TRACE_LAYERS + 3
+
+
 def layers_of(workload) -> int | None:
     """How many decoder layers an `hf:` workload's model has (its `layers` option, else its configuration's); None
     for a workload without that option."""

@@ -297,8 +297,9 @@ def predict_cases(cases: list, engine: str = "auto", ranks: int = 1, capability:
                          f"{', '.join(e for e in ENGINES if e not in CUDA_ONLY_ENGINES)}")
     in_subprocess = (engine in ("auto", "fake-cuda") and any(case.device == "cuda" for case in cases)
                      and not torch.cuda.is_available())
-    if engine in ("auto", "fake-cuda") and any(case.device == "cuda" for case in cases):
-        proof_beside.stand_by(cases[0].workload)  # before the first case's workload initialises CUDA
+    replayable = [case.workload for case in cases if case.device == "cuda" and layer_replay.might_replay(case.workload)]
+    if engine in ("auto", "fake-cuda") and replayable:
+        proof_beside.stand_by(replayable[0])  # before the first case's workload asks torch about CUDA
     note = ""
     if in_subprocess:
         python = fake_cuda.environment_python()

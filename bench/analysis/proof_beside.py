@@ -7,7 +7,8 @@ so can one of the three smaller traces of a plan of two kinds of layers (the wor
 and this process the other two). A process forked after this one asked torch anything of CUDA cannot use CUDA (torch
 refuses), and in the fake-CUDA environment reading a workload does (torchao asks for the device's capability when
 transformers imports it), so the worker is forked early (`stand_by`: the CLI's `predict` before it reads the
-workload, `predict.predict_cases` before its first case), kept for this process's life (a second prediction in the
+workload, `predict.predict_cases` before its first case; only for a workload whose spec says it may replay its
+layers, `layer_replay.might_replay`), kept for this process's life (a second prediction in the
 same process finds it ready), and given the trace's arguments (a Case, the strategy spec, the engine, ...: what
 `layer_replay.tracer` takes). It traces the step as this process would and sends it back without its tracker.
 

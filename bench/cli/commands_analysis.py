@@ -13,7 +13,7 @@ from typing import Callable, Iterator
 
 from bench.analysis import explain as analysis
 from bench.analysis import fit as fitting
-from bench.analysis import predict, predict_assumptions, proof_beside
+from bench.analysis import layer_replay, predict, predict_assumptions, proof_beside
 from bench.cli import interrupt
 from bench.cli.analysis_console import (format_explain, format_fit, format_fit_seq_len, format_plan_units,
                                         format_predictions, nothing_fits, rank_share)
@@ -131,8 +131,8 @@ def cmd_explain(args) -> int:
 def cmd_predict(args) -> int:
     """Predicted torch.cuda.max_memory_allocated per case, without a GPU (assumptions printed); writes a CSV."""
     job = derived_job(args, "predict")  # --config: the case of the user's trainer configuration
-    if (args.device or "cuda") == "cuda":
-        proof_beside.stand_by(args.workload or DEFAULT_WORKLOAD)  # before reading the workload initialises CUDA
+    if (args.device or "cuda") == "cuda" and layer_replay.might_replay(args.workload or DEFAULT_WORKLOAD):
+        proof_beside.stand_by(args.workload)  # before reading the workload asks torch about CUDA
     workload, data = workload_and_data(args)
     gpu, device = _gpu_and_device(args, "cuda")
     engine = check_choice("engine", args.engine, predict.ENGINES)
