@@ -11,9 +11,9 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from bench.analysis import fake_engine
-from bench.analysis.layer_replay import frees_in_key_order
 from bench.measure import fake_cuda_mode
-from bench.measure.fake_cuda_mode import FakeAllocator
+from bench.measure.fake_allocator import FakeAllocator
+from bench.measure.replay_log import frees_in_key_order
 from bench.measure.memory import LiveTensorTracker
 from bench.run.case import Case
 

@@ -18,7 +18,8 @@ from typing import Any, Callable
 import torch
 
 from bench.measure import breakdown, cuda_allocator, fake_cuda, memory
-from bench.measure.fake_cuda_mode import FakeAllocator, fake_cuda as fake_cuda_tensors, is_fake_device
+from bench.measure.fake_allocator import FakeAllocator
+from bench.measure.fake_cuda_mode import fake_cuda as fake_cuda_tensors, is_fake_device
 from bench.measure.sdpa_kernel import SdpaCalls, SdpaKernelChoice
 from bench.run.fake_pass import FakeSession, fake_memory_pass
 from bench.run.ranks import fake_process_group, in_rank_process

@@ -1,7 +1,7 @@
 """A dispatch mode that only passes each operator on while a tracker above it counts, taken off the mode stack for
 that time: one Python call (and one trip through the dispatcher) less per operator of a traced step.
 
-`bench.measure.fake_cuda_mode.FakeAllocator` with `counted_by` is such a mode: while its tracker is entered, it
+`bench.measure.fake_allocator.FakeAllocator` with `counted_by` is such a mode: while its tracker is entered, it
 leaves every operator to that tracker (`func(*args)`), so removing it from the stack changes nothing but the cost
 (a tenth of a fake-CUDA step's dispatch was that call). A mode says so by its `passes_through_while` attribute,
 the tracker it defers to. The autograd engine's threads take the stack as it is when a backward starts, so they see
