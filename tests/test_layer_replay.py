@@ -310,3 +310,37 @@ def test_runs_of_two_kinds_that_share_the_events_where_they_meet_are_cut_apart(h
 def test_whether_a_workload_might_replay_is_read_from_its_spec_alone(spec, replays):
     # `proof_beside.stand_by` forks its worker only for these, before anything reads the workload
     assert layer_replay.might_replay(spec) is replays
+
+
+def test_a_log_made_while_the_proof_runs_beside_is_made_at_once_and_fails_where_it_is_asked_for():
+    # with the proof in the worker this process makes the logs while it would only wait; without, when asked for
+    made = []
+
+    def make(*counts):
+        made.append(counts)
+        if counts == (9,):
+            raise layer_replay.NoReplay("no log at 9")
+        return [MemoryEvent("alloc", 1, 512 * counts[0])]
+
+    later = layer_replay._made_now(None, make, 5)
+    assert made == []
+    assert later() == [MemoryEvent("alloc", 1, 2560)] and made == [(5,)]
+    beside = object()  # a Future of the worker's proof
+    now, failing = layer_replay._made_now(beside, make, 6), layer_replay._made_now(beside, make, 9)
+    assert made == [(5,), (6,), (9,)]
+    assert now() == [MemoryEvent("alloc", 1, 3072)]
+    with pytest.raises(layer_replay.NoReplay, match="no log at 9"):
+        failing()
+
+
+def test_a_step_the_worker_sends_arrives_as_it_left():
+    from bench.analysis import proof_beside
+    from bench.analysis.fake_engine import TrackedStep
+
+    events = [MemoryEvent("alloc", 1, 1024, "forward", "aten.mm.default", "model.layers.0.mlp", "activations"),
+              MemoryEvent("op", op="aten.mm.default"), MemoryEvent("free", 1, 1024, "backward"), MemoryEvent("end")]
+    step = TrackedStep(1024, events, "fake-cuda", None, {"activations": 1024}, "math", 0, "0 1 2", None)
+    arrived = proof_beside._unpacked(proof_beside._packed(step))
+    assert arrived == step
+    assert all(type(event) is MemoryEvent for event in arrived.events)
+    assert proof_beside._unpacked(proof_beside._packed(replace(step, events=None))).events is None

@@ -280,6 +280,7 @@ def _replayed(trace, traced: list[int], layers: int, repeat: bool = True) -> tup
     steps = [trace(traced[0], repeat_warmup=repeat), trace(traced[1], repeat_warmup=repeat)]
     _check_alike(steps)
     template = LayerTemplate(measured_log(steps[0].events), measured_log(steps[1].events), traced[0])
+    expected, built = _made_now(proof, template.events, traced[2]), _made_now(proof, template.events, layers)
     steps.append(proof_beside.result(proof, trace, traced[2], None))
     _check_alike(steps)
     calls = [step.cpu_sdpa_calls for step in steps]
@@ -288,9 +289,9 @@ def _replayed(trace, traced: list[int], layers: int, repeat: bool = True) -> tup
     plan = _recompute_plan_at([step.recompute_plan for step in steps], traced, layers)
     if plan is None:
         raise NoReplay("a recompute plan that differs by layer count")
-    if template.events(traced[2]) != measured_log(steps[2].events):
+    if expected() != measured_log(steps[2].events):
         raise ProofFailed(f"the log made for {traced[2]} layers differs from their trace")
-    return steps, template.events(layers), plan
+    return steps, built(), plan
 
 
 def replayed_kinds(trace, checkpointed: int, plain: int, repeat: bool = True) -> tuple[list, list[MemoryEvent], str,
@@ -320,6 +321,7 @@ def replayed_kinds(trace, checkpointed: int, plain: int, repeat: bool = True) ->
 
         def build(checkpointed_layers: int, plain_layers: int) -> list[MemoryEvent]:
             return template.events((checkpointed_layers, plain_layers))
+    expected, built = _made_now(proof, build, *counts[-1]), _made_now(proof, build, checkpointed, plain)
     steps.append(proof_beside.result(proof, trace, *counts[-1]))
     _check_alike(steps)
     if any(step.recompute_plan != " ".join(map(str, range(c))) for (c, _), step in zip(counts, steps)):
@@ -327,13 +329,31 @@ def replayed_kinds(trace, checkpointed: int, plain: int, repeat: bool = True) ->
     calls = solve([(c, p, step.cpu_sdpa_calls) for (c, p), step in zip(counts, steps)])
     if calls is None:
         raise NoReplay("attention calls not the same per layer of each kind")
-    if build(*counts[-1]) != measured_log(steps[-1].events):
+    if expected() != measured_log(steps[-1].events):
         raise ProofFailed(f"the log made for {counts[-1][0]}+{counts[-1][1]} layers differs from their trace")
     try:
         calls_at_layers = evaluate(calls, checkpointed, plain)
     except NotWhole:
         raise NoReplay("attention calls not the same per layer of each kind") from None
-    return steps, build(checkpointed, plain), " ".join(map(str, range(checkpointed))), calls_at_layers
+    return steps, built(), " ".join(map(str, range(checkpointed))), calls_at_layers
+
+
+def _made_now(proof, make, *counts):
+    """`make(*counts)` (a log the template makes) as a function that returns it: made now where the `proof` runs
+    in the worker beside this process (a Future), so that this process makes it while it would only wait, else
+    when asked for, as before. What making it raised now is raised when it is asked for, where it always was (a
+    proof that fails is told apart from a template that cannot make a log by the order they are found in)."""
+    if proof is None:
+        return lambda: make(*counts)
+    try:
+        made = make(*counts)
+    except Exception as error:  # noqa: BLE001 - raised again where the log is asked for
+        failure = error
+
+        def raise_again():
+            raise failure
+        return raise_again
+    return lambda: made
 
 
 # why layer replay was refused, by (workload spec without its length, strategy spec, engine): a search over lengths
