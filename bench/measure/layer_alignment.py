@@ -8,7 +8,7 @@ from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Sequence
 
-from bench.measure.layer_identity import MODULE_INDEX as _MODULE_INDEX
+from bench.measure.layer_identity import module_pattern
 from bench.measure.memory import MemoryEvent
 
 _MATCH_AHEAD = 8  # events after an inserted block that must match the smaller log again for the block to be taken
@@ -25,8 +25,8 @@ def _shape(event: MemoryEvent, allocs: dict) -> tuple:
     a free or category event also by what it names (its storage's bytes, stage and module), so that a stretch of
     such events is cut where they start to name storages of another kind."""
     named = allocs.get(event.key) if event.kind in ("free", "category") else None
-    target = (named.nbytes, named.stage, _MODULE_INDEX.sub("#", named.module)) if named is not None else None
-    return event.kind, event.nbytes, event.stage, event.op, _MODULE_INDEX.sub("#", event.module), event.category, target
+    target = (named.nbytes, named.stage, module_pattern(named.module)) if named is not None else None
+    return event.kind, event.nbytes, event.stage, event.op, module_pattern(event.module), event.category, target
 
 
 def tokens(events: Sequence[MemoryEvent], codes: dict) -> list[int]:

@@ -4,6 +4,7 @@ sit in two kinds of periods (bench.measure.layer_template names a storage so whe
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Sequence
 
@@ -14,13 +15,26 @@ from bench.measure.memory import MemoryEvent
 MODULE_INDEX = re.compile(r"(?:^|(?<=\.))\d+(?=\.|\s|$)")
 
 
+# a log names a few hundred modules in hundreds of thousands of events: each name's pattern and numbers are found once
+@functools.lru_cache(maxsize=None)
+def module_pattern(module: str) -> str:
+    """The module's dotted name with its numbers (MODULE_INDEX) replaced by "#"."""
+    return MODULE_INDEX.sub("#", module)
+
+
+@functools.lru_cache(maxsize=None)
+def module_numbers(module: str) -> tuple[str, ...]:
+    """The numbers in the module's dotted name (MODULE_INDEX), in order."""
+    return tuple(MODULE_INDEX.findall(module))
+
+
 def identities(events: Sequence[MemoryEvent]) -> dict[int, tuple]:
     """Each storage the log allocates by what it is: (its alloc's shape without the numbers in its module's name,
     the first of those numbers (its layer) or None, how many allocs of that shape and layer came before it)."""
     found, counts = {}, {}  # key -> identity; (shape, layer) -> allocs so far
     for event in events:
         if event.kind == "alloc":
-            numbers = MODULE_INDEX.findall(event.module)
+            numbers = module_numbers(event.module)
             kind = (alloc_shape(event), int(numbers[0]) if numbers else None)
             counts[kind] = counts.get(kind, -1) + 1
             found[event.key] = (*kind, counts[kind])
@@ -28,7 +42,7 @@ def identities(events: Sequence[MemoryEvent]) -> dict[int, tuple]:
 
 
 def alloc_shape(event: MemoryEvent) -> tuple:  # what an alloc is, without the numbers in its module's name
-    return event.nbytes, event.stage, event.op, MODULE_INDEX.sub("#", event.module), event.category
+    return event.nbytes, event.stage, event.op, module_pattern(event.module), event.category
 
 
 def by_layer_model(members: list) -> tuple | None:

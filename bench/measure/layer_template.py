@@ -23,7 +23,7 @@ from bench.core.collector import collector_paused
 from bench.measure.exact_affine import NotWhole, evaluate as _evaluate, layer_terms, solve as _solve
 from bench.measure.layer_alignment import NoReplay, align, kinds_runs, runs_of, tokens
 from bench.measure.layer_identity import (MODULE_INDEX as _MODULE_INDEX, alloc_shape as _alloc_shape, by_layer_model,
-                                          identities)
+                                          identities, module_numbers)
 from bench.measure.memory import MemoryEvent
 
 # the periods fitted apart, tried in turn; a storage named by what it is and its layer only where no slot fits it
@@ -119,7 +119,7 @@ class LayerTemplate:
                     # a storage the log never allocated is named as is
                     quantities["target"] = (("key", event.key, None) if found is None
                                               else (found[0], found[1], named[event.key]))
-                for place, number in enumerate(_MODULE_INDEX.findall(event.module)):
+                for place, number in enumerate(module_numbers(event.module)):
                     quantities["index", place] = number
                 edge = self._edge(slot, period, layers)
                 for name, value in quantities.items():
