@@ -201,3 +201,20 @@ def test_on_ranks_a_setting_the_one_rank_search_did_not_reach_still_combines(ran
     tried = {r["strategy"] for r in cut_short.rows}
     assert {"checkpoint:segments=all+fsdp", "checkpoint:segments=all+zero2", "fsdp:offload=cpu"} <= tried
     assert "checkpoint+fsdp" not in tried and "checkpoint+fsdp" in {r["strategy"] for r in ranked["low"].rows}
+
+
+def test_a_probe_runs_through_the_first_step_where_the_rest_of_it_costs_less_than_the_replay():
+    from bench.analysis import plan_replay
+    from bench.run.case import Case, bind_case
+    from bench.run.runner import MEMORY_WARMUP_STEPS
+
+    def through_first_step(workload: str, spec: str) -> bool:
+        case = Case(workload, spec, "train", 1, "cuda")
+        return plan_replay.probes_first_step(case, bind_case(case, 1)[0], MEMORY_WARMUP_STEPS["cuda"])
+
+    # 32 layers alike: 21 layer-steps after the forward against the replay's 3 x 2 + 4 x 2 + 5 x 3 = 29
+    assert through_first_step("hf:llama-3.1-8b:seq_len=4096", "checkpoint:segments=all+offload")
+    # 80 layers alike: 53 against 29
+    assert not through_first_step("hf:llama-3.1-70b:seq_len=4096", "checkpoint:segments=all+offload")
+    # 80 layers of two kinds (65 checkpointed, 15 plain): 53 against (3+2) x 2 + (4+2) x 2 + (3+3) x 2 + (5+4) x 3 = 61
+    assert through_first_step("hf:llama-3.1-70b:seq_len=4096", "checkpoint+offload")

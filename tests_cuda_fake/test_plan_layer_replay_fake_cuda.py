@@ -71,10 +71,24 @@ def test_a_candidate_that_may_stop_stops_at_full_size_or_is_replayed(over_limit,
     if over_limit:  # stopped in its full-size forward, as the full trace stops
         assert probed["message"].startswith("does not fit (stopped early): in the forward"), probed["message"]
         assert probed == full
-    else:  # its forward got under the limit to its end: replayed, with every figure
+    else:  # its first step got under the limit to its end: replayed, with every figure
         assert probed["message"].startswith("layer replay: traced at 3, 4 and 5 layers"), probed["message"]
         exact = [name for name in full if name != "message" and name not in TIME_COLUMNS]
         assert {name: probed[name] for name in exact} == {name: full[name] for name in exact}
+
+
+@pytest.mark.parametrize("limit_gib, where", [(5, "at the start of the optimizer step of warm-up step 1"),
+                                               (9, "at the end of warm-up step 1")])
+def test_a_candidate_over_the_limit_only_after_its_forward_stops_in_its_first_step(limit_gib, where, monkeypatch):
+    # 7 layers: the rest of the first step costs less than the replay's traces (`plan_replay.probes_first_step`), so
+    # the probe goes on past the forward, which fits, and stops where the full trace that may stop stops: once the
+    # gradients (5 GiB), or the optimizer's moments (9 GiB), are over the limit
+    request = _request(limit_bytes=524288000 + limit_gib * 2**30, sharded_only=True)
+    probed = plan.evaluate(request, "checkpoint:segments=all", 1, FIGURES, may_stop=True)
+    monkeypatch.setenv(layer_replay.FULL_TRACE_ENV, "1")
+    full = plan.evaluate(request, "checkpoint:segments=all", 1, FIGURES, may_stop=True)
+    assert probed["message"].startswith(f"does not fit (stopped early): {where}"), probed["message"]
+    assert probed == full
 
 
 def test_a_candidate_not_probed_is_replayed_with_every_figure_even_over_the_limit(monkeypatch):

@@ -11,7 +11,8 @@ step only, and a candidate whose figures the search does not need once it cannot
 ranks, any) stops as soon as its CUDA step, or one of its ranks' steps, certainly cannot (`bench.analysis.plan_step`).
 A full-size model whose layers `predict` replays is traced at a few layers instead (`bench.analysis.layer_replay`):
 its event log built from them, its operator totals extrapolated from theirs, each proven on one more trace
-(`bench.analysis.plan_replay`); one that may stop runs its full-size step up to its first backward first.
+(`bench.analysis.plan_replay`); one that may stop runs its full-size step up to its first backward first, or
+through its first warm-up step where the rest of that step costs less than the replay.
 
 A sharded strategy's step runs rank by rank in this process (PyTorch's fake process group); its time estimate is that
 of the rank with the largest peak: its compute, and its collectives over the links their groups cross, added
@@ -132,9 +133,11 @@ def evaluate(request: PlanRequest, spec: str, members: int, figures: plan_cost.D
     reserved more than the limit allows (`plan_step.ReservedCheck`; a sharded step, once one of its ranks has): its
     row says so, with no peak and no time (`plan_step.stopped_over_limit`). Where layer replay applies
     (`plan_replay.replayed_candidate`), such a candidate's full-size step is looked at only up to its first
-    backward: one that got there is replayed, with every figure. With `probe` False it is replayed at once: the
-    search's combinations whose members' ratios promise that they fit, whose look at the forward (a third of what
-    their replay costs) was passed and thrown away; one that does not fit after all gets every figure."""
+    backward, or through its first warm-up step where the rest of that step costs less than the replay
+    (`plan_replay.probes_first_step`): one that got there is replayed, with every figure. With `probe` False it is
+    replayed at once: the search's combinations whose members' ratios promise that they fit, whose look at the
+    forward (a third of what their replay costs) was passed and thrown away; one that does not fit after all gets
+    every figure."""
     row = empty_row(request, spec, members)
     case = request.case(spec)
     cuda = request.device == "cuda"
@@ -156,13 +159,16 @@ def evaluate(request: PlanRequest, spec: str, members: int, figures: plan_cost.D
     def reserved_check(probe: bool = False) -> plan_step.ReservedCheck | None:
         if not stop:
             return None
-        kind = plan_replay.ForwardProbe if probe else plan_step.ReservedCheck
-        return kind(request.limit_bytes, request.context_bytes, request.capability)
+        if probe:
+            return plan_replay.FullSizeProbe(request.limit_bytes, request.context_bytes, request.capability,
+                                             plan_replay.probes_first_step(case, planned, warmup))
+        return plan_step.ReservedCheck(request.limit_bytes, request.context_bytes, request.capability)
 
     for engine in engines:
         def trace(engine: str, planned, probe: bool = False):
             """(the candidate's step traced at full size on `engine`, the operator counter of its measured step);
-            `probe`: the check gives up at the first warm-up step's backward (`plan_replay.ForwardProbe`)."""
+            `probe`: the check gives up at the first warm-up step's backward, or at its end
+            (`plan_replay.FullSizeProbe`)."""
             counter = plan_step.MeasuredStepCounter() if warmup else OperatorCostCounter()
             rank_counters: dict[int, OperatorCostCounter] = {}
 
@@ -190,9 +196,9 @@ def evaluate(request: PlanRequest, spec: str, members: int, figures: plan_cost.D
         try:
             planned = planned_on(engine)
             if stop and probe and plan_replay.replay_applies(case, spec, engine, planned, request, warmup):
-                # a candidate that may stop: its full-size step first, up to its first backward; one over the limit
-                # in that forward stops there (its weights alone: before its first module, in a fraction of what
-                # its replay costs), one that got to its backward is replayed
+                # a candidate that may stop: its full-size step first, up to its first backward or through its
+                # first step (`plan_replay.probes_first_step`); one over the limit there stops (its weights alone:
+                # before its first module, in a fraction of what its replay costs), one that got past is replayed
                 try:
                     step, counter = trace(engine, planned, probe=True)
                     break  # no backward was looked at: the step ran to its end, its figures the full trace's

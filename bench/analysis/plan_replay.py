@@ -2,7 +2,7 @@
 `bench.analysis.layer_replay` builds from a few small traces (of a sharded step, each rank's:
 `bench.analysis.layer_replay_ranks`), its time from the operator totals of the same traces, extrapolated affinely in
 the layer counts and proven on the last trace; and the probe that lets a candidate which may stop run its full-size
-forward first.
+forward, or its whole first warm-up step, first.
 
 `request` is the plan's `PlanRequest` (its ranks and `gpus_per_node` are read).
 """
@@ -98,20 +98,49 @@ def replay_applies(case: Case, spec: str, engine: str, planned, request, warmup:
 
 
 class ProbePassed(Exception):
-    """A candidate's full-size step reached its first backward under the limit (`ForwardProbe`)."""
+    """A candidate's full-size step got under the limit as far as its probe looks (`FullSizeProbe`)."""
 
 
-class ForwardProbe(plan_step.ReservedCheck):
+class FullSizeProbe(plan_step.ReservedCheck):
     """The check of a candidate that may stop and that layer replay can predict: it looks as `ReservedCheck` does
-    (stopping the candidate once over the limit), and gives up once the first warm-up step's forward is over
-    (`ProbePassed`, raised where the check looks, between operators): past it the replay costs less than the
-    rest of the full-size step (Llama-3.1-70B on one H100 at 4096 tokens stops before its first forward, in 0.3 s
-    of CPU where its replay takes 3.3)."""
+    (stopping the candidate once over the limit), and gives up (`ProbePassed`, raised where the check looks, between
+    operators) once the first warm-up step's forward is over, or with `through_first_step` once that whole step is
+    (`probes_first_step` says which costs less): past it the replay costs less than the rest of the full-size step
+    (Llama-3.1-70B on one H100 at 4096 tokens stops before its first forward, in 0.3 s of CPU where its replay takes
+    3.3)."""
+
+    def __init__(self, limit_bytes: int, context_bytes: int, capability: tuple[int, int] | None,
+                 through_first_step: bool = False):
+        super().__init__(limit_bytes, context_bytes, capability)
+        self.through_first_step = through_first_step
 
     def look(self, step: int, when: str, always: bool = False) -> None:
         super().look(step, when, always)
-        if when != plan_step.FORWARD:
+        if (when == plan_step.END) if self.through_first_step else (when != plan_step.FORWARD):
             raise ProbePassed()
+
+
+# the share of a training step that its backward and optimizer step take, in traced operators (a checkpointed
+# layer's backward runs its forward again)
+AFTER_FORWARD_SHARE = 2 / 3
+
+
+def probes_first_step(case: Case, planned, warmup: int) -> bool:
+    """Whether a candidate that may stop is probed through its whole first warm-up step at full size, not only its
+    forward: where the rest of that step (its backward and optimizer step over every layer) holds fewer traced
+    layer-steps than the replay's small traces (their layers times the steps each runs: the proof's every step,
+    the others' warm-up steps), since the search probes only candidates whose members do not promise that they fit,
+    and most of those that get past their forward go over the limit in their backward or optimizer step, where they
+    stop instead of being replayed. A decoder of 32 layers is probed through its first step (21 layer-steps after
+    its forward against the replay's 29: llama-3.1-8b at 4096 tokens on an H100, where each of the 11 combinations
+    of the search's first 40 that passed their forward stopped at the end of that step), one of 80 is not (53)."""
+    layers = layer_replay.layers_of_case(case)
+    kinds = layer_replay.layer_kinds(planned, layers)
+    counts = (layer_replay.kinds_traced(*kinds) if kinds is not None
+              else [(layer_replay.SMALLEST_TRACE_LAYERS + n, 0) for n in range(3)])
+    replayed = sum((checkpointed + plain) * (warmup + (index == len(counts) - 1))
+                   for index, (checkpointed, plain) in enumerate(counts))
+    return AFTER_FORWARD_SHARE * layers < replayed
 
 
 class _NotAffine(Exception):

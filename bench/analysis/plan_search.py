@@ -336,7 +336,7 @@ def search(request: plan.PlanRequest, progress: Callable[[str], None] = lambda t
                 queue.rows[spec] = None
                 progress(f"[{queue.tried()}/{request.max_candidates} at most, {time.monotonic() - started:.0f} s] "
                          f"{spec} ...{_left(queue, request, time.monotonic() - started)}")
-                # one that promises to fit is replayed without a look at its full-size forward first (`plan.evaluate`)
+                # one that promises to fit is replayed without a look at its full-size step first (`plan.evaluate`)
                 running[pool.submit(task, as_json, spec, members, True, not promises_to_fit, *extra)] = spec
             if not running:
                 break
