@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from bench.analysis import layer_replay, layer_replay_ranks, plan, plan_cost, plan_replay
+from bench.analysis import layer_replay, layer_replay_ranks, plan, plan_cost, plan_replay, plan_step
 from bench.core import gpus
 from bench.measure.op_cost import COLLECTIVE, MATMUL, MEMORY, OpCost
 
@@ -89,6 +89,17 @@ def test_a_candidate_over_the_limit_only_after_its_forward_stops_in_its_first_st
     full = plan.evaluate(request, "checkpoint:segments=all", 1, FIGURES, may_stop=True)
     assert probed["message"].startswith(f"does not fit (stopped early): {where}"), probed["message"]
     assert probed == full
+
+
+def test_a_stopped_candidate_whose_replay_was_refused_says_why_it_was_traced_whole():
+    request = _request(limit_bytes=524288000 + 9 * 2**30, sharded_only=True)
+    spec = "checkpoint:segments=all"
+    plan_replay.REPLAY_REFUSED[plan_replay._replay_key(request.case(spec), spec, "fake-cuda", request)] = "a reason"
+    row = plan.evaluate(request, spec, 1, FIGURES, may_stop=True)
+    assert row["message"].startswith("does not fit (stopped early): at the end of warm-up step 1"), row["message"]
+    assert row["message"].endswith("; layer replay refused (a reason, found on an earlier candidate of this model "
+                                   "and strategy): every layer traced"), row["message"]
+    assert plan_step.stopped_over_limit(row) and row["judged_bytes"] is None
 
 
 def test_a_candidate_not_probed_is_replayed_with_every_figure_even_over_the_limit(monkeypatch):

@@ -107,13 +107,14 @@ def bind_for_plan(case: Case, ranks: int):
         return bind_case(case, ranks)
 
 
-def _stopped_row(row: Row, stopped: plan_step.OverLimit, request: PlanRequest) -> Row:
-    """The row of a candidate stopped once over the limit: no peak, no time, why it cannot fit."""
+def _stopped_row(row: Row, stopped: plan_step.OverLimit, request: PlanRequest, notes: list[str]) -> Row:
+    """The row of a candidate stopped once over the limit: no peak, no time, why it cannot fit; then the `notes`
+    (where layer replay was refused, why: the candidate's step was traced whole)."""
     judged = stopped.reserved_bytes + request.context_bytes
-    row.update(fits=False, message=(
-        f"{plan_step.STOPPED_OVER_LIMIT}: {stopped.when} of warm-up step {stopped.step} the caching allocator had "
-        f"reserved {format_size(stopped.reserved_bytes)}; with the CUDA context that is {judged:,} B, over the limit "
-        f"({request.limit_bytes:,} B), and reserved memory never shrinks: its peak and time were not predicted"))
+    why = (f"{plan_step.STOPPED_OVER_LIMIT}: {stopped.when} of warm-up step {stopped.step} the caching allocator had "
+           f"reserved {format_size(stopped.reserved_bytes)}; with the CUDA context that is {judged:,} B, over the "
+           f"limit ({request.limit_bytes:,} B), and reserved memory never shrinks: its peak and time were not predicted")
+    row.update(fits=False, message="; ".join([why, *notes]))
     return row
 
 
@@ -218,7 +219,7 @@ def evaluate(request: PlanRequest, spec: str, members: int, figures: plan_cost.D
             break
         except plan_step.OverLimit as stopped:
             row.update(engine=engine, differs_by_design=planned.differs_by_design())
-            return _stopped_row(row, stopped, request)
+            return _stopped_row(row, stopped, request, notes)
         except Unsupported as error:
             row.update(status=Status.UNSUPPORTED.value, message=str(error))
             return row
