@@ -82,6 +82,9 @@ def test_the_kinds_of_layers_of_checkpoint_plans():
     assert layer_replay.kinds_traced(31, 1) == [(3, 1), (4, 1), (5, 1)]
     # one template over both counts from 3+2, 4+2 and 3+3, proven at 5+4: 26 layers (nested templates took 33)
     assert layer_replay.kinds_traced(65, 15) == [(3, 2), (4, 2), (3, 3), (5, 4)]
+    # their layers times the steps each runs (two warm-up steps; the proof's measured step too)
+    assert layer_replay.traced_layer_steps(None, 2) == 3 * 2 + 4 * 2 + 5 * 3 == 29
+    assert layer_replay.traced_layer_steps((65, 15), 2) == (5 + 6 + 6) * 2 + 9 * 3 == 61
     llama_70b = Case("hf:llama-3.1-70b:seq_len=4096", "lora+checkpoint", "train", 1, "cuda")  # 80 layers: 65+15
     assert layer_replay.why_not_replayable(llama_70b, bind_case(llama_70b, 1)[0], 1, "fake", snapshot=False) is None
     llama_8b = Case(FULL_SIZE, "lora+checkpoint", "train", 1, "cuda")  # 32 layers: 25+7, 26 traced (81%)

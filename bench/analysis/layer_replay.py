@@ -26,6 +26,7 @@ from bench.measure.step_repeat import NotSteady
 
 FULL_TRACE_ENV = "MEMBENCH_FULL_TRACE"  # "1": every prediction traces all its layers (no layer replay)
 SMALLEST_TRACE_LAYERS = 3  # the layers of the smallest trace: at 2 the first layer's backward has no period before it
+ALIKE_TRACED = (SMALLEST_TRACE_LAYERS, SMALLEST_TRACE_LAYERS + 1, SMALLEST_TRACE_LAYERS + 2)  # layers alike: proof last
 SMALLEST_PLAIN_LAYERS = 2  # of a plan that leaves layers plain after checkpointed ones (`kinds_traced`)
 # a plan of two kinds of layers replays where its traces hold at most this share of the full trace's layers: each of
 # its four traces costs besides its layers about as much as a layer more (the model, embedding, loss and optimizer of
@@ -144,6 +145,13 @@ def kinds_traced(checkpointed: int, plain: int) -> list[tuple[int, int]]:
         return [(first, plain), (first + 1, plain), (first + 2, plain)]
     least = SMALLEST_PLAIN_LAYERS
     return [(first, least), (first + 1, least), (first, least + 1), (first + 2, least + 2)]
+
+
+def traced_layer_steps(kinds: tuple[int, int] | None, warmup_steps: int) -> int:
+    """The layer-steps the small traces of a replay hold (`kinds`: as `replayed`'s): each trace's layers times the
+    steps it runs, the proof every step, the others their warm-up steps (their measured step repeated)."""
+    counts = kinds_traced(*kinds) if kinds is not None else [(count, 0) for count in ALIKE_TRACED]
+    return sum((c + p) * (warmup_steps + (index == len(counts) - 1)) for index, (c, p) in enumerate(counts))
 
 
 def with_layers(workload_spec: str, layers: int) -> str:
@@ -265,7 +273,7 @@ def replayed(trace, layers: int, kinds: tuple[int, int] | None) -> tuple[list, l
 def _replayed_by_kind(trace, layers: int, kinds: tuple[int, int] | None, repeat: bool):
     if kinds is not None:
         return replayed_kinds(trace, *kinds, repeat=repeat)
-    traced = [SMALLEST_TRACE_LAYERS, SMALLEST_TRACE_LAYERS + 1, SMALLEST_TRACE_LAYERS + 2]
+    traced = list(ALIKE_TRACED)
     steps, events, plan = _replayed(trace, traced, layers, repeat)
     calls = [step.cpu_sdpa_calls for step in steps]
     return steps, events, plan, calls[0] + (calls[1] - calls[0]) * (layers - traced[0])
@@ -372,7 +380,7 @@ def host_peak(steps: list, layers: int, kinds: tuple[int, int] | None) -> int | 
     if any(figure is None for figure in figures):
         raise NoReplay("host copies in some traces only")
     # (period, layers) as exact_affine takes them: a plan's checkpointed and plain layers, else the layer count alone
-    counts = kinds_traced(*kinds) if kinds is not None else [(0, SMALLEST_TRACE_LAYERS + n) for n in range(len(steps))]
+    counts = kinds_traced(*kinds) if kinds is not None else [(0, count) for count in ALIKE_TRACED]
     coefficients = solve([(first, second, figure) for (first, second), figure in zip(counts, figures)])
     try:
         if coefficients is None:

@@ -113,7 +113,8 @@ def _stopped_row(row: Row, stopped: plan_step.OverLimit, request: PlanRequest, n
     judged = stopped.reserved_bytes + request.context_bytes
     why = (f"{plan_step.STOPPED_OVER_LIMIT}: {stopped.when} of warm-up step {stopped.step} the caching allocator had "
            f"reserved {format_size(stopped.reserved_bytes)}; with the CUDA context that is {judged:,} B, over the "
-           f"limit ({request.limit_bytes:,} B), and reserved memory never shrinks: its peak and time were not predicted")
+           f"limit ({request.limit_bytes:,} B), and reserved memory never shrinks: its peak and time were not "
+           "predicted")
     row.update(fits=False, message="; ".join([why, *notes]))
     return row
 
@@ -157,19 +158,18 @@ def evaluate(request: PlanRequest, spec: str, members: int, figures: plan_cost.D
     stop = may_stop and cuda and (members >= 2 or request.sharded_only
                                   or (not request.allow_different and bool(strategy.differs_by_design())))
 
-    def reserved_check(probe: bool = False) -> plan_step.ReservedCheck | None:
+    def reserved_check(probe: bool | None = None) -> plan_step.ReservedCheck | None:
         if not stop:
             return None
-        if probe:
-            return plan_replay.FullSizeProbe(request.limit_bytes, request.context_bytes, request.capability,
-                                             plan_replay.probes_first_step(case, planned, warmup))
-        return plan_step.ReservedCheck(request.limit_bytes, request.context_bytes, request.capability)
+        if probe is None:
+            return plan_step.ReservedCheck(request.limit_bytes, request.context_bytes, request.capability)
+        return plan_replay.FullSizeProbe(request.limit_bytes, request.context_bytes, request.capability, probe)
 
     for engine in engines:
-        def trace(engine: str, planned, probe: bool = False):
+        def trace(engine: str, planned, probe: bool | None = None):
             """(the candidate's step traced at full size on `engine`, the operator counter of its measured step);
-            `probe`: the check gives up at the first warm-up step's backward, or at its end
-            (`plan_replay.FullSizeProbe`)."""
+            `probe` (`plan_replay.FullSizeProbe`): where given, the check gives up at the first warm-up step's
+            backward, or where True at its end."""
             counter = plan_step.MeasuredStepCounter() if warmup else OperatorCostCounter()
             rank_counters: dict[int, OperatorCostCounter] = {}
 
@@ -201,7 +201,7 @@ def evaluate(request: PlanRequest, spec: str, members: int, figures: plan_cost.D
                 # first step (`plan_replay.probes_first_step`); one over the limit there stops (its weights alone:
                 # before its first module, in a fraction of what its replay costs), one that got past is replayed
                 try:
-                    step, counter = trace(engine, planned, probe=True)
+                    step, counter = trace(engine, planned, plan_replay.probes_first_step(case, planned, warmup))
                     break  # no backward was looked at: the step ran to its end, its figures the full trace's
                 except plan_replay.ProbePassed:
                     planned = planned_on(engine)

@@ -135,12 +135,8 @@ def probes_first_step(case: Case, planned, warmup: int) -> bool:
     its forward against the replay's 29: llama-3.1-8b at 4096 tokens on an H100, where each of the 11 combinations
     of the search's first 40 that passed their forward stopped at the end of that step), one of 80 is not (53)."""
     layers = layer_replay.layers_of_case(case)
-    kinds = layer_replay.layer_kinds(planned, layers)
-    counts = (layer_replay.kinds_traced(*kinds) if kinds is not None
-              else [(layer_replay.SMALLEST_TRACE_LAYERS + n, 0) for n in range(3)])
-    replayed = sum((checkpointed + plain) * (warmup + (index == len(counts) - 1))
-                   for index, (checkpointed, plain) in enumerate(counts))
-    return AFTER_FORWARD_SHARE * layers < replayed
+    return AFTER_FORWARD_SHARE * layers < layer_replay.traced_layer_steps(layer_replay.layer_kinds(planned, layers),
+                                                                          warmup)
 
 
 class _NotAffine(Exception):
