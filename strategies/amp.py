@@ -38,6 +38,7 @@ class Amp(Strategy):
     """
 
     name = "amp"
+    keeps_training_state = True
     description = "autocast forward in 16-bit floats; GradScaler on the backward for float16"
     options = {"dtype": "auto"}
     tolerance = Tolerance(loss_rtol=1e-2, grad_rtol=0.75, output_atol=1e-3, output_rtol=0.05, step_rtol=float("inf"))

@@ -13,6 +13,7 @@ class Baseline(Strategy):
     """
 
     name = "baseline"
+    keeps_training_state = True
     plan_excluded = "the starting point itself: every plan is the baseline plus techniques"
     description = "the article's code as it is: fp32, autograd on in eval, the loop's lifetimes (pred/loss rebound)"
     recompute_plan_kind = "none"  # the plan that recomputes nothing, the first point of the plan chart

@@ -110,6 +110,7 @@ class BNActRecompute(Strategy):
     """
 
     name = "bn_act_recompute"
+    keeps_training_state = True
     description = "every BatchNorm->activation pair recomputed in backward from BatchNorm's input (efficient DenseNet)"
     phases = ("train",)
     priority = 25  # after in-place ReLU changed the model, before checkpoint wraps its units

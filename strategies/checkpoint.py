@@ -243,6 +243,7 @@ class Checkpoint(Strategy):
     """
 
     name = "checkpoint"
+    keeps_training_state = True
     row_columns = ("predicted_peak_bytes",)
     recompute_plan_kind = "units"
     description = "activation checkpointing of the workload's checkpoint units (non-reentrant, BatchNorm statistics kept once)"

@@ -93,6 +93,7 @@ class ChunkedLoss(Strategy):
     """The output head and the cross-entropy over `chunks` chunks of tokens, each recomputed in backward."""
 
     name = "chunked_loss"
+    keeps_training_state = True
     description = ("output head + cross-entropy over K chunks of tokens, each chunk's logits recomputed in backward "
                    "(the whole logits never exist)")
     phases = ("train",)

@@ -21,6 +21,7 @@ class CudnnBenchmark(Strategy):
     """
 
     name = "cudnn_benchmark"
+    keeps_training_state = True
     description = "torch.backends.cudnn.benchmark = True (autotuned convolution algorithms)"
     devices = ("cuda",)
     priority = 10

@@ -21,6 +21,7 @@ class DelIntermediates(Strategy):
     """
 
     name = "del_intermediates"
+    keeps_training_state = True
     description = "output/loss released at the end of each step, not in the next forward; zero_grad(set_to_none=True)"
     priority = 60
     # Train 221,411,228 -> 221,411,228 (1.000) on captcha_resnet18: the loop itself releases the previous output and

@@ -41,6 +41,7 @@ class GradAccumulation(Strategy):
     """
 
     name = "grad_accumulation"
+    keeps_training_state = True
     description = "the batch in K micro-batches, gradients accumulated, one optimizer step"
     phases = ("train",)
     options = {"micro_batches": 2}

@@ -46,6 +46,7 @@ class InplaceReLU(Strategy):
     """
 
     name = "inplace_relu"
+    keeps_training_state = True
     description = "every ReLU-like activation computed in place (inplace=True), no separate output buffer"
     priority = 20  # transforms the plain model before checkpoint wraps it
     # Train 221,420,444 -> 221,420,444 (1.000) on captcha_resnet18: conv -> BN -> ReLU, ReLU saves its output for

@@ -66,6 +66,7 @@ class Offload(Strategy):
     The host copies are not in `peak_mem_bytes` (device memory): they are `offload_host_peak_bytes`."""
 
     name = "offload"
+    keeps_training_state = True
     row_columns = ("offload_host_peak_bytes",)
     description = "activations saved for backward kept in pinned host memory (save_on_cpu), CUDA only"
     phases = ("train",)

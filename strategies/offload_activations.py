@@ -117,6 +117,7 @@ class OffloadActivations(Strategy):
     `offload_host_peak_bytes`. Composed with `checkpoint`, only what autograd saves outside the checkpoints moves."""
 
     name = "offload_activations"
+    keeps_training_state = True
     row_columns = ("offload_host_peak_bytes",)
     description = ("torchtune's activation offloading: saved activations (not parameters, >= 1 KiB) in pinned host "
                    "memory, the output head's kept, CUDA only")

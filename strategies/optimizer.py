@@ -122,6 +122,25 @@ class Optimizer(Strategy):
                              f"{'/'.join(LOW_BIT_OPTIMIZERS)}), not name={self.settings['name']}")
         self.replaced: str | None = None  # the workload's optimizer's class name, when name= replaced it
         self.resolved = {"name": self.settings["name"], "impl": self.settings["impl"]}
+        # another implementation of the workload's algorithm keeps its state (fused's step counts are on the device
+        # too: more, never less); another algorithm keeps other state
+        self.keeps_training_state = self.settings["name"] == "workload"
+
+    def bind(self, context):
+        super().bind(context)
+        name = self.settings["name"]
+        if name == "workload" or context.workload is None:
+            return
+        # whether name= replaces the workload's optimizer, known before any step: a plan's replayed candidate is bound
+        # and never wraps one, and its row must still say that it changes the update (differs_by_design)
+        try:
+            workload_class = type(context.workload.make_optimizer(torch.nn.Linear(1, 1)))
+        except Exception:  # noqa: BLE001 - a workload whose optimizer needs its own model: known once wrapped
+            return
+        cls = OPTIMIZERS.get(name)
+        self.replaced = workload_class.__name__ if cls is not workload_class else None
+        if cls is not None:
+            self.resolved = {**self.resolved, "name": cls.__name__}
 
     def check(self, context):
         super().check(context)

@@ -70,6 +70,7 @@ class OptimizerInBackward(Strategy):
     """
 
     name = "optimizer_in_backward"
+    keeps_training_state = True
     description = "each parameter's optimizer step runs in backward as soon as its gradient is ready, then frees it"
     phases = ("train",)
     priority = 60

@@ -93,6 +93,7 @@ class SelectiveCheckpoint(Strategy):
     """
 
     name = "selective_checkpoint"
+    keeps_training_state = True
     recompute_plan_kind = "operators"
     description = "selective activation checkpointing of each checkpoint unit: save matmul/conv/attention outputs, recompute the rest"
     options = {"policy": "compute"}

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from bench.analysis import plan, plan_candidates, plan_cost, plan_search, plan_step
+from bench.analysis import plan, plan_candidates, plan_cost, plan_floor, plan_search, plan_step
 from bench.cli import commands_plan
 from bench.core import gpus
 from bench.core.results import Status
@@ -38,6 +38,12 @@ def _few_settings(monkeypatch) -> None:
     monkeypatch.setattr(plan_candidates, "settings", few)
 
 
+def _no_floor(monkeypatch) -> None:
+    """No combination ruled out by its parameters and optimizer state before it runs (`plan_floor`, whose own tests
+    are tests/test_plan_floor.py): at 1 MiB it would rule out the combinations these tests stop in their steps."""
+    monkeypatch.setattr(plan_floor, "training_state_bytes", lambda workload: None)
+
+
 def _to_the_end(monkeypatch) -> None:
     """Every candidate traced to the end, its operators counted in every step (what plan did before plan_step)."""
     evaluate = plan.evaluate
@@ -62,6 +68,7 @@ def searches() -> dict:
     found = {}
     with pytest.MonkeyPatch.context() as monkeypatch:
         _few_settings(monkeypatch)
+        _no_floor(monkeypatch)
         found["low"] = plan_search.search(_request(LOW))
         with pytest.MonkeyPatch.context() as to_the_end:
             _to_the_end(to_the_end)
@@ -149,7 +156,9 @@ def ranked() -> dict:
     """A search on two ranks of fsdp and zero2 with checkpoint (what one rank found known), at 1 MiB ("low")
     and at the judged bytes of checkpoint:segments=all+fsdp traced to the end ("fit"); "full": every candidate at
     1 MiB traced to the end."""
-    one = plan_search.search(dataclasses.replace(_request(LOW), strategies=SHARDED))
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        _no_floor(monkeypatch)
+        one = plan_search.search(dataclasses.replace(_request(LOW), strategies=SHARDED))
     known = [dict(r) for r in one.rows if r["status"] == Status.OK.value and not plan_step.stopped_over_limit(r)]
     found = {"low": plan_search.search(_on_two_ranks(LOW, known))}
     with pytest.MonkeyPatch.context() as to_the_end:

@@ -36,7 +36,7 @@ from typing import Callable
 
 import torch
 
-from bench.analysis import plan, plan_candidates, plan_cost, plan_step, pools
+from bench.analysis import plan, plan_candidates, plan_cost, plan_floor, plan_step, pools
 from bench.analysis.fake_cuda_worker import run_in_fake_cuda
 from bench.core.results import PLAN, Status
 from bench.core.schema import Row
@@ -63,6 +63,7 @@ class Searched:
     seconds_per_candidate: float | None = None  # wall-clock seconds per candidate that ran, with `jobs` processes
     jobs: int = 1
     tried: int = 0  # candidates that ran (the refused settings are rows too, but ran nothing)
+    floor_bytes: int | None = None  # the baseline's parameters and optimizer state (`plan_floor`), where counted
 
     def untried(self) -> int:
         return len(self.untried_settings) + len(self.untried_combinations)
@@ -159,6 +160,7 @@ class _Queue:
         self.known = {row["strategy"]: PLAN.row(row) for row in request.known_rows}
         self.rows.update(self.known)
         self.combined: dict[frozenset, tuple[tuple, str | None]] = {}  # member specs -> (members, spec or None)
+        self.floored: set[str] = set()  # the combinations the floor ruled out (`plan_floor`): no trace, not counted
 
     def base(self) -> Row | None:
         return self.rows.get("baseline")
@@ -255,8 +257,8 @@ class _Queue:
         return not self.request.sharded_only or any(STRATEGIES.get(m.strategy).distributed for m in members)
 
     def tried(self) -> int:
-        """The candidates this search started (not those it knew from another)."""
-        return len(self.rows) - len(self.known)
+        """The candidates this search started (not those it knew from another, nor those the floor ruled out)."""
+        return len(self.rows) - len(self.known) - len(self.floored)
 
     def _fastest_fitting(self) -> float:
         """The estimated time of the fastest candidate that ran, fits and may be the answer (inf: none yet)."""
@@ -279,11 +281,25 @@ def _left(queue: _Queue, request: plan.PlanRequest, elapsed_s: float) -> str:
     if queue.base() is None:
         return ""
     settings, combinations = queue.untried()
-    done = sum(1 for spec, row in queue.rows.items() if row is not None and spec not in queue.known)
+    done = sum(1 for spec, row in queue.rows.items()
+               if row is not None and spec not in queue.known and spec not in queue.floored)
     left = min(len(settings) + len(combinations), max(0, request.max_candidates - queue.tried()))
     stop = max(0.0, request.max_search_s - elapsed_s)
     limit = f"; no new candidate after {eta.duration(stop)} more" if math.isfinite(stop) else ""
     return f" ({eta.left_text(left, done, elapsed_s, 'known candidates')}{limit})"
+
+
+def _rule_out_the_rest(queue: _Queue, request: plan.PlanRequest, floor: int | None) -> None:
+    """The combinations a search cut short knew of and the floor rules out, given their rows: they trace nothing
+    (a triple of pairs so ruled out becomes known as they are)."""
+    while True:
+        ruled_out = [(spec, row) for spec in queue.untried()[1]
+                     if (row := plan_floor.floor_row(request, spec, spec.count("+") + 1, floor)) is not None]
+        if not ruled_out:
+            return
+        for spec, row in ruled_out:
+            queue.rows[spec] = row
+            queue.floored.add(spec)
 
 
 def _combinations_of(pool: list, size: int) -> list[tuple]:
@@ -319,6 +335,9 @@ def search(request: plan.PlanRequest, progress: Callable[[str], None] = lambda t
     if not on_ray:
         pools.start_server(jobs, __name__, request.workload)  # its imports beside the baseline's step
     as_json = asdict(request)
+    # the parameters and optimizer state of every combination that keeps the baseline's: one over the limit by them
+    # alone gets its row here, with no trace (`plan_floor`)
+    floor = plan_floor.training_state_bytes(request.workload) if request.device == "cuda" else None
     try:
         while True:
             if isinstance(pool, pools.Inline) and jobs > 1 and queue.base() is not None:
@@ -333,6 +352,11 @@ def search(request: plan.PlanRequest, progress: Callable[[str], None] = lambda t
                 if candidate is None:
                     break
                 spec, members, promises_to_fit = candidate
+                floored = plan_floor.floor_row(request, spec, members, floor)
+                if floored is not None:
+                    queue.rows[spec] = floored
+                    queue.floored.add(spec)
+                    continue
                 queue.rows[spec] = None
                 progress(f"[{queue.tried()}/{request.max_candidates} at most, {time.monotonic() - started:.0f} s] "
                          f"{spec} ...{_left(queue, request, time.monotonic() - started)}")
@@ -354,6 +378,7 @@ def search(request: plan.PlanRequest, progress: Callable[[str], None] = lambda t
         raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+    _rule_out_the_rest(queue, request, floor)
     elapsed = time.monotonic() - started
     rows = [row for spec, row in queue.rows.items() if row is not None and spec not in queue.known]
     for item in refused:
@@ -366,7 +391,7 @@ def search(request: plan.PlanRequest, progress: Callable[[str], None] = lambda t
     if stopped and not untried_settings and not untried_combinations:
         stopped = None  # it stopped when nothing was left to try
     return Searched(rows, stopped, untried_settings, untried_combinations,
-                    elapsed / max(1, queue.tried()), jobs, queue.tried())
+                    elapsed / max(1, queue.tried()), jobs, queue.tried(), floor)
 
 
 def search_where_cuda_runs(request: plan.PlanRequest, progress: Callable[[str], None],

@@ -9,7 +9,7 @@ import math
 import os
 import time
 
-from bench.analysis import plan, plan_candidates, plan_cost, plan_ranks, plan_search, plan_step
+from bench.analysis import plan, plan_candidates, plan_cost, plan_floor, plan_ranks, plan_search, plan_step
 from bench.analysis.fake_engine import has_gpu
 from bench.cli import interrupt
 from bench.cli.arguments import analysis_device, batch_option_name, one_batch_size, size_option, step_batch_text
@@ -171,7 +171,7 @@ def _summary(request: plan.PlanRequest, how: str, searched: plan_search.Searched
              f"{', '.join(f'{n} {s}' for s, n in counts.items())}); memory predicted on the {'/'.join(engines)} "
              f"engine",
              f"  time: {estimator}"]
-    stopped = _stopped_early(rows)
+    stopped = _stopped_early(rows, searched.floor_bytes)
     if stopped:
         lines.append(f"  {stopped}")
     if searched.stopped:
@@ -181,14 +181,22 @@ def _summary(request: plan.PlanRequest, how: str, searched: plan_search.Searched
     return "\n".join(lines)
 
 
-def _stopped_early(rows: list) -> str:
-    """What the summary says of the candidates stopped once they certainly could not fit (none: nothing)."""
-    stopped = [r["strategy"] for r in rows if plan_step.stopped_over_limit(r)]
-    if not stopped:
-        return ""
-    return (f"{len(stopped)} candidates stopped in their warm-up steps, their reserved memory already over "
-            f"the limit: they do not fit, their peak and time not predicted ({_listed(stopped, 4)}; the CSV says "
-            "how much each had reserved)")
+def _stopped_early(rows: list, floor_bytes: int | None = None) -> str:
+    """What the summary says of the candidates stopped once they certainly could not fit, and of the combinations
+    ruled out by the baseline's parameters and optimizer state (`floor_bytes`) before they ran (none: nothing)."""
+    floored = [r["strategy"] for r in rows if plan_floor.stopped_by_floor(r)]
+    stopped = [r["strategy"] for r in rows if plan_step.stopped_over_limit(r) and r["strategy"] not in floored]
+    said = []
+    if stopped:
+        said.append(f"{len(stopped)} candidates stopped in their warm-up steps, their reserved memory already over "
+                    f"the limit: they do not fit, their peak and time not predicted ({_listed(stopped, 4)}; the CSV "
+                    "says how much each had reserved)")
+    if floored:
+        held = f" ({format_size(floor_bytes)})" if floor_bytes else ""
+        said.append(f"{len(floored)} combinations hold the baseline's parameters and optimizer state{held}, over the "
+                    "limit by those alone, and were not traced: only a technique that changes them can fit (one "
+                    "that changes what is trained, with --allow-different; sharding across GPUs, with --max-ranks)")
+    return "\n  ".join(said)
 
 
 def _front_table(rows: list) -> str:
@@ -249,7 +257,7 @@ def _nothing_fits(request: plan.PlanRequest, searched: plan_search.Searched, csv
     that tries it (no conclusion that needs the candidates not tried)."""
     smallest = plan.smallest(searched.rows)
     limit = f"{format_size(request.limit_bytes)} ({request.limit_bytes:,} B)"
-    stopped = _stopped_early(searched.rows)
+    stopped = _stopped_early(searched.rows, searched.floor_bytes)
     if searched.stopped:
         found = ("none could be predicted" if smallest is None else
                  f"the smallest of them {format_size(smallest['judged_bytes'])} with {smallest['strategy']}")

@@ -182,6 +182,11 @@ class Strategy:
     # "allocator_events" (torch.profiler's allocator events) for steps a dispatch mode would change (torch.compile)
     cpu_memory_count = "live_tensors"
     pitfall = False  # a habit the articles warn about, measured to show what it costs (not a technique)
+    # whether its training step holds the baseline's parameters and optimizer state on the device as the baseline
+    # does (the same tensors: number, dtype, place), changing only activations, gradients' lifetimes or the step's
+    # schedule: a plan combination of such strategies cannot fit where those alone cannot (bench.analysis.plan_floor;
+    # tests/test_plan_floor.py checks each strategy that says so)
+    keeps_training_state = False
     row_columns: tuple[str, ...] = ()  # the columns its `columns()` fills (of bench.core.results.STRATEGY_COLUMNS)
     # a checkpointing plan on its own (`bench.core.results.RECOMPUTE_PLAN_KINDS`): "units" recomputes whole
     # checkpoint units, "operators" the cheap operators of each unit, "none" nothing; None: not a plan

@@ -53,6 +53,7 @@ class Composite(Strategy):
         self.name = "+".join(names)
         self.distributed = any(m.distributed for m in self.members)
         self.pitfall = any(m.pitfall for m in self.members)
+        self.keeps_training_state = all(m.keeps_training_state for m in self.members)
         self.row_columns = tuple(column for m in self.members for column in m.row_columns)
         counts = {m.cpu_memory_count for m in self.members} - {"live_tensors"}
         self.cpu_memory_count = counts.pop() if counts else "live_tensors"

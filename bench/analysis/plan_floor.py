@@ -1,0 +1,75 @@
+"""The floor of a plan combination that keeps the baseline's training state: the bytes of the parameters and optimizer
+state every such candidate holds, counted once on the meta device; a combination over the limit by them alone gets its
+row at once, with no trace.
+
+A strategy that says `keeps_training_state` holds the baseline's parameters and optimizer state on the device as the
+baseline does (tests/test_plan_floor.py checks each one that says so); a combination keeps it when every member does.
+From the end of its first optimizer step such a candidate holds at least those tensors, so its allocated peak is at
+least the floor, its reserved peak at least that (a block is never smaller than its tensor), and its judged memory
+(reserved plus the CUDA context) at least the floor plus the context. Where that is over the limit it cannot fit,
+whatever its activations, and the search needs no figure of a combination that cannot fit (`plan.evaluate`'s
+`may_stop`). Settings alone are traced as before: combinations are chosen and ordered by their ratios.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bench.analysis import plan, plan_step
+from bench.core.errors import Unsupported
+from bench.core.schema import Row
+from bench.core.units import format_size
+from workloads import get_workload
+
+# what a row stopped by the floor says after plan_step.STOPPED_OVER_LIMIT (the console counts them apart)
+HOLDS_THE_BASELINES_STATE = "it holds the baseline's parameters and optimizer state"
+
+
+def training_state_bytes(workload_spec: str) -> int | None:
+    """The bytes of the workload's parameters and of its optimizer's state after one step, as they are on the device,
+    counted on the meta device (nothing allocated: an 8B model's are counted in a second); None where the model cannot
+    be built there or its optimizer cannot step there (no floor: every candidate is traced)."""
+    workload = get_workload(workload_spec)
+    try:
+        with torch.device("meta"):
+            model = workload.build_model()
+        optimizer = workload.make_optimizer(model)
+        for parameter in model.parameters():
+            if parameter.requires_grad:
+                parameter.grad = torch.zeros_like(parameter)
+        optimizer.step()  # the state an optimizer makes in its first step (Adam's moments), made here on meta
+    except Exception:  # noqa: BLE001 - a model or optimizer meta tensors cannot run: no floor, nothing assumed
+        return None
+    # an optimizer's step counts are host tensors unless it is fused or capturable: only the device's are counted
+    state = [value for values in optimizer.state.values() for value in values.values()
+             if isinstance(value, torch.Tensor) and value.is_meta]
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *state])
+
+
+def floor_row(request: plan.PlanRequest, spec: str, members: int, floor_bytes: int | None) -> Row | None:
+    """The row of a combination (two members or more) on CUDA that keeps the baseline's training state and cannot fit
+    by it alone (`floor_bytes`, `training_state_bytes`, plus the CUDA context over the limit): no peak, no time, why;
+    None for any other candidate, which is traced (one its check refuses too: its trace says why)."""
+    if floor_bytes is None or members < 2 or request.device != "cuda" \
+            or floor_bytes + request.context_bytes <= request.limit_bytes:
+        return None
+    try:
+        strategy, context = plan.bind_for_plan(request.case(spec), request.ranks)
+        strategy.check(context)
+    except Unsupported:
+        return None
+    if not strategy.keeps_training_state:
+        return None
+    judged = floor_bytes + request.context_bytes
+    row = plan.empty_row(request, strategy.spec(), members)
+    row.update(fits=False, differs_by_design=strategy.differs_by_design(),
+               message=f"{plan_step.STOPPED_OVER_LIMIT}: {HOLDS_THE_BASELINES_STATE} ({format_size(floor_bytes)}, "
+                       f"{floor_bytes:,} B, counted on the meta device), as each of its techniques does; with the CUDA "
+                       f"context that is {judged:,} B, over the limit ({request.limit_bytes:,} B) whatever its "
+                       "activations: not traced")
+    return row
+
+
+def stopped_by_floor(row: Row) -> bool:
+    """Whether `row` is a combination the floor ruled out (`floor_row`)."""
+    return plan_step.stopped_over_limit(row) and HOLDS_THE_BASELINES_STATE in row["message"]
