@@ -117,9 +117,12 @@ FEW = ("checkpoint", "amp:dtype=bfloat16", "grad_accumulation")
 ACTIVATIONS = "gpt_mini:layers=2:width=64:heads=2:seq_len=128"  # checkpoint and amp each save memory: they combine
 
 
-def _request(limit_bytes: int) -> plan.PlanRequest:
+def _request(limit_bytes: int, allow_different: bool = True) -> plan.PlanRequest:
+    """With `allow_different` (a setting that changes what is trained may combine) the settings alone are traced for
+    their ratios: without it and with no such setting, none may make a combination that fits."""
     return plan.PlanRequest(ACTIVATIONS, "synthetic", 8, "cuda", "H100 80GB", limit_bytes, 0,
-                            plan_cost.to_json(FIGURES), capability=(9, 0), max_search_s=600)
+                            plan_cost.to_json(FIGURES), capability=(9, 0), max_search_s=600,
+                            allow_different=allow_different)
 
 
 def _few_settings(monkeypatch) -> None:
@@ -163,3 +166,25 @@ def test_the_floor_cuts_no_combination_that_may_fit():
     assert plan_step.stopped_over_limit(plan_floor.floor_row(over, "checkpoint+amp:dtype=bfloat16", 2, floor))
     assert plan_floor.floor_row(over, "checkpoint", 1, floor) is None  # a setting alone is traced: its ratios
     assert plan_floor.floor_row(over, "checkpoint+optimizer:name=sgd", 2, floor) is None
+
+
+def test_where_no_setting_may_combine_to_fit_the_settings_alone_are_ruled_out_too(monkeypatch):
+    """Every setting keeps the state and none that does not may combine (no --allow-different): no ratio of a setting
+    alone can make a combination that fits, so each is ruled out untraced, and none combines; each traced to the end
+    is over the limit. With a setting that may combine (bf16_weights, --allow-different), they are traced."""
+    _few_settings(monkeypatch)
+    floor = plan_floor.training_state_bytes(ACTIVATIONS)
+    request = _request(floor - 1, allow_different=False)
+    assert not plan_floor.ratios_may_combine(request, list(FEW))
+    assert plan_floor.ratios_may_combine(request, [*FEW, "bf16_weights"]) is False  # it changes what is trained
+    assert plan_floor.ratios_may_combine(dataclasses.replace(request, allow_different=True), list(FEW))
+    assert plan_floor.ratios_may_combine(dataclasses.replace(request, feeds_ranks=True), list(FEW))
+    searched = plan_search.search(request)
+    by_spec = {r["strategy"]: r for r in searched.rows}
+    ok = {spec for spec, row in by_spec.items() if row["status"] == "ok"}  # not the settings the case refuses
+    assert ok == {"baseline", *FEW} and searched.tried == 1  # the baseline alone ran
+    for spec in FEW:
+        assert plan_floor.stopped_by_floor(by_spec[spec]) and by_spec[spec]["members"] == 1
+        assert plan.evaluate(request, spec, 1, FIGURES)["judged_bytes"] > request.limit_bytes, spec
+    said = commands_plan._nothing_fits(request, searched, "plan.csv")
+    assert "3 candidates (3 settings alone, whose combinations cannot fit either) hold the baseline's" in said

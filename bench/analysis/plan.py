@@ -77,6 +77,7 @@ class PlanRequest:
     # step's batch on every rank count (--global-batch-size), split across the ranks
     batch_per_rank: int = 0
     gpus_per_node: int = 8  # `--gpus-per-node`: a tensor-parallel group of the meshes tried stays inside a node
+    feeds_ranks: bool = False  # the one-rank search of `plan --max-ranks`: its settings' ratios make sharded candidates
 
     def case(self, spec: str) -> Case:
         return Case(self.workload, spec, "train", self.batch_size, self.device, data=self.data)

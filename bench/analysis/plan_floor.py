@@ -8,7 +8,10 @@ From the end of its first optimizer step such a candidate holds at least those t
 least the floor, its reserved peak at least that (a block is never smaller than its tensor), and its judged memory
 (reserved plus the CUDA context) at least the floor plus the context. Where that is over the limit it cannot fit,
 whatever its activations, and the search needs no figure of a combination that cannot fit (`plan.evaluate`'s
-`may_stop`). Settings alone are traced as before: combinations are chosen and ordered by their ratios.
+`may_stop`). A setting alone is traced as before where its ratios may make a combination that could fit: one with a
+setting that does not keep the state (and that may combine: it keeps what is trained, or `--allow-different`; on
+several ranks, or feeding them, any). Where none may, a setting alone that keeps the state is ruled out as well, and
+with no figures it makes no combination (`plan_search`: a combination needs members that saved something).
 """
 
 from __future__ import annotations
@@ -46,11 +49,26 @@ def training_state_bytes(workload_spec: str) -> int | None:
     return sum(t.numel() * t.element_size() for t in [*model.parameters(), *state])
 
 
-def floor_row(request: plan.PlanRequest, spec: str, members: int, floor_bytes: int | None) -> Row | None:
-    """The row of a combination (two members or more) on CUDA that keeps the baseline's training state and cannot fit
-    by it alone (`floor_bytes`, `training_state_bytes`, plus the CUDA context over the limit): no peak, no time, why;
-    None for any other candidate, which is traced (one its check refuses too: its trace says why)."""
-    if floor_bytes is None or members < 2 or request.device != "cuda" \
+def ratios_may_combine(request: plan.PlanRequest, settings: list[str]) -> bool:
+    """Whether the ratios of a setting alone that keeps the baseline's training state may make a combination that
+    could fit: where one of the search's `settings` (specs) does not keep it and may combine (it keeps what is
+    trained, as far as binding it tells, or `--allow-different`), or on several ranks or feeding them (any)."""
+    if request.allow_different or request.ranks > 1 or request.feeds_ranks:
+        return True
+    for spec in settings:
+        strategy = plan.bind_for_plan(request.case(spec), request.ranks)[0]
+        if not strategy.keeps_training_state and not strategy.differs_by_design():
+            return True
+    return False
+
+
+def floor_row(request: plan.PlanRequest, spec: str, members: int, floor_bytes: int | None,
+              alone_too: bool = False) -> Row | None:
+    """The row of a combination (two members or more; with `alone_too` a setting alone too: `ratios_may_combine`
+    said that its ratios make no combination that could fit) on CUDA that keeps the baseline's training state and
+    cannot fit by it alone (`floor_bytes`, `training_state_bytes`, plus the CUDA context over the limit): no peak, no
+    time, why; None for any other candidate, which is traced (one its check refuses too: its trace says why)."""
+    if floor_bytes is None or members < (1 if alone_too else 2) or request.device != "cuda" \
             or floor_bytes + request.context_bytes <= request.limit_bytes:
         return None
     try:

@@ -92,7 +92,8 @@ def fewest_ranks(request: plan.PlanRequest, max_ranks: int, progress: Callable[[
                  f"{eta.left_text(left, len(tried), time.monotonic() - started, 'rank counts', at_most=True)}"
                  " with this one) ...")
         found, note = plan_search.search_where_cuda_runs(
-            replace(request.on_ranks(ranks), sharded_only=ranks > 1, known_rows=[dict(row) for row in known]),
+            replace(request.on_ranks(ranks), sharded_only=ranks > 1, known_rows=[dict(row) for row in known],
+                    feeds_ranks=ranks == 1 and top > 1),
             progress, executor, ray_address)
         answer = plan.decide(found.rows, request.allow_different)
         tried[ranks] = RankCount(ranks, found, answer, plan.smallest(found.rows), note)

@@ -338,6 +338,9 @@ def search(request: plan.PlanRequest, progress: Callable[[str], None] = lambda t
     # the parameters and optimizer state of every combination that keeps the baseline's: one over the limit by them
     # alone gets its row here, with no trace (`plan_floor`)
     floor = plan_floor.training_state_bytes(request.workload) if request.device == "cuda" else None
+    # and settings alone too, where their ratios can make no combination that could fit
+    alone_too = floor is not None and floor + request.context_bytes > request.limit_bytes \
+        and not plan_floor.ratios_may_combine(request, [s.spec for s in accepted])
     try:
         while True:
             if isinstance(pool, pools.Inline) and jobs > 1 and queue.base() is not None:
@@ -352,7 +355,7 @@ def search(request: plan.PlanRequest, progress: Callable[[str], None] = lambda t
                 if candidate is None:
                     break
                 spec, members, promises_to_fit = candidate
-                floored = plan_floor.floor_row(request, spec, members, floor)
+                floored = plan_floor.floor_row(request, spec, members, floor, alone_too)
                 if floored is not None:
                     queue.rows[spec] = floored
                     queue.floored.add(spec)

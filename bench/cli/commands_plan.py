@@ -193,9 +193,12 @@ def _stopped_early(rows: list, floor_bytes: int | None = None) -> str:
                     "says how much each had reserved)")
     if floored:
         held = f" ({format_size(floor_bytes)})" if floor_bytes else ""
-        said.append(f"{len(floored)} combinations hold the baseline's parameters and optimizer state{held}, over the "
-                    "limit by those alone, and were not traced: only a technique that changes them can fit (one "
-                    "that changes what is trained, with --allow-different; sharding across GPUs, with --max-ranks)")
+        alone = sum(1 for r in rows if plan_floor.stopped_by_floor(r) and r["members"] == 1)
+        which = f"{len(floored)} combinations" if not alone else (
+            f"{len(floored)} candidates ({alone} settings alone, whose combinations cannot fit either)")
+        said.append(f"{which} hold the baseline's parameters and optimizer state{held}, over the limit by those "
+                    "alone, and were not traced: only a technique that changes them can fit (one that changes what "
+                    "is trained, with --allow-different; sharding across GPUs, with --max-ranks)")
     return "\n  ".join(said)
 
 
