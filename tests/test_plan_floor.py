@@ -138,8 +138,11 @@ def test_a_combination_the_floor_rules_out_does_not_fit_traced_to_the_end(monkey
     _few_settings(monkeypatch)
     floor = plan_floor.training_state_bytes(ACTIVATIONS)
     request = _request(floor - 1)
-    searched = plan_search.search(request)
+    lines = []
+    searched = plan_search.search(request, lines.append)
     floored = [r for r in searched.rows if plan_floor.stopped_by_floor(r)]
+    # a progress line counts what is left to trace: no line for a candidate ruled out, none counted as left
+    assert len(lines) == searched.tried and "no known candidates left" in lines[-1]
     assert floored and all(r["members"] >= 2 and not r["fits"] for r in floored)
     assert searched.tried <= len(searched.rows) - len(floored)  # not counted against --max-candidates: no trace
     said = commands_plan._nothing_fits(request, searched, "plan.csv")

@@ -150,7 +150,8 @@ def _lost(request: plan.PlanRequest, spec: str, error: BaseException) -> Row:
 class _Queue:
     """What the search knows: the rows so far, the settings, and the candidates that may start now, by priority."""
 
-    def __init__(self, request: plan.PlanRequest, accepted: list, context):
+    def __init__(self, request: plan.PlanRequest, accepted: list, context, floor: int | None = None,
+                 alone_too: bool = False):
         self.request = request
         self.accepted = accepted
         self.rank = _declaration_rank(accepted)
@@ -160,7 +161,9 @@ class _Queue:
         self.known = {row["strategy"]: PLAN.row(row) for row in request.known_rows}
         self.rows.update(self.known)
         self.combined: dict[frozenset, tuple[tuple, str | None]] = {}  # member specs -> (members, spec or None)
-        self.floored: set[str] = set()  # the combinations the floor ruled out (`plan_floor`): no trace, not counted
+        self.floored: set[str] = set()  # the candidates the floor ruled out (`plan_floor`): no trace, not counted
+        # the floor's rows, by spec (None: traced), worked out once: the progress lines count what is left to trace
+        self.floor, self.alone_too, self._floor_rows = floor, alone_too, {}
 
     def base(self) -> Row | None:
         return self.rows.get("baseline")
@@ -256,6 +259,16 @@ class _Queue:
         (`PlanRequest.sharded_only`), where one member must be sharded."""
         return not self.request.sharded_only or any(STRATEGIES.get(m.strategy).distributed for m in members)
 
+    def floor_row(self, spec: str, members: int) -> Row | None:
+        """The candidate's row where the floor rules it out (`plan_floor.floor_row`), else None."""
+        if spec not in self._floor_rows:
+            self._floor_rows[spec] = plan_floor.floor_row(self.request, spec, members, self.floor, self.alone_too)
+        return self._floor_rows[spec]
+
+    def rule_out(self, spec: str, row: Row) -> None:
+        self.rows[spec] = row
+        self.floored.add(spec)
+
     def tried(self) -> int:
         """The candidates this search started (not those it knew from another, nor those the floor ruled out)."""
         return len(self.rows) - len(self.known) - len(self.floored)
@@ -281,25 +294,27 @@ def _left(queue: _Queue, request: plan.PlanRequest, elapsed_s: float) -> str:
     if queue.base() is None:
         return ""
     settings, combinations = queue.untried()
+    traced = [spec for spec in settings if queue.floor_row(spec, 1) is None] \
+        + [spec for spec in combinations if queue.floor_row(spec, spec.count("+") + 1) is None]
     done = sum(1 for spec, row in queue.rows.items()
                if row is not None and spec not in queue.known and spec not in queue.floored)
-    left = min(len(settings) + len(combinations), max(0, request.max_candidates - queue.tried()))
+    left = min(len(traced), max(0, request.max_candidates - queue.tried()))
     stop = max(0.0, request.max_search_s - elapsed_s)
     limit = f"; no new candidate after {eta.duration(stop)} more" if math.isfinite(stop) else ""
     return f" ({eta.left_text(left, done, elapsed_s, 'known candidates')}{limit})"
 
 
-def _rule_out_the_rest(queue: _Queue, request: plan.PlanRequest, floor: int | None) -> None:
-    """The combinations a search cut short knew of and the floor rules out, given their rows: they trace nothing
-    (a triple of pairs so ruled out becomes known as they are)."""
+def _rule_out_the_rest(queue: _Queue) -> None:
+    """The candidates a search cut short knew of and the floor rules out, given their rows: they trace nothing (a
+    triple of pairs so ruled out becomes known as they are)."""
     while True:
-        ruled_out = [(spec, row) for spec in queue.untried()[1]
-                     if (row := plan_floor.floor_row(request, spec, spec.count("+") + 1, floor)) is not None]
+        settings, combinations = queue.untried()
+        ruled_out = [(spec, row) for spec in settings + combinations
+                     if (row := queue.floor_row(spec, spec.count("+") + 1)) is not None]
         if not ruled_out:
             return
         for spec, row in ruled_out:
-            queue.rows[spec] = row
-            queue.floored.add(spec)
+            queue.rule_out(spec, row)
 
 
 def _combinations_of(pool: list, size: int) -> list[tuple]:
@@ -322,7 +337,13 @@ def search(request: plan.PlanRequest, progress: Callable[[str], None] = lambda t
     if request.strategies:  # `plan --strategies`: the candidates are these strategies' settings and combinations
         accepted = [s for s in accepted if s.strategy in request.strategies]
         refused = [r for r in refused if r.spec.split(":")[0] in request.strategies]
-    queue = _Queue(request, accepted, context)
+    # the parameters and optimizer state of every combination that keeps the baseline's: one over the limit by them
+    # alone gets its row here, with no trace (`plan_floor`)
+    floor = plan_floor.training_state_bytes(request.workload) if request.device == "cuda" else None
+    # and settings alone too, where their ratios can make no combination that could fit
+    alone_too = floor is not None and floor + request.context_bytes > request.limit_bytes \
+        and not plan_floor.ratios_may_combine(request, [s.spec for s in accepted])
+    queue = _Queue(request, accepted, context, floor, alone_too)
     on_ray = executor == pools.RAY
     started, stopped = time.monotonic(), None
     running: dict[futures.Future, str] = {}
@@ -335,12 +356,6 @@ def search(request: plan.PlanRequest, progress: Callable[[str], None] = lambda t
     if not on_ray:
         pools.start_server(jobs, __name__, request.workload)  # its imports beside the baseline's step
     as_json = asdict(request)
-    # the parameters and optimizer state of every combination that keeps the baseline's: one over the limit by them
-    # alone gets its row here, with no trace (`plan_floor`)
-    floor = plan_floor.training_state_bytes(request.workload) if request.device == "cuda" else None
-    # and settings alone too, where their ratios can make no combination that could fit
-    alone_too = floor is not None and floor + request.context_bytes > request.limit_bytes \
-        and not plan_floor.ratios_may_combine(request, [s.spec for s in accepted])
     try:
         while True:
             if isinstance(pool, pools.Inline) and jobs > 1 and queue.base() is not None:
@@ -355,10 +370,9 @@ def search(request: plan.PlanRequest, progress: Callable[[str], None] = lambda t
                 if candidate is None:
                     break
                 spec, members, promises_to_fit = candidate
-                floored = plan_floor.floor_row(request, spec, members, floor, alone_too)
+                floored = queue.floor_row(spec, members)
                 if floored is not None:
-                    queue.rows[spec] = floored
-                    queue.floored.add(spec)
+                    queue.rule_out(spec, floored)
                     continue
                 queue.rows[spec] = None
                 progress(f"[{queue.tried()}/{request.max_candidates} at most, {time.monotonic() - started:.0f} s] "
@@ -381,7 +395,7 @@ def search(request: plan.PlanRequest, progress: Callable[[str], None] = lambda t
         raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
-    _rule_out_the_rest(queue, request, floor)
+    _rule_out_the_rest(queue)
     elapsed = time.monotonic() - started
     rows = [row for spec, row in queue.rows.items() if row is not None and spec not in queue.known]
     for item in refused:
