@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from bench.analysis import plan, plan_candidates, plan_cost, plan_floor, plan_search, plan_step
+from bench.analysis import plan, plan_cost, plan_floor, plan_search, plan_step
 from bench.analysis.fake_engine import tracked_step
 from bench.cli import commands_plan
 from bench.core import gpus
@@ -17,6 +17,7 @@ from bench.core.errors import Unsupported
 from bench.run.case import Case, bind_case
 from strategies import STRATEGIES, StrategySpec
 from tests.conformance import spec_for_tests
+from tests.test_plan import _few_settings
 from workloads import get_workload
 
 # wide and short: the parameters and AdamW's moments (12 bytes a parameter) are most of a step's peak, so a strategy
@@ -125,17 +126,8 @@ def _request(limit_bytes: int, allow_different: bool = True) -> plan.PlanRequest
                             allow_different=allow_different)
 
 
-def _few_settings(monkeypatch) -> None:
-    settings = plan_candidates.settings
-
-    def few(space):
-        accepted, refused = settings(space)
-        return [s for s in accepted if s.spec in FEW], refused
-    monkeypatch.setattr(plan_candidates, "settings", few)
-
-
 def test_a_combination_the_floor_rules_out_does_not_fit_traced_to_the_end(monkeypatch):
-    _few_settings(monkeypatch)
+    _few_settings(monkeypatch, FEW)
     floor = plan_floor.training_state_bytes(ACTIVATIONS)
     request = _request(floor - 1)
     lines = []
@@ -175,7 +167,7 @@ def test_where_no_setting_may_combine_to_fit_the_settings_alone_are_ruled_out_to
     """Every setting keeps the state and none that does not may combine (no --allow-different): no ratio of a setting
     alone can make a combination that fits, so each is ruled out untraced, and none combines; each traced to the end
     is over the limit. With a setting that may combine (bf16_weights, --allow-different), they are traced."""
-    _few_settings(monkeypatch)
+    _few_settings(monkeypatch, FEW)
     floor = plan_floor.training_state_bytes(ACTIVATIONS)
     request = _request(floor - 1, allow_different=False)
     assert not plan_floor.ratios_may_combine(request, list(FEW))

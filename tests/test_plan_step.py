@@ -8,10 +8,11 @@ import dataclasses
 
 import pytest
 
-from bench.analysis import plan, plan_candidates, plan_cost, plan_floor, plan_search, plan_step
+from bench.analysis import plan, plan_cost, plan_floor, plan_search, plan_step
 from bench.cli import commands_plan
 from bench.core import gpus
 from bench.core.results import Status
+from tests.test_plan import _few_settings
 
 WORKLOAD = "gpt_mini:layers=2:width=64:heads=2:seq_len=128"  # checkpoint and amp each save memory: they combine
 BATCH = 8
@@ -27,15 +28,6 @@ def _request(limit_bytes: int = 2**40, **changes) -> plan.PlanRequest:
     request = plan.PlanRequest(WORKLOAD, "synthetic", BATCH, "cuda", "H100 80GB", limit_bytes, 0,
                                plan_cost.to_json(FIGURES), capability=(9, 0), max_search_s=600)
     return dataclasses.replace(request, **changes)
-
-
-def _few_settings(monkeypatch) -> None:
-    settings = plan_candidates.settings
-
-    def few(space):
-        accepted, refused = settings(space)
-        return [s for s in accepted if s.spec in FEW], refused
-    monkeypatch.setattr(plan_candidates, "settings", few)
 
 
 def _no_floor(monkeypatch) -> None:
@@ -67,7 +59,7 @@ def searches() -> dict:
     of checkpoint with amp (the answer; bf16_weights stopped)."""
     found = {}
     with pytest.MonkeyPatch.context() as monkeypatch:
-        _few_settings(monkeypatch)
+        _few_settings(monkeypatch, FEW)
         _no_floor(monkeypatch)
         found["low"] = plan_search.search(_request(LOW))
         with pytest.MonkeyPatch.context() as to_the_end:
