@@ -17,7 +17,6 @@ from bench.core.errors import Unsupported
 from bench.run.case import Case, bind_case
 from strategies import STRATEGIES, StrategySpec
 from tests.conformance import spec_for_tests
-from tests.test_plan import _few_settings
 from workloads import get_workload
 
 # wide and short: the parameters and AdamW's moments (12 bytes a parameter) are most of a step's peak, so a strategy
@@ -118,6 +117,12 @@ FEW = ("checkpoint", "amp:dtype=bfloat16", "grad_accumulation")
 ACTIVATIONS = "gpt_mini:layers=2:width=64:heads=2:seq_len=128"  # checkpoint and amp each save memory: they combine
 
 
+def _few_settings(monkeypatch) -> None:
+    from tests.test_plan import _few_settings  # here: tests_cuda_fake imports this module, where test_plan cannot be
+
+    _few_settings(monkeypatch, FEW)
+
+
 def _request(limit_bytes: int, allow_different: bool = True) -> plan.PlanRequest:
     """With `allow_different` (a setting that changes what is trained may combine) the settings alone are traced for
     their ratios: without it and with no such setting, none may make a combination that fits."""
@@ -127,7 +132,7 @@ def _request(limit_bytes: int, allow_different: bool = True) -> plan.PlanRequest
 
 
 def test_a_combination_the_floor_rules_out_does_not_fit_traced_to_the_end(monkeypatch):
-    _few_settings(monkeypatch, FEW)
+    _few_settings(monkeypatch)
     floor = plan_floor.training_state_bytes(ACTIVATIONS)
     request = _request(floor - 1)
     lines = []
@@ -167,7 +172,7 @@ def test_where_no_setting_may_combine_to_fit_the_settings_alone_are_ruled_out_to
     """Every setting keeps the state and none that does not may combine (no --allow-different): no ratio of a setting
     alone can make a combination that fits, so each is ruled out untraced, and none combines; each traced to the end
     is over the limit. With a setting that may combine (bf16_weights, --allow-different), they are traced."""
-    _few_settings(monkeypatch, FEW)
+    _few_settings(monkeypatch)
     floor = plan_floor.training_state_bytes(ACTIVATIONS)
     request = _request(floor - 1, allow_different=False)
     assert not plan_floor.ratios_may_combine(request, list(FEW))
