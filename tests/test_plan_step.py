@@ -196,7 +196,9 @@ def test_on_ranks_a_setting_the_one_rank_search_did_not_reach_still_combines(ran
     """A one-rank search cut short after its baseline: checkpoint's first setting, never tried alone (it cannot
     run alone on two ranks), combines with the sharded ones all the same, as the combinations of a full one-rank
     search do (neutral ratios: nothing known of it); its later settings wait for a one-rank search that tries them."""
-    one = plan_search.search(dataclasses.replace(_request(LOW), strategies=("checkpoint",), max_candidates=1))
+    # as `plan --max-ranks` makes it: its settings' ratios make the sharded candidates (no floor rules them out)
+    one = plan_search.search(dataclasses.replace(_request(LOW), strategies=("checkpoint",), max_candidates=1,
+                                                 feeds_ranks=True))
     assert [r["strategy"] for r in one.rows if r["status"] == Status.OK.value] == ["baseline"]
     cut_short = plan_search.search(_on_two_ranks(LOW, [dict(r) for r in one.rows]))
     tried = {r["strategy"] for r in cut_short.rows}
