@@ -15,15 +15,15 @@ from bench.analysis.fake_cuda_worker import serve
 
 def search(values: dict) -> dict:
     """The whole search; or, for {"candidate": [spec, members, may_stop, probe], "request": ...}, that one
-    candidate's row (a Ray task's, `plan_search._evaluate_on_ray`); or, for {"candidates": [[request, spec,
+    candidate's row (a Ray task's, `plan_tasks.evaluate_on_ray`); or, for {"candidates": [[request, spec,
     members], ...]}, each one's row in turn, each with a request of its own (a dry run's changes, which may change
     the workload)."""
-    from bench.analysis import plan, plan_search
+    from bench.analysis import plan, plan_search, plan_tasks
 
     if "candidate" in values:
-        return {"rows": [dict(plan_search._evaluate(values["request"], *values["candidate"]))]}
+        return {"rows": [dict(plan_tasks.evaluate(values["request"], *values["candidate"]))]}
     if "candidates" in values:  # [request, spec, members] each, in turn (a dry run's changes: membench.dry_run)
-        return {"rows": [dict(plan_search._evaluate(*candidate)) for candidate in values["candidates"]]}
+        return {"rows": [dict(plan_tasks.evaluate(*candidate)) for candidate in values["candidates"]]}
     if values.get("capability"):
         values["capability"] = tuple(values["capability"])
     return plan_search.search(plan.PlanRequest(**values),

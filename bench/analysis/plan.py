@@ -109,8 +109,7 @@ def bind_for_plan(case: Case, ranks: int):
 
 
 def _stopped_row(row: Row, stopped: plan_step.OverLimit, request: PlanRequest, notes: list[str]) -> Row:
-    """The row of a candidate stopped once over the limit: no peak, no time, why it cannot fit; then the `notes`
-    (where layer replay was refused, why: the candidate's step was traced whole)."""
+    """A candidate's row stopped over the limit: no peak, no time, why; then `notes` (why layer replay was refused)."""
     judged = stopped.reserved_bytes + request.context_bytes
     why = (f"{plan_step.STOPPED_OVER_LIMIT}: {stopped.when} of warm-up step {stopped.step} the caching allocator had "
            f"reserved {format_size(stopped.reserved_bytes)}; with the CUDA context that is {judged:,} B, over the "

@@ -31,12 +31,11 @@ import math
 import time
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import torch
 
-from bench.analysis import plan, plan_candidates, plan_cost, plan_floor, plan_step, pools
+from bench.analysis import plan, plan_candidates, plan_floor, plan_step, plan_tasks, pools
 from bench.analysis.fake_cuda_worker import run_in_fake_cuda
 from bench.core.results import PLAN, Status
 from bench.core.schema import Row
@@ -101,48 +100,11 @@ def _declaration_rank(settings: list) -> dict[str, int]:
     return ranks
 
 
-# --- running a candidate here, in a worker process or as a Ray task ----------------------------------------------
-
-def _evaluate(request: dict, spec: str, members: int, may_stop: bool = False, probe: bool = True) -> Row:
-    """`plan.evaluate` of a JSON request; `may_stop`: the search's candidates (a combination, or a setting that
-    changes what is trained, stops once it certainly cannot fit: the search needs no figure of it then); `probe`:
-    as `plan.evaluate`'s (False for a combination whose members' ratios promise that it fits)."""
-    values = {**request, "capability": tuple(request["capability"]) if request.get("capability") else None}
-    the_request = plan.PlanRequest(**values)
-    return plan.evaluate(the_request, spec, members, plan_cost.from_json(the_request.figures), may_stop, probe)
-
-
-def _evaluate_on_ray(request: dict, spec: str, members: int, may_stop: bool, probe: bool, planner_venv: str) -> Row:
-    """A Ray task's candidate (`bench.run.ray_executor.RayPool`: one thread). A CUDA plan on a node whose torch
-    sees no CUDA runs it in a fake-CUDA environment (`make cuda-fake-env`) where the node has one, as the search
-    does on one machine: the planner's (`planner_venv`: there on a local Ray, and on nodes that share its paths),
-    else one beside the code the task got; else on the CPU's operators, its row's message saying so."""
-    if request["device"] != "cuda" or torch.cuda.is_available():
-        return _evaluate(request, spec, members, may_stop, probe)
-    python = fake_cuda.environment_python(Path(planner_venv)) or fake_cuda.environment_python()
-    why = fake_cuda.unavailable_reason(Path(planner_venv))
-    if python is not None:
-        answer, why = run_in_fake_cuda(python, "bench.analysis._plan_worker",
-                                       {"candidate": [spec, members, may_stop, probe], "request": request})
-        if answer is not None:
-            return PLAN.row(answer[0])
-        why = f"the fake-CUDA environment failed ({why[:200]})"
-    row = _evaluate(request, spec, members, may_stop, probe)
-    row["message"] = "; ".join(x for x in (row["message"], f"{why}: predicted on the CPU's operators") if x)[:500]
-    return row
-
+# --- running candidates in forked worker processes (`bench.analysis.plan_tasks`: how each runs) ---------------
 
 def _executor(jobs: int, workload: str):
     """The forked workers of a local search (`bench.analysis.pools.local`)."""
     return pools.local(jobs, __name__, workload)
-
-
-def _lost(request: plan.PlanRequest, spec: str, error: BaseException) -> Row:
-    row = plan.empty_row(request, spec, spec.count("+") + 1 if spec != "baseline" else 0)
-    where = "its worker process died" if isinstance(error, BrokenProcessPool) else "its Ray task failed"
-    first = next((line for line in str(error).splitlines() if line.strip()), "").strip()
-    row.update(status=Status.ERROR.value, message=f"{where} ({type(error).__name__}: {first})"[:300])
-    return row
 
 
 # --- the search ---------------------------------------------------------------------------------------------------
@@ -338,8 +300,10 @@ def search(request: plan.PlanRequest, progress: Callable[[str], None] = lambda t
         accepted = [s for s in accepted if s.strategy in request.strategies]
         refused = [r for r in refused if r.spec.split(":")[0] in request.strategies]
     # the parameters and optimizer state of every combination that keeps the baseline's: one over the limit by them
-    # alone gets its row here, with no trace (`plan_floor`)
-    floor = plan_floor.training_state_bytes(request.workload) if request.device == "cuda" else None
+    # alone gets its row here, with no trace (`plan_floor`); not counted on several ranks, where every candidate has
+    # a sharded member, which never keeps it
+    floor = plan_floor.training_state_bytes(request.workload) \
+        if request.device == "cuda" and not request.sharded_only else None
     # and settings alone too, where their ratios can make no combination that could fit
     alone_too = floor is not None and floor + request.context_bytes > request.limit_bytes \
         and not plan_floor.ratios_may_combine(request, [s.spec for s in accepted])
@@ -351,7 +315,7 @@ def search(request: plan.PlanRequest, progress: Callable[[str], None] = lambda t
     # the fake tensors' dispatch caches), and the first settings start knowing the baseline. On Ray the baseline is
     # a task too, alone, for the same reason: the settings start knowing it
     pool = pools.ray(request.jobs or None, ray_address, request.workload) if on_ray else pools.Inline()
-    jobs, task = (pool.slots, _evaluate_on_ray) if on_ray else (max(1, request.jobs), _evaluate)
+    jobs, task = (pool.slots, plan_tasks.evaluate_on_ray) if on_ray else (max(1, request.jobs), plan_tasks.evaluate)
     extra = (str(fake_cuda.VENV),) if on_ray else ()
     if not on_ray:
         pools.start_server(jobs, __name__, request.workload)  # its imports beside the baseline's step
@@ -387,7 +351,7 @@ def search(request: plan.PlanRequest, progress: Callable[[str], None] = lambda t
                 try:
                     queue.rows[spec] = future.result()
                 except pool.lost as error:  # a worker died (the OOM killer, a lost node): its candidate is an error
-                    queue.rows[spec] = _lost(request, spec, error)
+                    queue.rows[spec] = plan_tasks.lost_row(request, spec, error)
                     if isinstance(error, BrokenProcessPool):
                         pool = pool.restarted()
     except BaseException:
@@ -416,7 +380,7 @@ def search_where_cuda_runs(request: plan.PlanRequest, progress: Callable[[str], 
     """`search`, for a CUDA plan on CUDA's own operators: here when this torch sees a CUDA device, else in the
     fake-CUDA environment's Python (`python -m bench.analysis._plan_worker`), else here on the CPU's operators
     with a note saying so. On Ray the search runs here and each task finds CUDA's operators on its node
-    (`_evaluate_on_ray`)."""
+    (`plan_tasks.evaluate_on_ray`)."""
     if executor == pools.RAY:
         searched = search(request, progress, executor, ray_address)
         where = f"the Ray cluster at {ray_address}" if ray_address else "a local Ray"
