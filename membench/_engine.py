@@ -15,7 +15,7 @@ import torch
 
 from bench.analysis import fit as fitting
 from bench.analysis import plan as planning
-from bench.analysis import plan_cost, plan_search, predict
+from bench.analysis import plan_cost, plan_search, plan_tasks, predict
 from bench.analysis.fake_cuda_worker import run_in_fake_cuda
 from bench.core import gpus
 from bench.measure import cpu_16bit, env, fake_cuda
@@ -104,7 +104,7 @@ def evaluate_candidates(candidates: list[tuple[planning.PlanRequest, str, int]])
             note = f"the fake-CUDA environment failed ({why[:200]}): predicted here"
         else:
             note = f"{fake_cuda.unavailable_reason()}: predicted on the CPU's operators"
-    return [plan_search._evaluate(*candidate) for candidate in as_json], note
+    return [plan_tasks.evaluate(*candidate) for candidate in as_json], note
 
 
 def gpu_named(name: str) -> gpus.GPU:
