@@ -51,8 +51,11 @@ if sys.argv[3] == "failing":  # the worker's trace raises: the proof is traced h
             raise RuntimeError("the worker failed")
         return tracer(*arguments, **options)
     layer_replay.tracer = failing_in_the_worker
-proof_beside.stand_by(sys.argv[1])  # as the CLI's predict does, before the workload is read
-(row,) = predict.predict_cases([Case(sys.argv[1], sys.argv[2], "train", 1, "cuda")])
+# "direct": predict_cases alone, on a case whose data source is given (not read from the workload), as
+# bench.analysis._predict_worker gets its cases from the membench API's JSON: predict_cases stands the worker by
+if sys.argv[3] != "direct":
+    proof_beside.stand_by(sys.argv[1])  # as the CLI's predict does, before the workload is read
+(row,) = predict.predict_cases([Case(sys.argv[1], sys.argv[2], "train", 1, "cuda", data="text")])
 print(json.dumps({"row": {k: v for k, v in row.items() if k.startswith("predicted_") or k == "message"},
                   "sent": sent, "standing": proof_beside._standing() is not None}))
 """
@@ -87,6 +90,12 @@ def test_no_worker_once_torch_was_asked_about_cuda(here):
     asked = _predicted(ONE_KIND, "asked")
     assert not asked["standing"] and asked["sent"] == [None]
     assert asked["row"] == here[ONE_KIND]["row"]
+
+
+def test_predict_cases_called_alone_stands_its_worker_by_before_it_asks_torch_about_cuda(here):
+    direct = _predicted(ONE_KIND, "direct")
+    assert direct["standing"] and direct["sent"] == [[5, None]], direct
+    assert direct["row"] == here[ONE_KIND]["row"]
 
 
 def test_a_failing_worker_leaves_the_proof_here(here):

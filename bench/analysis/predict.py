@@ -295,11 +295,12 @@ def predict_cases(cases: list, engine: str = "auto", ranks: int = 1, capability:
     if engine in CUDA_ONLY_ENGINES and any(case.device != "cuda" for case in cases):
         raise UsageError(f"--engine {engine}: predicts CUDA only; with --device cpu choose one of "
                          f"{', '.join(e for e in ENGINES if e not in CUDA_ONLY_ENGINES)}")
-    in_subprocess = (engine in ("auto", "fake-cuda") and any(case.device == "cuda" for case in cases)
-                     and not torch.cuda.is_available())
     replayable = [case.workload for case in cases if case.device == "cuda" and layer_replay.might_replay(case.workload)]
     if engine in ("auto", "fake-cuda") and replayable:
-        proof_beside.stand_by(replayable[0])  # before the first case's workload asks torch about CUDA
+        # before anything asks torch about CUDA (is_available below included): a worker forked after that cannot use it
+        proof_beside.stand_by(replayable[0])
+    in_subprocess = (engine in ("auto", "fake-cuda") and any(case.device == "cuda" for case in cases)
+                     and not torch.cuda.is_available())
     note = ""
     if in_subprocess:
         python = fake_cuda.environment_python()
