@@ -63,11 +63,14 @@ GOALS = (
                                        "--global-batch-size", "8")),
 )
 
-# the warm goal: two lengths predicted one after the other in one fake-CUDA process, the second one timed
+# the warm goal: two lengths predicted one after the other in one fake-CUDA process, the second one timed; layer
+# replay's worker stood by first, as `python -m bench predict` does before it reads the workload (a Case reads it,
+# which asks torch about CUDA: a worker forked after that could not use CUDA)
 WARM_SCRIPT = """
 import sys, time
-from bench.analysis import predict
+from bench.analysis import predict, proof_beside
 from bench.run.case import Case
+proof_beside.stand_by("hf:llama-3.1-8b:seq_len=4096")
 times, figures = [], []
 for seq_len in (4096, 2048):
     case = Case(f"hf:llama-3.1-8b:seq_len={seq_len}", "lora+checkpoint", "train", 1, "cuda")
