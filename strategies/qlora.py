@@ -87,6 +87,41 @@ def _in_one_chunk_on_fake_tensors(nf4, weight: torch.Tensor):
         nf4.CHUNK_SIZE = chunk
 
 
+# the NF4Tensor layout torchao made for a fake or meta weight, by what it depends on: (the weight's shape, strides,
+# storage offset, dtype, device type, block, scaler block) -> (the NF4Tensor's `tensor_meta`, its block counts, and
+# per inner tensor (shape, strides, storage offset, storage elements, dtype)): the values are not kept, there are none
+_NF4_LAYOUTS: dict[tuple, tuple] = {}
+_NF4_INNER = ("quantized_scalers", "quantization_factor", "scaler_mean", "quantized_data", "nf4")
+
+
+def _to_nf4(nf4, weight: torch.Tensor, block: int, scaler_block: int):
+    """`to_nf4(weight, block, scaler_block)`; on fake or meta tensors (predict), where a weight holds no values,
+    torchao quantises each layout once (in one chunk: `_in_one_chunk_on_fake_tensors`) and a weight of a layout met
+    before gets new empty tensors of the same shapes, strides and storages (one NF4Tensor of the same bytes; a
+    Llama-3.1-8B layer has seven weights of four layouts, quantised again in every small trace of layer replay)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    if not (weight.is_meta or is_fake(weight)):
+        return nf4.to_nf4(weight, block, scaler_block)
+    key = (tuple(weight.shape), weight.stride(), weight.storage_offset(), weight.dtype, weight.device.type, block,
+           scaler_block)
+    layout = _NF4_LAYOUTS.get(key)
+    if layout is None:
+        with _in_one_chunk_on_fake_tensors(nf4, weight):
+            quantized = nf4.to_nf4(weight, block, scaler_block)
+        _NF4_LAYOUTS[key] = (quantized.block_size, quantized.n_blocks, quantized.scaler_block_size, tuple(
+            (tuple(inner.shape), inner.stride(), inner.storage_offset(),
+             inner.untyped_storage().nbytes() // inner.element_size(), inner.dtype)
+            for inner in (getattr(quantized, name) for name in _NF4_INNER)))
+        return quantized
+    block_size, n_blocks, scaler_block_size, inners = layout
+    tensors = [weight.new_empty(elements, dtype=dtype).as_strided(shape, stride, offset)
+               for shape, stride, offset, elements, dtype in inners]
+    meta = nf4.SubclassTensorArgs(weight.size(), weight.stride(), weight.storage_offset(), weight.dtype,
+                                  weight.device, weight.requires_grad)
+    return nf4.NF4Tensor(meta, block_size, n_blocks, scaler_block_size, *tensors)
+
+
 def nf4_weight_bytes(numel: int, element_size: int, block: int = 64, scaler_block: int = 256) -> int:
     """The bytes torchao's NF4Tensor of a weight of `numel` values in a dtype of `element_size` bytes holds."""
     blocks = numel // block
@@ -190,7 +225,7 @@ class Qlora(Lora):
 
     def prepare_model(self, model: nn.Module, units: list[nn.Module]) -> nn.Module:
         model = super().prepare_model(model, units)
-        to_nf4 = nf4_module().to_nf4
+        nf4 = nf4_module()
         block, scaler_block = self.settings["block"], self.settings["scaler_block"]
         layers = _quantised_layers(model, units)
         self.quantized = self.quantized_params = 0  # each pass prepares a fresh model with this instance
@@ -202,8 +237,8 @@ class Qlora(Lora):
                                   "(qlora:scaler_block=...)")
         for parent, attribute, linear in layers.values():
             weight = linear.weight.detach().contiguous()
-            with torch.no_grad(), _in_one_chunk_on_fake_tensors(nf4_module(), weight):
-                quantized = to_nf4(weight, block, scaler_block)
+            with torch.no_grad():
+                quantized = _to_nf4(nf4, weight, block, scaler_block)
             setattr(parent, attribute, FrozenNF4Linear(quantized, linear.bias, type(linear).__name__ == "Conv1D"))
             self.quantized += 1
             self.quantized_params += linear.weight.numel()
