@@ -150,3 +150,52 @@ def test_the_heap_is_frozen_inside_and_thawed_at_the_outermost_exit():
         assert gc.get_freeze_count() == frozen > 0  # the inner exit thawed nothing
     assert gc.get_freeze_count() == 0
     assert gc.is_tracked(made_inside) and made_inside
+
+
+def test_unsafe_view_gives_what_torchs_fake_mode_gives():
+    """FakeCudaMode answers `_unsafe_view` as a cached `view` (torch never caches it): each result is torch's own
+    fake mode's, its storage its input's, and a size that cannot view the input raises as torch's does."""
+    torch.cuda.init()
+
+    def run(mode) -> dict:
+        results = {}
+        with mode:
+            for variant, t in _variants().items():
+                for size in ([-1], [2, -1], [1, *t.shape]):
+                    try:
+                        results[variant, tuple(size)] = _described(aten._unsafe_view.default(t, size), t)
+                    except (RuntimeError, ValueError) as error:  # torch's reference implementation: ValueError
+                        results[variant, tuple(size)] = type(error).__name__
+        return results
+
+    torchs = run(FakeTensorMode(allow_non_fake_inputs=True))
+    hits = FakeCudaMode.cache_info().hits
+    ours, again = run(FakeCudaMode()), run(FakeCudaMode())
+    assert FakeCudaMode.cache_info().hits > hits
+    assert ours == again == torchs
+    assert sum(isinstance(result, list) and result[0][-1] for result in ours.values()) > 20  # views of their input
+    assert {"RuntimeError", "ValueError"} & set(map(str, ours.values()))  # a transposed input cannot be viewed flat
+
+
+def test_a_step_logs_the_same_events_with_unsafe_view_uncached(monkeypatch):
+    """A Llama layer's LoRA step (matmuls of 3-d inputs, each followed by `_unsafe_view`) logs the same events, byte
+    for byte, whether `_unsafe_view` takes torch's uncached way or the cached `view`."""
+    from dataclasses import replace
+
+    from bench.analysis.fake_engine import PredictionMeter, bound_device, tracked_step
+    from bench.measure import fake_cuda_mode
+    from bench.run.case import Case, bind_case
+
+    case = Case("hf:llama-3.2-1b:seq_len=32:layers=2", "bf16_weights+qlora:scaler_block=8+checkpoint", "train", 2,
+                "cuda")
+
+    def events():
+        planned = bind_case(replace(case, device=bound_device("fake-cuda")), 1)[0]
+        planned.plan(PredictionMeter(case))
+        return tracked_step(case, case.strategy, "fake-cuda", 1, record_events=True, planned=planned).events
+
+    cached = events()
+    monkeypatch.setattr(fake_cuda_mode, "_UNSAFE_VIEW", object())  # no operator is it: torch's way for every one
+    uncached = events()
+    assert sum(event.op == "_unsafe_view.default" for event in cached) > 10
+    assert cached == uncached

@@ -52,6 +52,7 @@ from bench.measure.fake_tensor_new import new_fake_tensor
 _PLACEHOLDER_OPS = frozenset(map(id, (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.equal.default,
                                        torch.ops.aten.allclose.default)))
 _PINNED_OPS = frozenset(map(id, (torch.ops.aten._pin_memory.default, torch.ops.aten.is_pinned.default)))
+_UNSAFE_VIEW, _VIEW = torch.ops.aten._unsafe_view.default, torch.ops.aten.view.default
 
 
 class FakeCudaMode(FakeTensorMode):
@@ -99,6 +100,15 @@ class FakeCudaMode(FakeTensorMode):
             copy = super().__torch_dispatch__(torch.ops.aten.clone.default, types, (args[0],), {})
             self.pinned.add(id(copy))
             return copy
+        if func is _UNSAFE_VIEW and self.shape_env is None and type(args[0]) is FakeTensor and args[0].constant is None:
+            # torch's dispatch cache never holds `_unsafe_view` (its schema promises a new tensor; it returns its
+            # input's storage), and each one took the uncached way: a tenth of a QLoRA prediction's operators, after
+            # every matmul of a 3-d input. ATen makes it as `view` (both are its view_impl), whose result the cache
+            # makes as a view of the same storage: the same tensor, above this mode still `_unsafe_view`'s result
+            try:
+                return self.dispatch(_VIEW, types, args, kwargs)
+            except (RuntimeError, ValueError):  # not viewable: `_unsafe_view` raises it in its own words
+                pass
         # FakeTensorMode's dispatch itself: its __torch_dispatch__ around it only counts the call for torch's
         # statistics and disables dynamo a second time (this method already runs with it disabled)
         return self.dispatch(func, types, args, kwargs)
