@@ -36,7 +36,8 @@ the input's dtype. Quantised: the base layer of every adapted module, and every 
 workload's layers (its checkpoint units: the decoder or encoder blocks), as torchtune's QLoRA models (a projection
 without an adapter is a `FrozenNF4Linear`) and bitsandbytes' 4-bit loading do; embeddings, norms and the output head
 keep their dtype.
-On fake tensors (predict) torchao's quantisation runs on the fake weights: the same shapes, hence the same bytes.
+On fake tensors (predict) torchao's quantisation runs on the fake weights, once per layout (`_to_nf4`): the same
+shapes, hence the same bytes.
 """
 
 from __future__ import annotations
@@ -88,8 +89,8 @@ def _in_one_chunk_on_fake_tensors(nf4, weight: torch.Tensor):
 
 
 # the NF4Tensor layout torchao made for a fake or meta weight, by what it depends on: (the weight's shape, strides,
-# storage offset, dtype, device type, block, scaler block) -> (the NF4Tensor's `tensor_meta`, its block counts, and
-# per inner tensor (shape, strides, storage offset, storage elements, dtype)): the values are not kept, there are none
+# storage offset, dtype, device type, block, scaler block) -> (its block size, block count and scaler block size, and
+# per inner tensor (shape, strides, storage offset, storage elements, dtype)); no values: a fake weight has none
 _NF4_LAYOUTS: dict[tuple, tuple] = {}
 _NF4_INNER = ("quantized_scalers", "quantization_factor", "scaler_mean", "quantized_data", "nf4")
 
