@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench.analysis import layer_replay, predict
+from bench.analysis import layer_replay, predict, proof_beside
 from bench.measure import layer_alignment, layer_template
 from bench.measure.memory import MemoryEvent
 from bench.analysis.fake_engine import PredictionMeter, bound_device, tracked_step
@@ -325,11 +325,11 @@ def test_a_log_made_while_the_proof_runs_beside_is_made_at_once_and_fails_where_
             raise layer_replay.NoReplay("no log at 9")
         return [MemoryEvent("alloc", 1, 512 * counts[0])]
 
-    later = layer_replay._made_now(None, make, 5)
+    later = proof_beside.made_while_waiting(None, make, 5)
     assert made == []
     assert later() == [MemoryEvent("alloc", 1, 2560)] and made == [(5,)]
     beside = object()  # a Future of the worker's proof
-    now, failing = layer_replay._made_now(beside, make, 6), layer_replay._made_now(beside, make, 9)
+    now, failing = proof_beside.made_while_waiting(beside, make, 6), proof_beside.made_while_waiting(beside, make, 9)
     assert made == [(5,), (6,), (9,)]
     assert now() == [MemoryEvent("alloc", 1, 3072)]
     with pytest.raises(layer_replay.NoReplay, match="no log at 9"):

@@ -288,7 +288,8 @@ def _replayed(trace, traced: list[int], layers: int, repeat: bool = True) -> tup
     steps = [trace(traced[0], repeat_warmup=repeat), trace(traced[1], repeat_warmup=repeat)]
     _check_alike(steps)
     template = LayerTemplate(measured_log(steps[0].events), measured_log(steps[1].events), traced[0])
-    expected, built = _made_now(proof, template.events, traced[2]), _made_now(proof, template.events, layers)
+    made = proof_beside.made_while_waiting
+    expected, built = made(proof, template.events, traced[2]), made(proof, template.events, layers)
     steps.append(proof_beside.result(proof, trace, traced[2], None))
     _check_alike(steps)
     calls = [step.cpu_sdpa_calls for step in steps]
@@ -329,7 +330,8 @@ def replayed_kinds(trace, checkpointed: int, plain: int, repeat: bool = True) ->
 
         def build(checkpointed_layers: int, plain_layers: int) -> list[MemoryEvent]:
             return template.events((checkpointed_layers, plain_layers))
-    expected, built = _made_now(proof, build, *counts[-1]), _made_now(proof, build, checkpointed, plain)
+    made = proof_beside.made_while_waiting
+    expected, built = made(proof, build, *counts[-1]), made(proof, build, checkpointed, plain)
     steps.append(proof_beside.result(proof, trace, *counts[-1]))
     _check_alike(steps)
     if any(step.recompute_plan != " ".join(map(str, range(c))) for (c, _), step in zip(counts, steps)):
@@ -344,24 +346,6 @@ def replayed_kinds(trace, checkpointed: int, plain: int, repeat: bool = True) ->
     except NotWhole:
         raise NoReplay("attention calls not the same per layer of each kind") from None
     return steps, built(), " ".join(map(str, range(checkpointed))), calls_at_layers
-
-
-def _made_now(proof, make, *counts):
-    """`make(*counts)` (a log the template makes) as a function that returns it: made now where the `proof` runs
-    in the worker beside this process (a Future), so that this process makes it while it would only wait, else
-    when asked for, as before. What making it raised now is raised when it is asked for, where it always was (a
-    proof that fails is told apart from a template that cannot make a log by the order they are found in)."""
-    if proof is None:
-        return lambda: make(*counts)
-    try:
-        made = make(*counts)
-    except Exception as error:  # noqa: BLE001 - raised again where the log is asked for
-        failure = error
-
-        def raise_again():
-            raise failure
-        return raise_again
-    return lambda: made
 
 
 # why layer replay was refused, by (workload spec without its length, strategy spec, engine): a search over lengths

@@ -127,6 +127,25 @@ def result(future, trace, count: int, plain: int | None, repeat_warmup: bool = F
     return trace(count, plain, repeat_warmup=repeat_warmup)
 
 
+def made_while_waiting(proof, make, *counts):
+    """`make(*counts)` (a log layer replay's template makes) as a function that returns it: made now where the
+    `proof` runs in the worker beside this process (a Future: `submit`'s), so that this process makes it while it
+    would only wait, else when asked for, as before. What making it raised now is raised when it is asked for,
+    where it always was (a proof that fails is told apart from a template that cannot make a log by the order they
+    are found in)."""
+    if proof is None:
+        return lambda: make(*counts)
+    try:
+        made = make(*counts)
+    except Exception as error:  # noqa: BLE001 - raised again where the log is asked for
+        failure = error
+
+        def raise_again():
+            raise failure
+        return raise_again
+    return lambda: made
+
+
 def _forget(pool) -> None:
     if pool is not None:
         pool.shutdown(wait=False, cancel_futures=True)
