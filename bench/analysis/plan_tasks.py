@@ -46,6 +46,7 @@ def evaluate_on_ray(request: dict, spec: str, members: int, may_stop: bool, prob
 
 
 def lost_row(request: plan.PlanRequest, spec: str, error: BaseException) -> Row:
+    """The error row of a candidate whose worker process died or whose Ray task failed (`error`), saying which."""
     row = plan.empty_row(request, spec, spec.count("+") + 1 if spec != "baseline" else 0)
     where = "its worker process died" if isinstance(error, BrokenProcessPool) else "its Ray task failed"
     first = next((line for line in str(error).splitlines() if line.strip()), "").strip()
