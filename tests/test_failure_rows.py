@@ -4,6 +4,7 @@ a model that takes its inputs as one dict, and fit when nothing fits or the allo
 """
 
 import re
+import signal
 import subprocess
 import textwrap
 import time
@@ -356,3 +357,54 @@ def test_the_pre_flight_of_a_model_that_never_returns_ends_at_its_bounds(tmp_pat
     assert preflight_steps.user_code_steps_in_child([case], True, 2.0, 2.0) is None
     elapsed = time.monotonic() - started
     assert elapsed < 30, elapsed  # the child's start (a few seconds), both bounds; unbounded it would never end
+
+
+def test_a_pre_flight_bound_told_once_and_swallowed_tells_again():
+    """A TimeoutError that the code under the bound swallows (a library's `except Exception`) is raised again, so
+    that a model that never returns still ends; a single alarm would leave it running for ever (the CI flake of
+    the test above: 64 s against its 30)."""
+    from bench.cli.preflight_steps import _bounded
+
+    def swallows_the_first_then_never_returns():
+        try:
+            while True:
+                time.sleep(0.01)
+        except TimeoutError:
+            pass
+        deadline = time.monotonic() + 5  # the test's own way out: "never" is five seconds here
+        while time.monotonic() < deadline:
+            time.sleep(0.01)
+        return "never told again"
+
+    previous = signal.getsignal(signal.SIGALRM)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        _bounded(0.1, swallows_the_first_then_never_returns)()
+    assert time.monotonic() - started < 2
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0) and signal.getsignal(signal.SIGALRM) is previous
+
+
+def test_a_pre_flight_bound_never_cuts_an_import_short(tmp_path, monkeypatch):
+    """The bound expires after an import under way has finished, not inside it: an import cut short leaves a
+    half-made module behind, and every later step of the process fails on it (`module 'sympy' has no attribute
+    'core'`, seen with bounds short enough to expire inside membench's own imports)."""
+    import sys
+
+    from bench.cli.preflight_steps import _bounded
+
+    (tmp_path / "slow_to_import_for_membench.py").write_text(
+        "import time\nstarted = time.monotonic()\nwhile time.monotonic() - started < 0.5:\n    time.sleep(0.01)\n"
+        "MADE = True\n", encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def imports_then_never_returns():
+        import slow_to_import_for_membench  # noqa: F401
+        while True:
+            time.sleep(0.01)
+
+    try:
+        with pytest.raises(TimeoutError):
+            _bounded(0.1, imports_then_never_returns)()
+        assert sys.modules["slow_to_import_for_membench"].MADE
+    finally:
+        sys.modules.pop("slow_to_import_for_membench", None)

@@ -22,6 +22,7 @@ from bench.core.processes import run_child
 
 RESULT_MARKER = "MEMBENCH_PREFLIGHT "
 CHILD_IMPORT_S = 60.0  # the child's own start (importing torch and the workload) on a loaded machine
+ALARM_REPEAT_S = 0.1  # how often a bound that has expired tells the estimate again (see _bounded)
 
 
 def user_code_steps(cases: list, check_memory: bool, memory_limit_s: float | None,
@@ -102,22 +103,40 @@ def user_workload_specs(specs: list[str]) -> list[str]:
 def _bounded(seconds: float | None, estimate):
     """`estimate(*args)` (the pre-flight's meta-device peak, which runs the model's forward in this process) raising
     TimeoutError after `seconds`, so that a model that never returns cannot hang the run before its first case;
-    the pre-flight skips a case whose estimate raises. SIGALRM: the main thread of a POSIX process only."""
+    the pre-flight skips a case whose estimate raises. SIGALRM: the main thread of a POSIX process only.
+
+    The alarm repeats until the estimate returns, because one TimeoutError can be swallowed (a library's
+    `except Exception` around an optional import, say) and a model that never returns would then never be told
+    again; and it waits while a module is being imported, because an import cut short leaves a half-made module
+    behind (`module 'sympy' has no attribute 'core'` in every later step of the process)."""
     if not seconds or not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
         return estimate
+    armed = [True]
 
     def expire(signum, frame):
-        raise TimeoutError(f"the pre-flight memory estimate took over {seconds:g} s")
+        if armed[0] and not _importing(frame):
+            raise TimeoutError(f"the pre-flight memory estimate took over {seconds:g} s")
 
     def bounded(*args):
         previous = signal.signal(signal.SIGALRM, expire)
-        signal.setitimer(signal.ITIMER_REAL, seconds)
+        armed[0] = True
+        signal.setitimer(signal.ITIMER_REAL, seconds, ALARM_REPEAT_S)
         try:
             return estimate(*args)
         finally:
+            armed[0] = False
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
     return bounded
+
+
+def _importing(frame) -> bool:
+    """Whether `frame` runs inside an import (importlib's bootstrap is on its stack)."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib._bootstrap"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _meta_baseline_peak(case, batch_size: int) -> int:
