@@ -61,7 +61,8 @@ class Compile(Strategy):
     Prediction (`predict`, on fake tensors): the model compiles under the fake tensors as it would for real, and its
     compiled graphs run on them. Inductor's kernels cannot (they read and write real memory), so inductor is
     predicted from its own generated code (`strategies.framework.inductor_plan`): inductor's partition, then each graph
-    compiled by inductor for the CPU from fake inputs of its shapes, and its wrapper's buffers made and freed in their
+    lowered by inductor for the CPU from fake inputs of its shapes up to its wrapper (the C++ kernels are never
+    compiled), and the wrapper's buffers made and freed in their
     order while the graph's arithmetic counts as one kernel; a graph with a kernel that allocates its own output
     (attention) runs as its partition on eager kernels. On the CPU both predictions equal their measurements
     (tests/test_compile_prediction.py).

@@ -96,6 +96,27 @@ def test_a_wrapper_with_a_buffer_a_kernel_allocates_has_no_plan():
     assert wrapper_plan(attention) is None
 
 
+@pytest.mark.skipif(cpu_compiler() is None, reason="inductor's vector-ISA check on the CPU needs a C++ compiler")
+def test_inductors_wrapper_is_read_without_compiling_its_kernels(monkeypatch):
+    """Inductor stops once it has written a graph's wrapper: the module it would load next (which compiles each C++
+    kernel, a precompiled header of 150 MB first: 10 s of a cold 8B prediction) is never loaded."""
+    import torch
+    from torch._inductor.codecache import PyCodeCache
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from strategies.framework.inductor_plan import wrapper_code
+
+    def never(*args, **kwargs):
+        raise AssertionError("inductor loaded its generated module (and compiled its kernels)")
+
+    monkeypatch.setattr(PyCodeCache, "load_by_key_path", never)
+    inputs = [torch.ones(8, 16), torch.ones(16, 4)]
+    graph = make_fx(lambda x, y: ((x @ y).relu() * 2,))(*inputs)  # in ATen's operators, as AOTAutograd hands it
+    code = wrapper_code(graph, inputs)
+    plan = wrapper_plan(code)
+    assert plan is not None and ("alloc", "buf0", 8 * 4 * 4) in plan.events and plan.returned, code
+
+
 # a Llama without dropout whose step's peak is the loss (32,000 words, 4 x 512 tokens): where inductor's fused
 # cross-entropy matters
 SMALL_LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 32000, "hidden_size": 256,
