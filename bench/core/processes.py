@@ -234,15 +234,19 @@ def run_child(args, input: str | bytes | None = None, timeout: float | None = No
 
 def exit_without_teardown(status: int | None) -> NoReturn:
     """Ends this process with `status` as `sys.exit` does, less the interpreter's teardown: the standard streams
-    flushed and atexit's handlers run (multiprocessing's, logging's, temporary folders' finalizers, a coverage run's
-    save), then `os._exit`. The teardown freed every object of torch's and transformers' imports one by one: 0.9 s of
-    the 3.0 s of a `predict` of the captcha ResNet, where nothing was left to write. Where another thread still runs,
-    `sys.exit` (the teardown waits for it). For a program's entry point only (`python -m bench`), never for a
-    function called in-process."""
-    if threading.active_count() > 1 or not (status is None or isinstance(status, int)):
+    flushed, the other threads waited for and atexit's handlers run (multiprocessing's, logging's, temporary
+    folders' finalizers, a coverage run's save), in the interpreter's order, then `os._exit`. The teardown freed every
+    object of torch's and transformers' imports one by one: 0.9 s of the 3.0 s of a `predict` of the captcha ResNet,
+    where nothing was left to write, and 1.0 s of an 8B prediction's 6.5 s whose layer replay's worker stood by (its
+    executor's thread is another thread). A status that is not a number: `sys.exit`'s own exit. For a program's
+    entry point only (`python -m bench`), never for a function called in-process."""
+    if not (status is None or isinstance(status, int)):
         sys.exit(status)
     _flushed()
-    atexit._run_exitfuncs()  # what the teardown runs first (private to CPython, there since Python 2)
+    # what the interpreter's exit does first (private to CPython, there since Python 3.4 and 2): join the threads
+    # that are not daemons, after the hooks threads registered (concurrent.futures' executors end their workers)
+    threading._shutdown()
+    atexit._run_exitfuncs()
     _flushed()
     os._exit(status or 0)
 
