@@ -9,6 +9,7 @@ import torch
 from bench.core.errors import UsageError
 from bench.run.case import Case, bind_case
 from bench.run.runner import CaseMeter, allocator_memory_pass, memory_pass, run_case, timing_pass, verify
+from bench.run.training_state import training_state_bytes
 from strategies import parse_strategy
 from strategies.checkpoint import (candidate_plans, every_unit_plan, format_plan, parse_budget, segment_plan,
                                    sqrt_segments)
@@ -120,9 +121,27 @@ def test_budget_row_fits_records_its_plan_and_matches():
 
 
 def test_a_budget_no_plan_meets_is_unsupported_with_the_smallest_peak():
-    row = run_case(_case(MLP, "checkpoint:budget=1KiB", 256), env={})
+    # one byte over the parameters and optimizer state: every plan holds those, its gradients and activations besides
+    budget = training_state_bytes(MLP) + 1
+    row = run_case(_case(MLP, f"checkpoint:budget={budget}B", 256), env={})
     assert row["status"] == "unsupported", row
     assert "no plan of" in row["message"] and "smallest peak reachable is" in row["message"], row["message"]
+
+
+def test_a_budget_under_the_parameters_and_optimizer_state_predicts_no_plan(monkeypatch):
+    """Every plan's step holds the parameters and optimizer state whatever it recomputes: a budget under them is
+    refused before any plan is predicted (each a full trace: llama-3.1-70b's 37 were a minute of its plan), where the
+    strategies keep that state; one that does not (bf16_weights) is searched as before."""
+    predicted = []
+    monkeypatch.setattr(CaseMeter, "predicted_peak", lambda meter, strategy: predicted.append(strategy) or 1)
+    floor = training_state_bytes(MLP)
+    row = run_case(_case(MLP, f"checkpoint:budget={floor - 1}B", 256), env={})
+    assert row["status"] == "unsupported" and not predicted, row
+    assert "no plan can fit" in row["message"] and "parameters and optimizer state" in row["message"], row["message"]
+    case = _case(MLP, f"checkpoint:budget={floor - 1}B+bf16_weights", 256)
+    strategy = bind_case(case)[0]
+    assert CaseMeter(case).state_floor(strategy) is None
+    assert CaseMeter(case).state_floor(bind_case(_case(MLP, "checkpoint", 256))[0]) == floor
 
 
 # --- selective_checkpoint ------------------------------------------------------------------------------------

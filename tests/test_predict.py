@@ -512,7 +512,7 @@ def test_predict_plans_a_checkpoint_budget_on_predictions_and_predicts_compile_o
     baseline = predict.predict_case(Case(MLP, "baseline", "train", 8, "cuda", data="synthetic"))
     assert planned["predicted_bytes"] <= baseline["predicted_bytes"]
     refused = predict.predict_case(Case(MLP, "checkpoint:budget=0.01", "train", 8, "cuda", data="synthetic"))
-    assert refused["status"] == "unsupported" and "smallest peak reachable" in refused["message"], refused
+    assert refused["status"] == "unsupported" and "no plan can fit" in refused["message"], refused  # under the state
     compiled = predict.predict_case(Case(MLP, "compile:backend=aot_eager_decomp_partition", "train", 8, "cuda",
                                          data="synthetic"))
     assert compiled["status"] == "ok" and compiled["engine"] != "cpu", compiled  # compiled on fake tensors

@@ -16,37 +16,14 @@ with no figures it makes no combination (`plan_search`: a combination needs memb
 
 from __future__ import annotations
 
-import torch
-
 from bench.analysis import plan, plan_step
 from bench.core.errors import Unsupported
 from bench.core.schema import Row
 from bench.core.units import format_size
-from workloads import get_workload
+from bench.run.training_state import training_state_bytes  # noqa: F401 - read here by plan_search (tests replace it)
 
 # what a row stopped by the floor says after plan_step.STOPPED_OVER_LIMIT (the console counts them apart)
 HOLDS_THE_BASELINES_STATE = "it holds the baseline's parameters and optimizer state"
-
-
-def training_state_bytes(workload_spec: str) -> int | None:
-    """The bytes of the workload's parameters and of its optimizer's state after one step, as they are on the device,
-    counted on the meta device (nothing allocated: an 8B model's are counted in a second); None where the model cannot
-    be built there or its optimizer cannot step there (no floor: every candidate is traced)."""
-    workload = get_workload(workload_spec)
-    try:
-        with torch.device("meta"):
-            model = workload.build_model()
-        optimizer = workload.make_optimizer(model)
-        for parameter in model.parameters():
-            if parameter.requires_grad:
-                parameter.grad = torch.zeros_like(parameter)
-        optimizer.step()  # the state an optimizer makes in its first step (Adam's moments), made here on meta
-    except Exception:  # noqa: BLE001 - a model or optimizer meta tensors cannot run: no floor, nothing assumed
-        return None
-    # an optimizer's step counts are host tensors unless it is fused or capturable: only the device's are counted
-    state = [value for values in optimizer.state.values() for value in values.values()
-             if isinstance(value, torch.Tensor) and value.is_meta]
-    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *state])
 
 
 def ratios_may_combine(request: plan.PlanRequest, settings: list[str]) -> bool:

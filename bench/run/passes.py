@@ -24,6 +24,7 @@ from bench.measure import allocator_events, breakdown, memory, snapshot, timing
 from bench.measure.stats import summarize_timing
 from bench.run.case import Case, bind_case
 from bench.run.session import Session
+from bench.run.training_state import training_state_bytes
 from bench.run.verify import non_finite_loss
 from strategies import PlanMeter, Strategy
 from workloads import tensors_of
@@ -293,6 +294,7 @@ class CaseMeter(PlanMeter):
     def __init__(self, case: Case):
         self.case = case
         self._baseline: int | None = None
+        self._floor: dict[str, int | None] = {}
 
     def predicted_peak(self, strategy: Strategy) -> int:
         """On the meta device with the exact tracker (no arithmetic: seconds at any batch); on the CPU where meta
@@ -313,6 +315,15 @@ class CaseMeter(PlanMeter):
             baseline = replace(self.case, strategy="baseline")
             self._baseline = self.measured_peak(bind_case(baseline)[0])
         return self._baseline
+
+    def state_floor(self, strategy: Strategy) -> int | None:
+        """The workload's parameters and optimizer state after one step, counted on the meta device (once), where
+        `strategy` keeps them (`bench.run.training_state`)."""
+        if not strategy.keeps_training_state:
+            return None
+        if "state" not in self._floor:
+            self._floor["state"] = training_state_bytes(self.case.workload)
+        return self._floor["state"]
 
     def unit_flops(self) -> list[int]:
         """One training-mode forward of the baseline on the meta device under FlopCounterMode, split at the

@@ -165,6 +165,12 @@ class PlanMeter:
         """Floating-point operations of each checkpoint unit's forward (matmul, convolution, attention)."""
         raise NotImplementedError
 
+    def state_floor(self, strategy: "Strategy") -> int | None:
+        """A lower bound of the peak of every step of the case under `strategy`, whatever a plan changes of what it
+        saves or recomputes: the bytes of the baseline's parameters and optimizer state where `strategy` keeps them
+        (`keeps_training_state`); None where it does not, or where they cannot be counted."""
+        return None
+
 
 class Strategy:
     """Base class: every hook does nothing, so `Strategy()` behaves exactly like the baseline."""

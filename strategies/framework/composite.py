@@ -194,3 +194,6 @@ class _MemberMeter(PlanMeter):
 
     def unit_flops(self):
         return self.meter.unit_flops()
+
+    def state_floor(self, strategy):
+        return self.meter.state_floor(self._with(strategy))
