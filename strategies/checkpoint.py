@@ -328,7 +328,7 @@ class Checkpoint(Strategy):
             self.budget_bytes = int(self.budget_fraction * meter.baseline_peak())
         floor = meter.state_floor(self)
         if floor is not None and floor > self.budget_bytes:
-            # no plan to predict: each would be a full trace (37 of llama-3.1-70b at 80 layers, a minute of a plan)
+            # no plan to predict: each would be a full trace (19 of llama-3.1-70b at 80 layers, a minute of a plan)
             raise Unsupported(f"checkpoint:budget={self.settings['budget']} ({format_size(self.budget_bytes)}): no "
                               f"plan can fit: every step holds the parameters and optimizer state "
                               f"({format_size(floor)}, counted on meta), whatever it recomputes")

@@ -130,7 +130,7 @@ def test_a_budget_no_plan_meets_is_unsupported_with_the_smallest_peak():
 
 def test_a_budget_under_the_parameters_and_optimizer_state_predicts_no_plan(monkeypatch):
     """Every plan's step holds the parameters and optimizer state whatever it recomputes: a budget under them is
-    refused before any plan is predicted (each a full trace: llama-3.1-70b's 37 were a minute of its plan), where the
+    refused before any plan is predicted (each a full trace: llama-3.1-70b's 19 were a minute of its plan), where the
     strategies keep that state; one that does not (bf16_weights) is searched as before."""
     predicted = []
     monkeypatch.setattr(CaseMeter, "predicted_peak", lambda meter, strategy: predicted.append(strategy) or 1)
