@@ -250,6 +250,11 @@ def cmd_fit(args) -> int:
                          "they would disturb each other's peaks); valid: --device cpu, or --over seq_len")
     executor, address = executor_options(args)
     budget = _fit_budget(args, gpu)
+    if over == "seq_len" and device == "cuda" and _fit_jobs(args, executor) == 1 \
+            and layer_replay.might_replay(args.workload or DEFAULT_WORKLOAD):
+        # its probes are predicted in this process (a pool's workers have their cores): as predict's, with layer
+        # replay's worker beside, stood by before reading the workload asks torch about CUDA
+        proof_beside.stand_by(args.workload)
     workload, data = workload_and_data(args)
     if over == "seq_len":
         return _fit_over_seq_len(args, gpu, device, budget, workload, data, executor, address)
