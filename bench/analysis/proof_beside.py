@@ -6,11 +6,12 @@ against one more trace (the proof), which needs nothing of theirs: it can run at
 so can one of the three smaller traces of a plan of two kinds of layers (the worker takes it first, then the proof,
 and this process the other two). A process forked after this one asked torch anything of CUDA cannot use CUDA (torch
 refuses), and in the fake-CUDA environment reading a workload does (torchao asks for the device's capability when
-transformers imports it), so the worker is forked early (`stand_by`: the CLI's `predict` before it reads the
-workload, `predict.predict_cases` before its first case; only for a workload whose spec says it may replay its
-layers, `layer_replay.might_replay`), kept for this process's life (a second prediction in the
-same process finds it ready), and given the trace's arguments (a Case, the strategy spec, the engine, ...: what
-`layer_replay.tracer` takes). It traces the step as this process would and sends it back without its tracker.
+transformers imports it), so the worker is forked early (`stand_by`: the CLI's `predict`, and `fit --over seq_len`
+in one process, before they read the workload, `predict.predict_cases` before its first case; only for a workload
+whose spec says it may replay its layers, `layer_replay.might_replay`), kept for this process's life (a second
+prediction in the same process finds it ready), and given the trace's arguments (a Case, the strategy spec, the
+engine, ...: what `layer_replay.tracer` takes). It traces the step as this process would and sends it back without
+its tracker.
 
 No worker stands by with one core, in a multiprocessing pool's worker (a search's: its cores are the pool's), where
 this process asked torch about CUDA before the first `stand_by`, or with MEMBENCH_PROOF_BESIDE=0; a trace that a plan
