@@ -26,14 +26,10 @@ ONE_KIND = ("hf:llama-3.2-1b:seq_len=32:layers=6", "lora")  # traced at 3 and 4 
 # 26 layers traced, more than the 9 of the full trace, so the share is lifted
 TWO_KINDS = ("hf:llama-3.2-1b:seq_len=32:layers=9", "lora+checkpoint:segments=3")
 
-# predicts a case in a fresh process, the traces sent to the worker (or not) as the arguments say; prints what ran
-SCRIPT = """
+# a fresh process's prelude: each trace it sends to the worker (or runs here: None) listed in `sent`
+COUNTED = """
 import json, sys
-import torch
-from bench.analysis import layer_replay, predict, proof_beside
-from bench.run.case import Case
-
-layer_replay.KINDS_MOST_TRACED_SHARE = 3
+from bench.analysis import proof_beside
 sent = []
 submit = proof_beside.submit
 def counted(trace, count, plain, **options):
@@ -41,6 +37,14 @@ def counted(trace, count, plain, **options):
     sent.append(None if future is None else (count, plain))
     return future
 proof_beside.submit = counted
+"""
+# predicts a case in a fresh process, the traces sent to the worker (or not) as the arguments say; prints what ran
+SCRIPT = COUNTED + """
+import torch
+from bench.analysis import layer_replay, predict
+from bench.run.case import Case
+
+layer_replay.KINDS_MOST_TRACED_SHARE = 3
 if sys.argv[3] == "asked":  # torch asked about CUDA before the worker is forked: the worker cannot use it
     torch.cuda.is_available()
 if sys.argv[3] == "failing":  # the worker's trace raises: the proof is traced here
@@ -99,17 +103,8 @@ def test_predict_cases_called_alone_stands_its_worker_by_before_it_asks_torch_ab
 
 
 # `fit --over seq_len --jobs 1` in a fresh process, the traces sent to the worker counted; prints what ran
-FIT_SCRIPT = """
-import json, sys
-from bench.analysis import proof_beside
+FIT_SCRIPT = COUNTED + """
 from bench.cli.main import main
-sent = []
-submit = proof_beside.submit
-def counted(trace, count, plain, **options):
-    future = submit(trace, count, plain, **options)
-    sent.append(None if future is None else (count, plain))
-    return future
-proof_beside.submit = counted
 status = main(sys.argv[1:])
 print(json.dumps({"status": status, "sent": sent, "standing": proof_beside._standing() is not None}))
 """
