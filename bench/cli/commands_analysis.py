@@ -127,12 +127,18 @@ def cmd_explain(args) -> int:
     return 0
 
 
+def _stand_by_beside(args, device: str) -> None:
+    """Layer replay's worker stood by for predictions made in this process on CUDA (`proof_beside.stand_by`), before
+    reading the workload asks torch about CUDA, after which no worker could use it."""
+    if device == "cuda" and layer_replay.might_replay(args.workload or DEFAULT_WORKLOAD):
+        proof_beside.stand_by(args.workload)
+
+
 @uses_threads
 def cmd_predict(args) -> int:
     """Predicted torch.cuda.max_memory_allocated per case, without a GPU (assumptions printed); writes a CSV."""
     job = derived_job(args, "predict")  # --config: the case of the user's trainer configuration
-    if (args.device or "cuda") == "cuda" and layer_replay.might_replay(args.workload or DEFAULT_WORKLOAD):
-        proof_beside.stand_by(args.workload)  # before reading the workload asks torch about CUDA
+    _stand_by_beside(args, args.device or "cuda")
     workload, data = workload_and_data(args)
     gpu, device = _gpu_and_device(args, "cuda")
     engine = check_choice("engine", args.engine, predict.ENGINES)
@@ -250,11 +256,8 @@ def cmd_fit(args) -> int:
                          "they would disturb each other's peaks); valid: --device cpu, or --over seq_len")
     executor, address = executor_options(args)
     budget = _fit_budget(args, gpu)
-    if over == "seq_len" and device == "cuda" and _fit_jobs(args, executor) == 1 \
-            and layer_replay.might_replay(args.workload or DEFAULT_WORKLOAD):
-        # its probes are predicted in this process (a pool's workers have their cores): as predict's, with layer
-        # replay's worker beside, stood by before reading the workload asks torch about CUDA
-        proof_beside.stand_by(args.workload)
+    if over == "seq_len" and _fit_jobs(args, executor) == 1:
+        _stand_by_beside(args, device)  # its probes predicted here (a pool's workers have their cores)
     workload, data = workload_and_data(args)
     if over == "seq_len":
         return _fit_over_seq_len(args, gpu, device, budget, workload, data, executor, address)

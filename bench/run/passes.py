@@ -8,6 +8,7 @@ timing pass each repeat's step times, the memory pass its tracker (and through i
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import math
 import time
@@ -294,7 +295,6 @@ class CaseMeter(PlanMeter):
     def __init__(self, case: Case):
         self.case = case
         self._baseline: int | None = None
-        self._floor: dict[str, int | None] = {}
 
     def predicted_peak(self, strategy: Strategy) -> int:
         """On the meta device with the exact tracker (no arithmetic: seconds at any batch); on the CPU where meta
@@ -319,11 +319,11 @@ class CaseMeter(PlanMeter):
     def state_floor(self, strategy: Strategy) -> int | None:
         """The workload's parameters and optimizer state after one step, counted on the meta device (once), where
         `strategy` keeps them (`bench.run.training_state`)."""
-        if not strategy.keeps_training_state:
-            return None
-        if "state" not in self._floor:
-            self._floor["state"] = training_state_bytes(self.case.workload)
-        return self._floor["state"]
+        return self._training_state_bytes if strategy.keeps_training_state else None
+
+    @functools.cached_property
+    def _training_state_bytes(self) -> int | None:
+        return training_state_bytes(self.case.workload)
 
     def unit_flops(self) -> list[int]:
         """One training-mode forward of the baseline on the meta device under FlopCounterMode, split at the
