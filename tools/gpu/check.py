@@ -53,7 +53,16 @@ def run_one(request: dict) -> dict:
     from bench.run.case import Case, bind_case
     from bench.run.passes import memory_pass, release_cuda_memory
 
-    case = Case(**{key: value for key, value in request.items() if key not in ("anchor", "snapshot")})
+    case = Case(**{key: value for key, value in request.items() if key not in ("anchor", "snapshot", "stacks")})
+    if request.get("stacks"):  # C++ frames too (`stacks="all"`): names the library that made a frameless block
+        record = torch.cuda.memory._record_memory_history
+
+        def with_stacks(*args, **kwargs):
+            if kwargs.get("enabled", "all") is not None:
+                kwargs["stacks"] = request["stacks"]
+            return record(*args, **kwargs)
+
+        torch.cuda.memory._record_memory_history = with_stacks
     started = time.perf_counter()
     bound, context = bind_case(case)
     try:
@@ -66,6 +75,7 @@ def run_one(request: dict) -> dict:
         measured["nvidia_smi_bytes"] = nvidia_smi_used_bytes()
     if result.cuda_snapshot is not None:
         Path(request["snapshot"]).write_text(json.dumps(peak_summary(result.cuda_snapshot), indent=1))
+        Path(request["snapshot"]).with_suffix(".trace.json").write_text(json.dumps(step_trace(result.cuda_snapshot)))
     del result
     measure_s = time.perf_counter() - started
     del bound
@@ -100,12 +110,21 @@ def peak_summary(snapshot: dict, top: int = 60) -> dict:
 
     def frames(event: dict) -> list[str]:
         kept = [f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in event.get("frames", [])
-                if "/torch/" not in f["filename"] or "torchao" in f["filename"]]
-        return kept[:6]
+                if "/torch/" not in f["filename"] or "torchao" in f["filename"] or not f["filename"].endswith(".py")]
+        return kept[:12]
 
     at_peak.sort(key=lambda event: -event["size"])
     return {"allocated_at_start_bytes": start, "step_peak_bytes_over_start": peak, "events": len(trace),
             "at_peak": [{"size": event["size"], "frames": frames(event)} for event in at_peak[:top]]}
+
+
+def step_trace(snapshot: dict) -> list[dict]:
+    """Every allocator event of the measured step in order (action, address, bytes, stream, the first frames
+    outside torch), for finding what a prediction missed beyond the blocks alive at the peak."""
+    trace = snapshot["device_traces"][0] if snapshot.get("device_traces") else []
+    return [{"action": e["action"], "addr": e["addr"], "size": e["size"], "stream": e.get("stream"),
+             "frames": [f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in e.get("frames", [])][:8]}
+            for e in trace]
 
 
 def nvidia_smi_used_bytes() -> int | None:
@@ -167,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-anchors", action="store_true", help="only the --case cases")
     parser.add_argument("--snapshot", default="", help="anchors (or cases) whose measured step's allocator history "
                         "is written beside the table, comma-separated")
+    parser.add_argument("--stacks", default="", help="cases (as --snapshot) whose history records C++ frames too")
     parser.add_argument("--device", default="cuda", help="cpu: the same plumbing without a GPU (a dry run)")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -192,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     for case in cases:
         if args.snapshot and case["anchor"] in args.snapshot.split(","):
             case["snapshot"] = str((args.out / (case["anchor"].replace(" ", "_") + ".peak.json")).resolve())
+            if case["anchor"] in args.stacks.split(","):
+                case["stacks"] = "all"
     rows: list[dict] = []
     lock = threading.Lock()
 
