@@ -366,12 +366,12 @@ def test_assumptions_name_the_engines_used_and_only_those():
     assert "CUDA's autocast op lists" in both[0] and "cuDNN's batch norm" in both[0]
 
 
-def test_assumptions_count_the_cublas_workspace_and_name_what_is_not_modelled():
+def test_assumptions_count_the_workspaces_and_name_where_they_are_not_modelled():
     text = " ".join(predict_assumptions.ASSUMPTIONS)
-    counted = next(a for a in predict_assumptions.ASSUMPTIONS if a.startswith("counted"))
-    assert "cuBLAS" in counted and "8,519,680" in counted
-    not_modelled = next(a for a in predict_assumptions.ASSUMPTIONS if a.startswith("not modelled"))
-    assert "cuDNN" in not_modelled and "cudnn.benchmark" in not_modelled
+    counted = [a for a in predict_assumptions.ASSUMPTIONS if a.startswith("counted")]
+    assert "cuBLAS" in counted[0] and "8,519,680" in counted[0]
+    cudnn = next(a for a in counted if "cuDNN" in a)
+    assert "compute capability 9.0" in cudnn and "not modelled on other GPUs" in cudnn and "cudnn.benchmark" in cudnn
     assert "reserved" in text and "2 MiB" in text and "20 MiB" in text
 
 
@@ -493,16 +493,15 @@ def test_predict_marks_a_strategy_the_model_refuses_unsupported():
     assert row["status"] == "unsupported" and "ReLU" in row["message"] and row["predicted_bytes"] is None
 
 
-def test_predict_says_cudnn_workspaces_are_not_modelled_and_reads_their_cap(monkeypatch):
-    captcha = Case("captcha_resnet18", "baseline", "eval", 1, "cuda", data="synthetic")
-    monkeypatch.delenv("CUDNN_CONV_WSCAP_DBG", raising=False)
-    row = predict.predict_case(captcha)
-    assert row["cudnn_workspace_bound_bytes"] is None and "cuDNN conv workspace not modelled" in row["message"]
-    monkeypatch.setenv("CUDNN_CONV_WSCAP_DBG", "64")
-    row = predict.predict_case(captcha)
-    assert row["cudnn_workspace_bound_bytes"] == 64 * MIB and "<= 64 MiB more" in row["message"]
-    mlp = predict.predict_case(Case(MLP, "baseline", "eval", 2, "cuda", data="synthetic"))
-    assert mlp["cudnn_workspace_bound_bytes"] is None and "cuDNN" not in mlp["message"]  # no convolution
+def test_predict_counts_cudnn_workspaces_on_the_gpu_they_were_measured_on_and_says_where_not():
+    captcha = Case("captcha_resnet18", "baseline", "eval", 8, "cuda", data="synthetic")
+    hopper = predict.predict_case(captcha, capability=(9, 0))
+    # the workspace at the peak is the 512-channel 3x3 convolution's at batch 8, as the H200 held it
+    assert hopper["cudnn_workspace_bytes"] == 10_175_488 and "measured on an NVIDIA H200" in hopper["message"]
+    ampere = predict.predict_case(captcha, capability=(8, 0))
+    assert ampere["cudnn_workspace_bytes"] == 0 and "not modelled" in ampere["message"] and "not 8.0" in ampere["message"]
+    mlp = predict.predict_case(Case(MLP, "baseline", "eval", 2, "cuda", data="synthetic"), capability=(9, 0))
+    assert mlp["cudnn_workspace_bytes"] is None and "cuDNN" not in mlp["message"]  # no convolution
 
 
 @pytest.mark.slow  # among the longest of make test: CI runs it in its step of long tests (.ci/run)

@@ -12,7 +12,6 @@ Each case is one row of the declared predict table (`bench.core.results.PREDICT`
 
 from __future__ import annotations
 
-import os
 import warnings
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -26,11 +25,13 @@ from bench.analysis.fake_engine import (
     PredictionMeter, TrackedStep, UsesAutocast, bound_device, cublas_workspace, device_capability, real_step_refusal,
     tracked_step,
 )
+from bench.core import memory_categories
 from bench.core.errors import Unsupported, UsageError
 from bench.core.results import PREDICT, Status
 from bench.core.schema import Row
 from bench.core.units import MiB
 from bench.measure import breakdown, cuda_allocator, fake_cuda, snapshot
+from bench.measure.cudnn_workspace import ConvolutionWorkspaces
 from bench.run.isolation import process_state
 from bench.run.case import bind_case
 from bench.run.runner import MEMORY_WARMUP_STEPS, forget_traceback
@@ -38,17 +39,6 @@ from strategies.framework.composite import members_of
 
 ENGINES = ("auto", "fake-cuda", "fake", "meta", "cpu")
 CUDA_ONLY_ENGINES = ("fake-cuda",)
-
-# aten operators that run cuDNN's convolutions on CUDA (with their algorithm's workspace for the call's duration)
-CONVOLUTION_OPS = ("convolution", "convolution_backward", "cudnn_convolution")
-
-
-def cudnn_workspace_cap() -> int | None:
-    """The cap on each cuDNN convolution workspace that CUDNN_CONV_WSCAP_DBG (MiB, PyTorch's documented debug
-    variable) sets, in bytes; None when it is not set or not a number."""
-    text = os.environ.get("CUDNN_CONV_WSCAP_DBG", "")
-    return int(text) * MiB if text.isdigit() else None
-
 
 def _engines(engine: str, cuda: bool) -> list[str]:
     """The engines to try in turn for `--engine`: auto is the fake engine (for CUDA on CUDA's operators where this
@@ -247,10 +237,11 @@ def _fill_figures(row: Row, step: TrackedStep, capability: tuple[int, int] | Non
                predicted_reserved_bytes=replayed.max_reserved_bytes,
                predicted_reserved_mib=round(replayed.max_reserved_bytes / MiB, 1),
                cublas_workspace_bytes=replayed.cublas_workspaces * workspace)
-    if any(e.kind == "op" and e.op.startswith(CONVOLUTION_OPS) for e in step.events):
-        cap = row["cudnn_workspace_bound_bytes"] = cudnn_workspace_cap()
-        bound = f" (<= {cap / MiB:,.0f} MiB more)" if cap else ""
-        notes.append(f"cuDNN conv workspace not modelled{bound}")
+    convolutions = getattr(step.tracker, "op_workspace", None)
+    note = convolutions.note() if isinstance(convolutions, ConvolutionWorkspaces) else None
+    if note is not None:
+        row["cudnn_workspace_bytes"] = replayed.peak_by_category.get(memory_categories.WORKSPACE, 0)
+        notes.append(note)
         row["message"] = "; ".join(notes)
 
 

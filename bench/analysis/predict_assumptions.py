@@ -54,11 +54,13 @@ ASSUMPTIONS = [
     "counted, as max_memory_allocated counts them: cuBLAS's workspace (8,519,680 B per thread that runs a matrix"
     " product, 32 MiB on compute capability 9.0, or as CUBLAS_WORKSPACE_CONFIG says), one for the forward's thread"
     " and one for autograd's backward thread",
-    "not modelled: cuDNN's convolution workspaces (allocated through the caching allocator for the duration of each"
-    " convolution, freed after it): max_memory_allocated can exceed the prediction by the workspace of the"
-    " convolution running at the peak, typically a few MiB and unbounded in principle; larger with cudnn.benchmark,"
-    " whose autotuning in the warm-up steps can also leave its trial workspaces' segments in max_memory_reserved;"
-    " CUDNN_CONV_WSCAP_DBG=<MiB> caps each one",
+    "counted, on a GPU of compute capability 9.0: cuDNN's convolution workspaces (allocated through the caching"
+    " allocator after each convolution's outputs, freed when it returns), each call's from a table measured per"
+    " convolution on an H200 (cuDNN 9.19; bench.measure.cudnn_workspace), estimated from the same convolution at"
+    " other batch sizes where the table lacks the batch; not modelled on other GPUs or for a convolution the table"
+    " lacks (the row says how many calls): there max_memory_allocated can exceed the prediction by the workspace of"
+    " the convolution at the peak (unbounded: 140 MB seen at batch 16; CUDNN_CONV_WSCAP_DBG does not cap cuDNN's v8"
+    " API); cudnn.benchmark's autotuning can also leave its trial workspaces' segments in max_memory_reserved",
     "not counted, as max_memory_allocated does not count them: the CUDA context and kernels' own buffers outside"
     " the caching allocator",
     "by category: the allocator model's blocks at the allocated peak, by what their storage is (weights, gradients,"

@@ -28,6 +28,9 @@ OUTSIDE_ALLOCATOR = frozenset({UNIFIED_MEMORY})
 # both are activations
 MOE_ROUTER = "moe_router"
 MOE_DISPATCH = "moe_dispatch"
+# what an operator holds only while it runs, beyond its outputs (cuDNN's convolution workspace); "other" in the
+# breakdown
+WORKSPACE = "workspace"
 FUSED_KERNEL = "fused_kernel"  # not a category of storage: inside, operators are one kernel's arithmetic (see above)
 
 

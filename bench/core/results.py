@@ -145,13 +145,15 @@ def new_row(values: dict | None = None, **more) -> Row:
 # 4: `predicted_communication_bytes` (the collectives' buffers of a sharded strategy), after `offload_host_peak_bytes`
 # 5: `workload_source`, the file the model's definition was read from (a Hub model's `org/name@commit: path`), last
 # 6: `config`, the trainer configuration a case was derived from (`predict --config`: its kind, file and overrides), last
-PREDICT_SCHEMA_VERSION = 6
+# 7: `cudnn_workspace_bytes` (cuDNN's convolution workspace at the predicted peak, from a table measured on a GPU)
+#    in place of `cudnn_workspace_bound_bytes` (CUDNN_CONV_WSCAP_DBG's cap, which cuDNN's v8 API does not read)
+PREDICT_SCHEMA_VERSION = 7
 PREDICT = Table("predict", PREDICT_SCHEMA_VERSION, [
     *columns("int", "schema_version"),
     *columns("text", "workload strategy phase"), *columns("int", "batch_size"), *columns("text", "device"),
     *columns("int", "predicted_bytes"), *columns("float", "predicted_mib"),
     *columns("int", "predicted_reserved_bytes"), *columns("float", "predicted_reserved_mib"),
-    *columns("int", "cublas_workspace_bytes cudnn_workspace_bound_bytes"),
+    *columns("int", "cublas_workspace_bytes cudnn_workspace_bytes"),
     *columns("text", "engine status message"), *columns("int", "ranks"),
     *columns("int", "predicted_weights_bytes predicted_grads_bytes predicted_optimizer_state_bytes "
                     "predicted_activations_bytes predicted_logits_bytes predicted_other_bytes"),

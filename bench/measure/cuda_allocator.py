@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from bench.core.collector import collector_paused
+from bench.core import memory_categories
 from bench.core.memory_categories import OUTSIDE_ALLOCATOR
 from bench.core.units import KiB, MiB
 
@@ -244,7 +245,9 @@ def replay(events: Iterable, workspace_bytes: int = CUBLAS_DEFAULT_WORKSPACE_BYT
                 blocks[event.key] = None  # unified memory: no block of the allocator's
                 continue
             blocks[event.key] = block = model.malloc(event.nbytes)
-            allocated(block, category_of.setdefault(event.key, UNCATEGORIZED))
+            # a workspace is filed as one when made (never by a later "category" event: it is freed first)
+            held_while_running = event.category == memory_categories.WORKSPACE
+            allocated(block, category_of.setdefault(event.key, event.category if held_while_running else UNCATEGORIZED))
         elif event.kind == "category":
             block = blocks.get(event.key)
             if block is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Iterable, NamedTuple
+from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -107,6 +107,9 @@ class LiveTensorTracker(CompiledCodeMode):
         # (category, the dtypes it is for or None: all) declared by `memory_categories.allocating`, innermost last
         self._allocating: list[tuple[str, frozenset | None]] = []
         self.entered = 0  # how many times this tracker is on the dispatch mode stack now
+        # bytes an operator holds only while it runs, beyond its outputs (cuDNN's convolution workspace:
+        # `bench.measure.cudnn_workspace`), from the operator and its arguments; None: none counted
+        self.op_workspace: Callable[[Any, tuple], int] | None = None
         self._set_aside: list = []  # per entry, the mode below it taken off the stack meanwhile (`mode_aside`)
 
     # in-place storage resizes --------------------------------------------------------------------------
@@ -331,8 +334,26 @@ class LiveTensorTracker(CompiledCodeMode):
             for t in _tensors_in((out,)):
                 if not self._seen(t):
                     self._register_output(t)
+        if self.op_workspace is not None:
+            workspace = self.op_workspace(func, args)
+            if workspace:
+                self._held_while_running(workspace, func.__name__)
         self._update_peak(func.__name__)
         return out
+
+    def _held_while_running(self, nbytes: int, op: str) -> None:
+        """A buffer `op` allocates after its outputs and frees before it returns (a workspace): at the peak if it
+        makes one, then gone."""
+        self._keys += 1
+        info = StorageInfo(self.storage_bytes(nbytes), memory_categories.WORKSPACE, self._keys)
+        if self.record_events:
+            self.events.append(MemoryEvent("alloc", info.key, nbytes, self.stage, module=f"{op} workspace",
+                                           category=info.category))
+        self.live_bytes += info.nbytes
+        self.live_by_category[info.category] = self.live_by_category.get(info.category, 0) + info.nbytes
+        self._update_peak("")
+        self._ops -= 1  # not an operator of its own
+        self._freed(info)
 
     def _register_inputs(self, values: Iterable) -> None:
         """Registers the tensors among an operator's arguments that are not yet (in lists and tuples at any depth,

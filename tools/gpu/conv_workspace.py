@@ -2,6 +2,7 @@
 
     python tools/gpu/conv_workspace.py --out FILE.csv --workload captcha_resnet18 --strategies baseline,amp
         [--phases train,eval] [--batch-sizes 8,32] [--steps 3]
+    python tools/gpu/conv_workspace.py table bench/measure/tables/cudnn_workspace_sm90_cudnn919.csv PROBE.csv...
 
 Each case (workload, strategy, phase, batch) runs `--steps` steps of membench's own session on the GPU under a
 dispatch mode that, around every convolution operator (forward and `convolution_backward`), synchronises, resets the
@@ -10,6 +11,7 @@ its outputs at its peak is `peak - after` (the workspace, and any copy the call 
 with the call's shapes, strides, dtype, convolution parameters, output mask, step index (0 is the first step, when
 cuDNN chooses its plan), and cuDNN's flags (benchmark, deterministic, allow_tf32). Peak statistics are reset by the
 probe, so these steps are not the measured steps of a memory pass: the probe's rows describe calls, not the step.
+`table` builds bench.measure.cudnn_workspace's table from such files.
 """
 
 from __future__ import annotations
@@ -115,7 +117,41 @@ def probe_case(workload: str, strategy: str, phase: str, batch_size: int, steps:
     return rows
 
 
+def table_key(row: dict) -> str:
+    """A probe row's key in bench.measure.cudnn_workspace's table (that module's `signature` of the same call)."""
+    backward = row["op"] == "convolution_backward"
+    mask = str(int(float(row["output_mask"]))).zfill(3) if backward else ""
+    channels_last = str(row["channels_last"]).lower() == "true"
+    return "|".join(["backward" if backward else "forward", row["dtype"], row["input_shape"], row["weight_shape"],
+                     row["stride"], row["padding"], row["dilation"], str(row["transposed"]).lower(), str(row["groups"]),
+                     mask, "channels_last" if channels_last else "contiguous",
+                     "benchmark" if str(row["cudnn_benchmark"]).lower() == "true" else "heuristics"])
+
+
+def build_table(probes: list[Path], out: Path) -> int:
+    """bench.measure.cudnn_workspace's table from probe files: per call signature, the least bytes a steady call
+    (after the first step) held beyond its outputs (larger figures are the allocator's: a cached block handed out
+    whole), the most, and how many calls."""
+    seen: dict[str, list[int]] = {}
+    for path in probes:
+        with open(path, newline="") as handle:
+            for row in csv.DictReader(handle):
+                if int(row["step"]) >= 1:
+                    seen.setdefault(table_key(row), []).append(int(row["peak_over_outputs_bytes"]))
+    with open(out, "w", newline="") as handle:
+        writer = csv.writer(handle, lineterminator="\n")
+        writer.writerow(["signature", "workspace_bytes", "largest_seen_bytes", "calls"])
+        for key in sorted(seen):
+            writer.writerow([key, min(seen[key]), max(seen[key]), len(seen[key])])
+    return len(seen)
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["table"]:  # python tools/gpu/conv_workspace.py table OUT.csv PROBE.csv...
+        print(f"{build_table([Path(p) for p in argv[2:]], Path(argv[1]))} signatures -> {argv[1]}")
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--workload", required=True)
