@@ -20,12 +20,22 @@ _FRESH = {"constant": None, "pytype": None, "dispatch_keys": None, "real_tensor"
 # first time it initialises the device's context, as a CUDA tensor's backward needs)
 _NORMALIZED: set[torch.device] = set()
 
+# where a FakeTensor keeps its device: `_fake_device` behind the `fake_device` property that normalises it (torch
+# 2.13), the plain attribute `fake_device` before (torch 2.11, which has no `FakeTensor._normalize_fake_device`)
+_DEVICE_ATTRIBUTE = "_fake_device" if isinstance(vars(FakeTensor).get("fake_device"), property) else "fake_device"
+
 
 def new_fake_tensor(mode: FakeTensorMode, meta: torch.Tensor, device: torch.device) -> FakeTensor:
     """`FakeTensor(mode, meta, device)` for a meta tensor `meta`; torch's constructor for a device it would name
     otherwise (`cuda` without its index), and in its debug mode."""
     if device not in _NORMALIZED:
-        if FakeTensor._normalize_fake_device(device) != device:
+        normalize = getattr(FakeTensor, "_normalize_fake_device", None)
+        if normalize is None:  # torch 2.11 names the device in the constructor: its tensor, the first time
+            tensor = FakeTensor(mode, meta, device)
+            if tensor.fake_device == device:
+                _NORMALIZED.add(device)
+            return tensor
+        if normalize(device) != device:
             return FakeTensor(mode, meta, device)
         _NORMALIZED.add(device)
     if FakeTensorConfig.debug or meta.device.type != "meta":
@@ -38,6 +48,6 @@ def new_fake_tensor(mode: FakeTensorMode, meta: torch.Tensor, device: torch.devi
         torch._C._set_throw_on_mutable_data_ptr(tensor)
     state = tensor.__dict__
     state.update(_FRESH)
-    state["_fake_device"] = device
+    state[_DEVICE_ATTRIBUTE] = device
     state["fake_mode"] = mode
     return tensor
