@@ -9,6 +9,9 @@ The table writing and the comparison itself run on the CPU in the tests at the e
 from __future__ import annotations
 
 import functools
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -32,12 +35,27 @@ def comparison_rows():
     prediction_check.write_comparison(rows, RESULTS)
 
 
-# Cases whose measured peak holds memory predict does not model, each with what it is. On an H200 (cuDNN 9.19)
-# grad_accumulation at batch 32 held, at its peak, one 137 MiB block made without Python frames in the backward of a
-# later micro-batch (results/reference/gpu/h200-20261127/peak_snapshots_and_missed_rows/
-# captcha_resnet18_grad_accumulation_train_32.peak.json):
-# a cuDNN convolution workspace, which the caching allocator counts and predict leaves out (-20.7%).
-UNMODELLED = {("grad_accumulation", "train", 32): "cuDNN's convolution workspace in backward (137 MiB on an H200)"}
+# Each case is measured in a fresh Python. On the H200 (results/reference/gpu/h200-20261130/) the same case measured
+# after others in one pytest process held more than alone, by an amount that changed from run to run: captcha's
+# no_grad_eval at batch 32 124.9 MB on 2026-11-27 and 137.9 MB on 2026-11-30, pitfall_loss_sum in eval at 32 687.2
+# and 734.0 MB; measured alone each time (tools/gpu/check.py) the cases matched across leases to the byte. cuDNN's
+# plans, chosen once per convolution and kept for the process's life, are the likely carrier (not proven).
+MEASURE = """
+import json, sys
+from bench.run.case import Case, bind_case
+from bench.run.passes import memory_pass
+case = Case(**json.loads(sys.argv[1]))
+bound, _ = bind_case(case)
+result = memory_pass(case, bound)
+print(json.dumps({"peak_mem_bytes": result["peak_mem_bytes"], "peak_reserved_bytes": result["peak_reserved_bytes"]}))
+"""
+
+
+def _measured_in_a_fresh_process(case) -> dict:
+    done = subprocess.run([sys.executable, "-c", MEASURE, json.dumps(case.to_json())], capture_output=True, text=True,
+                          timeout=600, cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @functools.lru_cache(maxsize=1)
@@ -55,7 +73,6 @@ def _cuda_environment() -> dict:
 def test_predicted_allocated_within_10_percent_of_measured(strategy, phase, batch_size, comparison_rows):
     from bench.analysis import predict
     from bench.run.case import Case, bind_case
-    from bench.run.runner import memory_pass, release_cuda_memory
 
     case = Case(WORKLOAD, strategy, phase, batch_size, "cuda", data="synthetic")
     bound, context = bind_case(case)
@@ -63,10 +80,7 @@ def test_predicted_allocated_within_10_percent_of_measured(strategy, phase, batc
         bound.check(context)
     except Unsupported as reason:
         pytest.skip(str(reason))
-    try:
-        measured = memory_pass(case, bound)
-    finally:
-        release_cuda_memory()
+    measured = _measured_in_a_fresh_process(case)
     prediction = predict.predict_case(case, capability=torch.cuda.get_device_capability(0))
     row = prediction_check.comparison_row(prediction, measured, _cuda_environment())
     comparison_rows.append(row)
@@ -78,8 +92,6 @@ def test_predicted_allocated_within_10_percent_of_measured(strategy, phase, batc
         pytest.skip(f"predict cannot predict {strategy}: {prediction['message']}")
     assert prediction["engine"] == "fake-cuda", prediction["message"]
     assert prediction["status"] == "ok", prediction["message"]
-    if not row["within_tolerance"] and (strategy, phase, batch_size) in UNMODELLED:
-        pytest.xfail(f"{row['error_pct']:+.1f}%: not modelled: {UNMODELLED[strategy, phase, batch_size]}")
     assert row["within_tolerance"], (f"{strategy} {phase} bs={batch_size}: predicted {prediction['predicted_bytes']:,}"
                                      f" B, measured {measured['peak_mem_bytes']:,} B ({row['error_pct']:+.1f}%)")
 

@@ -135,13 +135,15 @@ def run_one(name: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path, help="the table's file (required but with --one)")
     parser.add_argument("--only", default="")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one:
         print(json.dumps(run_one(args.one)))
         return 0
+    if args.out is None:
+        parser.error("--out is required")
     names = [n for n in args.only.split(",") if n] or list(SCENARIOS)
     rows = []
     for name in names:  # one at a time: nvidia-smi is read per process, but contexts beside it load the driver
