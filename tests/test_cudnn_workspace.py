@@ -59,7 +59,8 @@ def test_a_batch_the_table_lacks_is_estimated_between_measured_ones_and_said():
 def test_the_workspace_is_held_after_the_outputs_at_the_peak_then_freed():
     workspace = 5_000_000
     tracker = memory.LiveTensorTracker("cpu", record_events=True)
-    tracker.op_workspace = lambda func, args: workspace if func is CONV_64 else 0
+    tracker.op_workspace = lambda func, args: (((workspace, memory_categories.CUDNN_WORKSPACE),)
+                                               if func is CONV_64 else ())
     data, weight = torch.randn(2, 64, 8, 8), torch.randn(64, 64, 3, 3)
     with tracker:
         tracker.reset_peak()
@@ -67,10 +68,10 @@ def test_the_workspace_is_held_after_the_outputs_at_the_peak_then_freed():
         after = tracker.live_bytes
     assert tracker.peak_bytes == after + workspace  # the output was live while the workspace was
     allocs = [e for e in tracker.events if e.kind == "alloc"]
-    assert allocs[-1].nbytes == workspace and allocs[-1].category == memory_categories.WORKSPACE
+    assert allocs[-1].nbytes == workspace and allocs[-1].category == memory_categories.CUDNN_WORKSPACE
     assert tracker.events[-1].kind == "free" and tracker.events[-1].key == allocs[-1].key
     replayed = cuda_allocator.replay(tracker.events, 0)
-    assert replayed.peak_by_category[memory_categories.WORKSPACE] == -(-workspace // 512) * 512
+    assert replayed.peak_by_category[memory_categories.CUDNN_WORKSPACE] == -(-workspace // 512) * 512
     del out
 
 

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 
 from bench.measure import breakdown, cuda_allocator, fake_cuda, memory
-from bench.measure.cudnn_workspace import ConvolutionWorkspaces
+from bench.measure.op_scratch import OperatorScratch
 from bench.measure.fake_allocator import FakeAllocator
 from bench.measure.fake_cuda_mode import fake_cuda as fake_cuda_tensors, is_fake_device
 from bench.measure.sdpa_kernel import SdpaCalls, SdpaKernelChoice
@@ -115,8 +115,9 @@ def tracked_step(case, spec: str, engine: str = "fake", block_bytes: int = 1, cu
         strategy.forward = _cuda_like_forward(strategy, engine)
     tracker = breakdown.CategorizedTracker("meta" if engine == "meta" else device, block_bytes=block_bytes,
                                            record_events=record_events)
-    if case.device == "cuda":
-        tracker.op_workspace = ConvolutionWorkspaces(capability or device_capability())
+    if case.device == "cuda":  # the GPU asked for, else the device torch sees (a GPU's, or the fake-CUDA stubs')
+        seen = torch.cuda.get_device_capability(0) if torch.cuda.is_available() else None
+        tracker.op_workspace = OperatorScratch(capability or seen)
     # the peak only: no step after the measured one (mem_growth_bytes_per_step is not predicted)
     options = {"warmup_steps": warmup_steps, "growth_steps": 0, "prepare": _file_logits}
     attention = cpu_attention = None

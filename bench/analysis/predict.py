@@ -31,7 +31,7 @@ from bench.core.results import PREDICT, Status
 from bench.core.schema import Row
 from bench.core.units import MiB
 from bench.measure import breakdown, cuda_allocator, fake_cuda, snapshot
-from bench.measure.cudnn_workspace import ConvolutionWorkspaces
+from bench.measure.op_scratch import OperatorScratch
 from bench.run.isolation import process_state
 from bench.run.case import bind_case
 from bench.run.runner import MEMORY_WARMUP_STEPS, forget_traceback
@@ -237,10 +237,10 @@ def _fill_figures(row: Row, step: TrackedStep, capability: tuple[int, int] | Non
                predicted_reserved_bytes=replayed.max_reserved_bytes,
                predicted_reserved_mib=round(replayed.max_reserved_bytes / MiB, 1),
                cublas_workspace_bytes=replayed.cublas_workspaces * workspace)
-    convolutions = getattr(step.tracker, "op_workspace", None)
-    note = convolutions.note() if isinstance(convolutions, ConvolutionWorkspaces) else None
+    scratch = getattr(step.tracker, "op_workspace", None)
+    note = scratch.convolutions.note() if isinstance(scratch, OperatorScratch) else None
     if note is not None:
-        row["cudnn_workspace_bytes"] = replayed.peak_by_category.get(memory_categories.WORKSPACE, 0)
+        row["cudnn_workspace_bytes"] = replayed.peak_by_category.get(memory_categories.CUDNN_WORKSPACE, 0)
         notes.append(note)
         row["message"] = "; ".join(notes)
 

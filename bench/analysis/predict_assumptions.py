@@ -61,6 +61,10 @@ ASSUMPTIONS = [
     " lacks (the row says how many calls): there max_memory_allocated can exceed the prediction by the workspace of"
     " the convolution at the peak (unbounded: 140 MB seen at batch 16; CUDNN_CONV_WSCAP_DBG does not cap cuDNN's v8"
     " API); cudnn.benchmark's autotuning can also leave its trial workspaces' segments in max_memory_reserved",
+    "counted: the scratch of CUDA's reduction kernel (sum, mean, prod, amax, amin), where it splits each output's"
+    " inputs across thread blocks (a Linear's bias gradient, a norm's weight gradient: 48 MiB for 1,536 features"
+    " over 4,096 tokens on an H200), sized by Reduce.cuh's launch configuration for the GPU's multiprocessors"
+    " (bench.measure.cuda_reduction), allocated after the call's output and freed when it returns",
     "not counted, as max_memory_allocated does not count them: the CUDA context and kernels' own buffers outside"
     " the caching allocator",
     "by category: the allocator model's blocks at the allocated peak, by what their storage is (weights, gradients,"

@@ -28,9 +28,11 @@ OUTSIDE_ALLOCATOR = frozenset({UNIFIED_MEMORY})
 # both are activations
 MOE_ROUTER = "moe_router"
 MOE_DISPATCH = "moe_dispatch"
-# what an operator holds only while it runs, beyond its outputs (cuDNN's convolution workspace); "other" in the
-# breakdown
-WORKSPACE = "workspace"
+# what an operator holds only while it runs, beyond its outputs (bench.measure.op_scratch): cuDNN's convolution
+# workspace, the reduction kernel's partial results and semaphores; "other" in the breakdown
+CUDNN_WORKSPACE = "cudnn_workspace"
+REDUCTION_SCRATCH = "reduction_scratch"
+HELD_WHILE_RUNNING = frozenset({CUDNN_WORKSPACE, REDUCTION_SCRATCH})
 FUSED_KERNEL = "fused_kernel"  # not a category of storage: inside, operators are one kernel's arithmetic (see above)
 
 

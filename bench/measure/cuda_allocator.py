@@ -246,7 +246,7 @@ def replay(events: Iterable, workspace_bytes: int = CUBLAS_DEFAULT_WORKSPACE_BYT
                 continue
             blocks[event.key] = block = model.malloc(event.nbytes)
             # a workspace is filed as one when made (never by a later "category" event: it is freed first)
-            held_while_running = event.category == memory_categories.WORKSPACE
+            held_while_running = event.category in memory_categories.HELD_WHILE_RUNNING
             allocated(block, category_of.setdefault(event.key, event.category if held_while_running else UNCATEGORIZED))
         elif event.kind == "category":
             block = blocks.get(event.key)

@@ -107,9 +107,10 @@ class LiveTensorTracker(CompiledCodeMode):
         # (category, the dtypes it is for or None: all) declared by `memory_categories.allocating`, innermost last
         self._allocating: list[tuple[str, frozenset | None]] = []
         self.entered = 0  # how many times this tracker is on the dispatch mode stack now
-        # bytes an operator holds only while it runs, beyond its outputs (cuDNN's convolution workspace:
-        # `bench.measure.cudnn_workspace`), from the operator and its arguments; None: none counted
-        self.op_workspace: Callable[[Any, tuple], int] | None = None
+        # the buffers an operator holds only while it runs, beyond its outputs, in allocation order, as (bytes,
+        # category) (cuDNN's convolution workspace, a reduction's scratch: `bench.measure.op_scratch`), from the
+        # operator and its arguments; None: none counted
+        self.op_workspace: Callable[[Any, tuple], tuple[tuple[int, str], ...]] | None = None
         self._set_aside: list = []  # per entry, the mode below it taken off the stack meanwhile (`mode_aside`)
 
     # in-place storage resizes --------------------------------------------------------------------------
@@ -335,25 +336,29 @@ class LiveTensorTracker(CompiledCodeMode):
                 if not self._seen(t):
                     self._register_output(t)
         if self.op_workspace is not None:
-            workspace = self.op_workspace(func, args)
-            if workspace:
-                self._held_while_running(workspace, func.__name__)
+            held = self.op_workspace(func, args)
+            if held:
+                self._held_while_running(held, func.__name__)
         self._update_peak(func.__name__)
         return out
 
-    def _held_while_running(self, nbytes: int, op: str) -> None:
-        """A buffer `op` allocates after its outputs and frees before it returns (a workspace): at the peak if it
-        makes one, then gone."""
-        self._keys += 1
-        info = StorageInfo(self.storage_bytes(nbytes), memory_categories.WORKSPACE, self._keys)
-        if self.record_events:
-            self.events.append(MemoryEvent("alloc", info.key, nbytes, self.stage, module=f"{op} workspace",
-                                           category=info.category))
-        self.live_bytes += info.nbytes
-        self.live_by_category[info.category] = self.live_by_category.get(info.category, 0) + info.nbytes
+    def _held_while_running(self, buffers: tuple[tuple[int, str], ...], op: str) -> None:
+        """Buffers (bytes, category) `op` allocates after its outputs and frees before it returns (a workspace): at
+        the peak if they make one, then gone."""
+        held = []
+        for nbytes, category in buffers:
+            self._keys += 1
+            info = StorageInfo(self.storage_bytes(nbytes), category, self._keys)
+            if self.record_events:
+                self.events.append(MemoryEvent("alloc", info.key, nbytes, self.stage, module=f"{op} workspace",
+                                               category=info.category))
+            self.live_bytes += info.nbytes
+            self.live_by_category[info.category] = self.live_by_category.get(info.category, 0) + info.nbytes
+            held.append(info)
         self._update_peak("")
         self._ops -= 1  # not an operator of its own
-        self._freed(info)
+        for info in reversed(held):
+            self._freed(info)
 
     def _register_inputs(self, values: Iterable) -> None:
         """Registers the tensors among an operator's arguments that are not yet (in lists and tuples at any depth,
