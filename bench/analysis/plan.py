@@ -183,7 +183,7 @@ def evaluate(request: PlanRequest, spec: str, members: int, figures: plan_cost.D
                 return plan_step.counted(ranked, rank_counters[rank], warmup, reserved_check(probe))
 
             step = tracked_step(case, spec, engine, 1, cuda_autocast=cuda, ranks=request.ranks, record_events=cuda,
-                                warmup_steps=warmup,
+                                warmup_steps=warmup, capability=request.capability,
                                 planned=plan_step.counted(planned, counter, warmup, reserved_check(probe)),
                                 rank_strategy=rank_strategy if strategy.distributed else None)
             return step, rank_counters.get(step.rank, counter)
