@@ -35,7 +35,7 @@ def measured_cases(lease: Path) -> dict[tuple, dict]:
                     if not workload:
                         workload, strategy, phase, batch = row["anchor"].split(" ")
                     key = (workload, strategy, phase, int(batch))
-                    cases.setdefault(key, {"measured_bytes": int(row["measured_bytes"]), "measured_in": source})
+                    cases.setdefault(key, {"measured_bytes": int(float(row["measured_bytes"])), "measured_in": source})
     return cases
 
 
