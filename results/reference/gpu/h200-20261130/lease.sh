@@ -69,7 +69,10 @@ echo "plan candidates timed (rc=$?) at $(elapsed) s" >> "$W/timeline.txt"
 timeout 60 python3 -m bench compare --strategies checkpoint,amp --device cuda --out "$W/compare" \
   > "$W/compare.log" 2>&1
 echo "compare (rc=$?) at $(elapsed) s" >> "$W/timeline.txt"
-mkdir -p .venv/bin && ln -sf "$(command -v python3)" .venv/bin/python && touch .venv/.installed
+# make's .venv/bin/python: the machine's python3 itself (a symbolic link to a venv's python runs outside that venv);
+# lease 1 ran with the link, and make bench found no torch
+mkdir -p .venv/bin && printf '#!/bin/sh\nexec %s "$@"\n' "$(command -v python3)" > .venv/bin/python \
+  && chmod +x .venv/bin/python && touch .venv/.installed
 LEFT=$(( LIMIT - 25 - $(elapsed) ))
 if [ "$LEFT" -gt 30 ]; then
   if command -v make >/dev/null; then
