@@ -72,8 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         writer.writerows(rows)
     for workload in sorted({row["workload"] for row in rows}):
         errors = [row["error_pct"] for row in rows if row["workload"] == workload and row["error_pct"] is not None]
-        below = [f"{row['strategy']} {row['phase']} {row['batch_size']} ({row['error_pct']:+.2f}%, {row['measured_in']})"
-                 for row in rows if row["workload"] == workload and (row["error_pct"] or 0) < -1]
+        low = [row for row in rows if row["workload"] == workload and (row["error_pct"] or 0) < -1]
+        below = [f"{row['strategy']} {row['phase']} {row['batch_size']} ({row['error_pct']:+.2f}%, "
+                 f"{row['measured_in']})" for row in low]
         print(f"{workload}: {len(errors)} rows, median |error| {statistics.median(abs(e) for e in errors):.2f}%, "
               f"below by more than 1%: {len(below)}" + (f": {'; '.join(below)}" if below else ""))
     return 0
