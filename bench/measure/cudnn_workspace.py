@@ -28,6 +28,7 @@ import csv
 import functools
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -40,26 +41,57 @@ def _dims(values) -> str:
     return "x".join(str(int(v)) for v in values)
 
 
+class ConvolutionCall(NamedTuple):
+    """One call of aten.convolution ("forward") or aten.convolution_backward ("backward"), by its arguments."""
+
+    kind: str
+    grad_output: torch.Tensor | None
+    data: torch.Tensor
+    weight: torch.Tensor
+    stride: list
+    padding: list
+    dilation: list
+    transposed: bool
+    groups: int
+    mask: str  # the gradients asked for, as "110" (backward only)
+
+    @property
+    def channels_last(self) -> bool:
+        data = self.data
+        return data.dim() == 4 and not data.is_contiguous() and data.is_contiguous(memory_format=torch.channels_last)
+
+
+def convolution_call(op: str, args: tuple) -> ConvolutionCall | None:
+    """The call's arguments by name; None for an operator that is no convolution."""
+    if op == "convolution_backward":
+        stride, padding, dilation, transposed, _, groups = args[4:10]
+        mask = "".join("1" if wanted else "0" for wanted in args[10])
+        return ConvolutionCall("backward", args[0], args[1], args[2], stride, padding, dilation, bool(transposed),
+                               int(groups), mask)
+    if op == "convolution":
+        stride, padding, dilation, transposed, _, groups = args[3:9]
+        return ConvolutionCall("forward", None, args[0], args[1], stride, padding, dilation, bool(transposed),
+                               int(groups), "")
+    return None
+
+
+def key(kind: str, dtype: str, input_shape: str, weight_shape: str, stride: str, padding: str, dilation: str,
+        transposed: bool, groups: int, mask: str, channels_last: bool, benchmark: bool) -> str:
+    """The table's key of a call, from its parts as text (shapes and parameters as "32x64x56x24")."""
+    return "|".join([kind, dtype, input_shape, weight_shape, stride, padding, dilation, str(transposed).lower(),
+                     str(groups), mask, "channels_last" if channels_last else "contiguous",
+                     "benchmark" if benchmark else "heuristics"])
+
+
 def signature(op: str, args: tuple) -> str | None:
     """The table's key of one call of aten.convolution or aten.convolution_backward, from its arguments; None for
     any other operator."""
-    if op == "convolution_backward":
-        data, weight = args[1], args[2]
-        stride, padding, dilation, transposed, _, groups = args[4:10]
-        mask = "".join("1" if wanted else "0" for wanted in args[10])
-        kind = "backward"
-    elif op == "convolution":
-        data, weight = args[0], args[1]
-        stride, padding, dilation, transposed, _, groups = args[3:9]
-        mask, kind = "", "forward"
-    else:
+    call = convolution_call(op, args)
+    if call is None:
         return None
-    channels_last = data.dim() == 4 and not data.is_contiguous() and data.is_contiguous(
-        memory_format=torch.channels_last)
-    return "|".join([kind, str(data.dtype).removeprefix("torch."), _dims(data.shape), _dims(weight.shape),
-                     _dims(stride), _dims(padding), _dims(dilation), str(bool(transposed)).lower(), str(int(groups)),
-                     mask, "channels_last" if channels_last else "contiguous",
-                     "benchmark" if torch.backends.cudnn.benchmark else "heuristics"])
+    return key(call.kind, str(call.data.dtype).removeprefix("torch."), _dims(call.data.shape), _dims(call.weight.shape),
+               _dims(call.stride), _dims(call.padding), _dims(call.dilation), call.transposed, call.groups, call.mask,
+               call.channels_last, torch.backends.cudnn.benchmark)
 
 
 @functools.lru_cache(maxsize=None)

@@ -7,8 +7,7 @@ Memory is measured in its own pass: nothing here runs while steps are timed.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, NamedTuple
+from typing import Any, Callable, Iterable
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -17,36 +16,10 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from bench.core import memory_categories
 from bench.measure import mode_aside, step_repeat
 from bench.measure.dispatch_modes import CompiledCodeMode
+from bench.measure.memory_events import MemoryEvent, TimelinePoint
 from bench.measure.storage_table import StorageInfo, StorageTable
 
 STAGES = ("setup", "forward", "backward", "optimizer")
-
-
-class MemoryEvent(NamedTuple):
-    """One entry of the tracker's event log: a storage allocated or freed, an operator run, or the peak reset.
-
-    `kind` is "alloc" (`nbytes` the storage's exact bytes), "free", "op" (`op` its name) or "reset"; `key` numbers
-    the storage (an alloc and its free share it); `stage` is the tracker's stage when it happened. A named tuple,
-    immutable: a full-size step logs hundreds of thousands, and a frozen dataclass took several times as long to make.
-    """
-
-    kind: str
-    key: int = 0
-    nbytes: int = 0
-    stage: str = ""
-    op: str = ""
-    module: str = ""  # an alloc's module (`module_of()`: set by bench.measure.snapshot.ModuleScope), "" if unknown
-    category: str = ""  # an alloc's category when registered, a free's when freed
-
-
-@dataclass
-class TimelinePoint:
-    """Live bytes right after one operator ran."""
-
-    index: int
-    stage: str
-    op: str
-    live_bytes: int
 
 
 # Operators that read a tensor's metadata and make no tensor, by id: an OpOverload hashes in Python, and this is
@@ -301,13 +274,16 @@ class LiveTensorTracker(CompiledCodeMode):
         self.stage = stage
 
     def _update_peak(self, op: str) -> None:
+        self._note_peak()
+        if self.record_timeline and op:
+            self.timeline.append(TimelinePoint(self._ops, self.stage, op, self.live_bytes))
+        self._ops += 1
+
+    def _note_peak(self) -> None:
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes = self.live_bytes
             self.peak_stage = self.stage
             self.peak_by_category = dict(self.live_by_category)
-        if self.record_timeline and op:
-            self.timeline.append(TimelinePoint(self._ops, self.stage, op, self.live_bytes))
-        self._ops += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if id(func) in _METADATA_OPS:
@@ -355,8 +331,7 @@ class LiveTensorTracker(CompiledCodeMode):
             self.live_bytes += info.nbytes
             self.live_by_category[info.category] = self.live_by_category.get(info.category, 0) + info.nbytes
             held.append(info)
-        self._update_peak("")
-        self._ops -= 1  # not an operator of its own
+        self._note_peak()
         for info in reversed(held):
             self._freed(info)
 

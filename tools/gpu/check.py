@@ -90,6 +90,11 @@ def run_one(request: dict) -> dict:
     return row
 
 
+def frame_text(frame: dict) -> str:
+    """One frame of CUDA's allocator history as `file.py:line function`."""
+    return f"{Path(frame['filename']).name}:{frame['line']} {frame['name']}"
+
+
 def peak_summary(snapshot: dict, top: int = 60) -> dict:
     """The measured step's allocations alive at its peak (CUDA's trace, requested bytes), largest first, each with the
     Python frames that made it (torch's own frames left out, torchao's kept); the blocks allocated before the step
@@ -109,7 +114,7 @@ def peak_summary(snapshot: dict, top: int = 60) -> dict:
             total -= live.pop(event["addr"])["size"]
 
     def frames(event: dict) -> list[str]:
-        kept = [f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in event.get("frames", [])
+        kept = [frame_text(f) for f in event.get("frames", [])
                 if "/torch/" not in f["filename"] or "torchao" in f["filename"] or not f["filename"].endswith(".py")]
         return kept[:12]
 
@@ -123,7 +128,7 @@ def step_trace(snapshot: dict) -> list[dict]:
     outside torch), for finding what a prediction missed beyond the blocks alive at the peak."""
     trace = snapshot["device_traces"][0] if snapshot.get("device_traces") else []
     return [{"action": e["action"], "addr": e["addr"], "size": e["size"], "stream": e.get("stream"),
-             "frames": [f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in e.get("frames", [])][:8]}
+             "frames": [frame_text(f) for f in e.get("frames", [])][:8]}
             for e in trace]
 
 

@@ -23,15 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-
-def smi_used_bytes() -> int | None:
-    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, timeout=30).stdout
-    for line in out.splitlines():
-        pid, _, used = line.partition(",")
-        if pid.strip() == str(os.getpid()):
-            return int(used.strip()) * 2**20
-    return None
+from check import nvidia_smi_used_bytes  # noqa: E402 (tools/gpu/check.py, beside this script)
 
 
 def _matmul(dtype_name: str, stream: bool = False, backward: bool = False):
@@ -122,7 +114,7 @@ def run_one(name: str) -> dict:
     free1, _ = torch.cuda.mem_get_info()
     SCENARIOS[name]()
     torch.cuda.synchronize()
-    used = smi_used_bytes()
+    used = nvidia_smi_used_bytes()
     reserved, allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
     return {"scenario": name, "nvidia_smi_bytes": used, "reserved_bytes": reserved, "allocated_bytes": allocated,
             "outside_bytes": None if used is None else used - reserved,

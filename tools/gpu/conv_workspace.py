@@ -28,8 +28,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-CONVOLUTION_OPS = {"convolution", "convolution_backward", "_convolution", "cudnn_convolution",
-                   "cudnn_convolution_transpose", "conv2d", "cudnn_convolution_relu", "cudnn_convolution_add_relu"}
+from bench.measure.cudnn_workspace import CONVOLUTION_OPS, convolution_call, key  # noqa: E402
+
 COLUMNS = ["workload", "strategy", "phase", "batch_size", "step", "call", "op", "input_shape", "input_stride",
            "weight_shape", "grad_output_shape", "dtype", "stride", "padding", "dilation", "transposed", "groups",
            "output_mask", "channels_last", "before_bytes", "outputs_bytes", "peak_over_outputs_bytes",
@@ -69,22 +69,13 @@ class ConvolutionProbe(TorchDispatchMode):
         return out
 
     def row(self, name: str, args: tuple, before: int, after: int, peak: int, elapsed: float) -> dict:
-        if name == "convolution_backward":
-            grad_output, data, weight = args[0], args[1], args[2]
-            params = args[4:10]  # stride, padding, dilation, transposed, output_padding, groups
-            mask = "".join("1" if m else "0" for m in args[10])
-        else:
-            grad_output, data, weight = None, args[0], args[1]
-            params = args[3:9]
-            mask = ""
-        stride, padding, dilation, transposed, _, groups = params
-        return {**self.context, "call": self.calls, "op": name, "input_shape": _shape(data),
-                "input_stride": _stride(data), "weight_shape": _shape(weight), "grad_output_shape": _shape(grad_output),
-                "dtype": str(data.dtype).replace("torch.", ""), "stride": "x".join(map(str, stride)),
-                "padding": "x".join(map(str, padding)), "dilation": "x".join(map(str, dilation)),
-                "transposed": bool(transposed), "groups": groups, "output_mask": mask,
-                "channels_last": data.is_contiguous(memory_format=torch.channels_last) and data.dim() == 4
-                and not data.is_contiguous(),
+        call = convolution_call(name, args)
+        return {**self.context, "call": self.calls, "op": name, "input_shape": _shape(call.data),
+                "input_stride": _stride(call.data), "weight_shape": _shape(call.weight),
+                "grad_output_shape": _shape(call.grad_output), "dtype": str(call.data.dtype).replace("torch.", ""),
+                "stride": "x".join(map(str, call.stride)), "padding": "x".join(map(str, call.padding)),
+                "dilation": "x".join(map(str, call.dilation)), "transposed": call.transposed, "groups": call.groups,
+                "output_mask": call.mask, "channels_last": call.channels_last,
                 "before_bytes": before, "outputs_bytes": after - before, "peak_over_outputs_bytes": peak - after,
                 "cudnn_benchmark": torch.backends.cudnn.benchmark,
                 "cudnn_deterministic": torch.backends.cudnn.deterministic,
@@ -120,12 +111,10 @@ def probe_case(workload: str, strategy: str, phase: str, batch_size: int, steps:
 def table_key(row: dict) -> str:
     """A probe row's key in bench.measure.cudnn_workspace's table (that module's `signature` of the same call)."""
     backward = row["op"] == "convolution_backward"
-    mask = str(int(float(row["output_mask"]))).zfill(3) if backward else ""
-    channels_last = str(row["channels_last"]).lower() == "true"
-    return "|".join(["backward" if backward else "forward", row["dtype"], row["input_shape"], row["weight_shape"],
-                     row["stride"], row["padding"], row["dilation"], str(row["transposed"]).lower(), str(row["groups"]),
-                     mask, "channels_last" if channels_last else "contiguous",
-                     "benchmark" if str(row["cudnn_benchmark"]).lower() == "true" else "heuristics"])
+    return key("backward" if backward else "forward", row["dtype"], row["input_shape"], row["weight_shape"],
+               row["stride"], row["padding"], row["dilation"], str(row["transposed"]).lower() == "true",
+               int(row["groups"]), str(int(float(row["output_mask"]))).zfill(3) if backward else "",
+               str(row["channels_last"]).lower() == "true", str(row["cudnn_benchmark"]).lower() == "true")
 
 
 def build_table(probes: list[Path], out: Path) -> int:
@@ -141,8 +130,8 @@ def build_table(probes: list[Path], out: Path) -> int:
     with open(out, "w", newline="") as handle:
         writer = csv.writer(handle, lineterminator="\n")
         writer.writerow(["signature", "workspace_bytes", "largest_seen_bytes", "calls"])
-        for key in sorted(seen):
-            writer.writerow([key, min(seen[key]), max(seen[key]), len(seen[key])])
+        for signature in sorted(seen):
+            writer.writerow([signature, min(seen[signature]), max(seen[signature]), len(seen[signature])])
     return len(seen)
 
 
