@@ -4,6 +4,11 @@ operators do not load beside this torch, torchao's import warnings silenced, and
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.abc
+import importlib.machinery
+import os
+import pickle
 import sys
 
 import torch
@@ -24,7 +29,67 @@ def import_transformers_before_cuda() -> None:
     server imports them before it forks workers that use CUDA (`workloads.framework.transformers_preload`).
     ImportError where one is missing."""
     _import_torchvision_without_ops()
-    from transformers import CONFIG_MAPPING  # noqa: F401 - fails here, not later, when the install is broken
+    with _import_structure_read_once():
+        from transformers import CONFIG_MAPPING  # noqa: F401 - fails here, not later, when the install is broken
+
+
+_IMPORT_UTILS = "transformers.utils.import_utils"
+
+
+@contextlib.contextmanager
+def _import_structure_read_once():
+    """Inside, where transformers is imported now, its models folder's import structure is read once, not twice.
+
+    transformers' `__init__` and its `models/__init__` each call `define_import_structure` on the models folder,
+    which reads the `__all__` of each of its ~3,300 files (0.25 s each time, in every process that reads an `hf:`
+    workload); the second call now gets a copy of the first's (`create_import_structure_from_path` depends on the
+    files alone). Its module is wrapped as it is first imported (a finder ahead of the others); nothing changes where
+    transformers was already imported or that function is missing."""
+    if _IMPORT_UTILS in sys.modules:
+        yield
+        return
+    finder = _ImportStructureOnce()
+    sys.meta_path.insert(0, finder)
+    try:
+        yield
+    finally:
+        if finder in sys.meta_path:
+            sys.meta_path.remove(finder)
+
+
+class _ImportStructureOnce(importlib.abc.MetaPathFinder):
+    """Finds transformers' import_utils as the path finder does, and wraps its `create_import_structure_from_path`
+    with a copy per folder (`_read_once`) once the module has run; then steps aside."""
+
+    def find_spec(self, name, path, target=None):
+        if name != _IMPORT_UTILS:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            if callable(getattr(module, "create_import_structure_from_path", None)):
+                module.create_import_structure_from_path = _read_once(module.create_import_structure_from_path)
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def _read_once(create):
+    """`create(module_path)` computed once per folder (a file's is its folder's), each call given its own copy."""
+    read: dict[str, bytes] = {}
+
+    @functools.wraps(create)
+    def create_once(module_path):
+        folder = os.path.realpath(module_path)
+        folder = folder if os.path.isdir(folder) else os.path.dirname(folder)
+        if folder not in read:
+            read[folder] = pickle.dumps(create(module_path), protocol=pickle.HIGHEST_PROTOCOL)
+        return pickle.loads(read[folder])
+    return create_once
 
 
 def _import_torchvision_without_ops() -> None:
