@@ -131,6 +131,17 @@ def nf4_weight_bytes(numel: int, element_size: int, block: int = 64, scaler_bloc
     return numel // 2 + blocks + (factors + 1 + NF4_LEVELS) * element_size
 
 
+def _dequantisation_layout(weight) -> tuple[tuple, tuple]:
+    """(the layout of an NF4Tensor's dequantisation, the tensors it reads): its shape, dtype and blocks, and each
+    inner tensor's shape, strides, offset, dtype and storage bytes; what `get_original_weight` allocates follows."""
+    names, context = weight.__tensor_flatten__()
+    inner = tuple(getattr(weight, name) for name in names)
+    layout = tuple((tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.untyped_storage().nbytes())
+                   for t in inner)
+    return (tuple(weight.shape), weight.dtype, context["block_size"], context["n_blocks"],
+            context["scaler_block_size"], layout), inner
+
+
 class _MatmulNF4(torch.autograd.Function):
     """`x @ W` for an NF4 weight stored as (in, out) (transformers' Conv1D): saves the 4-bit weight only and
     dequantises it again in backward, as torchao's `linear_nf4` does for (out, in)."""
@@ -223,6 +234,11 @@ class Qlora(Lora):
     def check(self, context) -> None:
         super().check(context)
         nf4_module()
+
+    def replayable_calls(self):
+        """torchao's dequantisation of a weight, whose memory follows from the weight's layout
+        (`_dequantisation_layout`): twenty operators a weight, in every forward, recompute and backward."""
+        return [(nf4_module().NF4Tensor, "get_original_weight", _dequantisation_layout)]
 
     def prepare_model(self, model: nn.Module, units: list[nn.Module]) -> nn.Module:
         model = super().prepare_model(model, units)

@@ -14,17 +14,17 @@ full trace runs and the row says why. MEMBENCH_FULL_TRACE=1 always runs the full
 
 from __future__ import annotations
 
-import os
 import re
 
 from bench.analysis import proof_beside
+from bench.core import job_environment
 from bench.measure.exact_affine import NotWhole, evaluate, solve
 from bench.measure.layer_template import LayerTemplate, NoReplay
 from bench.measure.memory import MemoryEvent
 from bench.measure.replay_log import live_peak, measured_log
 from bench.measure.step_repeat import NotSteady
 
-FULL_TRACE_ENV = "MEMBENCH_FULL_TRACE"  # "1": every prediction traces all its layers (no layer replay)
+FULL_TRACE_ENV = job_environment.FULL_TRACE_VARIABLE  # "1": every prediction traces all its layers (no layer replay)
 SMALLEST_TRACE_LAYERS = 3  # the layers of the smallest trace: at 2 the first layer's backward has no period before it
 ALIKE_TRACED = (SMALLEST_TRACE_LAYERS, SMALLEST_TRACE_LAYERS + 1, SMALLEST_TRACE_LAYERS + 2)  # layers alike: proof last
 SMALLEST_PLAIN_LAYERS = 2  # of a plan that leaves layers plain after checkpointed ones (`kinds_traced`)
@@ -36,9 +36,7 @@ SMALLEST_PLAIN_LAYERS = 2  # of a plan that leaves layers plain after checkpoint
 KINDS_MOST_TRACED_SHARE = 0.85
 
 
-def full_trace_forced() -> bool:
-    """Whether MEMBENCH_FULL_TRACE asks every prediction to trace all its layers."""
-    return os.environ.get(FULL_TRACE_ENV, "") not in ("", "0")
+full_trace_forced = job_environment.full_trace_forced
 
 
 # --- a prediction's step by layer replay -------------------------------------------------------------------------

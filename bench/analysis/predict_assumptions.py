@@ -78,7 +78,9 @@ ASSUMPTIONS = [
     " repeated, not run (a steady step allocates and frees what the step before it did; the proof runs every step);"
     " a checkpoint plan of checkpointed then plain layers is traced with both kinds kept"
     " (c+p layers) and proven the same way, where those traces hold at most 85% of its layers; each traced rank"
-    " of fsdp is replayed the same way from its own traces",
+    " of fsdp is replayed the same way from its own traces; torchao's NF4 dequantisation (qlora) runs once per"
+    " weight layout and stage, and its log (operators, allocations, frees) is logged again for the other calls of"
+    " that layout, the same events (bench.measure.call_replay; MEMBENCH_FULL_TRACE=1 runs every call)",
 ]
 
 

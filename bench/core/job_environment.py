@@ -39,6 +39,9 @@ ANCHOR_WORKER_BYTES_VARIABLE = "MEMBENCH_ANCHOR_WORKER_BYTES"
 # MEMBENCH_PROOF_BESIDE: "0" keeps layer replay's proof traces in the predicting process, never in a worker beside
 # it (bench.analysis.proof_beside)
 PROOF_BESIDE_VARIABLE = "MEMBENCH_PROOF_BESIDE"
+# MEMBENCH_FULL_TRACE: "1" makes every prediction trace all its layers and run every call (no layer replay:
+# bench.analysis.layer_replay; no call replay: bench.measure.call_replay)
+FULL_TRACE_VARIABLE = "MEMBENCH_FULL_TRACE"
 # MEMBENCH_CACHE: the folder of generated data sets (workloads.framework.captcha_data)
 CACHE_VARIABLE = "MEMBENCH_CACHE"
 # MEMBENCH_CUDA_ENV: the fake-CUDA environment `predict --device cuda` uses (bench.measure.fake_cuda), where
@@ -54,6 +57,11 @@ def variable(name: str) -> str | None:
     `MEMBENCH_CACHE=` is no folder, not the working directory)."""
     value = os.environ.get(name, "").strip()
     return value or None
+
+
+def full_trace_forced() -> bool:
+    """Whether MEMBENCH_FULL_TRACE asks every prediction to trace all its layers and run every call."""
+    return (variable(FULL_TRACE_VARIABLE) or "0") != "0"
 
 
 def size_variable(name: str, default: int | None, off: tuple[str, ...] = ()) -> int | None:

@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import is_fake
 from bench.core import progress
 from bench.measure.op_cost import FlopCounterMode  # imported quietly there
 from bench.measure.cuda_peak import cuda_peak
-from bench.measure import allocator_events, breakdown, memory, snapshot, timing
+from bench.measure import allocator_events, breakdown, call_replay, memory, snapshot, timing
 from bench.measure.stats import summarize_timing
 from bench.run.case import Case, bind_case
 from bench.run.session import Session
@@ -186,7 +186,8 @@ def _tracked_memory_pass(session: Session, tracker: memory.LiveTensorTracker,
     tracker's timeline (when it records one) is the measured step's. `steady_warmup`, `repeat_warmup`: as
     `memory_pass`'s."""
     strategy = session.strategy
-    with strategy.session(), tracker, snapshot.ModuleScope(session.base_model, tracker):
+    replayed = call_replay.replayed_methods(strategy.replayable_calls())
+    with strategy.session(), replayed, tracker, snapshot.ModuleScope(session.base_model, tracker):
         tracker.track(session.parameters(), "params")
         tracker.track(session.base_model.buffers(), "buffers")
         tracker.track(session.batch_tensors(), "batch")

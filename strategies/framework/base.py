@@ -21,6 +21,9 @@ A strategy is applied only to the stage it concerns (the pyperf hook pattern):
                    result cannot be the baseline's;
 - `baseline_parameter_name()` the baseline's name of a parameter a transform renamed (peft's LoRA layer keeps the
                    adapted Linear as `base_layer`), so that verification compares it with the right one;
+- `replayable_calls()` methods of fake tensors whose memory is a function of their inputs' layout alone (torchao's
+                   NF4 dequantisation), which a prediction's memory pass runs once per layout and logs again
+                   (bench.measure.call_replay);
 - `columns()`      figures it measured itself (compilation time, host memory), written into the row's columns;
                    it declares them in `row_columns` (columns of `bench.core.results.STRATEGY_COLUMNS`).
 - `plan_options`    for `python -m bench plan`: the option settings worth trying in a search for the fastest
@@ -340,6 +343,12 @@ class Strategy:
 
     def plan(self, meter: PlanMeter) -> None:
         """Called once per case after `check()`, before any pass; raises Unsupported when no choice can work."""
+
+    def replayable_calls(self) -> list[tuple[type, str, Callable[[Any], tuple]]]:
+        """(class, method name, layout) of the methods whose operators, allocations and frees on fake tensors follow
+        from `layout(self)` alone (a hashable key and the tensors the call reads): a prediction's tracked memory
+        pass runs each once per layout and logs the same events for its later calls (bench.measure.call_replay)."""
+        return []
 
     def describe(self) -> dict[str, Any]:
         """The settings this strategy ran with, as `name.option -> value` for the result row."""

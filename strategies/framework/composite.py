@@ -162,6 +162,9 @@ class Composite(Strategy):
             described.update(m.describe())
         return described
 
+    def replayable_calls(self):
+        return [call for m in self.members for call in m.replayable_calls()]
+
     def columns(self):
         measured = {}
         for m in self.members:
