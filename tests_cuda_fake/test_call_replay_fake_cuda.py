@@ -4,6 +4,7 @@ bytes by category, and the same prediction; a call is replayed only where nothin
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 
 import pytest
@@ -16,6 +17,7 @@ from bench.measure.fake_allocator import FakeAllocator
 from bench.measure.fake_cuda_mode import fake_cuda
 from bench.measure.memory import LiveTensorTracker
 from bench.run.case import Case, bind_case
+from bench.run.ranks import fake_process_group
 
 from .conftest import unavailable_reason
 
@@ -24,10 +26,12 @@ pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=unavail
 SMALL = "hf:llama-3.2-1b:seq_len=64:layers=2"
 
 
-def _step(case: Case):
-    planned = bind_case(replace(case, device=bound_device("fake-cuda")), 1)[0]
-    planned.plan(PredictionMeter(case))
-    return tracked_step(case, case.strategy, "fake-cuda", 1, record_events=True, planned=planned)
+def _step(case: Case, ranks: int = 1):
+    group = fake_process_group(ranks, 0, device="cuda") if ranks > 1 else contextlib.nullcontext()
+    with group:
+        planned = bind_case(replace(case, device=bound_device("fake-cuda")), ranks)[0]
+        planned.plan(PredictionMeter(case))
+        return tracked_step(case, case.strategy, "fake-cuda", 1, ranks=ranks, record_events=True, planned=planned)
 
 
 def _replays(monkeypatch) -> list:
@@ -38,19 +42,20 @@ def _replays(monkeypatch) -> list:
     return replays
 
 
-@pytest.mark.parametrize("spec", [
-    "bf16_weights+qlora+checkpoint",
-    "qlora:scaler_block=8+checkpoint:segments=all",  # float32 weights: a copy to the input's dtype after each
-    "qlora",
+@pytest.mark.parametrize("spec, ranks", [
+    ("bf16_weights+qlora+checkpoint", 1),
+    ("qlora:scaler_block=8+checkpoint:segments=all", 1),  # float32 weights: a copy to the input's dtype after each
+    ("qlora", 1),
+    ("bf16_weights+qlora+checkpoint:segments=all+fsdp", 2),  # rank 0's: the weights all-gathered before each use
 ])
-def test_a_replayed_dequantisation_logs_what_it_logs_when_it_runs(spec, monkeypatch):
+def test_a_replayed_dequantisation_logs_what_it_logs_when_it_runs(spec, ranks, monkeypatch):
     case = Case(SMALL, spec, "train", 2, "cuda")
     replays = _replays(monkeypatch)
-    replayed = _step(case)
+    replayed = _step(case, ranks)
     assert replays, "no dequantisation was replayed"
     monkeypatch.setenv(layer_replay.FULL_TRACE_ENV, "1")
     count = len(replays)
-    full = _step(case)
+    full = _step(case, ranks)
     assert len(replays) == count  # none replayed with MEMBENCH_FULL_TRACE=1
     assert replayed.events == full.events
     assert replayed.peak_bytes == full.peak_bytes and replayed.tracker.peak_stage == full.tracker.peak_stage
