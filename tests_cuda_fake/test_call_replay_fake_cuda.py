@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from bench.analysis import layer_replay, predict
 from bench.analysis.fake_engine import PredictionMeter, bound_device, tracked_step
@@ -16,6 +17,7 @@ from bench.measure import call_replay, cuda_allocator
 from bench.measure.fake_allocator import FakeAllocator
 from bench.measure.fake_cuda_mode import fake_cuda
 from bench.measure.memory import LiveTensorTracker
+from bench.measure.sdpa_kernel import SdpaCalls
 from bench.run.case import Case, bind_case
 from bench.run.ranks import fake_process_group
 
@@ -103,3 +105,12 @@ def test_a_call_is_replayed_under_the_recording_tracker_only():
             assert call_replay.recording_tracker((x,)) is None  # no event log
         with tracker, LiveTensorTracker("cuda", record_events=True):
             assert call_replay.recording_tracker((x,)) is None  # another tracker watching
+        with tracker, _EveryCall():
+            assert call_replay.recording_tracker((x,)) is None  # a function mode that sees every call
+        with tracker, SdpaCalls():
+            assert call_replay.recording_tracker((x,)) is tracker  # one that sees attention calls alone
+
+
+class _EveryCall(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))

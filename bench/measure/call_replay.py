@@ -26,18 +26,21 @@ from typing import Callable, Hashable, Iterator, NamedTuple
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.overrides import _get_current_function_mode_stack
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from bench.core import job_environment, memory_categories
 from bench.measure.breakdown import CategorizedTracker
 from bench.measure.memory import LiveTensorTracker
+from bench.measure.sdpa_kernel import SdpaCalls, SdpaKernelChoice
 from bench.measure.storage_table import StorageInfo
 
 
 class Recording(NamedTuple):
     """What one call did to the tracker, in order: ("op", name), ("alloc", bytes, category, whether a "category"
-    event came before it: CategorizedTracker's) or ("free", index of its alloc among the call's allocs); `output`: the index of the alloc its output's storage is, and the output's
-    (shape, strides, storage offset, dtype, storage bytes)."""
+    event came before it: CategorizedTracker's) or ("free", index of its alloc among the call's allocs); `output`:
+    the index of the alloc its output's storage is; `layout`: the output's (shape, strides, storage offset, dtype,
+    storage bytes)."""
 
     steps: tuple
     output: int
@@ -47,6 +50,8 @@ class Recording(NamedTuple):
 # the trackers a call is replayed for: what they log of a call is what `_replay` logs (a subclass that logs more,
 # or counts otherwise, FakeAllocator's out-of-memory check among them, is not one)
 _REPLAYING = (LiveTensorTracker, CategorizedTracker)
+# function modes that act on attention calls alone (any other, a counter of every call among them, sees the operators)
+_ATTENTION_ONLY = (SdpaKernelChoice, SdpaCalls)
 _REFUSED = object()  # a layout whose first call was not self-contained: every call of it runs
 # per tracker, layout key -> Recording or _REFUSED
 _MEMO: "weakref.WeakKeyDictionary[LiveTensorTracker, dict]" = weakref.WeakKeyDictionary()
@@ -54,8 +59,11 @@ _MEMO: "weakref.WeakKeyDictionary[LiveTensorTracker, dict]" = weakref.WeakKeyDic
 
 def recording_tracker(tensors: tuple) -> LiveTensorTracker | None:
     """The live-tensor tracker a call of `tensors` may be replayed under, or None: fake tensors needing no gradient,
-    the modes on the stack one event-logging tracker of `_REPLAYING` without a timeline and fake modes, and MEMBENCH_FULL_TRACE unset."""
+    the dispatch modes on the stack one event-logging tracker of `_REPLAYING` without a timeline and fake modes, no
+    function mode but those that only choose or count attention kernels, and MEMBENCH_FULL_TRACE unset."""
     if not all(type(t) is FakeTensor and not t.requires_grad for t in tensors):
+        return None
+    if any(type(mode) not in _ATTENTION_ONLY for mode in _get_current_function_mode_stack()):
         return None
     trackers = []
     for mode in _get_current_dispatch_mode_stack():
