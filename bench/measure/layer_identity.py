@@ -23,6 +23,7 @@ def module_pattern(module: str) -> str:
 
 
 @functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)  # a log names a few hundred modules, each in thousands of events
 def module_numbers(module: str) -> tuple[str, ...]:
     """The numbers in the module's dotted name (MODULE_INDEX), in order."""
     return tuple(MODULE_INDEX.findall(module))

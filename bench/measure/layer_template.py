@@ -110,6 +110,7 @@ class LayerTemplate:
         observed: dict[tuple, list] = {}
         for events, places, layers in logs:
             named = identities(events)
+            periods = [self._periods(run, layers) for run in self.runs]
             # a "category" event may come just before its storage's alloc (`breakdown.CategorizedTracker`)
             alloc_place = {event.key: place for event, place in zip(events, places) if event.kind == "alloc"}
             for event, (slot, period) in zip(events, places):
@@ -119,9 +120,13 @@ class LayerTemplate:
                     # a storage the log never allocated is named as is
                     quantities["target"] = (("key", event.key, None) if found is None
                                               else (found[0], found[1], named[event.key]))
-                for place, number in enumerate(module_numbers(event.module)):
-                    quantities["index", place] = number
-                edge = self._edge(slot, period, layers)
+                if event.module:
+                    for place, number in enumerate(module_numbers(event.module)):
+                        quantities["index", place] = number
+                if not quantities:  # an operator's event: nothing in it changes with the layers
+                    continue
+                edge = ("middle" if slot[0] != "run" else "first" if period == 0  # the period's place in its run
+                        else "last" if period == periods[slot[1]] - 1 else "middle")
                 for name, value in quantities.items():
                     observed.setdefault((slot, name), []).append((edge, period, layers, value))
         self._models: dict[tuple, tuple[tuple[str, ...], dict]] = {}
@@ -189,13 +194,6 @@ class LayerTemplate:
                 return target, "layer", offsets.pop()
         coefficients = _solve([(period, layers, value[1]) for period, layers, value in members])
         return None if coefficients is None else (target, "affine", coefficients)
-
-    def _edge(self, slot: tuple, period: int, layers: int) -> str:
-        """Where `period` sits in its run at `layers` layers: "first", "last" or "middle" (a fixed event: "middle")."""
-        if slot[0] != "run":
-            return "middle"
-        periods = self._periods(self.runs[slot[1]], layers)
-        return "first" if period == 0 else "last" if period == periods - 1 else "middle"
 
     @collector_paused()
     def events(self, layers: int) -> list[MemoryEvent]:
