@@ -41,7 +41,7 @@ def _import_structure_read_once():
     """Inside, where transformers is imported now, its models folder's import structure is read once, not twice.
 
     transformers' `__init__` and its `models/__init__` each call `define_import_structure` on the models folder,
-    which reads the `__all__` of each of its ~3,300 files (0.25 s each time, in every process that reads an `hf:`
+    which reads the `__all__` of each of its ~1,700 files (0.25 s each time, in every process that reads an `hf:`
     workload); the second call now gets a copy of the first's (`create_import_structure_from_path` depends on the
     files alone). Its module is wrapped as it is first imported (a finder ahead of the others); nothing changes where
     transformers was already imported or that function is missing."""
