@@ -116,8 +116,8 @@ def tracked_step(case, spec: str, engine: str = "fake", block_bytes: int = 1, cu
     tracker = breakdown.CategorizedTracker("meta" if engine == "meta" else device, block_bytes=block_bytes,
                                            record_events=record_events)
     if case.device == "cuda":  # the GPU asked for, else the device torch sees (a GPU's, or the fake-CUDA stubs')
-        seen = torch.cuda.get_device_capability(0) if torch.cuda.is_available() else None
-        tracker.op_workspace = OperatorScratch(capability or seen)
+        tracker.op_workspace = OperatorScratch(capability or (torch.cuda.get_device_capability(0)
+                                                              if torch.cuda.is_available() else None))
     # the peak only: no step after the measured one (mem_growth_bytes_per_step is not predicted)
     options = {"warmup_steps": warmup_steps, "growth_steps": 0, "prepare": _file_logits}
     attention = cpu_attention = None

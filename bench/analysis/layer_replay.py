@@ -36,9 +36,6 @@ SMALLEST_PLAIN_LAYERS = 2  # of a plan that leaves layers plain after checkpoint
 KINDS_MOST_TRACED_SHARE = 0.85
 
 
-full_trace_forced = job_environment.full_trace_forced
-
-
 # --- a prediction's step by layer replay -------------------------------------------------------------------------
 
 # configuration keys that make some layers unlike the others where they are set (dense layers before the MoE ones,
@@ -84,7 +81,7 @@ def why_not_replayable(case, strategy, ranks: int, engine: str, snapshot: bool) 
     checkpoint plan of checkpointed then plain layers whose traces hold few of its layers."""
     from workloads import get_workload
 
-    if full_trace_forced():
+    if job_environment.full_trace_forced():
         return f"{FULL_TRACE_ENV} is set"
     if case.device != "cuda" or engine not in ("fake-cuda", "fake") or snapshot or case.phase != "train":
         return "not a CUDA training step on fake tensors"

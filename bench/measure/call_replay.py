@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from bench.core import job_environment, memory_categories
 from bench.measure.breakdown import CategorizedTracker
 from bench.measure.memory import LiveTensorTracker
+from bench.measure.memory_events import MemoryEvent
 from bench.measure.sdpa_kernel import SdpaCalls, SdpaKernelChoice
 from bench.measure.storage_table import StorageInfo
 
@@ -137,8 +138,6 @@ def _record(tracker: LiveTensorTracker, call: Callable[[], torch.Tensor]) -> tup
 
 def _replay(tracker: LiveTensorTracker, recording: Recording) -> torch.Tensor:
     """The recorded call logged again on `tracker` (see the module), and its output made."""
-    from bench.measure.memory_events import MemoryEvent
-
     shape, stride, offset, dtype, nbytes = recording.layout
     tracker.push_allocation_category(memory_categories.FUSED_KERNEL)  # made unseen; registered at its alloc
     try:
@@ -164,13 +163,10 @@ def _replay(tracker: LiveTensorTracker, recording: Recording) -> torch.Tensor:
                 tracker._register(output, step[2])
                 made.append(None)
                 continue
-            tracker._keys += 1
-            info = StorageInfo(tracker.storage_bytes(step[1]), step[2], tracker._keys)
-            if step[3]:
-                tracker.events.append(MemoryEvent("category", info.key, stage=stage, op=step[2]))
-            tracker.events.append(MemoryEvent("alloc", info.key, step[1], stage, module=module, category=step[2]))
-            tracker.live_bytes += info.nbytes
-            tracker.live_by_category[step[2]] = tracker.live_by_category.get(step[2], 0) + info.nbytes
+            info = tracker.allocated_unseen(step[1], step[2], module)
+            if step[3]:  # before its alloc, as CategorizedTracker files a storage
+                tracker.events.insert(len(tracker.events) - 1, MemoryEvent("category", info.key, stage=stage,
+                                                                           op=step[2]))
             made.append(info)
         else:
             if pending is not None:

@@ -125,8 +125,7 @@ class LayerTemplate:
                         quantities["index", place] = number
                 if not quantities:  # an operator's event: nothing in it changes with the layers
                     continue
-                edge = ("middle" if slot[0] != "run" else "first" if period == 0  # the period's place in its run
-                        else "last" if period == periods[slot[1]] - 1 else "middle")
+                edge = _edge(period, periods[slot[1]]) if slot[0] == "run" else "middle"
                 for name, value in quantities.items():
                     observed.setdefault((slot, name), []).append((edge, period, layers, value))
         self._models: dict[tuple, tuple[tuple[str, ...], dict]] = {}
@@ -233,7 +232,7 @@ class LayerTemplate:
             slots = [("run", index, offset) for offset in range(run.length)]
             by_edge: dict[str, list] = {}
             for period in range(periods):
-                edge = "first" if period == 0 else "last" if period == periods - 1 else "middle"
+                edge = _edge(period, periods)
                 walked = by_edge.get(edge) or by_edge.setdefault(edge, programs(slots, edge))
                 self._emit_period(out, keys, pending, walked, period)
             position = run.start + run.length * run.periods
@@ -342,6 +341,11 @@ class LayerTemplate:
         if model is None:
             raise NoReplay(f"{slot}: no model of its {name} in its {edge} periods")
         return model
+
+
+def _edge(period: int, periods: int) -> str:
+    """Where `period` sits in a run of `periods`: "first", "last" or "middle" (the templates fit and make them apart)."""
+    return "first" if period == 0 else "last" if period == periods - 1 else "middle"
 
 
 def _at(coefficients, layers) -> tuple:

@@ -321,19 +321,21 @@ class LiveTensorTracker(CompiledCodeMode):
     def _held_while_running(self, buffers: tuple[tuple[int, str], ...], op: str) -> None:
         """Buffers (bytes, category) `op` allocates after its outputs and frees before it returns (a workspace): at
         the peak if they make one, then gone."""
-        held = []
-        for nbytes, category in buffers:
-            self._keys += 1
-            info = StorageInfo(self.storage_bytes(nbytes), category, self._keys)
-            if self.record_events:
-                self.events.append(MemoryEvent("alloc", info.key, nbytes, self.stage, module=f"{op} workspace",
-                                               category=info.category))
-            self.live_bytes += info.nbytes
-            self.live_by_category[info.category] = self.live_by_category.get(info.category, 0) + info.nbytes
-            held.append(info)
+        held = [self.allocated_unseen(nbytes, category, f"{op} workspace") for nbytes, category in buffers]
         self._note_peak()
         for info in reversed(held):
             self._freed(info)
+
+    def allocated_unseen(self, nbytes: int, category: str, module: str) -> StorageInfo:
+        """A storage of `nbytes` that no tensor holds (a kernel's workspace, an intermediate of a replayed call:
+        bench.measure.call_replay), counted and logged as allocated now; `_freed` ends it."""
+        self._keys += 1
+        info = StorageInfo(self.storage_bytes(nbytes), category, self._keys)
+        if self.record_events:
+            self.events.append(MemoryEvent("alloc", info.key, nbytes, self.stage, module=module, category=category))
+        self.live_bytes += info.nbytes
+        self.live_by_category[category] = self.live_by_category.get(category, 0) + info.nbytes
+        return info
 
     def _register_inputs(self, values: Iterable) -> None:
         """Registers the tensors among an operator's arguments that are not yet (in lists and tuples at any depth,
